@@ -1,0 +1,215 @@
+"""Public ops: one signature per recurrence, backends chosen by name.
+
+Backends: "reference" (PyTorch, autograd), and the Triton backends each kernel
+module registers ("serial", "chunk", ...). "auto" reads the tuning table
+(kernels.ops.tuning) and falls back to the fastest exact default for the device.
+Every op returns (y, final_state or None).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import reference, tuning
+from ._checks import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_segment_pos,
+    check_tensor,
+    cu_seqlens_to_segment_pos,
+    shape_str,
+    state_dtype,
+)
+
+# Modules that provide Triton backends. Each exposes BACKENDS = {op: {name: fn}} and
+# may expose STEPS = {op: {name: fn}} for decode steps.
+PROVIDERS = ("kernels.ops.rglru_triton", "kernels.ops.samu_triton")
+
+
+def _provided(table: str) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for name in PROVIDERS:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        for op, fns in getattr(mod, table, {}).items():
+            out.setdefault(op, {}).update(fns)
+    return out
+
+
+def backends(op: str) -> dict:
+    """Name -> callable for every backend of `op` ("rglru", "samu", "scan")."""
+    ref = {"rglru": reference.rglru, "samu": reference.samu, "scan": reference.scan}
+    if op not in ref:
+        raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
+    return {"reference": ref[op], **_provided("BACKENDS").get(op, {})}
+
+
+def step_backends(op: str) -> dict:
+    ref = {"rglru": reference.rglru_step, "samu": reference.samu_step}
+    if op not in ref:
+        raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
+    return {"reference": ref[op], **_provided("STEPS").get(op, {})}
+
+
+def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
+    """(backend name, launcher options) for a call; "auto" consults the tuning table."""
+    avail = backends(op)
+    if backend != "auto":
+        if backend not in avail:
+            raise ValueError(f"expected backend in {['auto', *avail]} for {op}, got {backend!r}")
+        return backend, ({} if chunk_size is None else {"chunk_size": chunk_size})
+    if x.device.type != "cuda":
+        return "reference", {}
+    B, T, D = x.shape
+    entry = tuning.lookup(op, str(x.dtype).removeprefix("torch."), B, T, D)
+    if entry is not None and entry["backend"] in avail:
+        opts = dict(entry.get("options", {}))
+        if entry.get("chunk_size") is not None:
+            opts["chunk_size"] = entry["chunk_size"]
+        if chunk_size is not None:
+            opts["chunk_size"] = chunk_size
+        return entry["backend"], opts
+    for name in ("chunk", "serial"):
+        if name in avail:
+            return name, ({} if chunk_size is None else {"chunk_size": chunk_size})
+    return "reference", {}
+
+
+def _positions(x, segment_pos, cu_seqlens):
+    B, T = x.shape[0], x.shape[1]
+    if cu_seqlens is not None:
+        if segment_pos is not None:
+            raise ValueError("expected at most one of segment_pos and cu_seqlens, got both")
+        return cu_seqlens_to_segment_pos(cu_seqlens, B, T)
+    return check_segment_pos(segment_pos, B, T)
+
+
+def _check_state(initial_state, B, width, dtype):
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(B, width), dtypes=(dtype,))
+
+
+def rglru(
+    x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
+    backend="auto", chunk_size=None, cu_seqlens=None,
+):
+    """RG-LRU from gate logits. x, gate_x, gate_a: [B, T, D]; a_param: [D];
+    segment_pos: [B, T] integer (0 = document start) or cu_seqlens [N+1] with B = 1;
+    initial_state: [B, D] FP32 (float64 for float64 x). Returns (y [B, T, D], h or None)."""
+    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    B, T, D = x.shape
+    check_tensor("gate_x", gate_x, shape=(B, T, D), dtypes=(x.dtype,))
+    check_tensor("gate_a", gate_a, shape=(B, T, D), dtypes=(x.dtype,))
+    check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
+    check_same_device(x=x, gate_x=gate_x, gate_a=gate_a, a_param=a_param,
+                      segment_pos=segment_pos, initial_state=initial_state)
+    segment_pos = _positions(x, segment_pos, cu_seqlens)
+    _check_state(initial_state, B, D, state_dtype(x.dtype))
+    name, opts = resolve("rglru", backend, x, chunk_size)
+    fn = backends("rglru")[name]
+    return fn(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, **opts)
+
+
+def samu(
+    x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
+    initial_state=None, output_final_state=False, backend="auto", chunk_size=None, cu_seqlens=None,
+):
+    """SAMU. x: [B, T, D] with D = 2M even; phase_dir, radial_dir: [D + 1];
+    phase_amp, radial_amp: scalar tensors; nu_log, theta_log: [M]; initial_state:
+    [B, M] complex64 (complex128 for float64 x). Returns (y [B, T, D], h or None)."""
+    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    B, T, D = x.shape
+    if D % 2:
+        raise ValueError(f"expected x of shape [B, T, D] with D even for SAMU, got {shape_str(x)}")
+    M = D // 2
+    check_tensor("phase_dir", phase_dir, shape=(D + 1,), dtypes=FLOAT_DTYPES)
+    check_tensor("radial_dir", radial_dir, shape=(D + 1,), dtypes=FLOAT_DTYPES)
+    for n, v in (("phase_amp", phase_amp), ("radial_amp", radial_amp)):
+        if isinstance(v, torch.Tensor) and v.numel() != 1:
+            raise ValueError(f"expected {n} to be a scalar, got shape {shape_str(v)}")
+    check_tensor("nu_log", nu_log, shape=(M,), dtypes=FLOAT_DTYPES)
+    check_tensor("theta_log", theta_log, shape=(M,), dtypes=FLOAT_DTYPES)
+    check_same_device(x=x, phase_dir=phase_dir, radial_dir=radial_dir, nu_log=nu_log,
+                      theta_log=theta_log, segment_pos=segment_pos, initial_state=initial_state)
+    segment_pos = _positions(x, segment_pos, cu_seqlens)
+    _check_state(initial_state, B, M, state_dtype(x.dtype, complex_state=True))
+    name, opts = resolve("samu", backend, x, chunk_size)
+    fn = backends("samu")[name]
+    return fn(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
+              segment_pos, initial_state, output_final_state, **opts)
+
+
+def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
+         backend="auto", chunk_size=None, cu_seqlens=None):
+    """Diagonal affine scan h_t = a_t h_{t-1} + b_t (a_t = 0 at resets), real or complex.
+    a, b: [B, T, D]; initial_state: [B, D] in the state dtype. Returns (y, h or None)."""
+    check_tensor("b", b, ndim=3)
+    B, T, D = b.shape
+    check_tensor("a", a, shape=(B, T, D))
+    if a.is_complex() != b.is_complex():
+        raise ValueError(f"expected a and b both real or both complex, got {a.dtype} and {b.dtype}")
+    check_same_device(a=a, b=b, segment_pos=segment_pos, initial_state=initial_state)
+    segment_pos = _positions(b, segment_pos, cu_seqlens)
+    if b.is_complex():
+        sd = torch.complex128 if b.dtype == torch.complex128 else torch.complex64
+    else:
+        sd = state_dtype(b.dtype)
+    _check_state(initial_state, B, D, sd)
+    name, opts = resolve("scan", backend, b, chunk_size)
+    fn = backends("scan")[name]
+    return fn(a, b, segment_pos, initial_state, output_final_state, **opts)
+
+
+def _step_backend(op, backend, x):
+    avail = step_backends(op)
+    if backend == "auto":
+        if x.device.type == "cuda":
+            for name in ("fused", "triton"):
+                if name in avail:
+                    return avail[name]
+        return avail["reference"]
+    if backend not in avail:
+        raise ValueError(f"expected backend in {['auto', *avail]} for {op}_step, got {backend!r}")
+    return avail[backend]
+
+
+def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
+    """One RG-LRU decode step with both block-diagonal gate matvecs.
+    x: [B, D]; gate_*_w: [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D];
+    state: [B, D] FP32, updated in place; reset: [B] bool. Returns y [B, D]."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, D = x.shape
+    check_tensor("state", state, shape=(B, D), dtypes=(state_dtype(x.dtype),))
+    check_tensor("gate_x_w", gate_x_w, ndim=3)
+    H = gate_x_w.shape[0]
+    if H * gate_x_w.shape[1] != D:
+        raise ValueError(f"expected gate_x_w of shape [H, D/H, D/H] with D = {D}, got {shape_str(gate_x_w)}")
+    if reset is not None:
+        check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
+    check_same_device(x=x, state=state, gate_x_w=gate_x_w, a_param=a_param, reset=reset)
+    return _step_backend("rglru", backend, x)(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset)
+
+
+def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto"):
+    """One SAMU decode step. x: [B, D]; state: [B, M] complex64, updated in place;
+    reset: [B] bool. Returns y [B, D]."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, D = x.shape
+    if D % 2:
+        raise ValueError(f"expected x of shape [B, D] with D even for SAMU, got {shape_str(x)}")
+    check_tensor("state", state, shape=(B, D // 2), dtypes=(state_dtype(x.dtype, complex_state=True),))
+    if reset is not None:
+        check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
+    check_same_device(x=x, state=state, phase_dir=phase_dir, nu_log=nu_log, reset=reset)
+    return _step_backend("samu", backend, x)(x, phase_dir, radial_dir, phase_amp, radial_amp,
+                                             nu_log, theta_log, state, reset)
+
+
+__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends",
+           "resolve", "reference", "tuning"]
