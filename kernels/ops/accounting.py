@@ -1,0 +1,62 @@
+"""Logical byte and launch accounting for the Triton launchers.
+
+Every launcher calls `record(...)` once per kernel launch with the bytes its
+kernel logically reads and writes (tensor sizes at their dtypes, not hardware
+counters). Nothing is kept unless a `counting()` block is active, so the hot
+path pays one global lookup.
+
+    with accounting.counting() as c:
+        y, h = kernels.rglru(...)
+    c.bytes_read, c.bytes_written, c.launches, c.by_kernel
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+_active: list["Counter"] = []
+
+
+@dataclass
+class Counter:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    launches: int = 0
+    by_kernel: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "logical_bytes_read": self.bytes_read,
+            "logical_bytes_written": self.bytes_written,
+            "logical_launches": self.launches,
+            "logical_by_kernel": dict(self.by_kernel),
+        }
+
+
+def record(kernel: str, bytes_read: int, bytes_written: int, launches: int = 1) -> None:
+    if not _active:
+        return
+    for c in _active:
+        c.bytes_read += int(bytes_read)
+        c.bytes_written += int(bytes_written)
+        c.launches += launches
+        k = c.by_kernel.setdefault(kernel, {"bytes_read": 0, "bytes_written": 0, "launches": 0})
+        k["bytes_read"] += int(bytes_read)
+        k["bytes_written"] += int(bytes_written)
+        k["launches"] += launches
+
+
+def nbytes(*tensors) -> int:
+    """Bytes of the given tensors (None ignored)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@contextlib.contextmanager
+def counting():
+    c = Counter()
+    _active.append(c)
+    try:
+        yield c
+    finally:
+        _active.remove(c)
