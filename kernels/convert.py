@@ -1,0 +1,158 @@
+"""Weight-exact conversion between the official `recurrentgemma.torch` modules and ours.
+
+    from_recurrentgemma(module)  official RGLRU, Conv1D, RecurrentBlock, ResidualBlock
+                                 (recurrent) or all-recurrent Griffin -> our module
+    to_recurrentgemma(module)    our RGLRU, Conv1D, RecurrentBlock / ResidualBlock /
+                                 HawkLM with the RG-LRU mixer -> the official module
+
+Parameter names agree except for two layouts: the MLP's up projection (official
+Einsum w [2, D, F], b [2, 1, 1, F]; ours one Linear(D, 2F), gate half first) and the
+embedding (official `embedder.input_embedding`; ours `embed.weight`, same [V, D]).
+Official modules are recognised by class name, so the caller may load the official
+package however it likes (kernels.parity.load_official does it without JAX).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import layers
+
+_OFFICIAL_KINDS = ("RGLRU", "Conv1D", "RecurrentBlock", "ResidualBlock", "Griffin")
+
+
+def _kind(module) -> str | None:
+    cls = type(module)
+    if cls.__module__.startswith("recurrentgemma.") and cls.__name__ in _OFFICIAL_KINDS:
+        return cls.__name__
+    return None
+
+
+def _factory(module) -> dict:
+    p = next(module.parameters())
+    return {"device": p.device, "dtype": p.dtype}
+
+
+def _official_to_ours(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if k.endswith("mlp_block.ffw_up.w"):                # [2, D, F] -> [2F, D]
+            out[k[:-1] + "weight"] = torch.cat([v[0].T, v[1].T], dim=0)
+        elif k.endswith("mlp_block.ffw_up.b"):              # [2, 1, 1, F] -> [2F]
+            out[k[:-1] + "bias"] = v.reshape(-1)
+        elif k == "embedder.input_embedding":
+            out["embed.weight"] = v
+        else:
+            out[k] = v
+    return {k: v.detach().clone() for k, v in out.items()}
+
+
+def _ours_to_official(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if k.endswith("mlp_block.ffw_up.weight"):           # [2F, D] -> [2, D, F]
+            F_ = v.shape[0] // 2
+            out[k[: -len("weight")] + "w"] = torch.stack([v[:F_].T, v[F_:].T], dim=0)
+        elif k.endswith("mlp_block.ffw_up.bias"):           # [2F] -> [2, 1, 1, F]
+            out[k[: -len("bias")] + "b"] = v.reshape(2, 1, 1, -1)
+        elif k == "embed.weight":
+            out["embedder.input_embedding"] = v
+        else:
+            out[k] = v
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def _recurrent_type(official, block) -> None:
+    name = getattr(block.temporal_block_type, "name", str(block.temporal_block_type))
+    if name != "RECURRENT":
+        raise ValueError(f"expected a recurrent (Hawk) residual block, got temporal_block_type {name}")
+
+
+def from_recurrentgemma(module: nn.Module, backend: str = "auto") -> nn.Module:
+    """Our equivalent of an official recurrentgemma torch module, with the same weights.
+    `backend` is the mixer backend of the result ("auto", "reference", a Triton name)."""
+    kind = _kind(module)
+    if kind is None:
+        raise ValueError(
+            f"expected an official recurrentgemma.torch module of type {list(_OFFICIAL_KINDS)}, "
+            f"got {type(module).__module__}.{type(module).__name__}"
+        )
+    f = _factory(module)
+    if kind == "RGLRU":
+        ours = layers.RGLRU(module.width, module.num_heads, module.w_init_variance_scale, backend=backend, **f)
+    elif kind == "Conv1D":
+        ours = layers.Conv1D(module.width, module.temporal_width, module.w_init_variance_scale, **f)
+    elif kind == "RecurrentBlock":
+        ours = layers.RecurrentBlock(module.width, module.num_heads, module.lru_width, "rglru",
+                                     module.conv1d_temporal_width, module.final_w_init_variance_scale,
+                                     backend=backend, **f)
+    elif kind == "ResidualBlock":
+        _recurrent_type(module, module)
+        ours = layers.ResidualBlock(module.width, module.mlp_expanded_width, module.num_heads,
+                                    module.lru_width, "rglru", module.conv1d_temporal_width,
+                                    module.final_w_init_variance_scale, backend=backend, **f)
+    else:
+        from .models import HawkConfig, HawkLM
+
+        c = module.config
+        for block in module.blocks:
+            _recurrent_type(module, block)
+        if c.embeddings_scale_by_sqrt_dim:
+            raise ValueError("expected config.embeddings_scale_by_sqrt_dim False (Hawk has no embedding "
+                             "scaling), got True")
+        if c.logits_soft_cap:
+            raise ValueError(f"expected config.logits_soft_cap 0 (no soft-cap), got {c.logits_soft_cap}")
+        cfg = HawkConfig(width=c.width, num_layers=c.num_layers, lru_width=c.lru_width or c.width,
+                         mlp_expanded_width=c.mlp_expanded_width, num_heads=c.num_heads,
+                         gate_blocks=c.num_heads, vocab_size=c.vocab_size, mixer="rglru")
+        ours = HawkLM(cfg, backend=backend, **f)
+    ours.load_state_dict(_official_to_ours(module.state_dict()), strict=True)
+    return ours
+
+
+def to_recurrentgemma(module: nn.Module) -> nn.Module:
+    """The official recurrentgemma torch module equal to ours (RG-LRU mixer only)."""
+    from .models import HawkLM
+    from .parity import load_official
+
+    mixer = {layers.SAMU: "samu", layers.RecurrentBlock: getattr(module, "mixer_name", None),
+             layers.ResidualBlock: getattr(getattr(module, "recurrent_block", None), "mixer_name", None),
+             HawkLM: getattr(getattr(module, "config", None), "mixer", None)}.get(type(module), "rglru")
+    if mixer != "rglru":
+        raise ValueError(f"expected a module with the RG-LRU mixer (the official code has no SAMU), "
+                         f"got mixer {mixer!r}")
+    rg = load_official()
+    f = _factory(module)
+    if isinstance(module, layers.RGLRU):
+        theirs = rg.RGLRU(module.width, module.num_heads, module.w_init_variance_scale, **f)
+    elif isinstance(module, layers.Conv1D):
+        theirs = rg.Conv1D(module.width, module.temporal_width, module.w_init_variance_scale, **f)
+    elif isinstance(module, layers.RecurrentBlock):
+        theirs = rg.RecurrentBlock(module.width, module.num_heads, module.lru_width,
+                                   module.conv_1d.temporal_width, module.final_w_init_variance_scale, **f)
+    elif isinstance(module, layers.ResidualBlock):
+        rb = module.recurrent_block
+        theirs = rg.ResidualBlock(module.width, module.mlp_block.expanded_width, rb.num_heads, 2048,
+                                  rg.TemporalBlockType.RECURRENT, rb.lru_width, rb.conv_1d.temporal_width,
+                                  rb.final_w_init_variance_scale, **f)
+    elif isinstance(module, HawkLM):
+        c = module.config
+        if c.conv1d_temporal_width != 4:
+            raise ValueError(f"expected conv1d_temporal_width 4 (fixed in the official Griffin), "
+                             f"got {c.conv1d_temporal_width}")
+        gc = rg.GriffinConfig(vocab_size=c.vocab_size, width=c.width, mlp_expanded_width=c.mlp_expanded_width,
+                              num_heads=c.gate_blocks, block_types=(rg.TemporalBlockType.RECURRENT,) * c.num_layers,
+                              embeddings_scale_by_sqrt_dim=False, attention_window_size=2048,
+                              logits_soft_cap=0.0, lru_width=c.lru_width)
+        theirs = rg.Griffin(gc, gradient_checkpointing=False, **f)
+    else:
+        raise ValueError(
+            "expected a kernels RGLRU, Conv1D, RecurrentBlock, ResidualBlock or HawkLM, "
+            f"got {type(module).__name__}"
+        )
+    theirs.load_state_dict(_ours_to_official(module.state_dict()), strict=True)
+    return theirs
+
+
+__all__ = ["from_recurrentgemma", "to_recurrentgemma"]

@@ -1,0 +1,419 @@
+"""nn.Modules of the Hawk model: norms, projections, the causal convolution and the
+two recurrent mixers (RG-LRU, SAMU), assembled into recurrent, MLP and residual blocks.
+
+Notation: B batch, T time, D model width, E = D_RNN recurrent width, M = E / 2 SAMU
+modes, H gate blocks, W = 4 convolution width. Activations are [B, T, D] or [B, T, E].
+
+Semantics follow the official `recurrentgemma.torch` (layers.py, modules.py) with the
+same parameter layout, so weights copy one to one (kernels.convert). One deliberate
+difference: the convolution's decode cache drops inputs that precede a document start
+(`segment_pos == 0`), so that decoding through a document boundary gives exactly what
+the full-sequence forward gives. The official cache keeps them; the two agree whenever
+no document starts in the last W - 1 cached positions or in the decoded token.
+
+Caches (one `RecurrentCache` per recurrent block):
+    conv_state: [B, W - 1, E] in the activation dtype, the last W - 1 convolution
+                inputs, oldest first;
+    rnn_state:  [B, E] float32 for RG-LRU, [B, M] complex64 for SAMU (float64 /
+                complex128 when the model runs in float64).
+`forward(..., cache)` returns a new cache; the one-token `step(...)` methods update the
+given cache tensors in place (static buffers, so a decode step can be graph-captured).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .ops._checks import check_segment_pos, check_tensor, shape_str, state_dtype
+
+MIXERS = ("rglru", "samu")
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GeLU with the tanh approximation (what the official code uses)."""
+    return F.gelu(x, approximate="tanh")
+
+
+@dataclass
+class RecurrentCache:
+    """Decode cache of one recurrent block (see the module docstring for layouts)."""
+
+    conv_state: torch.Tensor
+    rnn_state: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.rnn_state.shape[0]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * (1 + scale); `scale` starts at zero. Computed in at least FP32."""
+
+    def __init__(self, width: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.width, self.eps = width, eps
+        self.scale = nn.Parameter(torch.zeros(width, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xa = x.to(acc)
+        var = torch.mean(xa * xa, dim=-1, keepdim=True)
+        return (xa * torch.rsqrt(var + self.eps) * (self.scale.to(acc) + 1)).to(x.dtype)
+
+
+class BlockDiagonalLinear(nn.Module):
+    """H independent W x W linear maps on the H blocks of the last axis (E = H * W).
+    Official layout: w [H, W, W] (input index first), b [H, W]."""
+
+    def __init__(self, width: int, num_blocks: int, w_init_variance_scale: float = 1.0,
+                 device=None, dtype=None):
+        super().__init__()
+        if num_blocks < 1 or width % num_blocks:
+            raise ValueError(f"expected num_blocks dividing width = {width}, got {num_blocks}")
+        self.width, self.num_blocks = width, num_blocks
+        self.block_width = width // num_blocks
+        self.w_init_variance_scale = w_init_variance_scale
+        self.w = nn.Parameter(torch.empty(num_blocks, self.block_width, self.block_width,
+                                          device=device, dtype=dtype))
+        self.b = nn.Parameter(torch.empty(num_blocks, self.block_width, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w, std=math.sqrt(self.w_init_variance_scale / self.block_width))
+        nn.init.zeros_(self.b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xs = x.unflatten(-1, (self.num_blocks, self.block_width))      # [..., H, W]
+        y = torch.einsum("...hi,hij->...hj", xs, self.w) + self.b
+        return y.flatten(-2)
+
+
+class Conv1D(nn.Module):
+    """Depthwise causal convolution over time, width W (4 in Hawk), with bias.
+
+    Output t sums w[W-1-s] * x[t-s] over shifts s < W, leaving out every x[t-s] that
+    lies before a document start in (t-s, t] (segment_pos == 0). w: [W, E], b: [E].
+    """
+
+    def __init__(self, width: int, temporal_width: int = 4, w_init_variance_scale: float = 0.01,
+                 device=None, dtype=None):
+        super().__init__()
+        self.width, self.temporal_width = width, temporal_width
+        self.w_init_variance_scale = w_init_variance_scale
+        self.w = nn.Parameter(torch.empty(temporal_width, width, device=device, dtype=dtype))
+        self.b = nn.Parameter(torch.empty(width, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w, std=math.sqrt(self.w_init_variance_scale / self.temporal_width))
+        nn.init.zeros_(self.b)
+
+    def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
+        return torch.zeros(batch, self.temporal_width - 1, self.width,
+                           dtype=dtype or self.w.dtype, device=device or self.w.device)
+
+    def _check_cache(self, cache, x):
+        check_tensor("conv_state", cache, shape=(x.shape[0], self.temporal_width - 1, self.width))
+
+    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor, cache: torch.Tensor | None = None,
+                return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, E]; segment_pos: [B, T]; cache: [B, W-1, E] (the inputs before x).
+        Returns (y [B, T, E], new cache [B, W-1, E] or None)."""
+        B, T, _ = x.shape
+        check_segment_pos(segment_pos, B, T)
+        W = self.temporal_width
+        acc = torch.promote_types(x.dtype, torch.float32)
+        if cache is None:
+            prev = x.new_zeros(B, W - 1, self.width, dtype=acc)
+        else:
+            self._check_cache(cache, x)
+            prev = cache.to(acc)
+        xp = torch.cat([prev, x.to(acc)], dim=1)                       # [B, W-1+T, E]
+        not_start = (segment_pos != 0).to(acc)                         # [B, T]
+        keep = torch.ones(B, T, dtype=acc, device=x.device)            # shift-s mask
+        w = self.w.to(acc)
+        y = xp[:, W - 1:] * w[W - 1]
+        windows = [xp[:, W - 1:]]
+        masks = [keep]
+        for s in range(1, W):
+            # x[t-s] is kept iff no document starts at t-s+1 .. t.
+            shifted = F.pad(not_start[:, : max(T - s + 1, 0)], (s - 1, 0), value=1.0)[:, :T]
+            keep = keep * shifted
+            window = xp[:, W - 1 - s: W - 1 - s + T]
+            y = y + window * keep[..., None] * w[W - 1 - s]
+            windows.append(window)
+            masks.append(keep)
+        y = (y + self.b.to(acc)).to(x.dtype)
+        if not return_cache:
+            return y, None
+        # Cache entry for position T-1-s is what output T-1 reads at shift s, masked the
+        # same way, so inputs before a document start never reach a later decode step.
+        cdtype = x.dtype if cache is None else cache.dtype
+        new = torch.stack([windows[s][:, T - 1] * masks[s][:, T - 1, None]
+                           for s in range(W - 2, -1, -1)], dim=1)
+        return y, new.to(cdtype)
+
+    def step(self, x: torch.Tensor, conv_state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
+        """One token. x: [B, E]; conv_state: [B, W-1, E], updated in place; reset: [B] bool.
+        Returns y [B, E]."""
+        B = x.shape[0]
+        check_tensor("conv_state", conv_state, shape=(B, self.temporal_width - 1, self.width))
+        acc = torch.promote_types(x.dtype, torch.float32)
+        window = torch.cat([conv_state.to(acc), x.to(acc)[:, None]], dim=1)   # [B, W, E]
+        if reset is not None:
+            keep = (~reset).to(acc)[:, None, None]
+            window = torch.cat([window[:, :-1] * keep, window[:, -1:]], dim=1)
+        y = (window * self.w.to(acc)).sum(dim=1) + self.b.to(acc)
+        with torch.no_grad():
+            conv_state.copy_(window[:, 1:].to(conv_state.dtype))
+        return y.to(x.dtype)
+
+
+def rnn_param_init(param: torch.Tensor, min_rad: float = 0.9, max_rad: float = 0.999,
+                   eps: float = 1e-8) -> torch.Tensor:
+    """Official RG-LRU initialisation: r = exp(-softplus(a_param)) uniform by area on
+    the ring [min_rad, max_rad], i.e. a_param = softplus^-1(-log r) with r^2 uniform."""
+    with torch.no_grad():
+        param.uniform_(min_rad**2 + eps, max_rad**2 + eps)
+        param.log_().mul_(0.5)
+        return param.neg_().exp_().sub_(1.0).log_()
+
+
+class RGLRU(nn.Module):
+    """Real-Gated Linear Recurrent Unit (SPEC 1.1) with official parameter names:
+    a_param [E], input_gate / a_gate BlockDiagonalLinear with H blocks."""
+
+    def __init__(self, width: int, num_heads: int, w_init_variance_scale: float = 1.0,
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self.width, self.num_heads, self.backend = width, num_heads, backend
+        self.w_init_variance_scale = w_init_variance_scale
+        self.a_param = nn.Parameter(torch.empty(width, device=device, dtype=dtype))
+        self.input_gate = BlockDiagonalLinear(width, num_heads, w_init_variance_scale, device, dtype)
+        self.a_gate = BlockDiagonalLinear(width, num_heads, w_init_variance_scale, device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.input_gate.reset_parameters()
+        self.a_gate.reset_parameters()
+        rnn_param_init(self.a_param)
+
+    def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
+        """Zero recurrent state [B, E]: float32 (float64 for a float64 model)."""
+        return torch.zeros(batch, self.width, dtype=state_dtype(dtype or self.a_param.dtype),
+                           device=device or self.a_param.device)
+
+    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
+                return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, E]; segment_pos: [B, T]; cache: [B, E] FP32 state before x.
+        Returns (y [B, T, E], final state [B, E] or None)."""
+        gate_x = self.input_gate(x).to(x.dtype)
+        gate_a = self.a_gate(x).to(x.dtype)
+        return ops.rglru(x, gate_x, gate_a, self.a_param, segment_pos, cache, return_cache,
+                         backend=self.backend)
+
+    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
+        """One token. x: [B, E]; state: [B, E] FP32, updated in place; reset: [B] bool."""
+        return ops.rglru_step(x, self.input_gate.w, self.input_gate.b, self.a_gate.w, self.a_gate.b,
+                              self.a_param, state, reset, backend=self.backend)
+
+
+class SAMU(nn.Module):
+    """Shared-control complex diagonal recurrence (SPEC 1.2) of M = E / 2 modes.
+
+    Parameters: nu_log, theta_log [M]; phase_dir, radial_dir [E + 1] (last entry a
+    bias); phase_amp, radial_amp scalars. Initialisation as SPEC 1.2 states.
+    """
+
+    def __init__(self, width: int, min_rad: float = 0.9, max_rad: float = 0.999,
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        if width % 2:
+            raise ValueError(f"expected an even width for SAMU (M = width / 2 complex modes), got {width}")
+        self.width, self.modes, self.backend = width, width // 2, backend
+        self.min_rad, self.max_rad = min_rad, max_rad
+        M = self.modes
+        self.nu_log = nn.Parameter(torch.empty(M, device=device, dtype=dtype))
+        self.theta_log = nn.Parameter(torch.empty(M, device=device, dtype=dtype))
+        self.phase_dir = nn.Parameter(torch.empty(width + 1, device=device, dtype=dtype))
+        self.radial_dir = nn.Parameter(torch.empty(width + 1, device=device, dtype=dtype))
+        self.phase_amp = nn.Parameter(torch.empty((), device=device, dtype=dtype))
+        self.radial_amp = nn.Parameter(torch.empty((), device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            lo, hi = self.min_rad**2, self.max_rad**2
+            u = torch.rand_like(self.nu_log)
+            # |a| = exp(-nu) at eta = 0, uniform by area on the ring [min_rad, max_rad].
+            self.nu_log.copy_(torch.log(-0.5 * torch.log(u * (hi - lo) + lo)))
+            self.theta_log.copy_(torch.log(torch.rand_like(self.theta_log).clamp_min(1e-12) * math.pi / 10))
+            for d in (self.phase_dir, self.radial_dir):
+                nn.init.normal_(d, std=1.0 / math.sqrt(self.width))
+                d[-1] = 0.0
+            self.phase_amp.fill_(0.5)
+            self.radial_amp.fill_(0.5)
+
+    def _params(self):
+        return (self.phase_dir, self.radial_dir, self.phase_amp, self.radial_amp, self.nu_log, self.theta_log)
+
+    def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
+        """Zero recurrent state [B, M]: complex64 (complex128 for a float64 model)."""
+        return torch.zeros(batch, self.modes,
+                           dtype=state_dtype(dtype or self.nu_log.dtype, complex_state=True),
+                           device=device or self.nu_log.device)
+
+    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
+                return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, E]; cache: [B, M] complex state before x. Returns (y [B, T, E], state or None)."""
+        return ops.samu(x, *self._params(), segment_pos, cache, return_cache, backend=self.backend)
+
+    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
+        """One token. x: [B, E]; state: [B, M] complex, updated in place; reset: [B] bool."""
+        return ops.samu_step(x, *self._params(), state, reset, backend=self.backend)
+
+
+def make_mixer(mixer: str, width: int, num_heads: int, backend: str = "auto", device=None, dtype=None):
+    if mixer == "rglru":
+        return RGLRU(width, num_heads, backend=backend, device=device, dtype=dtype)
+    if mixer == "samu":
+        return SAMU(width, backend=backend, device=device, dtype=dtype)
+    raise ValueError(f"expected mixer in {list(MIXERS)}, got {mixer!r}")
+
+
+class RecurrentBlock(nn.Module):
+    """Hawk's temporal block: out = Linear_out(Mixer(Conv1D(Linear_x(x))) * gelu(Linear_y(x))).
+    The mixer sub-module is named `rg_lru` or `samu` (official state-dict names for RG-LRU)."""
+
+    def __init__(self, width: int, num_heads: int, lru_width: int | None = None, mixer: str = "rglru",
+                 conv1d_temporal_width: int = 4, final_w_init_variance_scale: float = 1.0,
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        if mixer not in MIXERS:
+            raise ValueError(f"expected mixer in {list(MIXERS)}, got {mixer!r}")
+        self.width, self.num_heads, self.mixer_name = width, num_heads, mixer
+        self.lru_width = lru_width or width
+        self.final_w_init_variance_scale = final_w_init_variance_scale
+        E = self.lru_width
+        self.linear_y = nn.Linear(width, E, device=device, dtype=dtype)
+        self.linear_x = nn.Linear(width, E, device=device, dtype=dtype)
+        self.linear_out = nn.Linear(E, width, device=device, dtype=dtype)
+        self.conv_1d = Conv1D(E, conv1d_temporal_width, device=device, dtype=dtype)
+        setattr(self, "rg_lru" if mixer == "rglru" else "samu",
+                make_mixer(mixer, E, num_heads, backend, device, dtype))
+        self.reset_parameters()
+
+    @property
+    def mixer(self) -> RGLRU | SAMU:
+        return self.rg_lru if self.mixer_name == "rglru" else self.samu
+
+    def reset_parameters(self) -> None:
+        for lin in (self.linear_x, self.linear_y):
+            nn.init.normal_(lin.weight, std=math.sqrt(1.0 / self.width))
+            nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.linear_out.weight, std=math.sqrt(self.final_w_init_variance_scale / self.lru_width))
+        nn.init.zeros_(self.linear_out.bias)
+        self.conv_1d.reset_parameters()
+        self.mixer.reset_parameters()
+
+    def init_cache(self, batch: int, dtype=None, device=None) -> RecurrentCache:
+        return RecurrentCache(self.conv_1d.init_cache(batch, dtype, device),
+                              self.mixer.init_cache(batch, dtype, device))
+
+    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor, cache: RecurrentCache | None = None,
+                return_cache: bool = True) -> tuple[torch.Tensor, RecurrentCache | None]:
+        """x: [B, T, D]; segment_pos: [B, T]. Returns (out [B, T, D], new cache or None)."""
+        y = gelu(self.linear_y(x))
+        xb = self.linear_x(x)
+        xb, conv_state = self.conv_1d(xb, segment_pos, None if cache is None else cache.conv_state, return_cache)
+        xb, rnn_state = self.mixer(xb, segment_pos, None if cache is None else cache.rnn_state, return_cache)
+        out = self.linear_out(xb * y)
+        return out, (RecurrentCache(conv_state, rnn_state) if return_cache else None)
+
+    def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None) -> torch.Tensor:
+        """One token. x: [B, D]; cache updated in place; reset: [B] bool. Returns [B, D]."""
+        y = gelu(self.linear_y(x))
+        xb = self.conv_1d.step(self.linear_x(x), cache.conv_state, reset)
+        xb = self.mixer.step(xb, cache.rnn_state, reset)
+        return self.linear_out(xb * y)
+
+
+class MLPBlock(nn.Module):
+    """Gated GeLU MLP: ffw_down(gelu(up_gate(x)) * up_value(x)). `ffw_up` is one
+    Linear(D, 2 * expanded) whose first half is the gate and second half the value."""
+
+    def __init__(self, width: int, expanded_width: int, final_w_init_variance_scale: float = 1.0,
+                 device=None, dtype=None):
+        super().__init__()
+        self.width, self.expanded_width = width, expanded_width
+        self.final_w_init_variance_scale = final_w_init_variance_scale
+        self.ffw_up = nn.Linear(width, 2 * expanded_width, device=device, dtype=dtype)
+        self.ffw_down = nn.Linear(expanded_width, width, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.ffw_up.weight, std=math.sqrt(1.0 / self.width))
+        nn.init.zeros_(self.ffw_up.bias)
+        nn.init.normal_(self.ffw_down.weight,
+                        std=math.sqrt(self.final_w_init_variance_scale / self.expanded_width))
+        nn.init.zeros_(self.ffw_down.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.ffw_up(x).chunk(2, dim=-1)
+        return self.ffw_down(gelu(gate) * value)
+
+
+class ResidualBlock(nn.Module):
+    """x + Temporal(RMSNorm(x)), then + MLP(RMSNorm(.)) (Hawk: the temporal block is recurrent)."""
+
+    def __init__(self, width: int, mlp_expanded_width: int, num_heads: int, lru_width: int | None = None,
+                 mixer: str = "rglru", conv1d_temporal_width: int = 4, final_w_init_variance_scale: float = 1.0,
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self.width = width
+        self.temporal_pre_norm = RMSNorm(width, device=device, dtype=dtype)
+        self.recurrent_block = RecurrentBlock(width, num_heads, lru_width, mixer, conv1d_temporal_width,
+                                              final_w_init_variance_scale, backend, device, dtype)
+        self.channel_pre_norm = RMSNorm(width, device=device, dtype=dtype)
+        self.mlp_block = MLPBlock(width, mlp_expanded_width, final_w_init_variance_scale, device, dtype)
+
+    def reset_parameters(self) -> None:
+        for m in (self.temporal_pre_norm, self.recurrent_block, self.channel_pre_norm, self.mlp_block):
+            m.reset_parameters()
+
+    def init_cache(self, batch: int, dtype=None, device=None) -> RecurrentCache:
+        return self.recurrent_block.init_cache(batch, dtype, device)
+
+    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor, cache: RecurrentCache | None = None,
+                return_cache: bool = True) -> tuple[torch.Tensor, RecurrentCache | None]:
+        """x: [B, T, D]; segment_pos: [B, T]. Returns (x [B, T, D], new cache or None)."""
+        h, cache = self.recurrent_block(self.temporal_pre_norm(x), segment_pos, cache, return_cache)
+        residual = h + x
+        return self.mlp_block(self.channel_pre_norm(residual)) + residual, cache
+
+    def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None) -> torch.Tensor:
+        """One token. x: [B, D]; cache updated in place. Returns [B, D]."""
+        residual = self.recurrent_block.step(self.temporal_pre_norm(x), cache, reset) + x
+        return self.mlp_block(self.channel_pre_norm(residual)) + residual
+
+
+def check_cache(cache: RecurrentCache, batch: int, name: str = "cache") -> None:
+    """ValueError when a cache belongs to another batch size."""
+    if cache.batch_size != batch or cache.conv_state.shape[0] != batch:
+        raise ValueError(
+            f"expected {name} for batch size {batch}, got a cache for batch size {cache.batch_size} "
+            f"(conv_state {shape_str(cache.conv_state)}, rnn_state {shape_str(cache.rnn_state)})"
+        )
+
+
+__all__ = ["RMSNorm", "BlockDiagonalLinear", "Conv1D", "RGLRU", "SAMU", "RecurrentBlock", "MLPBlock",
+           "ResidualBlock", "RecurrentCache", "gelu", "rnn_param_init", "make_mixer", "MIXERS"]

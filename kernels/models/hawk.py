@@ -1,0 +1,176 @@
+"""The Hawk language model (all-recurrent Griffin) with a switchable mixer.
+
+    tokens [B, T] -> embedding [B, T, D] -> num_layers x ResidualBlock -> RMSNorm
+    -> logits [B, T, V] = x @ embedding^T (the embedding is shared with the output)
+
+The cache is a `HawkCache`: one `RecurrentCache(conv_state, rnn_state)` per layer
+(kernels.layers), conv_state [B, W-1, E] in the activation dtype and rnn_state [B, E]
+float32 (RG-LRU) or [B, E/2] complex64 (SAMU). `forward` returns a new cache;
+`step` advances one token and updates the cache tensors in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import layers
+from ..ops._checks import check_segment_pos, check_tensor, shape_str
+from .config import HawkConfig
+
+
+@dataclass
+class HawkCache:
+    """Decode cache of a HawkLM: `layers[i]` belongs to block i."""
+
+    layers: list[layers.RecurrentCache]
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    def clone(self) -> "HawkCache":
+        return HawkCache([layers.RecurrentCache(c.conv_state.clone(), c.rnn_state.clone()) for c in self.layers])
+
+
+def _check_tokens(name, t, shape):
+    check_tensor(name, t, shape=shape)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"expected {name} with an integer dtype, got {t.dtype}")
+
+
+class HawkLM(nn.Module):
+    """Hawk LM. `backend` selects the mixer kernels ("auto", "reference", Triton names)."""
+
+    def __init__(self, config: HawkConfig, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        if not isinstance(config, HawkConfig):
+            raise ValueError(f"expected config to be a HawkConfig, got {type(config).__name__}")
+        self.config = config
+        c = config
+        self.embed = nn.Embedding(c.vocab_size, c.width, device=device, dtype=dtype)
+        self.blocks = nn.ModuleList(
+            layers.ResidualBlock(c.width, c.mlp_expanded_width, c.gate_blocks, c.lru_width, c.mixer,
+                                 c.conv1d_temporal_width, 2.0 / c.num_layers, backend, device, dtype)
+            for _ in range(c.num_layers)
+        )
+        self.final_norm = layers.RMSNorm(c.width, device=device, dtype=dtype)
+        nn.init.normal_(self.embed.weight, std=math.sqrt(1.0 / c.width))
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.embed.weight, std=math.sqrt(1.0 / self.config.width))
+        for m in (*self.blocks, self.final_norm):
+            m.reset_parameters()
+
+    def set_backend(self, backend: str) -> "HawkLM":
+        """Use `backend` in every mixer (plugs kernels in without touching model code)."""
+        for m in self.modules():
+            if isinstance(m, (layers.RGLRU, layers.SAMU)):
+                m.backend = backend
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def init_cache(self, batch: int, dtype: torch.dtype | None = None) -> HawkCache:
+        """Zero cache for `batch` sequences; conv states in `dtype` (default: the
+        parameter dtype), recurrent states in FP32 / complex64."""
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"expected batch a positive int, got {batch!r}")
+        return HawkCache([b.init_cache(batch, dtype, self.device) for b in self.blocks])
+
+    def _check_cache(self, cache, B):
+        if not isinstance(cache, HawkCache):
+            raise ValueError(f"expected cache to be a HawkCache (from init_cache or forward), got {type(cache).__name__}")
+        if len(cache.layers) != len(self.blocks):
+            raise ValueError(f"expected cache with {len(self.blocks)} layers, got {len(cache.layers)}")
+        for i, c in enumerate(cache.layers):
+            layers.check_cache(c, B, f"cache.layers[{i}]")
+            for n in ("conv_state", "rnn_state"):
+                t = getattr(c, n)
+                if t.device != self.device:
+                    raise ValueError(f"expected cache.layers[{i}].{n} on {self.device} (the model's device), got {t.device}")
+
+    def _check_device(self, **tensors):
+        for n, t in tensors.items():
+            if t.device != self.device:
+                raise ValueError(f"expected {n} on {self.device} (the model's device), got {t.device}")
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.final_norm(x), self.embed.weight)
+
+    def forward(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
+                return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
+        """tokens, segment_pos: [B, T] integer (segment_pos = position in the document,
+        0 at each document start); cache: state before these tokens (None = empty).
+        Returns (logits [B, T, V], cache after the tokens or None)."""
+        _check_tokens("tokens", tokens, (None, None))
+        B, T = tokens.shape
+        check_segment_pos(segment_pos, B, T)
+        self._check_device(tokens=tokens, segment_pos=segment_pos)
+        if cache is not None:
+            self._check_cache(cache, B)
+        x = self.embed(tokens)
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, c = block(x, segment_pos, None if cache is None else cache.layers[i], return_cache)
+            new.append(c)
+        return self.logits(x), (HawkCache(new) if return_cache else None)
+
+    def step(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache) -> torch.Tensor:
+        """One decode step: tokens, segment_pos [B] (0 starts a new document in that row);
+        `cache` is updated in place. Returns logits [B, V]."""
+        _check_tokens("tokens", tokens, (None,))
+        B = tokens.shape[0]
+        check_tensor("segment_pos", segment_pos, shape=(B,))
+        check_segment_pos(segment_pos.view(B, 1), B, 1)
+        self._check_device(tokens=tokens, segment_pos=segment_pos)
+        self._check_cache(cache, B)
+        reset = segment_pos == 0
+        x = self.embed(tokens)
+        for block, c in zip(self.blocks, cache.layers):
+            x = block.step(x, c, reset)
+        return self.logits(x)
+
+    @torch.no_grad()
+    def generate(self, prompt_tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue each prompt row (one document per row). prompt_tokens: [B, P], P >= 1;
+        temperature 0 picks the argmax, otherwise samples softmax(logits / temperature).
+        Returns the new tokens [B, max_new_tokens]."""
+        _check_tokens("prompt_tokens", prompt_tokens, (None, None))
+        B, P = prompt_tokens.shape
+        if P < 1:
+            raise ValueError(f"expected prompt_tokens of shape [B, P] with P >= 1 (start with a BOS token), "
+                             f"got {shape_str(prompt_tokens)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"expected temperature >= 0, got {temperature}")
+        self._check_device(prompt_tokens=prompt_tokens)
+        out = prompt_tokens.new_empty(B, max_new_tokens)
+        if max_new_tokens == 0:
+            return out
+        pos = torch.arange(P, device=self.device).expand(B, P)
+        logits, cache = self(prompt_tokens, pos)
+        nxt = self._choose(logits[:, -1], temperature, generator)
+        for i in range(max_new_tokens):
+            out[:, i] = nxt
+            if i + 1 < max_new_tokens:
+                sp = torch.full((B,), P + i, device=self.device, dtype=torch.int64)
+                nxt = self._choose(self.step(nxt, sp, cache), temperature, generator)
+        return out
+
+    @staticmethod
+    def _choose(logits, temperature, generator):
+        if temperature == 0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+__all__ = ["HawkLM", "HawkCache"]

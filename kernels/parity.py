@@ -1,0 +1,617 @@
+"""Correctness gates: reusable comparisons that the tests and the pipeline's audit call.
+
+Every check returns a list of rows
+    {"check": str, "error": float, "tolerance": float, "passed": bool, ...context}
+where `error` is the max-norm relative error max|got - want| / max|want| (over all
+elements of the compared tensor; the absolute error when want is all zero) and the
+context keys say what was compared (shape, dtype, backend, device, resets, stage ...).
+
+Oracles:
+- the unmodified official `recurrentgemma==1.0.1` torch code (`load_official`), for
+  RG-LRU, Conv1D, the Hawk residual block and an all-recurrent Griffin;
+- the float64 references in kernels.ops.reference, for every backend of every op
+  (output, final state and every gradient, the initial state's included), and for
+  SAMU itself (complex128 `samu` against the real-arithmetic `samu_real`).
+
+Tolerances (documented table; never loosened to make a run pass):
+- against the official code in float32: 1e-5 (OFFICIAL_FP32_TOL);
+- backends against float64: float64 1e-10, float32 1e-4 (BACKEND_TOL);
+- bfloat16 / float16 (both oracles): at most LOWP_FACTOR = 2 times the error that the
+  same computation done by the PyTorch reference at that precision makes against the
+  exact result, and never below one unit roundoff of the dtype (LOWP_FLOOR).
+Official checks accept float32, bfloat16 and float16 (the official RG-LRU state is
+float32 by construction; run_gates runs them in float32 when asked for float64).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+import types
+
+import torch
+
+from . import layers, ops
+from .convert import from_recurrentgemma
+from .models import HawkLM
+from .ops import reference
+
+OFFICIAL_FP32_TOL = 1e-5
+BACKEND_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+LOWP_FACTOR = 2.0
+LOWP_FLOOR = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def load_official():
+    """The official `recurrentgemma.torch` module, without importing its JAX side.
+
+    The package's top-level __init__ imports JAX. When it is not imported yet, a bare
+    package module whose __path__ is the installed directory stands in for it, so that
+    `recurrentgemma.torch` and `recurrentgemma.common` load from the unmodified files.
+    """
+    if "recurrentgemma.torch" in sys.modules:
+        return sys.modules["recurrentgemma.torch"]
+    if "recurrentgemma" not in sys.modules:
+        spec = importlib.util.find_spec("recurrentgemma")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("recurrentgemma is not installed (pip install recurrentgemma==1.0.1)")
+        pkg = types.ModuleType("recurrentgemma")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__file__ = spec.origin
+        pkg.__spec__ = spec
+        pkg.__package__ = "recurrentgemma"
+        sys.modules["recurrentgemma"] = pkg
+    return importlib.import_module("recurrentgemma.torch")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max|got - want| / max|want| in float64 (absolute error if want is all zero)."""
+    if got.shape != want.shape:
+        raise ValueError(f"expected tensors of one shape, got {list(got.shape)} and {list(want.shape)}")
+    if want.numel() == 0:
+        return 0.0
+    g = got.detach().to("cpu", torch.complex128 if got.is_complex() or want.is_complex() else torch.float64)
+    w = want.detach().to("cpu", g.dtype)
+    scale = w.abs().max().item()
+    diff = (g - w).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _row(check, error, tolerance, **context):
+    error = float(error)
+    return {"check": check, "error": error, "tolerance": float(tolerance),
+            "passed": bool(math.isfinite(error) and error <= tolerance), **context}
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _lowp_tol(dtype, err_pytorch):
+    return max(LOWP_FACTOR * err_pytorch, LOWP_FLOOR[dtype])
+
+
+def make_segment_pos(B, T, resets=True, seed=0, device="cpu"):
+    """Positions [B, T] (int64). With resets, rows cycle through four patterns:
+    continuation (no reset at t = 0) with two mid-sequence resets; resets at t = 0,
+    at chunk edges (8, 16, 32, 64) and a run of three; resets at t = 0, 1 and random
+    places incl. t = T - 1; no reset at all. Without resets every position is >= 1
+    (a continuation: no segment_pos == 0 anywhere)."""
+    g = torch.Generator().manual_seed(seed + 17)
+    starts = torch.zeros(B, T, dtype=torch.bool)
+    offset = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        kind = b % 4 if resets else 3
+        if kind == 0:
+            offset[b] = 3
+            for t in (T // 3, (2 * T) // 3):
+                if 0 < t < T:
+                    starts[b, t] = True
+        elif kind == 1:
+            starts[b, 0] = True
+            for t in (8, 16, 32, 64, T // 2, T // 2 + 1, T // 2 + 2):
+                if t < T:
+                    starts[b, t] = True
+        elif kind == 2:
+            starts[b, : min(2, T)] = True
+            starts[b] |= torch.rand(T, generator=g) < 0.1
+            starts[b, T - 1] = True
+        else:
+            offset[b] = 7 + b
+    pos = torch.empty(B, T, dtype=torch.int64)
+    for b in range(B):
+        p = int(offset[b]) - 1
+        for t in range(T):
+            p = 0 if starts[b, t] else p + 1
+            pos[b, t] = p
+    return pos.to(device)
+
+
+def _continuing(pos, n):
+    """Positions for n more tokens continuing each row of pos [B, T]: [B, n]."""
+    return pos[:, -1:] + 1 + torch.arange(n, device=pos.device)
+
+
+def _round_params_(module, dtype):
+    """Round an FP32 module's parameters to dtype-representable values, in place."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+    return module
+
+
+def _check_official_dtype(dtype):
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"expected dtype float32, bfloat16 or float16 for an official check, got {dtype}")
+
+
+def _official_rows(name, run, official, ours, dtype, context):
+    """Run `run(module, dtype) -> {stage: tensor}` on the FP32 official module (the
+    oracle), on ours at `dtype`, and for low precision on the official module at `dtype`
+    (the PyTorch-at-that-precision yardstick); one row per stage."""
+    with torch.no_grad():
+        want = run(official, torch.float32)
+        got = run(ours, dtype)
+        yard = run(copy.deepcopy(official).to(dtype), dtype) if dtype != torch.float32 else None
+    rows = []
+    for stage, w in want.items():
+        tol = OFFICIAL_FP32_TOL if yard is None else _lowp_tol(dtype, rel_err(yard[stage], w))
+        rows.append(_row(f"{name}/{stage}", rel_err(got[stage], w), tol, stage=stage, **context))
+    return rows
+
+
+def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.float32, seed=0,
+                         resets=True, backend="reference", decode_steps=4):
+    """RG-LRU against the official layer: sequence output and final state from an empty
+    and from a cached state, then one-token decode steps (output and state per step)."""
+    _check_official_dtype(dtype)
+    rg = load_official()
+    torch.manual_seed(seed)
+    official = _round_params_(rg.RGLRU(D, heads, device=device), dtype)
+    ours = from_recurrentgemma(official, backend=backend).to(dtype)
+    x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
+    h0 = torch.randn(B, D, device=device)
+    pos = make_segment_pos(B, T, resets, seed, device)
+    dpos = _continuing(pos, decode_steps)
+    if resets and decode_steps > 1:
+        dpos[0, 1:] = torch.arange(decode_steps - 1, device=device)      # a reset while decoding
+
+    def run(m, dt):
+        xs = x[:, :T].to(dt, copy=True)
+        out = {}
+        if isinstance(m, layers.RGLRU):
+            out["sequence"], out["final_state"] = m(xs, pos)
+            out["sequence_cached"], h = m(xs, pos, h0.clone())
+            out["final_state_cached"] = h.clone()
+            ys, hs = [], []
+            for i in range(decode_steps):
+                ys.append(m.step(x[:, T + i].to(dt), h, dpos[:, i] == 0))
+                hs.append(h.clone())
+        else:
+            out["sequence"], out["final_state"] = m(xs, pos)
+            out["sequence_cached"], h = m(xs, pos, h0.clone())
+            out["final_state_cached"] = h
+            ys, hs = [], []
+            for i in range(decode_steps):
+                y, h = m(x[:, T + i: T + i + 1].to(dt), dpos[:, i: i + 1], h)
+                ys.append(y[:, 0])
+                hs.append(h)
+        if decode_steps:
+            out["decode"], out["decode_state"] = torch.stack(ys, 1), torch.stack(hs, 1)
+        return out
+
+    ctx = dict(shape=[B, T, D], heads=heads, dtype=_dtype_name(dtype), device=str(device), backend=backend,
+               resets=resets)
+    return _official_rows("rglru_official", run, official, ours, dtype, ctx)
+
+
+def check_conv1d_official(B=2, T=37, D=24, temporal_width=4, device="cpu", dtype=torch.float32, seed=0,
+                          resets=True, decode_steps=4):
+    """Conv1D against the official layer: the sequence (masked at document starts), the
+    decode cache it leaves, and one-token decode steps from that cache. No document
+    starts in the last temporal_width - 1 prompt positions here, where the official
+    cache keeps inputs of the previous document (see kernels.layers); the case is
+    covered by check_griffin_official's decode-equals-forward rows."""
+    _check_official_dtype(dtype)
+    rg = load_official()
+    torch.manual_seed(seed)
+    official = rg.Conv1D(D, temporal_width, device=device)
+    with torch.no_grad():
+        official.b.normal_()                    # the official init zeroes the bias
+    _round_params_(official, dtype)
+    ours = from_recurrentgemma(official).to(dtype)
+    x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
+    pos = make_segment_pos(B, T, resets, seed, device)
+    tail = max(T - temporal_width + 1, 0)
+    while tail > 0 and bool((pos[:, tail:] == 0).any()):
+        pos[:, tail:] = pos[:, tail - 1: tail] + 1 + torch.arange(T - tail, device=device)
+    dpos = _continuing(pos, decode_steps)
+
+    def run(m, dt):
+        # Fresh copies: the official Conv1D masks its input in place.
+        y, cache = m(x[:, :T].to(dt, copy=True), pos)
+        out = {"sequence": y, "cache": cache.clone()}
+        ys = []
+        for i in range(decode_steps):
+            xi = x[:, T + i].to(dt)
+            if isinstance(m, layers.Conv1D):
+                ys.append(m.step(xi, cache, dpos[:, i] == 0))
+            else:
+                y, cache = m(xi[:, None], dpos[:, i: i + 1], cache)
+                ys.append(y[:, 0])
+        if decode_steps:
+            out["decode"] = torch.stack(ys, 1)
+            out["decode_cache"] = cache
+        return out
+
+    ctx = dict(shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device), resets=resets)
+    return _official_rows("conv1d_official", run, official, ours, dtype, ctx)
+
+
+_BLOCK_STAGES = {
+    "norm": "temporal_pre_norm",
+    "linear_x": "recurrent_block.linear_x",
+    "linear_y": "recurrent_block.linear_y",
+    "conv1d": "recurrent_block.conv_1d",
+    "rglru_sequence": "recurrent_block.rg_lru",
+    "temporal_block": "recurrent_block",
+    "channel_norm": "channel_pre_norm",
+    "mlp": "mlp_block",
+}
+
+
+def _capture(module, names):
+    """Forward hooks recording the (first) output of each named submodule."""
+    seen, handles = {}, []
+    for stage, path in names.items():
+        def hook(_m, _inp, out, stage=stage):
+            # Cloned: the official Conv1D masks its input in place.
+            seen[stage] = (out[0] if isinstance(out, tuple) else out).clone()
+        handles.append(module.get_submodule(path).register_forward_hook(hook))
+    return seen, handles
+
+
+def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, mlp_expanded_width=96,
+                                  device="cpu", dtype=torch.float32, seed=0, resets=True,
+                                  backend="reference", decode_steps=3):
+    """The Hawk residual block with weights copied from the official one, stage by stage:
+    norm, both projections, conv, RG-LRU sequence, final state, conv cache, temporal
+    block, MLP, block output; then decode steps (block output and both states)."""
+    _check_official_dtype(dtype)
+    rg = load_official()
+    torch.manual_seed(seed)
+    official = rg.ResidualBlock(width, mlp_expanded_width, heads, 1024, rg.TemporalBlockType.RECURRENT,
+                                lru_width, device=device)
+    with torch.no_grad():   # official init leaves biases and norm scales at zero; exercise them
+        for n, p in official.named_parameters():
+            if n.endswith(".b") or n.endswith(".bias") or n.endswith(".scale"):
+                p.normal_(std=0.1)
+    _round_params_(official, dtype)
+    ours = from_recurrentgemma(official, backend=backend).to(dtype)
+    x = torch.randn(B, T + decode_steps, width, device=device).to(dtype).float()
+    pos = make_segment_pos(B, T, resets, seed, device)
+    tail = max(T - 3, 0)
+    while tail > 0 and bool((pos[:, tail:] == 0).any()):
+        pos[:, tail:] = pos[:, tail - 1: tail] + 1 + torch.arange(T - tail, device=device)
+    dpos = _continuing(pos, decode_steps)
+
+    def run(m, dt):
+        seen, handles = _capture(m, _BLOCK_STAGES)
+        try:
+            y, cache = m(x[:, :T].to(dt, copy=True), pos)
+        finally:
+            for h in handles:
+                h.remove()
+        out = dict(seen)
+        out["block_output"] = y
+        if isinstance(m, layers.ResidualBlock):
+            out["final_state"], out["conv_state"] = cache.rnn_state.clone(), cache.conv_state.clone()
+        else:
+            out["final_state"], out["conv_state"] = cache.rg_lru_state, cache.conv1d_state
+        ys = []
+        for i in range(decode_steps):
+            xi = x[:, T + i].to(dt)
+            if isinstance(m, layers.ResidualBlock):
+                ys.append(m.step(xi, cache, dpos[:, i] == 0))
+            else:
+                y, cache = m(xi[:, None], dpos[:, i: i + 1], cache)
+                ys.append(y[:, 0])
+        if decode_steps:
+            out["decode_output"] = torch.stack(ys, 1)
+            if isinstance(m, layers.ResidualBlock):
+                out["decode_state"], out["decode_conv_state"] = cache.rnn_state, cache.conv_state
+            else:
+                out["decode_state"], out["decode_conv_state"] = cache.rg_lru_state, cache.conv1d_state
+        return out
+
+    ctx = dict(shape=[B, T, width], lru_width=lru_width, heads=heads, dtype=_dtype_name(dtype),
+               device=str(device), backend=backend, resets=resets)
+    return _official_rows("residual_block_official", run, official, ours, dtype, ctx)
+
+
+def check_griffin_official(B=2, T=29, vocab_size=97, width=32, lru_width=48, heads=4, num_layers=2,
+                           device="cpu", dtype=torch.float32, seed=0, resets=True, backend="reference",
+                           decode_steps=4):
+    """A tiny all-recurrent Griffin against HawkLM (converted weights): logits and final
+    states of a forward with resets; the official prompt-then-decode logits; and, for
+    our model alone, decode steps (with a document start among them and in the last
+    prompt positions) equal to the full forward of the same tokens."""
+    _check_official_dtype(dtype)
+    rg = load_official()
+    torch.manual_seed(seed)
+    cfg = rg.GriffinConfig(vocab_size=vocab_size, width=width, mlp_expanded_width=3 * width, num_heads=heads,
+                           block_types=(rg.TemporalBlockType.RECURRENT,) * num_layers,
+                           embeddings_scale_by_sqrt_dim=False, attention_window_size=1024, logits_soft_cap=0.0,
+                           lru_width=lru_width)
+    official = rg.Griffin(cfg, gradient_checkpointing=False, device=device)
+    with torch.no_grad():
+        for n, p in official.named_parameters():
+            if n.endswith(".b") or n.endswith(".bias") or n.endswith(".scale"):
+                p.normal_(std=0.1)
+    _round_params_(official, dtype)
+    ours = from_recurrentgemma(official, backend=backend).to(dtype)
+    tokens = torch.randint(0, vocab_size, (B, T + decode_steps), device=device)
+    pos = make_segment_pos(B, T, resets, seed, device)
+    tail = max(T - 3, 0)
+    while tail > 0 and bool((pos[:, tail:] == 0).any()):
+        pos[:, tail:] = pos[:, tail - 1: tail] + 1 + torch.arange(T - tail, device=device)
+    dpos = _continuing(pos, decode_steps)
+
+    def run(m, dt):
+        logits, cache = m(tokens[:, :T], pos)
+        out = {"logits": logits}
+        steps = []
+        for i in range(decode_steps):
+            if isinstance(m, HawkLM):
+                steps.append(m.step(tokens[:, T + i], dpos[:, i], cache))
+            else:
+                lg, cache = m(tokens[:, T + i: T + i + 1], dpos[:, i: i + 1], cache)
+                steps.append(lg[:, 0])
+        if decode_steps:
+            out["decode_logits"] = torch.stack(steps, 1)
+        return out
+
+    ctx = dict(shape=[B, T], vocab_size=vocab_size, width=width, lru_width=lru_width, heads=heads,
+               num_layers=num_layers, dtype=_dtype_name(dtype), device=str(device), backend=backend,
+               resets=resets)
+    rows = _official_rows("griffin_official", run, official, ours, dtype, ctx)
+    rows += _decode_equals_forward(ours, B, T, decode_steps, vocab_size, device, dtype, seed, resets, ctx)
+    return rows
+
+
+def _decode_equals_forward(model, B, T, steps, vocab_size, device, dtype, seed, resets, ctx):
+    """Prompt forward then `steps` one-token steps give the logits of one full forward,
+    with document starts in the last prompt positions and among the decoded tokens."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 5)
+    tokens = torch.randint(0, vocab_size, (B, T + steps), generator=g).to(device)
+    pos = make_segment_pos(B, T + steps, resets, seed + 1, device)
+    if resets and T >= 2 and steps >= 2:
+        pos[0, T - 2:] = torch.arange(steps + 2, device=device)          # start in the prompt tail
+        pos[-1, T + 1:] = torch.arange(steps - 1, device=device)         # start while decoding
+    with torch.no_grad():
+        full, _ = model(tokens, pos, return_cache=False)
+        head, cache = model(tokens[:, :T], pos[:, :T])
+        steps_out = [model.step(tokens[:, T + i], pos[:, T + i], cache) for i in range(steps)]
+        dec = torch.cat([head, torch.stack(steps_out, 1)], 1) if steps else head
+        tail_cache = model(tokens[:, :T - 1], pos[:, :T - 1])[1]
+        chunk, _ = model(tokens[:, T - 1:], pos[:, T - 1:], tail_cache)
+    if dtype == torch.float32:
+        tol = OFFICIAL_FP32_TOL
+    else:
+        tol = LOWP_FLOOR[dtype] * 4   # one forward vs another at the same precision: a few roundings
+    return [
+        _row("hawk/decode_equals_forward", rel_err(dec, full), tol, **ctx),
+        _row("hawk/chunked_prefill_equals_forward", rel_err(torch.cat([head[:, :T - 1], chunk], 1), full), tol, **ctx),
+    ]
+
+
+def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True, tolerance=1e-10):
+    """SAMU computed two independent ways in float64: complex128 `reference.samu` and
+    real-arithmetic `reference.samu_real`; outputs, final states and every gradient
+    (x, controller, spectrum, initial state), from an empty and from a non-zero state."""
+    args, h0 = _samu_inputs(B, T, D, torch.float64, device, seed)
+    pos = make_segment_pos(B, T, resets, seed, device)
+    ctx = dict(shape=[B, T, D], dtype="float64", device=str(device), resets=resets)
+    rows = []
+    for with_state in (False, True):
+        outs = {}
+        for name, fn in (("complex", reference.samu), ("real", reference.samu_real)):
+            leaves = [a.detach().clone().requires_grad_() for a in args]
+            hs = h0.detach().clone().requires_grad_() if with_state else None
+            y, h = fn(*leaves, pos, hs, True)
+            gy, gh = _cotangents(y, h, seed)
+            loss = (y * gy).sum() + (h.real * gh.real).sum() + (h.imag * gh.imag).sum()
+            grads = torch.autograd.grad(loss, leaves + ([hs] if with_state else []))
+            outs[name] = (y, h, grads)
+        (y1, h1, g1), (y2, h2, g2) = outs["real"], outs["complex"]
+        tag = "cached" if with_state else "empty"
+        rows.append(_row(f"samu_reference/output_{tag}", rel_err(y1, y2), tolerance, **ctx))
+        rows.append(_row(f"samu_reference/final_state_{tag}", rel_err(h1, h2), tolerance, **ctx))
+        for n, a, b in zip(SAMU_INPUTS + ("initial_state",), g1, g2):
+            rows.append(_row(f"samu_reference/grad_{n}_{tag}", rel_err(a, b), tolerance, **ctx))
+    return rows
+
+
+SAMU_INPUTS = ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log")
+RGLRU_INPUTS = ("x", "gate_x", "gate_a", "a_param")
+SCAN_INPUTS = ("a", "b")
+
+
+def _samu_inputs(B, T, D, dtype, device, seed):
+    """SAMU inputs at the layer's initialisation (|a| up to 0.999) with a non-zero
+    controller bias; x ~ N(0, 1). Returns (args list in float64, h0 complex128)."""
+    torch.manual_seed(seed)
+    m = layers.SAMU(D, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        m.phase_dir[-1] = 0.3
+        m.radial_dir[-1] = -0.2
+    x = torch.randn(B, T, D, dtype=torch.float64, device=device)
+    h0 = torch.randn(B, D // 2, dtype=torch.complex128, device=device)
+    return [x] + [p.detach() for p in m._params()], h0
+
+
+def _rglru_inputs(B, T, D, device, seed):
+    torch.manual_seed(seed)
+    x, gx, ga = (torch.randn(B, T, D, dtype=torch.float64, device=device) for _ in range(3))
+    a_param = layers.rnn_param_init(torch.empty(D, dtype=torch.float64, device=device))
+    return [x, gx, ga, a_param], torch.randn(B, D, dtype=torch.float64, device=device)
+
+
+def _scan_inputs(B, T, D, device, seed):
+    torch.manual_seed(seed)
+    a = torch.rand(B, T, D, dtype=torch.float64, device=device) * 0.1 + 0.899   # |a| near 1
+    b = torch.randn(B, T, D, dtype=torch.float64, device=device)
+    return [a, b], torch.randn(B, D, dtype=torch.float64, device=device)
+
+
+def _cotangents(y, h, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed + 99)
+    gy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype)
+    if h.is_complex():
+        gh = torch.randn(h.shape, generator=g, dtype=torch.complex128).to(h.device, h.dtype)
+    else:
+        gh = torch.randn(h.shape, generator=g, dtype=torch.float64).to(h.device, h.dtype)
+    return gy, gh
+
+
+def _run_op(fn, args, h0, pos, opts, seed):
+    """Forward + backward of one backend; returns {name: tensor} for output, final state
+    and the gradient of every input including the initial state."""
+    leaves = [a.detach().clone().requires_grad_() for a in args]
+    hs = h0.detach().clone().requires_grad_()
+    y, h = fn(*leaves, pos, hs, True, **opts)
+    gy, gh = _cotangents(y, h, seed)
+    if h.is_complex():
+        loss = (y.double() * gy.double()).sum() + (h.real.double() * gh.real.double()).sum() \
+            + (h.imag.double() * gh.imag.double()).sum()
+    else:
+        loss = (y.double() * gy.double()).sum() + (h.double() * gh.double()).sum()
+    grads = torch.autograd.grad(loss, leaves + [hs], allow_unused=True)
+    out = {"output": y, "final_state": h}
+    return out, grads
+
+
+def _accepts_chunk_size(fn) -> bool:
+    try:
+        return "chunk_size" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0,
+                   resets=True):
+    """Every backend of `op` ("rglru", "samu", "scan") in kernels.backends(op) against the
+    float64 reference: output, final state and the gradient of every input (initial
+    state included), with resets and a non-zero initial state. Backends whose launcher
+    names a `chunk_size` parameter run once per chunk size. Activations in `dtype`,
+    parameters and the state in FP32 (float64 when dtype is float64)."""
+    if op == "rglru":
+        args64, h064 = _rglru_inputs(B, T, D, device, seed)
+        names, n_act = RGLRU_INPUTS, 3
+    elif op == "samu":
+        args64, h064 = _samu_inputs(B, T, D, torch.float64, device, seed)
+        names, n_act = SAMU_INPUTS, 1
+    elif op == "scan":
+        args64, h064 = _scan_inputs(B, T, D, device, seed)
+        names, n_act = SCAN_INPUTS, 2
+    else:
+        raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    sdt = h064.dtype if dtype == torch.float64 else (torch.complex64 if h064.is_complex() else torch.float32)
+    args = [a.to(dtype) if i < n_act else a.to(pdt) for i, a in enumerate(args64)]
+    h0 = h064.to(sdt)
+    pos = make_segment_pos(B, T, resets, seed, device)
+    # The exact answer for exactly these (rounded) inputs.
+    want, want_g = _run_op(ops.backends(op)["reference"], [a.double() for a in args],
+                           h0.to(torch.complex128 if h0.is_complex() else torch.float64), pos, {}, seed)
+    keys = ["output", "final_state"] + [f"grad_{n}" for n in names] + ["grad_initial_state"]
+
+    def flat(out, grads):
+        return dict(zip(keys, [out["output"], out["final_state"], *grads]))
+
+    want = flat(want, want_g)
+    if dtype in BACKEND_TOL:
+        tols = {k: BACKEND_TOL[dtype] for k in keys}
+    else:
+        yard = flat(*_run_op(ops.backends(op)["reference"], args, h0, pos, {}, seed))
+        tols = {k: _lowp_tol(dtype, rel_err(_none_zero(yard[k], want[k]), want[k])) for k in keys}
+    rows = []
+    for name, fn in ops.backends(op).items():
+        variants = [{"chunk_size": k} for k in chunk_sizes] if _accepts_chunk_size(fn) else [{}]
+        for opts in variants:
+            ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device),
+                       resets=resets, **opts)
+            try:
+                got = flat(*_run_op(fn, args, h0, pos, opts, seed))
+            except NotImplementedError as e:
+                rows.append({"check": f"backends/{op}/{name}", "error": float("nan"), "tolerance": float("nan"),
+                             "passed": True, "skipped": f"NotImplementedError: {e}", **ctx})
+                continue
+            for k in keys:
+                err = rel_err(_none_zero(got[k], want[k]), want[k])
+                rows.append(_row(f"backends/{op}/{name}/{k}", err, tols[k], stage=k, **ctx))
+    return rows
+
+
+def _none_zero(t, like):
+    """A gradient that autograd left as None (no dependence) counts as zeros."""
+    return torch.zeros_like(like) if t is None else t
+
+
+DEFAULT_PROFILE = {
+    "backends": [{"B": 2, "T": 37, "D": 24}],
+    "rglru_official": [{"B": 3, "T": 37, "D": 24, "heads": 4}],
+    "conv1d_official": [{"B": 3, "T": 37, "D": 24}],
+    "residual_block_official": [{"B": 3, "T": 29, "width": 32, "lru_width": 48, "heads": 4}],
+    "griffin_official": [{"B": 3, "T": 21, "vocab_size": 97, "width": 32, "lru_width": 48, "heads": 4}],
+    "samu_reference": [{"B": 2, "T": 37, "D": 24}],
+}
+
+
+def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.float32, backend="reference"):
+    """All gates for one device and dtype; returns the rows of every check.
+
+    profile_shapes maps a gate to a list of keyword-argument dicts (shapes), e.g.
+    DEFAULT_PROFILE: "backends" (B, T, D, optional chunk_sizes; run for rglru, samu and
+    scan), "rglru_official" (B, T, D, heads), "conv1d_official" (B, T, D),
+    "residual_block_official" (B, T, width, lru_width, heads, mlp_expanded_width),
+    "griffin_official" (B, T, vocab_size, width, lru_width, heads, num_layers),
+    "samu_reference" (B, T, D). A missing key takes DEFAULT_PROFILE's list; an empty
+    list skips that gate. `backend` is the mixer backend of the official-parity
+    modules ("auto" runs whatever dispatch picks on `device`). The official gates run
+    with and without resets, in float32 when dtype is float64."""
+    profile = {**DEFAULT_PROFILE, **(profile_shapes or {})}
+    unknown = set(profile) - set(DEFAULT_PROFILE)
+    if unknown:
+        raise ValueError(f"expected profile_shapes keys in {list(DEFAULT_PROFILE)}, got unknown {sorted(unknown)}")
+    odt = torch.float32 if dtype == torch.float64 else dtype
+    rows = []
+    for kw in profile["backends"]:
+        for op in ("rglru", "samu", "scan"):
+            rows += check_backends(op, device=device, dtype=dtype, **kw)
+    for resets in (True, False):
+        for kw in profile["rglru_official"]:
+            rows += check_rglru_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
+        for kw in profile["conv1d_official"]:
+            rows += check_conv1d_official(device=device, dtype=odt, resets=resets, **kw)
+        for kw in profile["residual_block_official"]:
+            rows += check_residual_block_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
+        for kw in profile["griffin_official"]:
+            rows += check_griffin_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
+        for kw in profile["samu_reference"]:
+            rows += check_samu_reference(device=device, resets=resets, **kw)
+    return rows
+
+
+def failures(rows):
+    return [r for r in rows if not r["passed"]]
+
+
+__all__ = ["load_official", "rel_err", "make_segment_pos", "check_rglru_official", "check_conv1d_official",
+           "check_residual_block_official", "check_griffin_official", "check_samu_reference",
+           "check_backends", "run_gates", "failures", "DEFAULT_PROFILE", "OFFICIAL_FP32_TOL", "BACKEND_TOL",
+           "LOWP_FACTOR", "LOWP_FLOOR"]
