@@ -1,0 +1,24 @@
+rule audit:
+    input:
+        environment=rules.probe.output.environment,
+    output:
+        gates=report(
+            "results/audit/gates.json",
+            caption="../report/audit.rst",
+            category="Correctness audit",
+        ),
+        summary=report(
+            "results/audit/audit.md",
+            caption="../report/audit.rst",
+            category="Correctness audit",
+        ),
+    log:
+        log_path("audit"),
+    benchmark:
+        benchmark_path("audit")
+    params:
+        profile=PROFILE,
+        section="audit",
+        settings=section("audit"),
+    script:
+        "../scripts/audit.py"

@@ -1,0 +1,17 @@
+rule probe:
+    output:
+        environment=report(
+            "results/probe/environment.json",
+            caption="../report/probe.rst",
+            category="Environment",
+        ),
+    log:
+        log_path("probe"),
+    benchmark:
+        benchmark_path("probe")
+    params:
+        profile=PROFILE,
+        section="probe",
+        settings=section("probe"),
+    script:
+        "../scripts/probe.py"

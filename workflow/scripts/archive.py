@@ -1,0 +1,101 @@
+"""Archive -> results/artifact-<date>-<commit>.tar.gz, a reproducible paper artifact.
+
+The tarball holds one folder named like the file: MANIFEST.json (sha256 and
+size of every other file, the resolved config, the git commit and dirty flag,
+the probe, the container runtime and image, the command line), the results
+(probe, audit, tuning table, track records, report, logs, benchmarks), the
+config file used and, for a dirty tree, the uncommitted diff. Entries are
+sorted, owners and modes normalised and every mtime fixed (SOURCE_DATE_EPOCH,
+else the commit time), and gzip's header carries no name or time: the same
+results give the same bytes. `verify_archive.py` checks an artifact against
+its manifest; this stage runs it on what it wrote.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+from common import atomic, facts, stage
+from verify_archive import MANIFEST, sha256, verify
+
+SKIP_PARTS = {".tmp", "records.d"}
+
+
+def result_files(root: Path, exclude: set[Path]) -> list[Path]:
+    """Every results file worth keeping: not earlier artifacts, temporary files,
+    per-configuration record copies (records.jsonl holds them) or this stage's
+    own log and benchmark."""
+    out = []
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if not p.is_file() or SKIP_PARTS & set(rel.parts) or p.resolve() in exclude:
+            continue
+        if len(rel.parts) == 1 and p.name.startswith("artifact-"):
+            continue
+        out.append(p)
+    return out
+
+
+def source_date() -> int:
+    return int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())
+
+
+def build(entries: dict[str, bytes], prefix: str, mtime: int) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name in sorted(entries):
+            data = entries[name]
+            info = tarfile.TarInfo(f"{prefix}/{name}")
+            info.size = len(data)
+            info.mtime = mtime
+            info.mode = 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+    out = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=9) as gz:
+        gz.write(raw.getvalue())
+    return out.getvalue()
+
+
+def main(job):
+    artifact = Path(job.output.artifact)
+    root = artifact.parent
+    exclude = {Path(p).resolve() for p in [job.log] if p} | {Path("results/benchmarks/archive.tsv").resolve()}
+    entries = {f"results/{p.relative_to(root).as_posix()}": p.read_bytes() for p in result_files(root, exclude)}
+    entries["config/config.yaml"] = (facts.REPO_ROOT / "config.yaml").read_bytes()
+    entries["config/config.resolved.json"] = (atomic.dumps(job.config) + "\n").encode()
+    commit = facts.commit()
+    if commit["dirty"]:
+        diff = subprocess.run(["git", "diff", "HEAD", "--", ".", ":(exclude)results"],
+                              cwd=facts.REPO_ROOT, capture_output=True, check=False).stdout
+        entries["source/uncommitted.diff"] = diff
+    manifest = {
+        "schema": 1,
+        "artifact": artifact.name,
+        "profile": job.profile,
+        "commit": commit,
+        "config": job.config,
+        "container": {"runtime": job.params["runtime"], "image": job.params["image"]},
+        "command_line": job.params["command_line"],
+        "probe": json.loads(Path(job.input.environment).read_text()),
+        "files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in sorted(entries.items())},
+    }
+    entries[MANIFEST] = (atomic.dumps(manifest) + "\n").encode()
+    prefix = artifact.name.removesuffix(".tar.gz")
+    atomic.write_bytes(artifact, build(entries, prefix, source_date()))
+    problems = verify(artifact)
+    if problems:
+        artifact.unlink()
+        raise RuntimeError(f"the artifact just written does not verify: {problems}")
+    print(f"archive: {artifact} ({len(entries)} files, {artifact.stat().st_size} bytes) verifies")
+
+
+if __name__ == "__main__":
+    stage.run(main, globals().get("snakemake"))

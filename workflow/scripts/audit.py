@@ -1,0 +1,92 @@
+"""Correctness audit -> results/audit/gates.json and results/audit/audit.md.
+
+Runs the gates of SPEC 5 through kernels.parity at the active profile's shapes
+and dtypes: RG-LRU against the official recurrentgemma layer with and without
+resets, the Hawk residual block with copied weights stage by stage, SAMU against
+its float64 reference, and every available backend of every op against its
+reference. Each check is recorded with its error and tolerance. If any check
+fails the stage prints the table to its log and exits non-zero without writing
+its outputs, so no tuning or timing stage runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from common import atomic, facts, records, stage
+
+
+def run_checks(settings: dict) -> list[dict]:
+    import torch
+
+    from kernels import parity
+
+    device = settings["device"]
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the profile's audit runs on cuda but no GPU is visible; pick the cpu-smoke profile")
+    checks = []
+    for dtype_name in settings["dtypes"]:
+        dtype = getattr(torch, dtype_name)
+        for c in parity.run_gates(settings["shapes"], device, dtype, chunk_sizes=settings["chunk_sizes"]):
+            checks.append({"dtype": dtype_name, "device": device, **c})
+    return checks
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3e}"
+    return "" if v is None else str(v)
+
+
+def markdown(doc: dict) -> str:
+    checks = doc["checks"]
+    passed = sum(c["passed"] for c in checks)
+    lines = [
+        f"# Correctness audit ({doc['profile']})",
+        "",
+        f"{passed} of {len(checks)} checks passed on {doc['device_name']} "
+        f"(commit {doc['commit']['sha'][:12]}{' dirty' if doc['commit']['dirty'] else ''}, "
+        f"torch {doc['versions'].get('torch')}, triton {doc['versions'].get('triton')}).",
+        "Errors are maximum relative errors against the reference named in each check; "
+        "a check passes when its error is at most its tolerance.",
+        "",
+        "| check | dtype | error | tolerance | passed |",
+        "|---|---|---|---|---|",
+    ]
+    for c in checks:
+        lines.append(
+            f"| {c['check']} | {c.get('dtype', '')} | {_fmt(c.get('error'))} | {_fmt(c.get('tolerance'))} | "
+            f"{'yes' if c['passed'] else '**NO**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(job):
+    checks = run_checks(job.params["settings"])
+    gpu = facts.gpu()
+    doc = {
+        "schema": 1,
+        "profile": job.profile,
+        "timestamp": records.now(),
+        "commit": facts.commit(),
+        "versions": facts.versions(),
+        "gpu": gpu,
+        "device_name": gpu["name"] if gpu else "CPU",
+        "settings": job.params["settings"],
+        "passed": bool(checks) and all(c["passed"] for c in checks),
+        "checks": checks,
+    }
+    text = markdown(doc)
+    print(text, flush=True)
+    if not checks:
+        raise SystemExit("audit: kernels.parity returned no checks; refusing to pass an empty audit")
+    if not doc["passed"]:
+        failed = [c["check"] for c in checks if not c["passed"]]
+        print(f"audit: {len(failed)} gate(s) failed: {failed}; no timing stage will run", file=sys.stderr)
+        raise SystemExit(1)
+    atomic.write_json(job.output.gates, doc)
+    atomic.write_text(job.output.summary, text)
+
+
+if __name__ == "__main__":
+    stage.run(main, globals().get("snakemake"))

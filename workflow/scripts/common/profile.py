@@ -1,0 +1,57 @@
+"""Which profile of config.yaml a run uses.
+
+`profile: auto` picks by the GPU that NVML reports: a name containing "H200"
+selects `h200`, "H800" selects `h800`; no GPU (or no NVML) selects `cpu-smoke`.
+An explicit name (`--config profile=h800`) is used as given. A GPU with no
+profile of its own is an error that says how to choose one.
+"""
+
+from __future__ import annotations
+
+GPU_PROFILES = {"H200": "h200", "H800": "h800"}
+CPU_PROFILE = "cpu-smoke"
+
+
+def gpu_names() -> list[str]:
+    """Names of the GPUs NVML sees; [] without a driver or without nvidia-ml-py."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    try:
+        names = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+            names.append(name.decode() if isinstance(name, bytes) else name)
+        return names
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def profile_for_gpu(names: list[str], known: list[str]) -> str:
+    if not names:
+        return CPU_PROFILE
+    for key, profile in GPU_PROFILES.items():
+        if key in names[0].upper() and profile in known:
+            return profile
+    raise ValueError(
+        f"profile: auto found GPU {names[0]!r}, which has no profile in config.yaml "
+        f"(profiles: {sorted(known)}); run with --config profile=<name> to pick one"
+    )
+
+
+def resolve_profile(config: dict, gpus: list[str] | None = None) -> tuple[str, dict]:
+    """(profile name, profile dict) for a validated config."""
+    profiles = config.get("profiles") or {}
+    wanted = config.get("profile", "auto")
+    if wanted == "auto":
+        name = profile_for_gpu(gpu_names() if gpus is None else gpus, list(profiles))
+    else:
+        name = wanted
+    if name not in profiles:
+        raise ValueError(f"expected profile in {['auto', *sorted(profiles)]}, got {name!r} (config key 'profile')")
+    return name, profiles[name]

@@ -1,0 +1,207 @@
+"""Entry point shared by every stage script.
+
+A stage script defines `main(job)` and ends with
+
+    if __name__ == "__main__":
+        stage.run(main, globals().get("snakemake"))
+
+Under Snakemake's `script:` directive `snakemake` is the job; `run` sends the
+script's output to the rule's log, prepares the process (repository on
+sys.path, Triton's interpreter when there is no GPU) and calls `main` with a
+plain `Job`. With `container: {runtime: docker}` it instead writes the job to a
+JSON file and runs the same script inside the image through the docker SDK
+(containers/docker_runner.py), where the script is called as
+`python <script> --job <file>`. With `runtime: apptainer` Snakemake itself has
+already started the script inside the image, and with `none` it runs natively.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import atomic
+from .facts import REPO_ROOT
+
+IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
+
+
+class Files(list):
+    """Paths in order, also reachable by name (job.output.environment)."""
+
+    def __init__(self, paths=(), names=None):
+        super().__init__(str(p) for p in paths)
+        self.names = dict(names or {})
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["names"][name]
+        except KeyError:
+            raise AttributeError(f"no file named {name!r}; named files: {sorted(self.__dict__.get('names', {}))}") from None
+
+
+@dataclass
+class Job:
+    rule: str
+    script: str
+    input: Files
+    output: Files
+    params: dict
+    config: dict
+    log: str | None = None
+    wildcards: dict = field(default_factory=dict)
+    threads: int = 1
+
+    @property
+    def profile(self) -> str:
+        return self.params["profile"]
+
+    @property
+    def settings(self) -> dict:
+        """This rule's section of the active profile (params.section names it)."""
+        return self.config["profiles"][self.profile].get(self.params.get("section", self.rule), {})
+
+    @classmethod
+    def from_snakemake(cls, smk, script: str) -> "Job":
+        def files(nl):
+            return Files(list(nl), {k: str(v) for k, v in nl.items()})
+
+        params = {k: v for k, v in smk.params.items()}
+        return cls(
+            rule=smk.rule,
+            script=script,
+            input=files(smk.input),
+            output=files(smk.output),
+            params=params,
+            config=dict(smk.config),
+            log=str(smk.log[0]) if len(smk.log) else None,
+            wildcards={k: str(v) for k, v in smk.wildcards.items()},
+            threads=int(smk.threads),
+        )
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["input"] = {"paths": list(self.input), "names": self.input.names}
+        d["output"] = {"paths": list(self.output), "names": self.output.names}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Job":
+        d = dict(d)
+        d["input"] = Files(d["input"]["paths"], d["input"]["names"])
+        d["output"] = Files(d["output"]["paths"], d["output"]["names"])
+        return cls(**d)
+
+
+def _script_path(smk) -> str:
+    # Snakemake runs a copy named tmp<random>.<original name> from .snakemake/scripts.
+    copy = Path(sys.modules["__main__"].__file__).name
+    name = copy.split(".", 1)[1] if copy.startswith("tmp") and "." in copy else copy
+    path = Path(smk.scriptdir or REPO_ROOT / "workflow" / "scripts") / name
+    if not path.is_file():
+        raise FileNotFoundError(f"cannot find the stage script {name} in {path.parent}")
+    return str(path.resolve())
+
+
+def prepare_process() -> None:
+    """Make `kernels` importable and pick Triton's interpreter when there is no GPU
+    (the variable must be set before triton is first imported)."""
+    root = str(REPO_ROOT)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@contextlib.contextmanager
+def log_to(path: str | None):
+    """Send this process's stdout and stderr (file descriptors too, so that
+    subprocesses and C extensions land there as well) to the rule's log."""
+    if path is None:
+        yield
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "a", buffering=1) as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def docker_runner():
+    path = REPO_ROOT / "containers" / "docker_runner.py"
+    spec = importlib.util.spec_from_file_location("kernels_docker_runner", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_in_docker(job: Job) -> None:
+    from .profile import gpu_names
+
+    container = job.config["container"]
+    text = atomic.dumps(job.to_json())
+    results = REPO_ROOT / "results"
+    job_file = results / ".tmp" / "jobs" / f"{job.rule}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
+    atomic.write_text(job_file, text)
+    print(f"[stage] running {job.rule} in docker image {container['image']}", flush=True)
+    status = docker_runner().run(
+        container["image"],
+        ["python", job.script, "--job", str(job_file)],
+        repo=REPO_ROOT,
+        results=results,
+        env={IN_CONTAINER: "1"},
+        gpus=bool(gpu_names()),
+    )
+    job_file.unlink(missing_ok=True)
+    if status != 0:
+        raise RuntimeError(f"stage {job.rule} exited with status {status} inside {container['image']}")
+
+
+def run(main, snakemake=None) -> None:
+    """Run a stage's `main(job)`; see the module docstring."""
+    if snakemake is None:
+        ap = argparse.ArgumentParser(description="Run one pipeline stage from a job file (written by the docker runtime).")
+        ap.add_argument("--job", required=True, help="JSON job file")
+        args = ap.parse_args()
+        job = Job.from_json(json.loads(Path(args.job).read_text()))
+        prepare_process()
+        main(job)
+        return
+    job = Job.from_snakemake(snakemake, _script_path(snakemake))
+    with log_to(job.log):
+        try:
+            if job.config["container"]["runtime"] == "docker" and not os.environ.get(IN_CONTAINER):
+                _run_in_docker(job)
+            else:
+                prepare_process()
+                main(job)
+        except BaseException:
+            traceback.print_exc()
+            failed = True
+        else:
+            failed = False
+    if failed:
+        print(f"stage {job.rule} failed; see {job.log}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,283 @@
+"""Environment probe -> results/probe/environment.json.
+
+Records the GPU as NVML sees it (name, UUID, driver and CUDA driver versions,
+compute capability, memory, SM and memory clocks current and max, power limit,
+ECC and persistence mode, temperature), the software (Python, torch, triton,
+the CUDA toolkit), the CPU, two measured ceilings -- device copy bandwidth
+(bytes read + written per second) and the BF16 matrix-product rate -- and
+whether Nsight Compute can read hardware counters. Without a GPU the probe says
+so, measures the CPU instead and the pipeline goes on with the CPU profile.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+from common import atomic, facts, records, stage
+
+COUNTER_METRICS = (
+    "dram__bytes_read.sum",
+    "lts__t_bytes.sum",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+)
+NCU_TIMEOUT_S = 300
+
+
+def nvml_facts() -> dict:
+    """Every GPU NVML reports; fields a device does not support are null."""
+    try:
+        import pynvml
+    except ImportError as e:
+        return {"available": False, "reason": f"nvidia-ml-py not installed ({e})", "devices": []}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return {"available": False, "reason": f"NVML: {e}", "devices": []}
+
+    def q(fn, *args):
+        try:
+            v = fn(*args)
+        except (pynvml.NVMLError, AttributeError):
+            return None
+        return v.decode() if isinstance(v, bytes) else v
+
+    try:
+        cuda = q(pynvml.nvmlSystemGetCudaDriverVersion)
+        out = {
+            "available": True,
+            "driver_version": q(pynvml.nvmlSystemGetDriverVersion),
+            "cuda_driver_version": None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
+            "nvml_version": q(pynvml.nvmlSystemGetNVMLVersion),
+            "devices": [],
+        }
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = q(pynvml.nvmlDeviceGetMemoryInfo, h)
+            cc = q(pynvml.nvmlDeviceGetCudaComputeCapability, h)
+            ecc = q(pynvml.nvmlDeviceGetEccMode, h)
+            power = q(pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
+            clocks = {}
+            for label, kind in (("sm", pynvml.NVML_CLOCK_SM), ("memory", pynvml.NVML_CLOCK_MEM)):
+                clocks[f"{label}_mhz"] = q(pynvml.nvmlDeviceGetClockInfo, h, kind)
+                clocks[f"{label}_max_mhz"] = q(pynvml.nvmlDeviceGetMaxClockInfo, h, kind)
+            out["devices"].append({
+                "index": i,
+                "name": q(pynvml.nvmlDeviceGetName, h),
+                "uuid": q(pynvml.nvmlDeviceGetUUID, h),
+                "compute_capability": None if cc is None else f"{cc[0]}.{cc[1]}",
+                "memory_total_bytes": None if mem is None else mem.total,
+                "memory_used_bytes": None if mem is None else mem.used,
+                "clocks": clocks,
+                "power_limit_w": None if power is None else power / 1000.0,
+                "ecc_mode_current": None if ecc is None else bool(ecc[0]),
+                "ecc_mode_pending": None if ecc is None else bool(ecc[1]),
+                "persistence_mode": None if (p := q(pynvml.nvmlDeviceGetPersistenceMode, h)) is None else bool(p),
+                "temperature_c": q(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU),
+                "pcie_link_gen_max": q(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+            })
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def cpu_facts() -> dict:
+    model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+            model = m.group(1).strip() if m else model
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            m = re.search(r"^MemTotal:\s*(\d+) kB", f.read(), re.M)
+            mem = int(m.group(1)) * 1024 if m else None
+    except OSError:
+        pass
+    return {
+        "model": model,
+        "logical_cores": os.cpu_count(),
+        "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": mem,
+        "machine": platform.machine(),
+        "os": platform.platform(),
+    }
+
+
+def _tool_version(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else None
+
+
+def software_facts() -> dict:
+    import torch
+
+    out = facts.versions()
+    out.update({
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "nvcc": _tool_version(["nvcc", "--version"]),
+        "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+    })
+    for name in ("numpy", "pandas", "snakemake", "matplotlib"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    out["executable"] = sys.executable
+    return out
+
+
+def measure(device: str, settings: dict) -> dict:
+    """The two ceilings later stages divide by, measured with the project's one
+    timing function. Copy bandwidth counts bytes read plus bytes written."""
+    import torch
+
+    from kernels.timing import time_fn
+
+    reps = settings["reps"]
+    n_bytes = settings["copy_bytes"]
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    copy = time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
+    del src, dst
+    n = settings["matmul_n"]
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm = time_fn(lambda: a @ b, reps=reps, warmup=3, device=device)
+    copy_bps = 2 * n_bytes / (copy["median_ms"] * 1e-3)
+    flops = 2 * n**3 / (mm["median_ms"] * 1e-3)
+    return {
+        "device": device,
+        "copy": {"bytes": n_bytes, "bytes_moved": 2 * n_bytes, **copy,
+                 "bandwidth_bytes_per_s": copy_bps},
+        "matmul_bf16": {"n": n, "flop": 2 * n**3, **mm, "flop_per_s": flops},
+        "copy_bandwidth_bytes_per_s": copy_bps,
+        "matmul_bf16_flop_per_s": flops,
+    }
+
+
+def ncu_path() -> str | None:
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for cand in ("/usr/local/cuda/bin/ncu",):
+        if os.path.isfile(cand):
+            return cand
+    return None
+
+
+TINY_KERNEL = (
+    "import torch; x = torch.ones(1 << 20, device='cuda'); y = x * 2; torch.cuda.synchronize()"
+)
+
+
+def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
+    """(counters_available, reason) from an Nsight Compute run over TINY_KERNEL."""
+    if "ERR_NVGPUCTRPERM" in output:
+        return False, (
+            "ERR_NVGPUCTRPERM: the driver restricts GPU performance counters to admin users "
+            "(NVreg_RestrictProfilingToAdminUsers); counters are left empty"
+        )
+    for marker in ("LibraryNotLoaded", "Failed to initialize the profiler", "==ERROR==", "No kernels were profiled"):
+        if marker in output:
+            line = next((ln.strip() for ln in output.splitlines() if marker in ln), marker)
+            return False, f"ncu failed: {line[:300]}"
+    if returncode != 0:
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        return False, f"ncu exited with status {returncode}: {tail[:300]}"
+    values = ncu_metric_values(output)
+    found = [m for m in COUNTER_METRICS if m in values]
+    if not found:
+        return False, "ncu ran but reported none of the requested metrics"
+    return True, "ncu read " + ", ".join(f"{m}={values[m]}" for m in found)
+
+
+def ncu_metric_values(output: str) -> dict:
+    """Metric name -> value (as printed) from `ncu --csv` output; rows whose value
+    is not a number (n/a) are left out."""
+    rows = list(csv.reader(ln for ln in output.splitlines() if ln.startswith('"')))
+    header = next((r for r in rows if "Metric Name" in r and "Metric Value" in r), None)
+    if header is None:
+        return {}
+    name, value = header.index("Metric Name"), header.index("Metric Value")
+    out = {}
+    for r in rows:
+        if r is header or len(r) <= max(name, value):
+            continue
+        v = r[value].replace(",", "")
+        try:
+            float(v)
+        except ValueError:
+            continue
+        out[r[name]] = v
+    return out
+
+
+def counter_check(has_gpu: bool) -> dict:
+    base = {"tool": "ncu", "metrics": list(COUNTER_METRICS)}
+    if not has_gpu:
+        return {**base, "counters_available": False, "reason": "no GPU: hardware counters not applicable"}
+    ncu = ncu_path()
+    if ncu is None:
+        return {**base, "counters_available": False, "reason": "ncu (Nsight Compute) not found on PATH"}
+    cmd = [ncu, "--target-processes", "all", "--launch-count", "1", "--csv",
+           "--metrics", ",".join(COUNTER_METRICS), sys.executable, "-c", TINY_KERNEL]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=NCU_TIMEOUT_S)
+        rc, text = out.returncode, out.stdout + out.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = None, f"ncu timed out after {NCU_TIMEOUT_S} s {e.stdout or ''}"
+    except OSError as e:
+        rc, text = None, f"could not start ncu: {e}"
+    available, reason = interpret_ncu(rc, text)
+    return {**base, "command": cmd[:-1] + ["<tiny kernel>"], "returncode": rc,
+            "counters_available": available, "reason": reason, "output_tail": text[-2000:]}
+
+
+def main(job):
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    gpu = nvml_facts()
+    env = {
+        "schema": 1,
+        "profile": job.profile,
+        "timestamp": records.now(),
+        "commit": facts.commit(),
+        "has_gpu": has_gpu,
+        "gpu": gpu,
+        "torch_device": facts.gpu(),
+        "software": software_facts(),
+        "cpu": cpu_facts(),
+        "container": {
+            "runtime": job.config["container"]["runtime"],
+            "image": job.config["container"]["image"],
+            "inside": bool(os.environ.get(stage.IN_CONTAINER)) or os.path.exists("/.dockerenv"),
+        },
+    }
+    print(f"probe: GPU present: {has_gpu}; NVML: {gpu.get('reason') or gpu.get('driver_version')}", flush=True)
+    env["measured"] = measure("cuda" if has_gpu else "cpu", job.params["settings"])
+    print(f"probe: copy {env['measured']['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"bf16 matmul {env['measured']['matmul_bf16_flop_per_s'] / 1e12:.2f} TFLOP/s", flush=True)
+    env["counters"] = counter_check(has_gpu)
+    env["counters_available"] = env["counters"]["counters_available"]
+    print(f"probe: counters_available={env['counters_available']} ({env['counters']['reason']})", flush=True)
+    atomic.write_json(job.output.environment, env)
+
+
+if __name__ == "__main__":
+    stage.run(main, globals().get("snakemake"))
