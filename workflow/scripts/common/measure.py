@@ -19,7 +19,7 @@ Method (SPEC 5):
 - `capture(fn)`: an out-of-memory error or any other exception in one
   configuration becomes an outcome (status "oom" / "failed", error text) and the
   stage goes on; `context_usable` tells whether the CUDA context survived (an
-  illegal address poisons it, and only a new process recovers: see `supervise`).
+  illegal address poisons it, and only a new process recovers: see `reexec`).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def capture(fn: Callable[[], object], device=None) -> Outcome:
     """Run fn; an exception becomes an Outcome instead of ending the stage."""
     try:
         return Outcome(STATUS_OK, fn())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Skip):
         raise
     except BaseException as exc:  # noqa: BLE001 - any failure of one configuration is data
         if isinstance(exc, SystemExit):
@@ -205,22 +205,27 @@ def launch_counter(device=None):
 
 
 def logical_counts(fn: Callable[[], object], device=None) -> dict:
-    """Run fn once under the launchers' accounting and the profiler."""
+    """Run fn once under the launchers' accounting and the profiler. `launches`
+    is the profiler's count of GPU kernels that ran; without a GPU (Triton's
+    interpreter) it is the launchers' own count."""
     with accounting.counting() as c, launch_counter(device) as lc:
         fn()
+    profiled = "kernels" in lc
     top = sorted(lc.get("by_name", {}).items(), key=lambda kv: -kv[1])[:40]
     return {
         "basis": LOGICAL_BASIS,
-        "logical_bytes_read": c.bytes_read,
-        "logical_bytes_written": c.bytes_written,
-        "logical_accounted_launches": c.launches,
-        "logical_by_kernel": dict(c.by_kernel),
-        "logical_kernel_launches": lc.get("kernels"),
-        "logical_memcpy": lc.get("memcpy"),
-        "logical_memset": lc.get("memset"),
-        "logical_top_kernels": dict(top),
-        "launch_count_method": "torch.profiler" if "kernels" in lc else None,
-        "launch_count_error": lc.get("error"),
+        "bytes_read": c.bytes_read,
+        "bytes_written": c.bytes_written,
+        "param_bytes": None,
+        "state_bytes": None,
+        "launches": lc["kernels"] if profiled else c.launches,
+        "launches_method": "torch.profiler" if profiled else "launcher accounting",
+        "accounted_launches": c.launches,
+        "by_kernel": dict(c.by_kernel),
+        "memcpy": lc.get("memcpy"),
+        "memset": lc.get("memset"),
+        "top_kernels": dict(top),
+        "profiler_error": lc.get("error"),
     }
 
 
@@ -275,24 +280,6 @@ def select_fastest(results: dict, key: str = "median_ms") -> str | None:
 def rank(results: dict, key: str = "median_ms") -> list[str]:
     ok = [(n, t[key]) for n, t in results.items() if t is not None]
     return [n for n, _ in sorted(ok, key=lambda kv: kv[1])]
-
-
-# ------------------------------------------------------------ supervision
-
-
-def supervise(argv: Sequence[str], max_restarts: int = 8, log=None, env=None) -> int:
-    """Run a stage worker (`argv`) until it exits with something other than
-    POISONED_EXIT. Each worker resumes from the records already written, and the
-    configuration that poisoned the previous one is among them."""
-    env = dict(os.environ if env is None else env)
-    for attempt in range(max_restarts + 1):
-        proc = subprocess.run(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
-        if proc.returncode != POISONED_EXIT:
-            return proc.returncode
-        if log is not None:
-            log.write(f"[supervise] worker poisoned its CUDA context; restart {attempt + 1}\n")
-            log.flush()
-    return POISONED_EXIT
 
 
 # ----------------------------------------------------- hardware counters
@@ -382,3 +369,257 @@ def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, nc
     return [summarize_counters(g) for g in groups[:n_configs]]
 
 
+# ------------------------------------------------------- probe and audit
+
+
+def find_key(doc, key: str):
+    """First value stored under `key` anywhere in a nested JSON document."""
+    if isinstance(doc, dict):
+        if key in doc:
+            return doc[key]
+        for v in doc.values():
+            found = find_key(v, key)
+            if found is not None:
+                return found
+    elif isinstance(doc, list):
+        for v in doc:
+            found = find_key(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def copy_bandwidth(env: dict) -> float | None:
+    """Device copy bandwidth (bytes read + written per second) measured by the probe."""
+    v = find_key(env, "copy_bandwidth_bytes_per_s")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def matmul_rate(env: dict) -> float | None:
+    v = find_key(env, "matmul_bf16_flop_per_s")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def counters_available(env: dict) -> tuple[bool, str]:
+    ok = find_key(env, "counters_available")
+    reason = None
+    check = find_key(env, "counters")
+    if isinstance(check, dict):
+        reason = check.get("reason")
+    if reason is None:
+        reason = find_key(env, "reason")
+    return bool(ok), str(reason or ("counters available" if ok else "the probe found no readable counters"))
+
+
+def gated_backends(gates: dict) -> dict[str, set[str]] | None:
+    """{op: backends with at least one check and no failed check} from the audit's
+    gates.json, or None when its checks do not name backends."""
+    checks = gates.get("checks") if isinstance(gates, dict) else None
+    if not isinstance(checks, list):
+        return None
+    passed: dict[str, set[str]] = {}
+    failed: dict[str, set[str]] = {}
+    named = False
+    for c in checks:
+        if not isinstance(c, dict) or "backend" not in c or c.get("backend") is None:
+            continue
+        named = True
+        op = str(c.get("op") or c.get("mixer") or "")
+        bucket = passed if c.get("passed") else failed
+        bucket.setdefault(op, set()).add(str(c["backend"]))
+    if not named:
+        return None
+    return {op: names - failed.get(op, set()) for op, names in passed.items()}
+
+
+def exact_backend_names(op: str, names: Iterable[str], gates: dict | None, inexact: Sequence[str] = ()) -> list[str]:
+    """The backends of `op` that count as exact: not matching an `inexact` pattern
+    (fnmatch) and, when the audit names backends, passing every one of its checks."""
+    import fnmatch
+
+    gated = gated_backends(gates) if gates else None
+    out = []
+    for n in names:
+        if any(fnmatch.fnmatch(n, pat) for pat in inexact):
+            continue
+        if gated is not None:
+            ok = gated.get(op)
+            if ok is None:
+                ok = set().union(*gated.values()) if gated else set()
+            if n not in ok:
+                continue
+        out.append(n)
+    return out
+
+
+# ------------------------------------------------------- record fields
+
+
+def timing_fields(m: dict) -> dict:
+    """Record fields (samples_ms, stats, peak_bytes, logical) from `measure`'s result."""
+    t = m["timing"]
+    stats = {k: t[k] for k in ("n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")}
+    stats.update({k: t[k] for k in ("reps_requested", "warmup", "stopped_early", "clock")})
+    return {
+        "samples_ms": list(t["samples_ms"]),
+        "stats": stats,
+        "peak_bytes": t["peak_bytes"],
+        "base_bytes": t["base_bytes"],
+        "logical": m.get("logical"),
+    }
+
+
+def stats_of(samples: list[float]) -> dict:
+    return timing.summarize(samples)
+
+
+def error_text(err: dict) -> str:
+    return f"{err['type']}: {err['message']}"[:2000] or err["type"]
+
+
+class Skip(Exception):
+    """A configuration that does not apply here (a peer that is not installed, a
+    backend that does not exist); nothing is recorded for it."""
+
+
+RESTARTS_ENV = "KERNELS_STAGE_RESTARTS"
+
+
+def reexec(job, max_restarts: int = 8) -> None:
+    """Replace this process by a fresh run of the same stage job; it resumes from
+    the records already written. Used after a failure that poisoned the CUDA
+    context (the failing configuration is already recorded, so it is skipped)."""
+    from common import atomic
+    from common.facts import REPO_ROOT
+
+    n = int(os.environ.get(RESTARTS_ENV, "0")) + 1
+    if n > max_restarts:
+        raise RuntimeError(f"stage {job.rule}: CUDA context poisoned {n} times; giving up")
+    os.environ[RESTARTS_ENV] = str(n)
+    path = REPO_ROOT / "results" / ".tmp" / "jobs" / f"{job.rule}-restart.json"
+    atomic.write_json(path, job.to_json())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, job.script, "--job", str(path)])
+
+
+class Runner:
+    """Runs a stage's configurations one by one: skips those already recorded
+    (resume), captures failures as records, stops starting new ones when the
+    stage's time budget is spent, and restarts the process when a failure
+    poisoned the CUDA context."""
+
+    def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None,
+                 device=None, log=None, restart: Callable[[], None] | None = None):
+        from pathlib import Path
+
+        from common import records
+
+        self.records = records
+        self.stage, self.profile = stage, profile
+        self.dir = Path(records_dir)
+        self.device = device_of(device)
+        self.budget = Budget(budget_s)
+        self.log = log
+        self.restart = restart
+        self.done = records.done_ids(self.dir, profile)
+        self.planned: list[str] = []
+        self.skipped: list[str] = []
+
+    def say(self, msg: str) -> None:
+        log_line(self.log, f"{self.stage}: {msg}")
+
+    def get(self, config_id: str) -> dict | None:
+        if config_id not in self.done:
+            return None
+        return self.records.read_record(self.records.record_path(self.dir, config_id))
+
+    def ok(self, config_id: str) -> dict | None:
+        rec = self.get(config_id)
+        return rec if rec is not None and rec["status"] == STATUS_OK else None
+
+    def run(self, config_id: str, body: Callable[[], dict], **fields) -> dict | None:
+        """Record `body()`'s fields (or its failure) under config_id; returns the record,
+        or None when the configuration was skipped or left for lack of time."""
+        if config_id in self.planned:
+            raise ValueError(f"configuration {config_id!r} planned twice in stage {self.stage}")
+        self.planned.append(config_id)
+        if config_id in self.done:
+            return self.get(config_id)
+        if self.budget.exhausted():
+            self.skipped.append(config_id)
+            return None
+        t0 = time.perf_counter()
+        try:
+            outcome = capture(body, self.device)
+        except Skip as why:
+            self.planned.remove(config_id)
+            self.say(f"{config_id}: not applicable ({why})")
+            return None
+        if outcome.ok:
+            rec = self.records.new_record(self.stage, self.profile, config_id, **fields, **(outcome.value or {}))
+        else:
+            rec = self.records.new_record(self.stage, self.profile, config_id, **fields, status=outcome.status,
+                                          error=error_text(outcome.error), error_detail=outcome.error,
+                                          samples_ms=[], stats=None)
+        rec["wall_s"] = time.perf_counter() - t0
+        self.records.write_record(self.dir, rec)
+        self.done.add(config_id)
+        med = (rec.get("stats") or {}).get("median_ms")
+        self.say(f"{config_id}: {rec['status']}" + (f" median {med:.4g} ms" if med is not None else "")
+                 + ("" if outcome.ok else f" ({rec['error'][:200]})"))
+        if not outcome.ok and (outcome.error["sticky"] or not context_usable(self.device)):
+            self.say("the CUDA context is unusable after this failure; restarting the stage process")
+            if self.restart is None:
+                raise RuntimeError(f"CUDA context poisoned by {config_id} and no restart available")
+            self.restart()
+        return rec
+
+    def finish(self, out_jsonl) -> list[dict]:
+        """Concatenate this run's planned, recorded configurations into out_jsonl."""
+        ids = [c for c in dict.fromkeys(self.planned) if c in self.done]
+        if self.skipped:
+            self.say(f"time budget spent: {len(self.skipped)} configurations not run: {self.skipped}")
+        return self.records.collect(self.dir, out_jsonl, profile=self.profile, ids=ids)
+
+
+@dataclass
+class Budget:
+    """Wall-clock budget of a stage: configurations not started before it runs
+    out are left unrecorded (a later run with a larger budget resumes them)."""
+
+    seconds: float | None
+    start: float = field(default_factory=time.perf_counter)
+
+    def left(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - (time.perf_counter() - self.start)
+
+    def exhausted(self) -> bool:
+        return self.left() <= 0
+
+
+def log_line(log, msg: str) -> None:
+    stream = log or sys.stdout
+    stream.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+    stream.flush()
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor reachable through lists, tuples, dicts and plain objects."""
+    seen: set[int] = set()
+
+    def walk(o, depth=0):
+        if depth > 6 or id(o) in seen:
+            return 0
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            return o.numel() * o.element_size()
+        if isinstance(o, dict):
+            return sum(walk(v, depth + 1) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return sum(walk(v, depth + 1) for v in o)
+        if hasattr(o, "__dict__") and not isinstance(o, (type, torch.nn.Module)):
+            return sum(walk(v, depth + 1) for v in vars(o).values())
+        return 0
+
+    return walk(obj)
