@@ -8,8 +8,6 @@ the probe's measured copy bandwidth), SAMU / RG-LRU ratios per run order, and a
 report.md that cites the probe and the audit. Nothing here is edited by hand.
 """
 
-from __future__ import annotations
-
 import io
 import json
 from pathlib import Path

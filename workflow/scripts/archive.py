@@ -11,8 +11,6 @@ results give the same bytes. `verify_archive.py` checks an artifact against
 its manifest; this stage runs it on what it wrote.
 """
 
-from __future__ import annotations
-
 import gzip
 import io
 import json

@@ -9,14 +9,15 @@ fails the stage prints the table to its log and exits non-zero without writing
 its outputs, so no tuning or timing stage runs.
 """
 
-from __future__ import annotations
-
 import sys
 
 from common import atomic, facts, records, stage
 
 
 def run_checks(settings: dict) -> list[dict]:
+    """Every gate for every dtype; the backend gates (independent of the model's
+    mixer backend) run once per dtype, the official-parity modules once per
+    model backend."""
     import torch
 
     from kernels import parity
@@ -26,10 +27,20 @@ def run_checks(settings: dict) -> list[dict]:
         raise RuntimeError("the profile's audit runs on cuda but no GPU is visible; pick the cpu-smoke profile")
     checks = []
     for dtype_name in settings["dtypes"]:
-        dtype = getattr(torch, dtype_name)
-        for c in parity.run_gates(settings["shapes"], device, dtype, chunk_sizes=settings["chunk_sizes"]):
-            checks.append({"dtype": dtype_name, "device": device, **c})
+        for i, backend in enumerate(settings["model_backends"]):
+            shapes = dict(settings["gates"])
+            if i > 0:
+                shapes.update(backends=[], samu_reference=[])
+            rows = parity.run_gates(shapes, device=device, dtype=getattr(torch, dtype_name), backend=backend)
+            checks += [{"model_backend": backend, **r, "dtype": dtype_name} for r in rows]
+            print(f"audit: {dtype_name}, model backend {backend}: {len(rows)} checks, "
+                  f"{len(parity.failures(rows))} failed", flush=True)
     return checks
+
+
+def context(c: dict) -> str:
+    keys = [k for k in c if k not in ("check", "error", "tolerance", "passed", "dtype", "device")]
+    return ", ".join(f"{k}={c[k]}" for k in keys)
 
 
 def _fmt(v) -> str:
@@ -50,13 +61,13 @@ def markdown(doc: dict) -> str:
         "Errors are maximum relative errors against the reference named in each check; "
         "a check passes when its error is at most its tolerance.",
         "",
-        "| check | dtype | error | tolerance | passed |",
-        "|---|---|---|---|---|",
+        "| check | dtype | error | tolerance | passed | context |",
+        "|---|---|---|---|---|---|",
     ]
     for c in checks:
         lines.append(
             f"| {c['check']} | {c.get('dtype', '')} | {_fmt(c.get('error'))} | {_fmt(c.get('tolerance'))} | "
-            f"{'yes' if c['passed'] else '**NO**'} |"
+            f"{'yes' if c['passed'] else '**NO**'} | {context(c)} |"
         )
     return "\n".join(lines) + "\n"
 

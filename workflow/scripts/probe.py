@@ -9,8 +9,6 @@ whether Nsight Compute can read hardware counters. Without a GPU the probe says
 so, measures the CPU instead and the pipeline goes on with the CPU profile.
 """
 
-from __future__ import annotations
-
 import csv
 import os
 import platform
@@ -266,7 +264,7 @@ def main(job):
         "container": {
             "runtime": job.config["container"]["runtime"],
             "image": job.config["container"]["image"],
-            "inside": bool(os.environ.get(stage.IN_CONTAINER)) or os.path.exists("/.dockerenv"),
+            "inside_pipeline_container": bool(os.environ.get(stage.IN_CONTAINER)),
         },
     }
     print(f"probe: GPU present: {has_gpu}; NVML: {gpu.get('reason') or gpu.get('driver_version')}", flush=True)

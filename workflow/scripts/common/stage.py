@@ -5,7 +5,8 @@ A stage script defines `main(job)` and ends with
     if __name__ == "__main__":
         stage.run(main, globals().get("snakemake"))
 
-Under Snakemake's `script:` directive `snakemake` is the job; `run` sends the
+(No `from __future__` import in a stage script: Snakemake puts its own preamble
+above the script's first line.) Under Snakemake's `script:` directive `snakemake` is the job; `run` sends the
 script's output to the rule's log, prepares the process (repository on
 sys.path, Triton's interpreter when there is no GPU) and calls `main` with a
 plain `Job`. With `container: {runtime: docker}` it instead writes the job to a
@@ -72,7 +73,8 @@ class Job:
     @classmethod
     def from_snakemake(cls, smk, script: str) -> "Job":
         def files(nl):
-            return Files(list(nl), {k: str(v) for k, v in nl.items()})
+            names = {k: str(v) if isinstance(v, str) else [str(p) for p in v] for k, v in nl.items()}
+            return Files(list(nl), names)
 
         params = {k: v for k, v in smk.params.items()}
         return cls(
