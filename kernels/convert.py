@@ -63,10 +63,10 @@ def _ours_to_official(state: dict) -> dict:
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-def _recurrent_type(official, block) -> None:
+def _recurrent_type(block, where: str) -> None:
     name = getattr(block.temporal_block_type, "name", str(block.temporal_block_type))
     if name != "RECURRENT":
-        raise ValueError(f"expected a recurrent (Hawk) residual block, got temporal_block_type {name}")
+        raise ValueError(f"expected {where} with temporal_block_type RECURRENT (Hawk), got {name}")
 
 
 def from_recurrentgemma(module: nn.Module, backend: str = "auto") -> nn.Module:
@@ -88,7 +88,7 @@ def from_recurrentgemma(module: nn.Module, backend: str = "auto") -> nn.Module:
                                      module.conv1d_temporal_width, module.final_w_init_variance_scale,
                                      backend=backend, **f)
     elif kind == "ResidualBlock":
-        _recurrent_type(module, module)
+        _recurrent_type(module, "a residual block")
         ours = layers.ResidualBlock(module.width, module.mlp_expanded_width, module.num_heads,
                                     module.lru_width, "rglru", module.conv1d_temporal_width,
                                     module.final_w_init_variance_scale, backend=backend, **f)
@@ -96,8 +96,8 @@ def from_recurrentgemma(module: nn.Module, backend: str = "auto") -> nn.Module:
         from .models import HawkConfig, HawkLM
 
         c = module.config
-        for block in module.blocks:
-            _recurrent_type(module, block)
+        for i, block in enumerate(module.blocks):
+            _recurrent_type(block, f"blocks.{i}")
         if c.embeddings_scale_by_sqrt_dim:
             raise ValueError("expected config.embeddings_scale_by_sqrt_dim False (Hawk has no embedding "
                              "scaling), got True")
