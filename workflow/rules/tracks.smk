@@ -15,7 +15,7 @@ rule track_scan:
         settings=section("scan"),
         records_dir="results/tracks/scan/records.d",
     script:
-        "../scripts/tracks.py"
+        "../scripts/track_scan.py"
 
 
 rule track_train:
@@ -35,7 +35,7 @@ rule track_train:
         settings=section("train"),
         records_dir="results/tracks/train/records.d",
     script:
-        "../scripts/tracks.py"
+        "../scripts/track_train.py"
 
 
 rule track_infer:
@@ -55,4 +55,4 @@ rule track_infer:
         settings=section("infer"),
         records_dir="results/tracks/infer/records.d",
     script:
-        "../scripts/tracks.py"
+        "../scripts/track_infer.py"

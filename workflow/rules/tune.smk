@@ -3,7 +3,12 @@ rule tune:
         environment=rules.probe.output.environment,
         gates=rules.audit.output.gates,
     output:
-        table="results/tune/tuning.json",
+        table=report(
+            "results/tune/tuning.json",
+            caption="../report/tune.rst",
+            category="Tuning",
+        ),
+        records="results/tune/records.jsonl",
     log:
         log_path("tune"),
     benchmark:
@@ -12,5 +17,6 @@ rule tune:
         profile=PROFILE,
         section="tune",
         settings=section("tune"),
+        records_dir="results/tune/records.d",
     script:
         "../scripts/tune.py"

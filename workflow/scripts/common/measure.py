@@ -575,6 +575,50 @@ class Runner:
             self.restart()
         return rec
 
+    def run_group(self, config_ids: list[str], body: Callable[[], dict], fields: dict) -> dict:
+        """One measurement that yields several records (a decode trajectory gives one
+        per checkpoint): `body()` returns {config_id: extra fields}; `fields[cid]`
+        holds each record's own fields. All or none are recorded; returns
+        {config_id: record} (empty when skipped or out of time)."""
+        pending = [c for c in config_ids if c not in self.done]
+        for c in config_ids:
+            if c in self.planned:
+                raise ValueError(f"configuration {c!r} planned twice in stage {self.stage}")
+            self.planned.append(c)
+        if pending and self.budget.exhausted():
+            self.skipped += pending
+            return {c: self.get(c) for c in config_ids if c in self.done}
+        if pending:
+            t0 = time.perf_counter()
+            try:
+                outcome = capture(body, self.device)
+            except Skip as why:
+                for c in config_ids:
+                    self.planned.remove(c)
+                self.say(f"{config_ids[0]}..: not applicable ({why})")
+                return {}
+            for c in config_ids:
+                if outcome.ok:
+                    extra = (outcome.value or {}).get(c)
+                    if extra is None:
+                        raise RuntimeError(f"measurement of the group {config_ids} returned nothing for {c}")
+                    rec = self.records.new_record(self.stage, self.profile, c, **fields[c], **extra)
+                else:
+                    rec = self.records.new_record(self.stage, self.profile, c, **fields[c], status=outcome.status,
+                                                  error=error_text(outcome.error), error_detail=outcome.error,
+                                                  samples_ms=[], stats=None)
+                rec["wall_s"] = time.perf_counter() - t0
+                self.records.write_record(self.dir, rec)
+                self.done.add(c)
+            self.say(f"{config_ids[0]} .. ({len(config_ids)} records): {outcome.status}"
+                     + ("" if outcome.ok else f" ({error_text(outcome.error)[:200]})"))
+            if not outcome.ok and (outcome.error["sticky"] or not context_usable(self.device)):
+                self.say("the CUDA context is unusable after this failure; restarting the stage process")
+                if self.restart is None:
+                    raise RuntimeError(f"CUDA context poisoned by {config_ids[0]} and no restart available")
+                self.restart()
+        return {c: self.get(c) for c in config_ids}
+
     def finish(self, out_jsonl) -> list[dict]:
         """Concatenate this run's planned, recorded configurations into out_jsonl."""
         ids = [c for c in dict.fromkeys(self.planned) if c in self.done]

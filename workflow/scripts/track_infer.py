@@ -1,0 +1,226 @@
+"""Inference track (Griffin section 5) -> results/tracks/infer/records.jsonl.
+
+The profile's preset (1.3b) with BF16 random weights, FP32 recurrent caches.
+Every decode step feeds back its own output and runs the embedding, all blocks,
+the final norm, the vocabulary projection and the next-token choice (argmax).
+Prompt processing is excluded: the allocator's peak and the clock start after it.
+The CUDA-graph generation engine (kernels.models.generation) is used when it
+exists -- graphs remove Python overhead, never model work -- otherwise the
+model's eager `step`.
+
+- Latency: batch B (16), an empty prompt and a prompt of P tokens (4096), one
+  trajectory to the longest length with the time read at every length (128 ..
+  4096 generated tokens); SAMU -> RG-LRU and RG-LRU -> SAMU order.
+- Throughput: 64-step probes over the batch sizes of the profile (out-of-memory
+  is recorded, the stage goes on), then each mixer's best batch sizes (by probe
+  tokens/s) through fresh trajectories of 512 .. 4096 steps in both orders.
+  Only completed trajectories are reported: a failed or out-of-memory
+  trajectory is a record with that status and no figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+from common import measure, stage
+
+
+def engine_module():
+    try:
+        from kernels.models import generation
+    except ImportError:
+        return None
+    return generation
+
+
+class Decoder:
+    """Greedy decoding of one model at batch B: `prefill()` (excluded from timing)
+    then `step(i)` advances every row by one token, feeding back its choice."""
+
+    def __init__(self, model, B: int, prompt: int, vocab: int, device, use_engine: bool, seed: int = 0):
+        import torch
+
+        self.model, self.B, self.prompt, self.device = model, B, prompt, device
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.prompt_tokens = torch.randint(1, vocab, (B, max(prompt, 1)), generator=g).to(device)
+        self.engine = None
+        gen = engine_module() if use_engine else None
+        if gen is not None and hasattr(gen, "Decoder"):
+            self.engine = gen.Decoder(model, B)
+        self.kind = "engine" if self.engine is not None else "eager"
+
+    def prefill(self):
+        """Prompt processing (or the empty-prompt start); not timed."""
+        import torch
+
+        with torch.no_grad():
+            if self.engine is not None:
+                toks = self.prompt_tokens if self.prompt else None
+                self.engine.reset(toks)
+                return
+            if self.prompt:
+                pos = torch.arange(self.prompt, device=self.device).expand(self.B, self.prompt)
+                logits, self.cache = self.model(self.prompt_tokens, pos)
+                self.tok = logits[:, -1].argmax(-1)
+                del logits
+            else:
+                self.cache = self.model.init_cache(self.B)
+                self.tok = torch.zeros(self.B, dtype=torch.int64, device=self.device)   # BOS
+            self.pos = torch.full((self.B,), self.prompt, dtype=torch.int64, device=self.device)
+
+    def step(self, i: int = 0):
+        import torch
+
+        if self.engine is not None:
+            return self.engine.step()
+        with torch.no_grad():
+            logits = self.model.step(self.tok, self.pos, self.cache)
+            self.tok = logits.argmax(-1)
+            self.pos.add_(1)
+        return self.tok
+
+    def state_bytes(self) -> int:
+        if self.engine is not None:
+            return measure.tensor_bytes(getattr(self.engine, "cache", None))
+        return measure.tensor_bytes(self.cache)
+
+
+def resolved_backends(model, B: int, prompt: int, device) -> dict:
+    """The backends `auto` resolves to for this model: prefill op and decode step."""
+    import torch
+
+    import kernels
+    from kernels import ops
+
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    x = torch.empty(B, max(prompt, 1), cfg.lru_width, dtype=dtype, device=device)
+    name, opts = ops.resolve(cfg.mixer, "auto", x)
+    step_fn = ops._step_backend(cfg.mixer, "auto", x[:, 0])
+    step = next((n for n, f in kernels.step_backends(cfg.mixer).items() if f is step_fn), None)
+    return {"prefill": name, "prefill_options": opts, "step": step}
+
+
+def build_model(preset: str, mixer: str, settings: dict, device, backend: str = "auto"):
+    import torch
+
+    from kernels.models import HawkConfig, HawkLM
+
+    torch.manual_seed(0)
+    cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
+    model = HawkLM(cfg, backend=backend, device=device, dtype=getattr(torch, settings["dtype"])).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, params: int) -> dict:
+    """Run `reps` trajectories to max(checkpoints); per checkpoint, the cumulative
+    milliseconds of every trajectory plus tokens/s, peak memory and logical counts."""
+    from kernels import timing
+
+    runs = [timing.time_trajectory(dec.step, checkpoints, device, before=dec.prefill) for _ in range(reps)]
+    logical = measure.logical_counts(dec.step, device)
+    logical["param_bytes"] = params * 2
+    logical["state_bytes"] = dec.state_bytes()
+    out = {}
+    for k, n in enumerate(runs[0]["checkpoints"]):
+        samples = [r["cumulative_ms"][k] for r in runs]
+        st = measure.stats_of(samples)
+        out[n] = {
+            "samples_ms": samples,
+            "stats": st,
+            "peak_bytes": max((r["peak_bytes"] or 0) for r in runs) if runs[0]["peak_bytes"] is not None else None,
+            "generated_tokens": n,
+            "tokens_per_s": dec.B * n / (st["median_ms"] * 1e-3),
+            "ms_per_step": st["median_ms"] / n,
+            "logical": dict(logical),
+            "decoder": dec.kind,
+            "trajectory_clock": runs[0]["clock"],
+        }
+    return out
+
+
+def main(job):
+    import torch
+
+    settings = job.params["settings"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tuned = Path(job.input.table)
+    os.environ["KERNELS_TUNING_TABLE"] = str(tuned.resolve())
+    runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
+                            restart=lambda: measure.reexec(job))
+    preset, mixers = settings["preset"], settings["mixers"]
+    use_engine = settings.get("cuda_graphs", True) and device.type == "cuda"
+    models: dict = {}
+
+    def model(mixer):
+        if mixer not in models:
+            models[mixer] = build_model(preset, mixer, settings, device)
+        return models[mixer]
+
+    def base(mixer, B, prompt):
+        return {"shapes": {"preset": preset, "B": B, "prompt": prompt, "vocab": settings["vocab"]},
+                "mixer": mixer, "backend": "auto", "dtype": settings["dtype"]}
+
+    def group(prefix, mixer, B, prompt, lengths, reps, order, extra):
+        ids = [f"{prefix}-N{n}" for n in lengths]
+
+        def body():
+            m = model(mixer)
+            dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine)
+            try:
+                per = trajectory_fields(dec, lengths, reps, device, sum(p.numel() for p in m.parameters()))
+                for v in per.values():
+                    v["resolved"] = resolved_backends(m, B, prompt, device)
+            finally:
+                del dec
+                measure.release(device)
+            return {f"{prefix}-N{n}": per[n] for n in lengths}
+
+        fields = {f"{prefix}-N{n}": {**base(mixer, B, prompt), "order": order, "generated_tokens": n, **extra}
+                  for n in lengths}
+        return runner.run_group(ids, body, fields)
+
+    lat = settings["latency"]
+    for prompt in lat["prompts"]:
+        for order, seq in measure.orders(mixers):
+            for mixer in seq:
+                group(f"infer-latency-{preset}-P{prompt}-B{lat['batch']}-{mixer}-{order}", mixer, lat["batch"],
+                      prompt, sorted(lat["lengths"]), lat.get("reps", 1), order,
+                      {"role": "latency", "sequence": list(seq)})
+
+    thr = settings.get("throughput") or {}
+    if thr:
+        probe = {}
+        for order, seq in measure.orders(mixers):
+            for mixer in seq:
+                for B in thr["batches"]:
+                    n = thr["probe_steps"]
+                    recs = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [n], 1, order,
+                                 {"role": "probe", "sequence": list(seq)})
+                    for rec in recs.values():
+                        if rec is not None and rec["status"] == "ok":
+                            probe.setdefault(mixer, {}).setdefault(B, []).append(rec)
+        best = {}
+        for mixer in mixers:
+            scores = {B: statistics.median(r["tokens_per_s"] for r in rs) for B, rs in probe.get(mixer, {}).items()}
+            best[mixer] = sorted(scores, key=lambda b: -scores[b])[: thr.get("top", 1)]
+            measure.log_line(None, f"infer: {mixer} best batch sizes by probe tokens/s: {best[mixer]}")
+        for order, seq in measure.orders(mixers):
+            for mixer in seq:
+                for B in best.get(mixer, []):
+                    sel = sorted(r["config_id"] for r in probe[mixer][B])
+                    group(f"infer-throughput-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, sorted(thr["lengths"]),
+                          thr.get("reps", 1), order,
+                          {"role": "fresh", "sequence": list(seq), "selected_from": sel,
+                           "selected_by": "highest probe tokens/s"})
+    recs = runner.finish(job.output.records)
+    print(f"track_infer: {len(recs)} records", flush=True)
+
+
+if __name__ == "__main__":
+    stage.run(main, globals().get("snakemake"))

@@ -1,0 +1,248 @@
+"""Section-4 scan track -> results/tracks/scan/records.jsonl.
+
+Griffin section 4, Fig. 8a shape: B = 8 sequences of 1024 real states (RG-LRU
+D = 1024; SAMU M = 512 complex modes = 1024 real values; the bare scan D = 1024),
+T = 2048 .. 16384, forward only, timed after the projections (the ops receive
+what the projections produce). Every backend of every op (chunked ones once per
+chunk size of the profile) and, when installed, the peers on the bare scan: the
+official recurrentgemma PyTorch scan, flash-linear-attention's HGRN scans and
+accelerated-scan. The whole list runs in both orders (AB = listed order, BA =
+reversed). Each record carries the memory floor: the bytes any implementation
+must move (inputs read once, output written once) over the copy bandwidth the
+probe measured in this run. Peers are checked against the reference first and
+recorded as failed if they disagree. Hardware counters come from one Nsight
+Compute pass when the probe found them readable, else stay null.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from common import atomic, measure, stage
+from tune import check_close, floor_bytes, op_inputs, opt_tag
+
+COUNTERS_PASS = "KERNELS_SCAN_COUNTERS_PASS"
+PEERS = ("recurrentgemma", "fla_chunk_hgrn", "fla_fused_recurrent_hgrn", "accelerated_scan_triton",
+         "accelerated_scan_warp")
+
+
+def peer_fn(name: str, a, b, segment_pos):
+    """A no-argument forward of peer `name` on the bare scan h_t = a_t h_{t-1} + b_t
+    (a reset at t = 0 only, which every peer expresses as a zero initial state),
+    with any layout change done here, outside the timed call. Raises measure.Skip
+    when the peer is not installed."""
+    import torch
+
+    try:
+        if name == "recurrentgemma":
+            from kernels import parity
+
+            rnn_scan = parity.load_official().layers.rnn_scan
+            reset = segment_pos == 0
+            return lambda: rnn_scan(b, a.to(b.dtype), reset, None)[0], "BTD"
+        if name in ("fla_chunk_hgrn", "fla_fused_recurrent_hgrn"):
+            from fla.ops import hgrn
+
+            f = hgrn.chunk_hgrn if name == "fla_chunk_hgrn" else hgrn.fused_recurrent_hgrn
+            g = torch.log(a.float()).to(b.dtype).contiguous()
+            return lambda: f(b, g)[0], "BTD"
+        if name in ("accelerated_scan_triton", "accelerated_scan_warp"):
+            if name.endswith("triton"):
+                from accelerated_scan.triton import scan as s
+            else:
+                from accelerated_scan.warp import scan as s
+            gates = a.to(b.dtype).transpose(1, 2).contiguous()
+            tokens = b.transpose(1, 2).contiguous()
+            return lambda: s(gates, tokens), "BDT"
+    except ImportError as e:
+        raise measure.Skip(f"peer {name} not installed ({e})") from None
+    raise ValueError(f"expected a peer in {list(PEERS)}, got {name!r}")
+
+
+def plan(settings: dict, gates: dict | None) -> list[dict]:
+    """Every (op, backend, options, T) of the track in listed order, per T."""
+    import kernels
+
+    out = []
+    for T in settings["T"]:
+        for op in settings["ops"]:
+            fns = kernels.backends(op)
+            names = measure.exact_backend_names(op, list(fns), gates)
+            for name in names:
+                if name == "reference" and T > settings.get("reference_max_T", 0):
+                    continue
+                takes_k = "chunk_size" in _params(fns[name])
+                for opts in ([{"chunk_size": k} for k in settings["chunk_sizes"]] if takes_k else [{}]):
+                    out.append({"T": T, "op": op, "backend": name, "options": opts, "peer": False})
+        for peer in settings.get("peers", []):
+            if T <= settings.get("peer_max_T", {}).get(peer, T):
+                out.append({"T": T, "op": "scan", "backend": f"peer:{peer}", "options": {}, "peer": True})
+    return out
+
+
+def _params(fn) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def config_id(item: dict, settings: dict, order: str) -> str:
+    name = item["backend"].replace(":", "-")
+    return (f"scan-{item['op']}-{name}{opt_tag(item['options'])}-B{settings['B']}-T{item['T']}"
+            f"-D{settings['D']}-{settings['dtype']}-{order}")
+
+
+class Inputs:
+    """Inputs for one (op, T) at a time, built on first use, plus the reference
+    scan output the peers are checked against."""
+
+    def __init__(self, settings, device):
+        self.settings, self.device = settings, device
+        self.key, self.args, self.ref = None, None, None
+
+    def get(self, op, T):
+        import torch
+
+        if self.key != (op, T):
+            self.args = self.ref = None
+            measure.release(self.device)
+            s = self.settings
+            self.args = op_inputs(op, s["B"], T, s["D"], getattr(torch, s["dtype"]), self.device)
+            self.key = (op, T)
+        return self.args
+
+    def reference(self):
+        import kernels
+
+        if self.ref is None:
+            self.ref = kernels.backends("scan")["reference"](*self.args)[0]
+        return self.ref
+
+
+def forward_fn(item: dict, inputs: Inputs, check_tol: float):
+    """(fn, args) for one item: the timed no-grad forward call."""
+    import torch
+
+    import kernels
+
+    args = inputs.get(item["op"], item["T"])
+    if item["peer"]:
+        fn, layout = peer_fn(item["backend"].split(":", 1)[1], args[0], args[1], args[2])
+        with torch.no_grad():
+            y = fn()
+        ref = inputs.reference()
+        check_close(f"{item['backend']} output", y.transpose(1, 2) if layout == "BDT" else y, ref, check_tol)
+    else:
+        f = kernels.backends(item["op"])[item["backend"]]
+        opts = item["options"]
+
+        def fn():
+            return f(*args, **opts)[0]
+
+    def call():
+        with torch.no_grad():
+            return fn()
+    return call, args
+
+
+def counters_pass(items: list[dict], settings: dict, device) -> None:
+    """Run every item once between boundary markers (the Nsight Compute pass)."""
+    inputs = Inputs(settings, device)
+    for item in items:
+        measure.mark_boundary()
+        try:
+            call, _ = forward_fn(item, inputs, settings["check_tolerance"])
+            call()
+        except Exception as e:  # noqa: BLE001 - an empty group keeps the alignment
+            print(f"counters pass: {item['backend']} T={item['T']}: {type(e).__name__}: {e}", flush=True)
+    measure.mark_boundary()
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def collect_counters(job, items: list[dict], ids: list[str], env: dict, settings: dict) -> dict:
+    """{config_id: counters or None}; cached next to the records so a resumed run
+    does not repeat the pass. Only when the probe found counters readable."""
+    ok, reason = measure.counters_available(env)
+    if not settings.get("counters", False) or not ok:
+        return {"_reason": reason if not ok else "counters not requested by the profile"}
+    cache = Path(job.params["records_dir"]).parent / "counters.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    job_file = Path("results/.tmp/jobs/track_scan-counters.json")
+    atomic.write_json(job_file, job.to_json())
+    os.environ[COUNTERS_PASS] = "1"
+    try:
+        got = measure.ncu_counters([sys.executable, job.script, "--job", str(job_file)], len(items),
+                                   timeout_s=settings.get("counters_timeout_s", 600))
+    finally:
+        os.environ.pop(COUNTERS_PASS, None)
+    if got is None:
+        out = {"_reason": "the Nsight Compute pass failed; counters left empty"}
+    else:
+        out = {cid: c for cid, c in zip(ids, got)}
+        # One pass serves both orders: the same kernels run whatever the order.
+    atomic.write_json(cache, out)
+    return out
+
+
+def main(job):
+    import torch
+
+    settings = job.params["settings"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gates = json.loads(Path(job.input.gates).read_text())
+    env = json.loads(Path(job.input.environment).read_text())
+    os.environ["KERNELS_TUNING_TABLE"] = str(Path(job.input.table).resolve())
+    items = plan(settings, gates)
+    if os.environ.get(COUNTERS_PASS):
+        counters_pass(items, settings, device)
+        return
+    bandwidth = measure.copy_bandwidth(env)
+    counters = collect_counters(job, items, [config_id(i, settings, "AB") for i in items], env, settings)
+    runner = measure.Runner("scan", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
+                            restart=lambda: measure.reexec(job))
+    inputs = Inputs(settings, device)
+    for T in settings["T"]:
+        row = [i for i in items if i["T"] == T]
+        for order, seq in measure.orders(row):
+            if order not in settings.get("orders", ["AB", "BA"]):
+                continue
+            for item in seq:
+                cid = config_id(item, settings, order)
+
+                def body(item=item):
+                    call, args = forward_fn(item, inputs, settings["check_tolerance"])
+                    m = measure.measure(call, settings["reps"], settings["warmup"], device,
+                                        budget_s=settings.get("budget_s_per_config"))
+                    fields = measure.timing_fields(m)
+                    y = call()
+                    fb = floor_bytes(args[:2] if item["peer"] else args, y)
+                    floor_ms = fb / bandwidth * 1e3 if bandwidth else None
+                    med = fields["stats"]["median_ms"]
+                    fields.update(floor_bytes=fb, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
+                                  fraction_of_floor=(floor_ms / med) if floor_ms else None)
+                    fields["logical"]["state_bytes"] = settings["B"] * settings["D"] * 4
+                    fields["logical"]["floor_bytes"] = fb
+                    return fields
+
+                counter = counters.get(config_id(item, settings, "AB"))
+                runner.run(cid, body, shapes={"B": settings["B"], "T": T, "D": settings["D"]},
+                           mixer=item["op"] if item["op"] != "scan" else None, backend=item["backend"],
+                           op=item["op"], options=item["options"], peer=item["peer"], order=order,
+                           sequence=[i["backend"] + opt_tag(i["options"]) + "/" + i["op"] for i in seq],
+                           dtype=settings["dtype"], counters=counter,
+                           counters_reason=None if counter else counters.get("_reason"))
+    recs = runner.finish(job.output.records)
+    print(f"track_scan: {len(recs)} records", flush=True)
+
+
+if __name__ == "__main__":
+    stage.run(main, globals().get("snakemake"))
