@@ -20,7 +20,6 @@ model's eager `step`.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from pathlib import Path

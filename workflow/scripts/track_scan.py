@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from common import atomic, measure, stage
-from tune import check_close, floor_bytes, op_inputs, opt_tag
+from tune import check_close, chunk_variants, floor_bytes, op_inputs, opt_tag
 
 COUNTERS_PASS = "KERNELS_SCAN_COUNTERS_PASS"
 PEERS = ("recurrentgemma", "fla_chunk_hgrn", "fla_fused_recurrent_hgrn", "accelerated_scan_triton",
@@ -74,22 +74,12 @@ def plan(settings: dict, gates: dict | None) -> list[dict]:
             for name in names:
                 if name == "reference" and T > settings.get("reference_max_T", 0):
                     continue
-                takes_k = "chunk_size" in _params(fns[name])
-                for opts in ([{"chunk_size": k} for k in settings["chunk_sizes"]] if takes_k else [{}]):
+                for opts in chunk_variants(name, fns[name], settings["chunk_sizes"]):
                     out.append({"T": T, "op": op, "backend": name, "options": opts, "peer": False})
         for peer in settings.get("peers", []):
             if T <= settings.get("peer_max_T", {}).get(peer, T):
                 out.append({"T": T, "op": "scan", "backend": f"peer:{peer}", "options": {}, "peer": True})
     return out
-
-
-def _params(fn) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def config_id(item: dict, settings: dict, order: str) -> str:
@@ -218,9 +208,12 @@ def main(job):
             for item in seq:
                 cid = config_id(item, settings, order)
 
-                def body(item=item):
+                slow = settings.get("slow", {}).get(item["backend"], {})
+                reps, warmup = slow.get("reps", settings["reps"]), slow.get("warmup", settings["warmup"])
+
+                def body(item=item, reps=reps, warmup=warmup):
                     call, args = forward_fn(item, inputs, settings["check_tolerance"])
-                    m = measure.measure(call, settings["reps"], settings["warmup"], device,
+                    m = measure.measure(call, reps, warmup, device,
                                         budget_s=settings.get("budget_s_per_config"))
                     fields = measure.timing_fields(m)
                     y = call()

@@ -27,28 +27,20 @@ import os
 from pathlib import Path
 
 from common import atomic, measure, stage
-from tune import opt_tag
+from tune import chunk_variants, opt_tag
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
     """(backend, options) diagnostics of one mixer; chunked backends once per chunk
     size (on a GPU through a one-entry tuning table, since the model layers take a
     backend name only; the CPU's `auto` is always the reference)."""
-    import inspect
-
     import kernels
 
     fns = kernels.backends(mixer)
     out = []
     for name in measure.exact_backend_names(mixer, list(fns), gates):
-        try:
-            takes_k = "chunk_size" in inspect.signature(fns[name]).parameters
-        except (TypeError, ValueError):
-            takes_k = False
-        if takes_k and device.type == "cuda":
-            out += [(name, {"chunk_size": k}) for k in settings["chunk_sizes"]]
-        else:
-            out.append((name, {}))
+        variants = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]
+        out += [(name, opts) for opts in variants]
     return out
 
 

@@ -112,20 +112,36 @@ def _provider_attr(op: str, name: str, table: str, attr: str):
     return None
 
 
-def option_grid(fn, grid: dict, declared: dict | None, fixed: set[str] = frozenset()) -> list[dict]:
-    """Every combination of launcher options to try. A provider's declared grid
-    wins; otherwise the profile's grid keeps the keys that `fn` names as keyword
-    parameters (outside `fixed`, the reference signature)."""
+def _signature(fn) -> tuple[set[str], bool]:
+    """(named parameters, whether it takes **kwargs) of a launcher."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return set(), False
+    return set(params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def option_grid(fn, name: str, grids: dict, declared: dict | None, fixed: set[str] = frozenset()) -> list[dict]:
+    """Every combination of launcher options to try for backend `name`. A provider's
+    declared grid wins; otherwise the profile's grid for this backend name (or for
+    "*") keeps the keys the launcher accepts: its named keyword parameters outside
+    `fixed` (the reference signature), or any key when it takes **options."""
     if declared:
         space = {k: list(v) for k, v in declared.items()}
     else:
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            params = {}
-        space = {k: list(v) for k, v in grid.items() if k in params and k not in fixed}
+        grid = (grids or {}).get(name, (grids or {}).get("*", {}))
+        params, var_kw = _signature(fn)
+        space = {k: list(v) for k, v in grid.items() if (k in params and k not in fixed) or (var_kw and k not in params)}
     keys = sorted(space)
     return [dict(zip(keys, vals)) for vals in itertools.product(*(space[k] for k in keys))] or [{}]
+
+
+def chunk_variants(name: str, fn, chunk_sizes) -> list[dict]:
+    """One option set per chunk size for a chunked backend (it names chunk_size, or
+    takes **options and is called chunk-something), else one empty option set."""
+    params, var_kw = _signature(fn)
+    chunked = "chunk_size" in params or (var_kw and "chunk" in name)
+    return [{"chunk_size": k} for k in chunk_sizes] if chunked else [{}]
 
 
 def op_candidates(op: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
@@ -139,7 +155,7 @@ def op_candidates(op: str, settings: dict, gates: dict | None, device) -> list[t
     out = []
     for name in names:
         declared = _provider_attr(op, name, "BACKENDS", "TUNING")
-        for opts in option_grid(fns[name], settings.get("options", {}), declared):
+        for opts in option_grid(fns[name], name, settings.get("options", {}), declared):
             out.append((name, opts))
     return out[: settings.get("max_candidates", len(out))]
 
@@ -161,7 +177,7 @@ def step_candidates(op: str, settings: dict, device) -> list[tuple[str, dict]]:
     out = []
     for name in names:
         declared = _provider_attr(op, name, "STEPS", "STEP_TUNING")
-        for opts in option_grid(fns[name], settings.get("options", {}), declared, _STEP_FIXED[op]):
+        for opts in option_grid(fns[name], name, settings.get("options", {}), declared, _STEP_FIXED[op]):
             out.append((name, opts))
     return out
 
