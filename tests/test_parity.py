@@ -67,7 +67,8 @@ def test_official_bfloat16():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op", ["rglru", "samu", "scan"])
 def test_every_backend(op, dtype):
-    rows = parity.check_backends(op, B=2, T=37, D=24, dtype=dtype)
+    # T = 19 with K = 8: resets on chunk edges (8, 16) and inside chunks, a partial last chunk.
+    rows = parity.check_backends(op, B=2, T=19, D=8, dtype=dtype, chunk_sizes=(8,))
     assert {r["backend"] for r in rows} == set(backends(op))
     grads = {r["stage"] for r in rows if r["stage"].startswith("grad_")}
     assert "grad_initial_state" in grads and len(grads) >= 3
@@ -105,7 +106,7 @@ def test_gates_can_fail(monkeypatch):
 def test_run_gates_rows():
     profile = {k: [] for k in parity.DEFAULT_PROFILE}
     profile["rglru_official"] = [{"B": 2, "T": 9, "D": 8, "heads": 2}]
-    profile["backends"] = [{"B": 1, "T": 9, "D": 4}]
+    profile["backends"] = [{"B": 1, "T": 9, "D": 4, "chunk_sizes": (8,)}]
     rows = parity.run_gates(profile, device="cpu", dtype=torch.float32)
     assert {r["check"].split("/")[0] for r in rows} == {"backends", "rglru_official"}
     assert {r["resets"] for r in rows if r["check"].startswith("rglru")} == {True, False}
