@@ -9,10 +9,20 @@ min_version("9.0")
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow" / "scripts"))
 from common import facts
+from common.locks import release_stale_locks
 from common.profile import resolve_profile
 
 
 configfile: "config.yaml"
+
+
+if not workflow.dryrun:
+    _released = release_stale_locks(Path.cwd())
+    if _released:
+        print(
+            f"Released stale locks of a killed run: {_released}; resuming.",
+            file=sys.stderr,
+        )
 
 
 validate(config, "../schemas/config.schema.yaml")

@@ -160,9 +160,9 @@ def measure(device: str, settings: dict) -> dict:
     flops = 2 * n**3 / (mm["median_ms"] * 1e-3)
     return {
         "device": device,
-        "copy": {"bytes": n_bytes, "bytes_moved": 2 * n_bytes, **copy,
+        "copy": {"buffer_bytes": n_bytes, "bytes_moved": 2 * n_bytes, "timing": copy,
                  "bandwidth_bytes_per_s": copy_bps},
-        "matmul_bf16": {"n": n, "flop": 2 * n**3, **mm, "flop_per_s": flops},
+        "matmul_bf16": {"n": n, "flop": 2 * n**3, "timing": mm, "flop_per_s": flops},
         "copy_bandwidth_bytes_per_s": copy_bps,
         "matmul_bf16_flop_per_s": flops,
     }

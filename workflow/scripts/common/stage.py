@@ -199,6 +199,10 @@ def run(main, snakemake=None) -> None:
             else:
                 prepare_process()
                 main(job)
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                print(e.code if isinstance(e.code, str) else f"stage {job.rule} exited with status {e.code}")
+            failed = e.code not in (None, 0)
         except BaseException:
             traceback.print_exc()
             failed = True
