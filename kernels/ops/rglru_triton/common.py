@@ -1,0 +1,239 @@
+"""Pieces shared by the serial and chunked RG-LRU / scan kernels.
+
+Notation: B batch, T time, D channels, BT rows (time steps) of a tile, BD channels
+of a tile, K chunk length, NC = ceil(T / K) chunks. Tiles are [BT, BD], time-major,
+channels contiguous. Every recurrence value is accumulated in ACC (FP32, or float64
+for float64 inputs).
+
+The recurrence is h_t = a_t h_{t-1} + b_t. A step is the affine map z -> a z + b;
+tiles and chunks are summarised by the composition of their maps, and the
+composition order is kept (affine maps do not commute). The adjoint of the
+backward pass walks time in reverse: with mu_t = a_t lam_t,
+    mu_t = a_t mu_{t+1} + a_t dy_t,    lam_t = dy_t + mu_{t+1},    mu_T = dL/dh_T,
+so it is the same affine scan run backwards over the maps (a_t, a_t dy_t), and
+dL/dh0 = mu_0. lam_t needs the *exclusive* suffix (mu_{t+1}); `affine_excl` carries
+both the exclusive and the inclusive composition through one associative scan.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import accounting
+
+# Tests set this to allocate every output with NaN, so an element a kernel fails to
+# write cannot pass a comparison.
+POISON = os.environ.get("KERNELS_POISON", "") == "1"
+# Triton's CPU interpreter truncates FP32 -> BF16 where the GPU rounds to nearest even;
+# under the interpreter the stores round explicitly (see `out`), so CPU tests judge
+# the same arithmetic as the GPU runs.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+CHUNK_SIZES = (8, 16, 32, 64)
+
+
+def empty(shape, dtype, device):
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def check_pow2(name: str, value, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"expected {name} to be a power of two in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def check_chunk_size(chunk_size) -> int:
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"expected chunk_size in {list(CHUNK_SIZES)}, got {chunk_size!r}")
+    return chunk_size
+
+
+@triton.jit
+def affine(a1, b1, a2, b2):
+    # (a1, b1) is applied first: z -> a2 (a1 z + b1) + b2.
+    return a1 * a2, a2 * b1 + b2
+
+
+@triton.jit
+def affine_excl(ea1, eb1, ia1, ib1, ea2, eb2, ia2, ib2):
+    # A segment's (exclusive, inclusive) pair: "exclusive" composes every map of the
+    # segment but its last one, "inclusive" composes all of them. One map alone is
+    # (identity, itself). The pair of a concatenation L R is (ex_R o in_L, in_R o in_L).
+    return ia1 * ea2, ea2 * ib1 + eb2, ia1 * ia2, ia2 * ib1 + ib2
+
+
+@triton.jit
+def out(v, ptr, RNE: tl.constexpr):
+    """v cast to ptr's element type; RNE: round BF16 to nearest even by hand (the
+    truncating conversion then keeps the already rounded value)."""
+    ty = ptr.dtype.element_ty
+    if RNE and ty == tl.bfloat16:
+        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(ty)
+
+
+@triton.jit
+def softplus(x):
+    # max(x, 0) + log1p(exp(-|x|)); log1p(z) = log(u) * z / (u - 1) with u = 1 + z is
+    # accurate for small z (a_param sits near -9 to -4, where log(1 + z) is not).
+    z = tl.exp(-tl.abs(x))
+    u = 1.0 + z
+    d = tl.where(u == 1.0, 1.0, u - 1.0)
+    return tl.maximum(x, 0.0) + tl.where(u == 1.0, z, tl.log(u) * (z / d))
+
+
+@triton.jit
+def last_row(v, rows, BT: tl.constexpr):
+    # [BT, BD] -> [BD]: the row BT - 1 (a sum of one non-zero term, exact).
+    return tl.sum(tl.where(rows[:, None] == BT - 1, v, 0.0), axis=0)
+
+
+@triton.jit
+def first_row(v, rows):
+    return tl.sum(tl.where(rows[:, None] == 0, v, 0.0), axis=0)
+
+
+@triton.jit
+def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
+              IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
+    """Loads the tile of rows t0 .. t0 + BT - 1 and forms its coefficients in registers.
+
+    RG-LRU: x, gx, ga are the input and the two gate logits, ap_sp = softplus(a_param)
+    [BD]. Scan: x is b and ga is a (gx unused). Rows past T are identity maps (a = 1,
+    b = 0). Returns offsets, masks and every intermediate the backward reuses:
+    (off, m, valid, keep, a, b, xv, sx, sa, mult, u); `keep` is False at resets.
+    """
+    t = t0 + rows
+    m_t = t < T
+    off = (i_b * T + t[:, None]) * D + o_d[None, :]
+    m = m_t[:, None] & m_d[None, :]
+    if HAS_RESET:
+        p = tl.load(pos + i_b * T + t, mask=m_t, other=1)
+        keep = (p != 0)[:, None]
+    else:
+        keep = rows[:, None] >= 0
+    valid = m_t[:, None]
+    if IS_SCAN:
+        a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
+        b = tl.load(x + off, mask=m, other=0.0).to(ACC)
+        a = tl.where(keep, a, 0.0)
+        a = tl.where(valid, a, 1.0)
+        xv = b
+        sx = b
+        sa = a
+        mult = a
+        u = a
+    else:
+        xv = tl.load(x + off, mask=m, other=0.0).to(ACC)
+        sx = tl.sigmoid(tl.load(gx + off, mask=m, other=0.0).to(ACC))
+        sa = tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC))
+        a = tl.exp(-8.0 * sa * ap_sp[None, :])
+        u = 1.0 - a * a
+        mult = tl.where(keep, tl.sqrt(u), 1.0)
+        a = tl.where(keep & valid, a, tl.where(valid, 0.0, 1.0))
+        b = xv * sx * mult
+    return off, m, valid, keep, a, b, xv, sx, sa, mult, u
+
+
+@triton.jit
+def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
+           IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
+    """The transition a_t of a tile alone (as load_tile forms it): (off, m, a)."""
+    t = t0 + rows
+    m_t = t < T
+    off = (i_b * T + t[:, None]) * D + o_d[None, :]
+    m = m_t[:, None] & m_d[None, :]
+    if IS_SCAN:
+        a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
+    else:
+        a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp[None, :])
+    if HAS_RESET:
+        p = tl.load(pos + i_b * T + t, mask=m_t, other=1)
+        a = tl.where((p != 0)[:, None], a, 0.0)
+    a = tl.where(m_t[:, None], a, 1.0)
+    return off, m, a
+
+
+@triton.jit
+def tile_grads(x, gx, ga, dy, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
+               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
+    """Adjoint of one tile given its states. h: [BT, BD] h_t; hprev: h_{t-1} (scan only);
+    r: [BD] mu at the row after the tile. Stores the activation gradients and returns
+    (mu at the tile's first row [BD], the tile's d softplus(a_param) partial [BD])."""
+    dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
+    ad = a * dyv
+    ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, ad),
+                                         0, affine_excl, reverse=True)
+    lam = dyv + ea * r[None, :] + eb
+    r_new = first_row(ia * r[None, :] + ib, rows)
+    if IS_SCAN:
+        tl.store(dx + off, out(lam, dx, RNE), mask=m)
+        da = tl.where(keep, lam * hprev, 0.0)
+        tl.store(dga + off, out(da, dga, RNE), mask=m)
+        dsp = tl.zeros(r.shape, ACC)
+    else:
+        gxm = lam * mult
+        tl.store(dx + off, out(gxm * sx, dx, RNE), mask=m)
+        tl.store(dgx + off, out(gxm * xv * sx * (1.0 - sx), dgx, RNE), mask=m)
+        # a h_{t-1} = h_t - b_t; d/dlog_a of a is a, of u = 1 - a^2 is -2 a^2; the
+        # sqrt's derivative is clipped as in the official SqrtBoundDerivative.
+        du = lam * xv * sx * tl.rsqrt(tl.maximum(4.0 * u, 1e-6))
+        dlog = tl.where(keep & valid, lam * (h - b) - 2.0 * a * a * du, 0.0)
+        tl.store(dga + off, out(dlog * (-8.0 * sp[None, :]) * sa * (1.0 - sa), dga, RNE), mask=m)
+        dsp = tl.sum(dlog * (-8.0 * sa), axis=0)
+    return r_new, dsp
+
+
+@triton.jit
+def reduce_dap_kernel(part, ap, dap, R, D, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+                      RNE: tl.constexpr):
+    # dL/da_param = sigmoid(a_param) * sum over R rows of the d softplus partials, in a
+    # fixed order (no atomics): bitwise reproducible.
+    i_d = tl.program_id(0)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = tl.arange(0, BR)
+    acc = tl.zeros([BD], ACC)
+    for r0 in range(0, R, BR):
+        r = r0 + rows
+        v = tl.load(part + r[:, None].to(tl.int64) * D + o_d[None, :], mask=(r[:, None] < R) & m_d[None, :],
+                    other=0.0)
+        acc += tl.sum(v, axis=0)
+    apv = tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC)
+    tl.store(dap + o_d, out(acc * tl.sigmoid(apv), dap, RNE), mask=m_d)
+
+
+def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
+    """part: [R, D] partial d softplus(a_param) sums -> dL/da_param [D] in a_param's dtype."""
+    R, D = part.shape
+    dap = empty((D,), a_param.dtype, part.device)
+    BD = min(256, triton.next_power_of_2(D))
+    reduce_dap_kernel[(triton.cdiv(D, BD),)](part, a_param, dap, R, D, BR=16, BD=BD,
+                                             ACC=tl_acc(part.dtype), RNE=INTERPRET, num_warps=4)
+    accounting.record("rglru_reduce_dap", accounting.nbytes(part, a_param), accounting.nbytes(dap))
+    return dap
+
+
+def blocks_for(n_programs_per_block, D: int, lo: int = 16, hi: int = 64, target: int = 528) -> int:
+    """Channel block: the widest power of two in [lo, hi] that still gives at least
+    `target` programs (4 per multiprocessor on an H200), else lo."""
+    bd = hi
+    while bd > lo and n_programs_per_block * triton.cdiv(D, bd) < target:
+        bd //= 2
+    return max(lo, min(bd, triton.next_power_of_2(D)))

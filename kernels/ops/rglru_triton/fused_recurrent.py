@@ -1,0 +1,236 @@
+"""Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
+sequence and walks time in tiles of BT steps, carrying the FP32 state in registers.
+
+Forward: per tile, load [BT, BD] inputs, form a_t and b_t in registers, one associative
+scan, store y, carry the last row. The state entering every tile ([B, NT, D] FP32,
+NT = ceil(T / BT), 4 / BT bytes per element) is the only thing kept for backward.
+Backward walks the tiles in reverse: recompute the tile's states from the saved
+entering state, run the adjoint scan (see common.py), store the gradients, and carry
+mu_t = a_t lam_t to the previous tile. The a_param gradient is a per-program partial
+[B, D] reduced in a fixed order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import accounting
+from .common import (INTERPRET, acc_dtype, affine, affine_excl, blocks_for, check_pow2, empty, last_row, load_tile,
+                     out, reduce_dap, softplus, tile_grads, tl_acc)
+
+
+@triton.jit(do_not_specialize=["T"])
+def serial_fwd_kernel(
+    x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    SAVE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    i_d = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = tl.arange(0, BT)
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    if HAS_H0:
+        h = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        h = tl.zeros([BD], ACC)
+    NT = tl.cdiv(T, BT)
+    for i_t in tl.range(0, NT, num_stages=STAGES):
+        if SAVE:
+            tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
+        off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
+            x, gx, ga, sp, pos, i_b, i_t * BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+        # [BT, BD]
+        A, Bs = tl.associative_scan((a, b), 0, affine)
+        hh = A * h[None, :] + Bs
+        tl.store(y + off, out(hh, y, RNE), mask=m)
+        h = last_row(hh, rows, BT)
+    if STORE_HT:
+        tl.store(ht + i_b * D + o_d, h, mask=m_d)
+
+
+@triton.jit(do_not_specialize=["T"])
+def serial_bwd_kernel(
+    x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+):
+    i_d = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = tl.arange(0, BT)
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    if HAS_DHT:
+        r = tl.load(dht + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        r = tl.zeros([BD], ACC)
+    dsp = tl.zeros([BD], ACC)
+    NT = tl.cdiv(T, BT)
+    for j in tl.range(0, NT, num_stages=STAGES):
+        i_t = NT - 1 - j
+        hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
+        off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
+            x, gx, ga, sp, pos, i_b, i_t * BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+        if IS_SCAN:
+            # h_{t-1} itself is needed (da = lam h_{t-1}): the exclusive prefix.
+            ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
+                                                 0, affine_excl)
+            hprev = ea * hin[None, :] + eb
+            h = hprev
+        else:
+            A, Bs = tl.associative_scan((a, b), 0, affine)
+            h = A * hin[None, :] + Bs
+            hprev = h
+        r, dsp_t = tile_grads(x, gx, ga, dy, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
+                              h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
+        dsp += dsp_t
+    if STORE_DH0:
+        tl.store(dh0 + i_b * D + o_d, r, mask=m_d)
+    if not IS_SCAN:
+        tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
+
+
+def _config(B, T, D, block_t=None, block_d=None, num_warps=None, num_stages=None, chunk_size=None, **unknown):
+    if unknown:
+        raise ValueError(f"expected serial options among ['block_t', 'chunk_size', 'block_d', 'num_warps', "
+                         f"'num_stages'], got {sorted(unknown)}")
+    if chunk_size is not None:
+        if block_t is not None and block_t != chunk_size:
+            raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
+                             f"{chunk_size}")
+        block_t = chunk_size
+    bt = check_pow2("block_t", 64 if block_t is None else block_t, 8, 256)
+    bd = blocks_for(B, D) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
+    nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
+    ns = 1 if num_stages is None else num_stages
+    if not isinstance(ns, int) or not 1 <= ns <= 4:
+        raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
+    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns}
+
+
+def _tile_bytes(is_scan, x, pos):
+    n = x.numel() * x.element_size()
+    return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
+
+
+def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+    """Launcher. Scan mode: x = b, ga = a (gx, a_param unused). Returns (y, ht, hs)."""
+    B, T, D = x.shape
+    acc = acc_dtype(x.dtype)
+    y = empty((B, T, D), x.dtype, x.device)
+    ht = empty((B, D), acc, x.device) if output_final_state else None
+    NT = triton.cdiv(T, cfg["BT"])
+    hs = empty((B, NT, D), acc, x.device) if save else None
+    grid = (triton.cdiv(D, cfg["BD"]), B)
+    serial_fwd_kernel[grid](
+        x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
+        h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D,
+        IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+        SAVE=save, BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], ACC=tl_acc(x.dtype), RNE=INTERPRET,
+        num_warps=cfg["num_warps"],
+    )
+    accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
+                      _tile_bytes(is_scan, x, pos) + accounting.nbytes(h0, None if is_scan else a_param),
+                      accounting.nbytes(y, ht, hs))
+    return y, ht, hs
+
+
+def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
+    """Launcher. Returns (dx, dgx, dga, dh0, dsp_part); scan mode: dx = db, dga = da."""
+    B, T, D = x.shape
+    acc = acc_dtype(x.dtype)
+    dx = empty((B, T, D), x.dtype, x.device)
+    dga = empty((B, T, D), ga.dtype, x.device)
+    dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
+    dh0 = empty((B, D), acc, x.device) if need_dh0 else None
+    part = None if is_scan else empty((B, D), acc, x.device)
+    grid = (triton.cdiv(D, cfg["BD"]), B)
+    serial_bwd_kernel[grid](
+        x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, hs, dy,
+        dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
+        dh0 if dh0 is not None else hs, part if part is not None else hs, T, D,
+        IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_DHT=dht is not None, STORE_DH0=need_dh0,
+        BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], ACC=tl_acc(x.dtype), RNE=INTERPRET,
+        num_warps=cfg["num_warps"],
+    )
+    accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
+                      _tile_bytes(is_scan, x, pos) + accounting.nbytes(hs, dy, dht, None if is_scan else a_param),
+                      accounting.nbytes(dx, dgx, dga, dh0, part))
+    return dx, dgx, dga, dh0, part
+
+
+class SerialFunction(torch.autograd.Function):
+    """RG-LRU (is_scan False: x, gate_x, gate_a, a_param) or the bare scan (is_scan True:
+    x = b, gx = b, ga = a, a_param None) through the serial kernels."""
+
+    @staticmethod
+    def forward(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
+        x, gx, ga = x.contiguous(), gx.contiguous(), ga.contiguous()
+        pos = None if pos is None else pos.contiguous()
+        h0 = None if h0 is None else h0.contiguous()
+        save = any(ctx.needs_input_grad)
+        y, ht, hs = serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
+        if save:
+            ctx.save_for_backward(x, gx, ga, a_param, pos, hs)
+            ctx.is_scan, ctx.cfg, ctx.has_h0 = is_scan, cfg, h0 is not None
+        return y, ht
+
+    @staticmethod
+    def backward(ctx, dy, dht):
+        x, gx, ga, a_param, pos, hs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dht = None if dht is None else dht.contiguous()
+        dx, dgx, dga, dh0, part = serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, ctx.has_h0,
+                                                  ctx.is_scan, ctx.cfg)
+        dap = None
+        if not ctx.is_scan and ctx.needs_input_grad[3]:
+            dap = reduce_dap(part, a_param)
+        return dx, dgx, dga, dap, None, dh0, None, None, None
+
+
+def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,
+                          output_final_state=False, **opts):
+    """RG-LRU from gate logits through the serial kernels; the reference signature.
+    x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
+    [B, D] FP32. Options: block_t (time tile; chunk_size is accepted as its alias),
+    block_d, num_warps, num_stages. Returns (y [B, T, D], final state [B, D] or None)."""
+    B, T, D = x.shape
+    cfg = _config(B, T, D, **opts)
+    if T == 0:
+        return _empty_sequence(x, initial_state, output_final_state)
+    return SerialFunction.apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state,
+                                False, cfg)
+
+
+def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
+    """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets) through the serial kernels, real
+    inputs; complex inputs go to the PyTorch reference."""
+    if b.is_complex():
+        from .. import reference
+
+        return reference.scan(a, b, segment_pos, initial_state, output_final_state)
+    B, T, D = b.shape
+    cfg = _config(B, T, D, **opts)
+    if T == 0:
+        return _empty_sequence(b, initial_state, output_final_state)
+    a = a.to(b.dtype) if a.dtype != b.dtype else a
+    return SerialFunction.apply(b, b, a, None, segment_pos, initial_state, output_final_state, True, cfg)
+
+
+def _empty_sequence(x, h0, output_final_state):
+    B, _, D = x.shape
+    h = None
+    if output_final_state:
+        h = h0 if h0 is not None else torch.zeros(B, D, dtype=acc_dtype(x.dtype), device=x.device)
+    return x.new_zeros(B, 0, D), h
