@@ -18,7 +18,6 @@ model's eager `step`.
   trajectory is a record with that status and no figures.
 """
 
-from __future__ import annotations
 
 import os
 import statistics

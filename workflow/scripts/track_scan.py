@@ -14,7 +14,6 @@ recorded as failed if they disagree. Hardware counters come from one Nsight
 Compute pass when the probe found them readable, else stay null.
 """
 
-from __future__ import annotations
 
 import json
 import os
@@ -216,8 +215,8 @@ def main(job):
                     m = measure.measure(call, reps, warmup, device,
                                         budget_s=settings.get("budget_s_per_config"))
                     fields = measure.timing_fields(m)
-                    y = call()
-                    fb = floor_bytes(args[:2] if item["peer"] else args, y)
+                    act = args[1] if item["op"] == "scan" else args[0]
+                    fb = floor_bytes(args[:2] if item["peer"] else args, act)
                     floor_ms = fb / bandwidth * 1e3 if bandwidth else None
                     med = fields["stats"]["median_ms"]
                     fields.update(floor_bytes=fb, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,

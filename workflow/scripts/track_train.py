@@ -20,7 +20,6 @@ FLOPs = 6 x parameters x tokens, the shared embedding counted once as the output
 projection, over the probe's measured BF16 matmul rate) and logical figures.
 """
 
-from __future__ import annotations
 
 import json
 import os
@@ -39,6 +38,8 @@ def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> 
     fns = kernels.backends(mixer)
     out = []
     for name in measure.exact_backend_names(mixer, list(fns), gates):
+        if settings.get("backends") and name not in settings["backends"]:
+            continue
         variants = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]
         out += [(name, opts) for opts in variants]
     return out

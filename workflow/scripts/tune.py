@@ -14,7 +14,6 @@ next input) and the median trajectory decides; the winner gets fresh trajectorie
 Table schema: kernels/ops/tuning.py (version 1), plus a "decode" list.
 """
 
-from __future__ import annotations
 
 import fnmatch
 import importlib
@@ -86,7 +85,8 @@ def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 
 
 def floor_bytes(args: list, out) -> int:
     """Bytes any implementation must move: every floating-point input read once
-    and the output written once (the memory floor's numerator). Integer positions
+    and the output (shaped and typed like `out`) written once (the memory floor's
+    numerator). Integer positions
     are left out: they only encode resets, which peers express otherwise."""
     import torch
 
@@ -152,6 +152,8 @@ def op_candidates(op: str, settings: dict, gates: dict | None, device) -> list[t
     if device.type == "cuda" and not settings.get("include_reference", False):
         names = [n for n in names if n != "reference"]
     names = measure.exact_backend_names(op, names, gates, settings.get("inexact", []))
+    if settings.get("backends"):
+        names = [n for n in names if n in settings["backends"]]
     out = []
     for name in names:
         declared = _provider_attr(op, name, "BACKENDS", "TUNING")

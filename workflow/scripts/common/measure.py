@@ -557,11 +557,11 @@ class Runner:
             self.say(f"{config_id}: not applicable ({why})")
             return None
         if outcome.ok:
-            rec = self.records.new_record(self.stage, self.profile, config_id, **fields, **(outcome.value or {}))
+            rec = self.records.new_record(self.stage, self.profile, config_id, **{**fields, **(outcome.value or {})})
         else:
-            rec = self.records.new_record(self.stage, self.profile, config_id, **fields, status=outcome.status,
-                                          error=error_text(outcome.error), error_detail=outcome.error,
-                                          samples_ms=[], stats=None)
+            rec = self.records.new_record(self.stage, self.profile, config_id, **{
+                **fields, "status": outcome.status, "error": error_text(outcome.error),
+                "error_detail": outcome.error, "samples_ms": [], "stats": None})
         rec["wall_s"] = time.perf_counter() - t0
         self.records.write_record(self.dir, rec)
         self.done.add(config_id)
@@ -602,11 +602,11 @@ class Runner:
                     extra = (outcome.value or {}).get(c)
                     if extra is None:
                         raise RuntimeError(f"measurement of the group {config_ids} returned nothing for {c}")
-                    rec = self.records.new_record(self.stage, self.profile, c, **fields[c], **extra)
+                    rec = self.records.new_record(self.stage, self.profile, c, **{**fields[c], **extra})
                 else:
-                    rec = self.records.new_record(self.stage, self.profile, c, **fields[c], status=outcome.status,
-                                                  error=error_text(outcome.error), error_detail=outcome.error,
-                                                  samples_ms=[], stats=None)
+                    rec = self.records.new_record(self.stage, self.profile, c, **{
+                        **fields[c], "status": outcome.status, "error": error_text(outcome.error),
+                        "error_detail": outcome.error, "samples_ms": [], "stats": None})
                 rec["wall_s"] = time.perf_counter() - t0
                 self.records.write_record(self.dir, rec)
                 self.done.add(c)
