@@ -124,10 +124,10 @@ class Conv1D(nn.Module):
     def _check_cache(self, cache, x):
         check_tensor("conv_state", cache, shape=(x.shape[0], self.temporal_width - 1, self.width))
 
-    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor, cache: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [B, T, E]; segment_pos: [B, T]; cache: [B, W-1, E] (the inputs before x).
-        Returns (y [B, T, E], new cache [B, W-1, E] or None)."""
+        """x: [B, T, E]; segment_pos: [B, T] or None (no document starts); cache:
+        [B, W-1, E] (the inputs before x). Returns (y [B, T, E], new cache or None)."""
         B, T, _ = x.shape
         check_segment_pos(segment_pos, B, T)
         W = self.temporal_width
@@ -138,7 +138,10 @@ class Conv1D(nn.Module):
             self._check_cache(cache, x)
             prev = cache.to(acc)
         xp = torch.cat([prev, x.to(acc)], dim=1)                       # [B, W-1+T, E]
-        not_start = (segment_pos != 0).to(acc)                         # [B, T]
+        if segment_pos is None:
+            not_start = torch.ones(B, T, dtype=acc, device=x.device)
+        else:
+            not_start = (segment_pos != 0).to(acc)                     # [B, T]
         keep = torch.ones(B, T, dtype=acc, device=x.device)            # shift-s mask
         w = self.w.to(acc)
         y = xp[:, W - 1:] * w[W - 1]

@@ -188,6 +188,11 @@ def test_conv1d_decode_through_document_starts():
     torch.testing.assert_close(torch.stack(ys, 1), full[:, 4:], rtol=1e-14, atol=1e-14)
     # a document start hides every earlier input
     assert torch.equal(full[0, 6], x[0, 6] * conv.w[3] + conv.b)
+    # no segment_pos: a plain causal convolution, equal to torch's depthwise conv1d
+    plain, _ = conv(x, None)
+    want = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (3, 0)),
+                                      conv.w.T[:, None, :], conv.b, groups=5).transpose(1, 2)
+    torch.testing.assert_close(plain, want, rtol=1e-14, atol=1e-14)
     # short sequences (T < W - 1) keep a zero-padded cache
     y1, c1 = conv(x[:, :1], pos[:, :1])
     assert torch.equal(c1[:, :2], torch.zeros_like(c1[:, :2])) and torch.equal(c1[:, 2], x[:, 0])

@@ -85,7 +85,8 @@ class HawkLM(nn.Module):
 
     def _check_cache(self, cache, B):
         if not isinstance(cache, HawkCache):
-            raise ValueError(f"expected cache to be a HawkCache (from init_cache or forward), got {type(cache).__name__}")
+            raise ValueError("expected cache to be a HawkCache (from init_cache or forward), "
+                             f"got {type(cache).__name__}")
         if len(cache.layers) != len(self.blocks):
             raise ValueError(f"expected cache with {len(self.blocks)} layers, got {len(cache.layers)}")
         for i, c in enumerate(cache.layers):
@@ -93,7 +94,8 @@ class HawkLM(nn.Module):
             for n in ("conv_state", "rnn_state"):
                 t = getattr(c, n)
                 if t.device != self.device:
-                    raise ValueError(f"expected cache.layers[{i}].{n} on {self.device} (the model's device), got {t.device}")
+                    raise ValueError(f"expected cache.layers[{i}].{n} on {self.device} (the model's device), "
+                                     f"got {t.device}")
 
     def _check_device(self, **tensors):
         for n, t in tensors.items():
