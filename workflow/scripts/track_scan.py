@@ -71,6 +71,8 @@ def plan(settings: dict, gates: dict | None) -> list[dict]:
             fns = kernels.backends(op)
             names = measure.exact_backend_names(op, list(fns), gates)
             for name in names:
+                if settings.get("backends") and name not in settings["backends"]:
+                    continue
                 if name == "reference" and T > settings.get("reference_max_T", 0):
                     continue
                 for opts in chunk_variants(name, fns[name], settings["chunk_sizes"]):

@@ -1,0 +1,261 @@
+"""The measuring method shared by the tune and track stages: statistics, run
+orders, selection, counted calls, failure capture and the resumable runner."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from pipeline_util import SCRIPTS  # noqa: F401  (puts workflow/scripts on sys.path)
+
+from common import measure, records  # noqa: E402
+from kernels import timing  # noqa: E402
+from kernels.ops import accounting  # noqa: E402
+
+
+def test_percentiles_and_summary_on_known_samples():
+    s = [float(v) for v in range(1, 11)]                 # 1 .. 10
+    assert timing.percentile(s, 10) == pytest.approx(1.9)
+    assert timing.percentile(s, 95) == pytest.approx(9.55)
+    assert timing.percentile(list(reversed(s)), 50) == pytest.approx(5.5)
+    st = timing.summarize([3.0, 1.0, 2.0])
+    assert (st["n"], st["p10_ms"], st["median_ms"], st["min_ms"]) == (3, pytest.approx(1.2), 2.0, 1.0)
+    assert timing.summarize([4.0])["p95_ms"] == 4.0
+    with pytest.raises(ValueError, match="at least one sample"):
+        timing.percentile([], 50)
+
+
+def test_time_fn_counts_and_keeps_raw_samples():
+    calls = []
+    out = timing.time_fn(lambda: calls.append(1), reps=7, warmup=2, device="cpu")
+    assert len(calls) == 9 and len(out["samples_ms"]) == 7 and out["n"] == 7
+    assert out["clock"] == "perf_counter" and out["stopped_early"] is False
+    assert out["p10_ms"] <= out["median_ms"] <= out["p95_ms"]
+    with pytest.raises(ValueError, match="reps"):
+        timing.time_fn(lambda: None, reps=0, device="cpu")
+
+
+def test_time_fn_budget_stops_after_min_reps():
+    out = timing.time_fn(lambda: time.sleep(0.02), reps=50, warmup=0, device="cpu", budget_s=0.05, min_reps=3)
+    assert out["stopped_early"] is True
+    assert 3 <= out["n"] < 50 and out["reps_requested"] == 50
+
+
+def test_time_trajectory_reads_every_checkpoint_from_one_run():
+    seen = []
+    out = timing.time_trajectory(lambda i: seen.append(i), [5, 2, 5], device="cpu", before=lambda: seen.append("p"))
+    assert seen == ["p", 0, 1, 2, 3, 4]                   # prompt first, then one run of 5 steps
+    assert out["checkpoints"] == [2, 5]
+    c = out["cumulative_ms"]
+    assert len(c) == 2 and 0 <= c[0] <= c[1]
+    assert sum(out["interval_ms"]) == pytest.approx(c[1])
+    with pytest.raises(ValueError, match="checkpoints"):
+        timing.time_trajectory(lambda i: None, [0], device="cpu")
+
+
+def test_orders_run_each_comparison_both_ways():
+    assert measure.orders(["samu", "rglru"]) == [("AB", ["samu", "rglru"]), ("BA", ["rglru", "samu"])]
+    assert measure.orders(["a", "b", "c"])[1] == ("BA", ["c", "b", "a"])
+    assert measure.orders(["a"]) == [("AB", ["a"])]
+
+
+def test_selection_skips_failures_and_keeps_the_first_of_ties():
+    res = {"x": {"median_ms": 2.0}, "y": None, "z": {"median_ms": 1.0}, "w": {"median_ms": 1.0}}
+    assert measure.select_fastest(res) == "z"
+    assert measure.rank(res) == ["z", "w", "x"]
+    assert measure.select_fastest({"y": None}) is None
+
+
+def test_measure_counts_one_call_then_times_fresh_calls():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        accounting.record("k", 100, 40)
+
+    m = measure.measure(fn, reps=4, warmup=3, device="cpu")
+    # warm-up: 2 plain calls + the counted call (its last), then 4 timed calls
+    assert len(calls) == 3 + 4
+    lg = m["logical"]
+    assert (lg["bytes_read"], lg["bytes_written"], lg["launches"]) == (100, 40, 1)
+    assert lg["launches_method"] == "launcher accounting" and "logical" in lg["basis"]
+    assert m["timing"]["n"] == 4
+    fields = measure.timing_fields(m)
+    rec = records.new_record("scan", "cpu-smoke", "t-1", **fields)
+    records.validate(json.loads(json.dumps(rec)))
+
+
+def test_count_kernels_reads_profiler_events():
+    class E:
+        def __init__(self, name, dev):
+            self.name, self.device_type = name, dev
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = [E("k1", cuda), E("k1", cuda), E("Memcpy DtoD", cuda), E("Memset (Device)", cuda), E("aten::add", cpu)]
+    got = measure.count_kernels(ev)
+    assert (got["kernels"], got["memcpy"], got["memset"], got["by_name"]) == (2, 1, 1, {"k1": 2})
+
+
+@pytest.mark.parametrize("exc,status,sticky", [
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom", False),
+    (RuntimeError("CUDA error: out of memory"), "oom", False),
+    (RuntimeError("triton launch failed: bad block size"), "failed", False),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), "failed", True),
+    (ValueError("expected block_d a power of two, got 48"), "failed", False),
+])
+def test_capture_turns_failures_into_outcomes(exc, status, sticky):
+    def boom():
+        raise exc
+
+    out = measure.capture(boom, "cpu")
+    assert out.status == status and not out.ok
+    assert out.error["type"] == type(exc).__name__ and out.error["sticky"] is sticky
+    assert str(exc)[:20] in out.error["message"]
+    assert measure.capture(lambda: 3, "cpu").value == 3
+
+
+def test_capture_lets_skip_and_interrupts_through():
+    def skip():
+        raise measure.Skip("peer not installed")
+
+    with pytest.raises(measure.Skip):
+        measure.capture(skip, "cpu")
+
+
+def _runner(tmp_path, **kw):
+    return measure.Runner("scan", "cpu-smoke", tmp_path / "records.d", device="cpu", **kw)
+
+
+def _ok_fields():
+    return measure.timing_fields(measure.measure(lambda: None, reps=3, warmup=1, device="cpu"))
+
+
+def test_runner_records_resumes_and_redoes_truncated(tmp_path):
+    r = _runner(tmp_path)
+    r.run("a-1", _ok_fields, shapes={"B": 1}, mixer="rglru", backend="serial", order="AB")
+
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    rec = r.run("a-2", oom, shapes={"B": 9}, mixer="samu", backend="chunk", order="AB")
+    assert rec["status"] == "oom" and "out of memory" in rec["error"] and rec["samples_ms"] == []
+    out = r.finish(tmp_path / "records.jsonl")
+    assert [x["config_id"] for x in out] == ["a-1", "a-2"]
+    assert len(records.read_jsonl(tmp_path / "records.jsonl")) == 2
+
+    (tmp_path / "records.d" / "a-1.json").write_text('{"schema": 1, "config')     # torn write
+    calls = []
+
+    def again():
+        calls.append(1)
+        return _ok_fields()
+
+    r2 = _runner(tmp_path)
+    r2.run("a-1", again, shapes={"B": 1}, mixer="rglru", backend="serial", order="AB")
+    r2.run("a-2", again, shapes={"B": 9}, mixer="samu", backend="chunk", order="AB")
+    assert calls == [1]                                  # only the truncated one is measured again
+    assert r2.get("a-2")["status"] == "oom"
+    with pytest.raises(ValueError, match="planned twice"):
+        r2.run("a-1", again)
+
+
+def test_runner_budget_and_skip_leave_no_record(tmp_path):
+    r = _runner(tmp_path, budget_s=1e-9)
+    time.sleep(0.01)
+    assert r.run("late", _ok_fields) is None and r.skipped == ["late"]
+
+    def skip():
+        raise measure.Skip("fla not installed")
+
+    r2 = _runner(tmp_path)
+    assert r2.run("peer", skip) is None
+    assert not (tmp_path / "records.d" / "peer.json").exists()
+    assert r2.finish(tmp_path / "out.jsonl") == []
+
+
+def test_runner_restarts_after_a_poisoning_failure(tmp_path):
+    restarts = []
+    r = _runner(tmp_path, restart=lambda: restarts.append(1))
+
+    def poisoned():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    rec = r.run("bad", poisoned, backend="chunk")
+    assert rec["status"] == "failed" and restarts == [1]
+    assert (tmp_path / "records.d" / "bad.json").exists()        # recorded before the restart
+    r.run("plain", lambda: (_ for _ in ()).throw(RuntimeError("bad shape")), backend="serial")
+    assert restarts == [1]
+
+
+def test_run_group_records_all_or_none(tmp_path):
+    r = _runner(tmp_path)
+    ids = ["t-N4", "t-N8"]
+    fields = {c: {"order": "AB"} for c in ids}
+    got = r.run_group(ids, lambda: {c: {**_ok_fields(), "generated_tokens": int(c[3:])} for c in ids}, fields)
+    assert [got[c]["generated_tokens"] for c in ids] == [4, 8]
+
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    ids2 = ["u-N4", "u-N8"]
+    got2 = r.run_group(ids2, oom, {c: {} for c in ids2})
+    assert {got2[c]["status"] for c in ids2} == {"oom"}
+    calls = []
+    r2 = _runner(tmp_path)
+    r2.run_group(ids, lambda: calls.append(1), fields)
+    assert calls == []
+
+
+def test_gates_decide_which_backends_are_exact():
+    gates = {"passed": True, "checks": [
+        {"check": "backend/rglru/output", "op": "rglru", "backend": "serial", "passed": True},
+        {"check": "backend/rglru/output", "op": "rglru", "backend": "chunk", "chunk_size": 8, "passed": True},
+        {"check": "backend/rglru/grad", "op": "rglru", "backend": "chunk", "chunk_size": 16, "passed": False},
+        {"check": "backend/samu/output", "op": "samu", "backend": "serial", "passed": True},
+        {"check": "griffin_official/logits", "passed": True},
+    ]}
+    assert measure.gated_backends(gates) == {"rglru": {"serial"}, "samu": {"serial"}}
+    names = ["reference", "serial", "chunk", "assoc_bf16"]
+    assert measure.exact_backend_names("rglru", names, gates) == ["serial"]
+    assert measure.exact_backend_names("rglru", names, {"checks": []}, ["*bf16*"]) == ["reference", "serial", "chunk"]
+    assert measure.gated_backends({"checks": [{"check": "x", "passed": True}]}) is None
+
+
+def test_probe_figures_are_found_wherever_the_probe_puts_them():
+    env = {"gpu": None, "measured": {"copy_bandwidth_bytes_per_s": 4.2e12, "matmul_bf16_flop_per_s": 7.4e14},
+           "counters": {"counters_available": False, "reason": "ERR_NVGPUCTRPERM: restricted"}}
+    assert measure.copy_bandwidth(env) == 4.2e12 and measure.matmul_rate(env) == 7.4e14
+    assert measure.counters_available(env) == (False, "ERR_NVGPUCTRPERM: restricted")
+    assert measure.copy_bandwidth({}) is None
+
+
+NCU_CSV = '''==PROF== Connected to process 1
+"ID","Process ID","Process Name","Host Name","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","lts__t_bytes.sum","sm__warps_active.avg.pct_of_peak_sustained_active"
+"","","","","","byte","byte","byte","%"
+"0","1","python","h","void at::native::spin_kernel(long)","0","0","0","1"
+"1","1","python","h","scan_fwd_kernel","1,000","500","2000","50"
+"2","1","python","h","scan_fwd_kernel","1,000","500","2000","70"
+"3","1","python","h","void at::native::spin_kernel(long)","0","0","0","1"
+"4","1","python","h","chunk_kernel","10","n/a","20","30"
+"5","1","python","h","void at::native::spin_kernel(long)","0","0","0","1"
+'''
+
+
+def test_ncu_csv_is_split_per_configuration():
+    rows = measure.parse_ncu_csv(NCU_CSV)
+    assert len(rows) == 6
+    groups = measure.split_by_marker(rows)
+    assert [len(g) for g in groups] == [2, 1, 0]
+    a, b = (measure.summarize_counters(g) for g in groups[:2])
+    assert (a["dram_bytes_read"], a["dram_bytes_written"], a["l2_bytes"]) == (2000.0, 1000.0, 4000.0)
+    assert a["achieved_occupancy_pct_mean"] == pytest.approx(60.0) and a["source"] == "ncu"
+    assert b["dram_bytes_written"] is None and b["kernels"] == 1
+
+
+def test_tensor_bytes_walks_caches():
+    class Cache:
+        def __init__(self):
+            self.layers = [(torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.complex64))]
+
+    assert measure.tensor_bytes(Cache()) == 2 * 3 * 4 + 2 * 4 * 8
