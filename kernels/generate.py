@@ -1,0 +1,139 @@
+"""Generate with a Hawk model and report the decode speed.
+
+    python -m kernels.generate --preset 1.3b --mixer samu --batch 16 --prompt-len 0 \\
+        --new-tokens 128 [--checkpoint PATH] [--dtype bf16] [--device cuda]
+
+Random weights from a preset, or a checkpoint: a state dict in the official
+recurrentgemma PyTorch layout (an all-recurrent Griffin, converted through
+kernels.from_recurrentgemma) or one of ours (HawkLM.state_dict(); the preset and
+--mixer must describe it). Prompts are random tokens after a BOS; --prompt-len 0
+starts from BOS alone. Prints the prefill time, ms per decode step and tokens/s; the
+step time is one timed trajectory (CUDA events) after the graph capture and warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .models import PRESETS, HawkConfig, HawkLM
+from .models.generation import KERNELS, Engine
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def load_checkpoint(path: str, *, preset: str, mixer: str, device, dtype, backend: str = "auto") -> HawkLM:
+    """A HawkLM from a checkpoint file (see the module docstring)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ValueError(f"expected {path} to hold a state dict, got {type(state).__name__}")
+    if "embedder.input_embedding" in state:
+        from . import convert, parity
+
+        rg = parity.load_official()
+        cfg = rg.GriffinConfig.from_torch_params(state, embeddings_scale_by_sqrt_dim=False, attention_window_size=2048,
+                                                  logits_soft_cap=0.0, scan_type=rg.ScanType.AUTO)
+        official = rg.Griffin(cfg, gradient_checkpointing=False, device="meta")
+        official.load_state_dict(state, strict=True, assign=True)
+        official = official.to(device=device, dtype=dtype)
+        model = convert.from_recurrentgemma(official, backend=backend)
+        del official
+        return model.eval()
+    if "embed.weight" in state:
+        V = state["embed.weight"].shape[0]
+        cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=V)
+        model = HawkLM(cfg, backend=backend, device="meta")
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.to(device=device, dtype=dtype).eval()
+    raise ValueError(f"expected {path} to be an official recurrentgemma state dict (embedder.input_embedding) "
+                     f"or a HawkLM state dict (embed.weight), got keys {sorted(state)[:5]}...")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m kernels.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=PRESETS)
+    p.add_argument("--mixer", default="rglru", choices=["rglru", "samu"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=0, help="prompt tokens per row including BOS (0: BOS alone)")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kernels", default="auto", choices=list(KERNELS))
+    p.add_argument("--backend", default="auto", help="mixer backend of the model (prefill and step)")
+    p.add_argument("--no-graphs", action="store_true", help="run the step eagerly on CUDA")
+    p.add_argument("--pdl", action="store_true", help="programmatic dependent launch between linears (Hopper)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    for n in ("batch", "new_tokens"):
+        if getattr(a, n) < 1:
+            p.error(f"--{n.replace('_', '-')} must be at least 1, got {getattr(a, n)}")
+    if a.prompt_len < 0:
+        p.error(f"--prompt-len must be >= 0, got {a.prompt_len}")
+    device, dtype = torch.device(a.device), DTYPES[a.dtype]
+    torch.manual_seed(a.seed)
+    if a.checkpoint:
+        model = load_checkpoint(a.checkpoint, preset=a.preset, mixer=a.mixer, device=device, dtype=dtype,
+                                backend=a.backend)
+    else:
+        model = HawkLM(HawkConfig.preset(a.preset, mixer=a.mixer), backend=a.backend, device=device,
+                       dtype=dtype).eval()
+    model.requires_grad_(False)
+    cfg = model.config
+    engine = Engine(model, kernels=a.kernels, graphs=False if a.no_graphs else None, pdl=a.pdl)
+    bos = engine.bos_id
+    g = torch.Generator().manual_seed(a.seed)
+    prompts = None
+    if a.prompt_len:
+        prompts = torch.randint(0, cfg.vocab_size, (a.batch, a.prompt_len), generator=g)
+        prompts[:, 0] = bos
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gen = torch.Generator(device=device).manual_seed(a.seed) if a.temperature > 0 else None
+    kw = dict(batch_size=None if prompts is not None else a.batch, temperature=a.temperature, top_k=a.top_k,
+              stop_tokens=a.stop, generator=gen)
+    # Warm-up: graph capture and kernel compilation for this batch size.
+    engine.start(prompts, **kw)
+    engine.step()
+    sync()
+    t0 = time.perf_counter()
+    engine.start(prompts, **kw)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    out = torch.empty(a.batch, a.new_tokens, dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(a.new_tokens):
+            out[:, i].copy_(engine.step())
+        end.record()
+        end.synchronize()
+        total_ms = start.elapsed_time(end)
+    else:
+        t0 = time.perf_counter()
+        for i in range(a.new_tokens):
+            out[:, i].copy_(engine.step())
+        total_ms = (time.perf_counter() - t0) * 1e3
+    ms_step = total_ms / a.new_tokens
+    info = engine.describe()
+    result = {"preset": cfg.name, "mixer": cfg.mixer, "batch": a.batch, "prompt_len": a.prompt_len,
+              "new_tokens": a.new_tokens, "dtype": a.dtype, "device": str(device), "prefill_s": prefill_s,
+              "ms_per_step": ms_step, "tokens_per_s": a.batch * a.new_tokens / (total_ms * 1e-3), **info}
+    print(f"{cfg.name} / {cfg.mixer} ({cfg.non_embedding_parameters() / 1e6:.0f}M non-embedding parameters, "
+          f"{a.dtype}, {device}): batch {a.batch}, prompt {a.prompt_len}, {a.new_tokens} new tokens")
+    print(f"step: kernels={info['kernels']} mixer step={info['mixer_step_backend']} graphs={info['graphs']} "
+          f"pdl={info['pdl']}")
+    print(f"prefill {prefill_s * 1e3:.1f} ms; decode {ms_step:.3f} ms/step, {result['tokens_per_s']:.0f} tokens/s")
+    print(f"row 0: {out[0, :16].tolist()}{' ...' if a.new_tokens > 16 else ''}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

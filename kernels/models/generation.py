@@ -1,0 +1,487 @@
+"""Generation engine for HawkLM (either mixer): static caches, prefill, a one-token step
+captured in a CUDA graph per batch size, sampling, stop tokens and a streaming iterator.
+
+    engine = Engine(model)                                      # graphs on CUDA
+    out = engine.generate(prompts, 128, temperature=0.8, top_k=50, stop_tokens=[1])
+    for tokens in engine.stream(prompts, 128): ...              # tokens [B] per step
+
+Decoding state (one `_Slot` per batch size B, allocated once and reused): the cache
+(per layer conv_state [B, W-1, E] in the model dtype and rnn_state [B, E] FP32 for
+RG-LRU / [B, E/2] complex64 for SAMU), the next input token and its position per row,
+reset and done flags, the stop-token list and the temperature. A step feeds `tokens`
+at `pos` through the embedding, every block, the final norm and the vocabulary
+projection, chooses the next token (greedy, temperature, top-k) and writes it back
+into `tokens`, so a step is a fixed sequence of device work with no host
+synchronisation: on CUDA it is captured once per (B, sampling mode) and replayed.
+
+Prompts are left-padded to a common length P; as recurrentgemma's sampler does, the
+positions are t - (P - length) clipped at -1, so each row's first real token is a
+document start (position 0) that resets the recurrence and masks the convolution, and
+pads never reach a real token. Prefill runs the first P - 1 columns through the
+blocks' sequence path (the mixer kernels with final states out, the conv state
+written), in chunks of `prefill_chunk`; the last prompt token is the first step's
+input, so each generated token comes from exactly one step. An empty prompt starts
+from `bos_id` at position 0.
+
+Step kernels (`kernels=`):
+    "model"  the layers' own decode path (HawkLM.step: PyTorch ops and the mixer's
+             step op); any device and dtype;
+    "fused"  library matmuls plus fused row kernels (kernels.ops.decode): RMSNorm with
+             the residual add, the conv step, GeLU gating; the mixer's step op;
+    "gemm"   weight-streaming linears with the row work fused into their prologues and
+             epilogues (four launches and the mixer step per layer), for B <= 64;
+             larger batches use "fused";
+    "auto"   "gemm" on CUDA for bf16/fp16/fp32 models, "model" otherwise.
+All of them compute HawkLM.step's function (same roundings; FP32 summation order may
+differ). A graph holds the parameter and cache storage it was captured with: build a
+new engine after moving or re-creating the model's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import _step_backend
+from ..ops import decode as dk
+from ..ops._checks import shape_str
+from .hawk import HawkCache, HawkLM
+
+KERNELS = ("auto", "model", "fused", "gemm")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Next-token choice: temperature 0 picks the argmax; otherwise sample
+    softmax(logits / temperature), restricted to the top_k logits when top_k is set."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if not isinstance(t, (int, float)) or t != t or t < 0:
+            raise ValueError(f"expected temperature a float >= 0, got {t!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"expected top_k None or a positive int, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class _Slot:
+    """Static decoding state of one batch size (see the module docstring)."""
+
+    B: int
+    kernels: str
+    cache: HawkCache
+    tokens: torch.Tensor        # [B] int64, next input token (after a step: the chosen token)
+    pos: torch.Tensor           # [B] int64, position of `tokens`
+    reset: torch.Tensor         # [B] bool, pos == 0
+    done: torch.Tensor          # [B] bool, row emitted a stop token
+    stops: torch.Tensor         # [MAX_STOP_TOKENS] int64, -1 = unused
+    temperature: torch.Tensor   # [] float32
+    graphs: dict = field(default_factory=dict)
+    logits: torch.Tensor | None = None
+
+    def state(self) -> list[torch.Tensor]:
+        out = [self.tokens, self.pos, self.reset, self.done]
+        for c in self.cache.layers:
+            out += [c.conv_state, c.rnn_state]
+        return out
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+class Engine:
+    """Generation for one HawkLM. `kernels`: see the module docstring; `graphs`:
+    capture and replay the step (default: on CUDA); `pdl`: programmatic dependent
+    launch between the weight-streaming linears (Hopper); `linear_configs`: tile
+    options of those linears by role ("xy", "out", "up", "down", "logits")."""
+
+    def __init__(self, model: HawkLM, *, kernels: str = "auto", graphs: bool | None = None, pdl: bool = False,
+                 prefill_chunk: int = 1024, bos_id: int = 2, pad_id: int = 0,
+                 linear_configs: dict | None = None):
+        if not isinstance(model, HawkLM):
+            raise ValueError(f"expected model to be a HawkLM, got {type(model).__name__}")
+        if kernels not in KERNELS:
+            raise ValueError(f"expected kernels in {list(KERNELS)}, got {kernels!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"expected prefill_chunk a positive int, got {prefill_chunk!r}")
+        V = model.config.vocab_size
+        for n, v in (("bos_id", bos_id), ("pad_id", pad_id)):
+            if not isinstance(v, int) or not 0 <= v < V:
+                raise ValueError(f"expected {n} an int in [0, {V}), got {v!r}")
+        self.model = model
+        self.device = model.device
+        self.dtype = model.embed.weight.dtype
+        cuda = self.device.type == "cuda"
+        if graphs is None:
+            graphs = cuda
+        if graphs and not cuda:
+            raise ValueError(f"expected graphs=False on {self.device} (CUDA graphs need a CUDA model)")
+        if kernels == "auto":
+            kernels = "gemm" if cuda and self.dtype in (torch.bfloat16, torch.float16, torch.float32) else "model"
+        if kernels != "model" and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"expected a bf16, fp16 or fp32 model for kernels={kernels!r}, got {self.dtype} "
+                             f"(use kernels='model')")
+        self.kernels, self.graphs, self.pdl = kernels, bool(graphs), bool(pdl)
+        self.prefill_chunk, self.bos_id, self.pad_id = prefill_chunk, bos_id, pad_id
+        self.linear_configs = dict(linear_configs or {})
+        self._slots: dict[int, _Slot] = {}
+        self._cur: _Slot | None = None
+        self._sampling = Sampling()
+        self._generator: torch.Generator | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def _slot(self, B: int) -> _Slot:
+        s = self._slots.get(B)
+        if s is None:
+            dev = self.device
+            kernels = "fused" if self.kernels == "gemm" and B > dk.LINEAR_MAX_ROWS else self.kernels
+            s = _Slot(B=B, kernels=kernels, cache=self.model.init_cache(B),
+                      tokens=torch.zeros(B, dtype=torch.int64, device=dev),
+                      pos=torch.zeros(B, dtype=torch.int64, device=dev),
+                      reset=torch.zeros(B, dtype=torch.bool, device=dev),
+                      done=torch.zeros(B, dtype=torch.bool, device=dev),
+                      stops=torch.full((dk.MAX_STOP_TOKENS,), -1, dtype=torch.int64, device=dev),
+                      temperature=torch.ones((), dtype=torch.float32, device=dev))
+            self._slots[B] = s
+        return s
+
+    @property
+    def cache(self) -> HawkCache | None:
+        """The cache of the current batch (after `start`)."""
+        return None if self._cur is None else self._cur.cache
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """Logits [B, V] of the last step (a static buffer under graphs: read or clone
+        it before the next step)."""
+        return None if self._cur is None else self._cur.logits
+
+    @property
+    def done(self) -> torch.Tensor | None:
+        return None if self._cur is None else self._cur.done
+
+    def describe(self, batch_size: int | None = None) -> dict:
+        """What the engine runs: step kernels, mixer step backend, graphs, PDL."""
+        B = batch_size or (self._cur.B if self._cur else 1)
+        kernels = "fused" if self.kernels == "gemm" and B > dk.LINEAR_MAX_ROWS else self.kernels
+        mixer = self.model.blocks[0].recurrent_block.mixer
+        x = torch.empty(B, self.model.config.lru_width, dtype=self.dtype, device=self.device)
+        from .. import ops
+
+        fn = _step_backend(self.model.config.mixer, mixer.backend, x)
+        step = next((n for n, f in ops.step_backends(self.model.config.mixer).items() if f is fn), None)
+        return {"kernels": kernels, "mixer_step_backend": step, "graphs": self.graphs,
+                "pdl": self.pdl and kernels == "gemm", "prefill_chunk": self.prefill_chunk,
+                "linear_configs": dict(self.linear_configs)}
+
+    # ------------------------------------------------------------------ prompts and prefill
+
+    def _prompt_batch(self, prompts, lengths):
+        dev, V = self.device, self.model.config.vocab_size
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() != 2 or not _is_int(prompts):
+                raise ValueError(f"expected prompts an integer tensor of shape [B, P], got {shape_str(prompts)} "
+                                 f"{prompts.dtype}")
+            tokens = prompts.to(dev, torch.int64)
+            B, P = tokens.shape
+            if lengths is None:
+                lengths = torch.full((B,), P, dtype=torch.int64)
+            else:
+                lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
+                if lengths.shape != (B,):
+                    raise ValueError(f"expected lengths of shape [{B}], got {list(lengths.shape)}")
+        else:
+            if lengths is not None:
+                raise ValueError("expected lengths only with a [B, P] prompt tensor (a list of prompts "
+                                 "carries its own lengths)")
+            seqs = [torch.as_tensor(p, dtype=torch.int64).reshape(-1) for p in prompts]
+            if not seqs:
+                raise ValueError("expected at least one prompt, got none")
+            P = max(len(q) for q in seqs)
+            tokens = torch.full((len(seqs), P), self.pad_id, dtype=torch.int64)
+            for i, q in enumerate(seqs):
+                if len(q):
+                    tokens[i, P - len(q):] = q
+            lengths = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
+            tokens = tokens.to(dev)
+            B = len(seqs)
+        if P and (bool((lengths < 1).any()) or bool((lengths > P).any())):
+            raise ValueError(f"expected every prompt length in [1, {P}] (start prompts with a BOS token), "
+                             f"got {lengths.tolist()}")
+        if P == 0 and bool((lengths != 0).any()):
+            raise ValueError(f"expected lengths 0 for empty prompts, got {lengths.tolist()}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= V):
+            raise ValueError(f"expected prompt tokens in [0, {V}), got values in "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        return tokens, lengths.to(dev)
+
+    @torch.no_grad()
+    def _prefill(self, s: _Slot, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        B, P = tokens.shape
+        for c in s.cache.layers:
+            c.conv_state.zero_()
+            c.rnn_state.zero_()
+        s.done.zero_()
+        if P == 0:
+            s.tokens.fill_(self.bos_id)
+            s.pos.zero_()
+            s.reset.fill_(True)
+            return
+        # recurrentgemma's sampler: position t - (P - length), pads at -1.
+        pos = torch.arange(P, device=self.device)[None, :] - (P - lengths)[:, None]
+        pos = pos.clamp_(min=-1)
+        if P > 1:
+            m = self.model
+            body, bpos = tokens[:, :-1], pos[:, :-1]
+            caches = [None] * len(m.blocks)
+            for c0 in range(0, P - 1, self.prefill_chunk):
+                sl = slice(c0, c0 + self.prefill_chunk)
+                x = m.embed(body[:, sl])
+                for i, block in enumerate(m.blocks):
+                    x, caches[i] = block(x, bpos[:, sl], caches[i], True)
+            del x
+            for dst, src in zip(s.cache.layers, caches):
+                dst.conv_state.copy_(src.conv_state)
+                dst.rnn_state.copy_(src.rnn_state)
+        s.tokens.copy_(tokens[:, -1])
+        s.pos.copy_(pos[:, -1])
+        torch.eq(s.pos, 0, out=s.reset)
+
+    @torch.no_grad()
+    def start(self, prompts=None, *, batch_size: int | None = None, lengths=None, temperature: float = 0.0,
+              top_k: int | None = None, stop_tokens: Sequence[int] = (),
+              generator: torch.Generator | None = None) -> int:
+        """Prefill a prompt batch and make it the current batch; returns B.
+
+        prompts: None (batch_size empty prompts: decoding starts from bos_id), a [B, P]
+        integer tensor (with `lengths` [B]: each row's real tokens are its last
+        lengths[b], the rest is left padding), or a list of token sequences (left-padded
+        here). temperature, top_k: the next-token choice; stop_tokens: at most
+        MAX_STOP_TOKENS ids after which a row emits pad_id; generator: a torch.Generator
+        on the model's device for sampling.
+        """
+        sampling = Sampling(float(temperature), top_k)
+        if sampling.top_k is not None and sampling.top_k > self.model.config.vocab_size:
+            raise ValueError(f"expected top_k <= vocab_size = {self.model.config.vocab_size}, got {top_k}")
+        stops = [int(t) for t in stop_tokens]
+        if len(stops) > dk.MAX_STOP_TOKENS:
+            raise ValueError(f"expected at most {dk.MAX_STOP_TOKENS} stop tokens, got {len(stops)}")
+        V = self.model.config.vocab_size
+        if any(not 0 <= t < V for t in stops):
+            raise ValueError(f"expected stop tokens in [0, {V}), got {stops}")
+        if generator is not None and (not isinstance(generator, torch.Generator)
+                                      or generator.device.type != self.device.type):
+            raise ValueError(f"expected generator a torch.Generator on {self.device}, got {generator!r}")
+        if prompts is None:
+            if not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(f"expected batch_size a positive int with empty prompts, got {batch_size!r}")
+            tokens = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
+            lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+        else:
+            if batch_size is not None:
+                raise ValueError("expected batch_size only with empty prompts (prompts=None)")
+            tokens, lengths = self._prompt_batch(prompts, lengths)
+        s = self._slot(tokens.shape[0])
+        self._prefill(s, tokens, lengths)
+        s.stops.copy_(torch.tensor(stops + [-1] * (dk.MAX_STOP_TOKENS - len(stops)), dtype=torch.int64))
+        s.temperature.fill_(sampling.temperature if not sampling.greedy else 1.0)
+        self._cur, self._sampling, self._generator = s, sampling, generator
+        return s.B
+
+    # ------------------------------------------------------------------ the step
+
+    def _logits_model(self, s: _Slot) -> torch.Tensor:
+        m = self.model
+        x = m.embed(s.tokens)
+        for block, c in zip(m.blocks, s.cache.layers):
+            x = block.step(x, c, s.reset)
+        return m.logits(x)
+
+    def _next_norm(self, i: int):
+        m = self.model
+        return m.blocks[i + 1].temporal_pre_norm if i + 1 < len(m.blocks) else m.final_norm
+
+    def _logits_fused(self, s: _Slot) -> torch.Tensor:
+        m = self.model
+        n0 = m.blocks[0].temporal_pre_norm
+        x, xn = dk.embed_rmsnorm(s.tokens, m.embed.weight, n0.scale, n0.eps)
+        for i, (block, c) in enumerate(zip(m.blocks, s.cache.layers)):
+            rb, mlp = block.recurrent_block, block.mlp_block
+            hy = F.linear(xn, rb.linear_y.weight, rb.linear_y.bias)
+            hx = F.linear(xn, rb.linear_x.weight, rb.linear_x.bias)
+            xc = dk.conv_step(hx, c.conv_state, rb.conv_1d.w, rb.conv_1d.b, s.reset)
+            mo = rb.mixer.step(xc, c.rnn_state, s.reset)
+            o = F.linear(dk.gelu_mul(hy, mo), rb.linear_out.weight, rb.linear_out.bias)
+            cn = block.channel_pre_norm
+            xn = dk.add_rmsnorm(o, x, cn.scale, cn.eps)
+            u = F.linear(xn, mlp.ffw_up.weight, mlp.ffw_up.bias)
+            Fw = mlp.expanded_width
+            o = F.linear(dk.gelu_mul(u[:, :Fw], u[:, Fw:]), mlp.ffw_down.weight, mlp.ffw_down.bias)
+            nn_ = self._next_norm(i)
+            xn = dk.add_rmsnorm(o, x, nn_.scale, nn_.eps)
+        return F.linear(xn, m.embed.weight)
+
+    def _logits_gemm(self, s: _Slot) -> torch.Tensor:
+        m, pdl, cfg = self.model, self.pdl, self.linear_configs
+        x = F.embedding(s.tokens, m.embed.weight)
+        for block, c in zip(m.blocks, s.cache.layers):
+            rb, mlp = block.recurrent_block, block.mlp_block
+            tn, cn = block.temporal_pre_norm, block.channel_pre_norm
+            gy, xc = dk.linear(x, rb.linear_y.weight, rb.linear_y.bias, prologue=dk.PRO_NORM, norm_scale=tn.scale,
+                               eps=tn.eps, epilogue=dk.EPI_XY, w2=rb.linear_x.weight, bias2=rb.linear_x.bias,
+                               conv=(c.conv_state, rb.conv_1d.w, rb.conv_1d.b), reset=s.reset,
+                               config=cfg.get("xy"), pdl=pdl)
+            mo = rb.mixer.step(xc, c.rnn_state, s.reset)
+            dk.linear(gy, rb.linear_out.weight, rb.linear_out.bias, prologue=dk.PRO_MUL, a2=mo,
+                      epilogue=dk.EPI_RESIDUAL, residual=x, config=cfg.get("out"), pdl=pdl)
+            p = dk.linear(x, mlp.ffw_up.weight, mlp.ffw_up.bias, prologue=dk.PRO_NORM, norm_scale=cn.scale,
+                          eps=cn.eps, epilogue=dk.EPI_GATED, config=cfg.get("up"), pdl=pdl)
+            dk.linear(p, mlp.ffw_down.weight, mlp.ffw_down.bias, epilogue=dk.EPI_RESIDUAL, residual=x,
+                      config=cfg.get("down"), pdl=pdl)
+        fn = m.final_norm
+        return dk.linear(x, m.embed.weight, None, prologue=dk.PRO_NORM, norm_scale=fn.scale, eps=fn.eps,
+                         config=cfg.get("logits"), pdl=pdl)
+
+    def _choose(self, s: _Slot, logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
+        if sampling.greedy:
+            return logits.argmax(dim=-1)
+        lg = logits.float() / s.temperature
+        if sampling.top_k is not None:
+            kth = torch.topk(lg, sampling.top_k, dim=-1).values[:, -1:]
+            lg = lg.masked_fill(lg < kth, float("-inf"))
+        probs = torch.softmax(lg, dim=-1)
+        # Exponential race: argmax(p / q), q ~ Exp(1), samples Categorical(p) without
+        # the host synchronisation of torch.multinomial.
+        q = torch.empty_like(probs).exponential_(generator=generator)
+        return (probs / q).argmax(dim=-1)
+
+    def _advance(self, s: _Slot, nxt: torch.Tensor) -> None:
+        if s.kernels == "model":
+            hit = (nxt[:, None] == s.stops[None, :]).any(dim=-1)
+            s.tokens.copy_(torch.where(s.done, self.pad_id, nxt))
+            s.done.logical_or_(hit)
+            s.pos.add_(1)
+            torch.eq(s.pos, 0, out=s.reset)
+        else:
+            dk.advance(nxt, s.tokens, s.pos, s.reset, s.done, s.stops, self.pad_id)
+
+    def _body(self, s: _Slot, sampling: Sampling, generator) -> torch.Tensor:
+        logits = {"model": self._logits_model, "fused": self._logits_fused, "gemm": self._logits_gemm}[s.kernels](s)
+        self._advance(s, self._choose(s, logits, sampling, generator))
+        return logits
+
+    def _capture(self, s: _Slot, sampling: Sampling, generator):
+        saved = [t.clone() for t in s.state()]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):      # compiles the Triton kernels, initialises the libraries
+                self._body(s, sampling, generator)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
+        with torch.cuda.graph(graph):
+            logits = self._body(s, sampling, generator)
+        for t, v in zip(s.state(), saved):
+            t.copy_(v)
+        return graph, logits
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """One decode step of the current batch: returns the chosen tokens [B] (the
+        engine's static buffer: copy it before the next step to keep it)."""
+        s = self._cur
+        if s is None:
+            raise ValueError("expected start(...) before step(): no current batch")
+        if not self.graphs:
+            s.logits = self._body(s, self._sampling, self._generator)
+            return s.tokens
+        key = (self._sampling.greedy, self._sampling.top_k, None if self._generator is None else id(self._generator))
+        entry = s.graphs.get(key)
+        if entry is None:
+            entry = s.graphs[key] = (*self._capture(s, self._sampling, self._generator), self._generator)
+        entry[0].replay()
+        s.logits = entry[1]
+        return s.tokens
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def stream(self, prompts=None, max_new_tokens: int = 1, *, batch_size: int | None = None, lengths=None,
+               temperature: float = 0.0, top_k: int | None = None, stop_tokens: Sequence[int] = (),
+               generator: torch.Generator | None = None, with_logits: bool = False,
+               sync_every: int = 8) -> Iterator:
+        """Yield each step's tokens [B] (device tensors; rows that stopped yield pad_id),
+        or (tokens, logits [B, V]) with with_logits. With stop tokens the iterator ends
+        once every row has stopped, checked every `sync_every` steps (one host
+        synchronisation each). Arguments as in `start`."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"expected sync_every a positive int, got {sync_every!r}")
+        self.start(prompts, batch_size=batch_size, lengths=lengths, temperature=temperature, top_k=top_k,
+                   stop_tokens=stop_tokens, generator=generator)
+        s = self._cur
+        for i in range(max_new_tokens):
+            tok = self.step().clone()
+            yield (tok, s.logits.clone()) if with_logits else tok
+            if stop_tokens and (i + 1) % sync_every == 0 and bool(s.done.all()):
+                return
+
+    @torch.no_grad()
+    def generate(self, prompts=None, max_new_tokens: int = 1, *, batch_size: int | None = None, lengths=None,
+                 temperature: float = 0.0, top_k: int | None = None, stop_tokens: Sequence[int] = (),
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """New tokens [B, max_new_tokens] for a prompt batch (arguments as in `start`);
+        after a row emits a stop token it holds pad_id."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
+        B = self.start(prompts, batch_size=batch_size, lengths=lengths, temperature=temperature, top_k=top_k,
+                       stop_tokens=stop_tokens, generator=generator)
+        out = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.int64, device=self.device)
+        s = self._cur
+        for i in range(max_new_tokens):
+            out[:, i].copy_(self.step())
+            if stop_tokens and (i + 1) % 32 == 0 and bool(s.done.all()):
+                break
+        return out
+
+
+class Decoder:
+    """Greedy decoding of one model at a fixed batch size (the inference track's
+    interface): `reset(prompt_tokens or None)` prefills, `step()` advances every row."""
+
+    def __init__(self, model: HawkLM, batch_size: int, **engine_options):
+        self.engine = Engine(model, **engine_options)
+        self.batch_size = batch_size
+
+    def reset(self, prompt_tokens: torch.Tensor | None = None) -> None:
+        if prompt_tokens is None:
+            self.engine.start(batch_size=self.batch_size)
+        else:
+            if prompt_tokens.shape[0] != self.batch_size:
+                raise ValueError(f"expected prompt_tokens with {self.batch_size} rows, got {shape_str(prompt_tokens)}")
+            self.engine.start(prompt_tokens)
+
+    def step(self) -> torch.Tensor:
+        return self.engine.step()
+
+    @property
+    def cache(self) -> HawkCache | None:
+        return self.engine.cache
+
+
+__all__ = ["Engine", "Decoder", "Sampling", "KERNELS"]

@@ -1,0 +1,478 @@
+"""Fused pieces of the Hawk decode step (one token per row) for the generation engine.
+
+Notation: M rows (the batch), D model width, E recurrent width, F MLP hidden width,
+V vocabulary, CW convolution width (4). Activations are [M, D], [M, E], [M, F] in the
+model dtype (bf16, fp16 or fp32); arithmetic is FP32.
+
+Two families, both computing what `HawkLM.step` computes and rounding where it rounds
+(every nn.Module output is in the model dtype), so that they differ from it only in
+FP32 summation order:
+
+- row kernels around library matmuls (any M): `embed_rmsnorm` (embedding gather and
+  the first pre-norm), `add_rmsnorm` (residual add and the next RMSNorm), `conv_step`
+  (the causal-conv decode step with its in-place state update), `gelu_mul`
+  (gelu(a) * b, the gating of the recurrent block and of the MLP);
+- `linear`: a weight-streaming matmul for small M (a decode batch, M <= 64) that reads
+  each weight once and fuses the neighbouring row work into it: a prologue (RMSNorm of
+  the input rows, or the product of two inputs) and an epilogue (bias; residual add in
+  place; GeLU; the convolution step; the gated-MLP product of paired gate/value rows).
+  A Hawk layer is then four such launches plus the mixer step.
+
+`advance` updates the decoding state after the next-token choice (stop tokens, done
+flags, positions, resets) in one launch. Nothing here synchronises with the host or
+allocates besides its outputs, so every launcher can run under CUDA-graph capture.
+With `pdl=True` the weight-streaming kernels use programmatic dependent launch (Hopper):
+a kernel is scheduled while its predecessor finishes and waits (griddepcontrol.wait)
+before touching anything its predecessors write.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import accounting
+
+# Triton's CPU interpreter truncates FP32 -> BF16 where the GPU rounds to nearest even;
+# under the interpreter the kernels round by hand (see `_rnd`).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MAX_STOP_TOKENS = 8
+LINEAR_MAX_ROWS = 64
+
+
+@triton.jit
+def _rnd(v, TY: tl.constexpr, RNE: tl.constexpr):
+    """FP32 v rounded to the storage type TY, returned as FP32."""
+    if TY == tl.float32:
+        return v
+    elif RNE and TY == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(TY).to(tl.float32)
+
+
+@triton.jit
+def _gelu(x):
+    # tanh approximation, tanh(z) = 1 - 2 / (exp(2z) + 1) (no libdevice in the interpreter)
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _pdl_launch(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# ----------------------------------------------------------------------------- row kernels
+
+
+@triton.jit
+def embed_rmsnorm_kernel(tokens, table, scale, x, xn, D, eps, BD: tl.constexpr, RNE: tl.constexpr):
+    m = tl.program_id(0)
+    o = tl.arange(0, BD)
+    mk = o < D
+    tok = tl.load(tokens + m).to(tl.int64)
+    v = tl.load(table + tok * D + o, mask=mk, other=0.0)
+    row = m.to(tl.int64) * D
+    tl.store(x + row + o, v, mask=mk)
+    vf = v.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(vf * vf, axis=0) / D + eps)
+    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
+    TY: tl.constexpr = xn.dtype.element_ty
+    tl.store(xn + row + o, _rnd(vf * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
+
+
+@triton.jit
+def add_rmsnorm_kernel(h, x, scale, xn, D, eps, BD: tl.constexpr, RNE: tl.constexpr):
+    m = tl.program_id(0)
+    o = tl.arange(0, BD)
+    mk = o < D
+    row = m.to(tl.int64) * D
+    TY: tl.constexpr = x.dtype.element_ty
+    hv = tl.load(h + row + o, mask=mk, other=0.0).to(tl.float32)
+    xv = tl.load(x + row + o, mask=mk, other=0.0).to(tl.float32)
+    v = _rnd(hv + xv, TY, RNE)
+    tl.store(x + row + o, v.to(TY), mask=mk)
+    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
+    tl.store(xn + row + o, _rnd(v * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
+
+
+@triton.jit
+def _conv(v, cstate, cw, cb, reset, o_m, m_m, o_c, m_c, E, HAS_RESET: tl.constexpr, CW: tl.constexpr,
+          TY: tl.constexpr, RNE: tl.constexpr):
+    """Conv decode step on tile [BM, BC] of channels o_c: v is the new input (FP32,
+    already in the model's precision); the state [M, CW-1, E] shifts in place."""
+    m2 = m_m[:, None] & m_c[None, :]
+    base = o_m.to(tl.int64)[:, None] * ((CW - 1) * E) + o_c[None, :]
+    if HAS_RESET:
+        keep = (tl.load(reset + o_m, mask=m_m, other=1) == 0).to(tl.float32)[:, None]
+    s_prev = tl.load(cstate + base, mask=m2, other=0.0).to(tl.float32)
+    if HAS_RESET:
+        s_prev = s_prev * keep
+    y = tl.load(cw + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :] * s_prev
+    for s in tl.static_range(1, CW - 1):
+        s_cur = tl.load(cstate + base + s * E, mask=m2, other=0.0).to(tl.float32)
+        if HAS_RESET:
+            s_cur = s_cur * keep
+        y += tl.load(cw + s * E + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :] * s_cur
+        tl.store(cstate + base + (s - 1) * E, s_cur.to(cstate.dtype.element_ty), mask=m2)
+    y += tl.load(cw + (CW - 1) * E + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :] * v
+    tl.store(cstate + base + (CW - 2) * E, v.to(cstate.dtype.element_ty), mask=m2)
+    y += tl.load(cb + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    return _rnd(y, TY, RNE)
+
+
+@triton.jit
+def conv_step_kernel(x, sx, cstate, cw, cb, reset, y, M, E, HAS_RESET: tl.constexpr, CW: tl.constexpr,
+                     BM: tl.constexpr, BC: tl.constexpr, RNE: tl.constexpr):
+    o_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    o_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    m_m, m_c = o_m < M, o_c < E
+    m2 = m_m[:, None] & m_c[None, :]
+    v = tl.load(x + o_m.to(tl.int64)[:, None] * sx + o_c[None, :], mask=m2, other=0.0).to(tl.float32)
+    TY: tl.constexpr = y.dtype.element_ty
+    out = _conv(v, cstate, cw, cb, reset, o_m, m_m, o_c, m_c, E, HAS_RESET, CW, TY, RNE)
+    tl.store(y + o_m.to(tl.int64)[:, None] * E + o_c[None, :], out.to(TY), mask=m2)
+
+
+@triton.jit
+def gelu_mul_kernel(a, sa, b, sb, y, M, F, BM: tl.constexpr, BF: tl.constexpr, RNE: tl.constexpr):
+    o_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    o_f = tl.program_id(0) * BF + tl.arange(0, BF)
+    m2 = (o_m < M)[:, None] & (o_f < F)[None, :]
+    rows = o_m.to(tl.int64)[:, None]
+    TY: tl.constexpr = y.dtype.element_ty
+    g = _rnd(_gelu(tl.load(a + rows * sa + o_f[None, :], mask=m2, other=0.0).to(tl.float32)), TY, RNE)
+    v = tl.load(b + rows * sb + o_f[None, :], mask=m2, other=0.0).to(tl.float32)
+    tl.store(y + rows * F + o_f[None, :], _rnd(g * v, TY, RNE).to(TY), mask=m2)
+
+
+@triton.jit
+def advance_kernel(nxt, tokens, pos, reset, done, stops, pad_id, M, S: tl.constexpr, BM: tl.constexpr):
+    o = tl.program_id(0) * BM + tl.arange(0, BM)
+    mk = o < M
+    t = tl.load(nxt + o, mask=mk, other=0).to(tl.int64)
+    d = tl.load(done + o, mask=mk, other=0) != 0
+    hit = tl.zeros([BM], dtype=tl.int1)
+    for s in tl.static_range(S):
+        hit = hit | (t == tl.load(stops + s))
+    tl.store(tokens + o, tl.where(d, pad_id, t), mask=mk)
+    tl.store(done + o, (d | hit).to(tl.int8), mask=mk)
+    p = tl.load(pos + o, mask=mk, other=1) + 1
+    tl.store(pos + o, p, mask=mk)
+    tl.store(reset + o, (p == 0).to(tl.int8), mask=mk)
+
+
+# ----------------------------------------------------------------------------- weight-streaming linear
+
+# Prologues (input rows): plain; RMSNorm of `a` with `nscale`; rounded product a * a2.
+PRO_PLAIN, PRO_NORM, PRO_MUL = 0, 1, 2
+# Epilogues: +bias; +bias then + residual in place; split y/x halves (gelu | conv step);
+# paired gate/value rows of one weight -> round(gelu(gate)) * value.
+EPI_BIAS, EPI_RESIDUAL, EPI_XY, EPI_GATED = 0, 1, 2, 3
+
+
+@triton.jit
+def _dot(acc, at, wt, DOT: tl.constexpr):
+    if DOT == 0:
+        return tl.dot(at, wt, acc)
+    else:
+        return tl.dot(at.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _a_tile(a, sa, a2, sa2, nscale, rinv, o_m, m_m, o_k, m_k, PRO: tl.constexpr, TY: tl.constexpr,
+            RNE: tl.constexpr):
+    m2 = m_m[:, None] & m_k[None, :]
+    rows = o_m.to(tl.int64)[:, None]
+    t = tl.load(a + rows * sa + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
+    if PRO == 1:
+        s = tl.load(nscale + o_k, mask=m_k, other=0.0).to(tl.float32)
+        t = _rnd(t * rinv[:, None] * (s[None, :] + 1.0), TY, RNE)
+    elif PRO == 2:
+        t2 = tl.load(a2 + rows * sa2 + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        t = _rnd(t * t2, TY, RNE)
+    return t.to(TY)
+
+
+@triton.jit
+def linear_kernel(
+    a, sa, a2, sa2, nscale, w, bias, w2, bias2, out, out2, res,
+    cstate, cw, cb, reset,
+    M, N, K, eps,
+    PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr, CW: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBK: tl.constexpr, DOT: tl.constexpr,
+    RNE: tl.constexpr, PDL: tl.constexpr,
+):
+    """out[m, n] = epilogue(sum_k prologue(a)[m, k] * w[n, k] + bias[n]); w is [N, K]
+    (nn.Linear layout; [2N, K] gate rows first for EPI_GATED). EPI_XY runs over 2N
+    columns: n < N uses (w, bias) -> round(gelu) into out, n >= N uses (w2, bias2) ->
+    the conv step into out2. The residual epilogue writes out = round(v + res), and
+    out may be res (each program reads and writes only its own columns)."""
+    _pdl_launch(PDL)
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    TY: tl.constexpr = out.dtype.element_ty
+    o_m = pid_m * BM + tl.arange(0, BM)
+    m_m = o_m < M
+    NB = tl.cdiv(N, BN)
+    second = pid_n >= NB  # only EPI_XY has programs past NB
+    o_n = (pid_n % NB) * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    wp = w
+    bp = bias
+    if EPI == 2:
+        if second:
+            wp = w2
+            bp = bias2
+    _pdl_wait(PDL)
+    rinv = tl.zeros([BM], tl.float32)
+    if PRO == 1:
+        ss = tl.zeros([BM], tl.float32)
+        for k0 in range(0, K, NBK):
+            o_k = k0 + tl.arange(0, NBK)
+            t = tl.load(a + o_m.to(tl.int64)[:, None] * sa + o_k[None, :],
+                        mask=m_m[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(t * t, axis=1)
+        rinv = 1.0 / tl.sqrt(ss / K + eps)
+    w_rows = o_n.to(tl.int64)[None, :] * K
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc2 = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        at = _a_tile(a, sa, a2, sa2, nscale, rinv, o_m, m_m, o_k, m_k, PRO, TY, RNE)
+        mw = m_k[:, None] & m_n[None, :]
+        acc = _dot(acc, at, tl.load(wp + w_rows + o_k[:, None], mask=mw, other=0.0), DOT)
+        if EPI == 3:
+            acc2 = _dot(acc2, at, tl.load(wp + N * K + w_rows + o_k[:, None], mask=mw, other=0.0), DOT)
+    if HAS_BIAS:
+        acc += tl.load(bp + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        if EPI == 3:
+            acc2 += tl.load(bp + N + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    v = _rnd(acc, TY, RNE)
+    m2 = m_m[:, None] & m_n[None, :]
+    offs = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    if EPI == 0:
+        tl.store(out + offs, v.to(TY), mask=m2)
+    elif EPI == 1:
+        r = tl.load(res + offs, mask=m2, other=0.0).to(tl.float32)
+        tl.store(out + offs, _rnd(v + r, TY, RNE).to(TY), mask=m2)
+    elif EPI == 2:
+        if second:
+            y = _conv(v, cstate, cw, cb, reset, o_m, m_m, o_n, m_n, N, HAS_RESET, CW, TY, RNE)
+            tl.store(out2 + offs, y.to(TY), mask=m2)
+        else:
+            tl.store(out + offs, _rnd(_gelu(v), TY, RNE).to(TY), mask=m2)
+    else:
+        g = _rnd(_gelu(v), TY, RNE)
+        tl.store(out + offs, _rnd(g * _rnd(acc2, TY, RNE), TY, RNE).to(TY), mask=m2)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _rows_block(M: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(M)))
+
+
+def _check_2d(name, t, M, N, dtype=None):
+    if t.dim() != 2 or t.shape[0] != M or t.shape[1] != N or t.stride(1) != 1:
+        raise ValueError(f"expected {name} of shape [{M}, {N}] with unit column stride, got "
+                         f"{list(t.shape)} strides {list(t.stride())}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"expected {name} with dtype {dtype}, got {t.dtype}")
+
+
+def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
+    """x = table[tokens] [M, D]; xn = RMSNorm(x) with `scale`. Returns (x, xn)."""
+    M, D = tokens.shape[0], table.shape[1]
+    x = torch.empty(M, D, dtype=table.dtype, device=table.device) if x is None else x
+    xn = torch.empty_like(x) if xn is None else xn
+    embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=triton.next_power_of_2(D), RNE=INTERPRET)
+    accounting.record("embed_rmsnorm", accounting.nbytes(tokens, x, scale), accounting.nbytes(x, xn))
+    return x, xn
+
+
+def add_rmsnorm(h, x, scale, eps, xn=None):
+    """x <- round(h + x) in place; returns xn = RMSNorm(x) with `scale`."""
+    M, D = x.shape
+    _check_2d("h", h, M, D, x.dtype)
+    if not x.is_contiguous() or not h.is_contiguous():
+        raise ValueError("expected contiguous h and x in add_rmsnorm")
+    xn = torch.empty_like(x) if xn is None else xn
+    add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=triton.next_power_of_2(D), RNE=INTERPRET)
+    accounting.record("add_rmsnorm", accounting.nbytes(h, x, scale), accounting.nbytes(x, xn))
+    return xn
+
+
+def _reset_arg(reset, M):
+    if reset is None:
+        return None
+    if reset.shape != (M,) or reset.dtype not in (torch.bool, torch.uint8, torch.int8):
+        raise ValueError(f"expected reset of shape [{M}] and dtype bool, got {list(reset.shape)} {reset.dtype}")
+    return reset.view(torch.uint8) if reset.dtype == torch.bool else reset
+
+
+def _check_conv(conv_state, conv_w, conv_b, M, E):
+    CW = conv_w.shape[0]
+    if conv_w.shape != (CW, E) or conv_b.shape != (E,):
+        raise ValueError(f"expected conv_w [W, {E}] and conv_b [{E}], got {list(conv_w.shape)}, {list(conv_b.shape)}")
+    if conv_state.shape != (M, CW - 1, E) or not conv_state.is_contiguous():
+        raise ValueError(f"expected a contiguous conv_state of shape [{M}, {CW - 1}, {E}], "
+                         f"got {list(conv_state.shape)}")
+    return CW
+
+
+def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
+    """Causal-conv decode step. x: [M, E] (row stride free); conv_state [M, CW-1, E]
+    updated in place (inputs of a row with reset are dropped); returns y [M, E]."""
+    M, E = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"expected x with unit column stride, got strides {list(x.stride())}")
+    CW = _check_conv(conv_state, conv_w, conv_b, M, E)
+    rst = _reset_arg(reset, M)
+    y = torch.empty(M, E, dtype=x.dtype, device=x.device) if y is None else y
+    BM, BC = min(16, triton.next_power_of_2(M)), 256
+    conv_step_kernel[(triton.cdiv(E, BC), triton.cdiv(M, BM))](
+        x, x.stride(0), conv_state, conv_w, conv_b, rst if rst is not None else conv_state, y, M, E,
+        HAS_RESET=rst is not None, CW=CW, BM=BM, BC=BC, RNE=INTERPRET)
+    accounting.record("conv_step", accounting.nbytes(x, conv_state, conv_w, conv_b, rst),
+                      accounting.nbytes(y, conv_state))
+    return y
+
+
+def gelu_mul(a, b, y=None):
+    """round(round(gelu_tanh(a)) * b) for a, b [M, F] (row strides free)."""
+    M, F = a.shape
+    _check_2d("b", b, M, F, a.dtype)
+    if a.stride(1) != 1:
+        raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
+    y = torch.empty(M, F, dtype=a.dtype, device=a.device) if y is None else y
+    BM, BF = min(16, triton.next_power_of_2(M)), 512
+    gelu_mul_kernel[(triton.cdiv(F, BF), triton.cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F,
+                                                              BM=BM, BF=BF, RNE=INTERPRET)
+    accounting.record("gelu_mul", 2 * accounting.nbytes(y), accounting.nbytes(y))
+    return y
+
+
+def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
+    """After choosing `nxt` [M]: tokens <- nxt (pad_id in rows already done), done |=
+    nxt in stops [MAX_STOP_TOKENS] (-1 = unused), pos += 1, reset <- pos == 0."""
+    M = tokens.shape[0]
+    BM = min(1024, triton.next_power_of_2(M))
+    advance_kernel[(triton.cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
+                                          stops, pad_id, M, S=stops.shape[0], BM=BM)
+    accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
+
+
+def default_config(cols: int, K: int) -> dict:
+    """Tile sizes of `linear` for `cols` output columns per row (both halves of
+    EPI_XY, the gate half of EPI_GATED): enough column blocks to cover the GPU (about
+    128 programs or more), weight tiles of 8-32 KiB per pipeline stage."""
+    bn = 16
+    while bn < 128 and triton.cdiv(cols, bn * 2) >= 128:
+        bn *= 2
+    bk = 256 if bn <= 16 else 128
+    return {"BN": bn, "BK": min(bk, max(16, triton.next_power_of_2(K))), "num_warps": 4,
+            "num_stages": 4 if bn <= 32 else 3}
+
+
+def _pdl_option(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl and not INTERPRET else {}
+
+
+def _dot_mode(dtype):
+    # The interpreter's BF16 dot is wrong (Triton 3.6); exact products in FP32 instead.
+    if dtype in (torch.bfloat16, torch.float16):
+        return 1 if INTERPRET else 0
+    if dtype == torch.float32:
+        return 1
+    raise ValueError(f"expected a bf16, fp16 or fp32 model for the fused linear, got {dtype}")
+
+
+def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, norm_scale=None, eps=1e-6,
+           residual=None, w2=None, bias2=None, conv=None, reset=None, out=None, out2=None, config=None,
+           pdl=False):
+    """Weight-streaming y = epilogue(prologue(a) @ w.T + bias) for M <= 64 rows.
+
+    a: [M, K] (row stride free); w: [N, K] ([2N, K] for EPI_GATED); bias [N] or None.
+    prologue: PRO_PLAIN, PRO_NORM (RMSNorm of a with norm_scale, eps), PRO_MUL (a * a2).
+    epilogue: EPI_BIAS -> out [M, N]; EPI_RESIDUAL -> residual <- round(y + residual)
+    (in place, returned); EPI_XY -> (round(gelu(y)) [M, N], conv step of a @ w2.T + bias2
+    [M, N]) with conv = (conv_state [M, CW-1, N], conv_w [CW, N], conv_b [N]) and reset;
+    EPI_GATED -> round(gelu(y_gate)) * y_value [M, N] from w's two halves.
+    """
+    M, K = a.shape
+    if M > LINEAR_MAX_ROWS:
+        raise ValueError(f"expected at most {LINEAR_MAX_ROWS} rows for the weight-streaming linear, got {M}")
+    if a.stride(1) != 1:
+        raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
+    if w.dim() != 2 or w.shape[1] != K or not w.is_contiguous():
+        raise ValueError(f"expected a contiguous w of shape [N, {K}], got {list(w.shape)}")
+    dt = a.dtype
+    N = w.shape[0] // 2 if epilogue == EPI_GATED else w.shape[0]
+    if prologue == PRO_MUL:
+        _check_2d("a2", a2, M, K, dt)
+    if prologue == PRO_NORM and (norm_scale is None or norm_scale.shape != (K,)):
+        raise ValueError(f"expected norm_scale of shape [{K}] with PRO_NORM")
+    cfg = dict(default_config(2 * N if epilogue == EPI_XY else N, K), **(config or {}))
+    BM = _rows_block(M)
+    n_blocks = triton.cdiv(N, cfg["BN"])
+    rst = None
+    cstate = cw = cb = None
+    CW = 1
+    if epilogue == EPI_RESIDUAL:
+        _check_2d("residual", residual, M, N, dt)
+        if not residual.is_contiguous():
+            raise ValueError("expected a contiguous residual (it is updated in place)")
+        out = residual
+    else:
+        out = torch.empty(M, N, dtype=dt, device=a.device) if out is None else out
+        _check_2d("out", out, M, N, dt)
+    if epilogue == EPI_XY:
+        if w2 is None or w2.shape != w.shape or not w2.is_contiguous():
+            raise ValueError(f"expected a contiguous w2 of shape {list(w.shape)} with EPI_XY")
+        cstate, cw, cb = conv
+        CW = _check_conv(cstate, cw, cb, M, N)
+        rst = _reset_arg(reset, M)
+        out2 = torch.empty(M, N, dtype=dt, device=a.device) if out2 is None else out2
+        _check_2d("out2", out2, M, N, dt)
+        n_blocks *= 2
+    dummy = out
+    grid = (n_blocks, triton.cdiv(M, BM))
+    linear_kernel[grid](
+        a, a.stride(0), a2 if a2 is not None else a, a2.stride(0) if a2 is not None else 0,
+        norm_scale if norm_scale is not None else dummy, w, bias if bias is not None else dummy,
+        w2 if w2 is not None else w, bias2 if bias2 is not None else dummy, out,
+        out2 if out2 is not None else dummy, residual if residual is not None else dummy,
+        cstate if cstate is not None else dummy, cw if cw is not None else dummy, cb if cb is not None else dummy,
+        rst if rst is not None else dummy, M, N, K, eps,
+        PRO=prologue, EPI=epilogue, HAS_BIAS=bias is not None, HAS_RESET=rst is not None, CW=CW,
+        BM=BM, BN=cfg["BN"], BK=cfg["BK"], NBK=min(1024, triton.next_power_of_2(K)), DOT=_dot_mode(dt),
+        RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_option(pdl),
+    )
+    wbytes = accounting.nbytes(w, bias, w2, bias2)
+    accounting.record("linear", wbytes + accounting.nbytes(a, a2, residual, cstate) * (2 if epilogue == EPI_XY else 1),
+                      accounting.nbytes(out, out2, cstate))
+    if epilogue == EPI_XY:
+        return out, out2
+    return out
+
+
+__all__ = ["embed_rmsnorm", "add_rmsnorm", "conv_step", "gelu_mul", "advance", "linear", "default_config",
+           "PRO_PLAIN", "PRO_NORM", "PRO_MUL", "EPI_BIAS", "EPI_RESIDUAL", "EPI_XY", "EPI_GATED",
+           "MAX_STOP_TOKENS", "LINEAR_MAX_ROWS"]

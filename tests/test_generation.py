@@ -1,0 +1,276 @@
+"""Generation engine on the CPU: prefill + decode logits equal a full forward (both
+mixers, left-padded prompts, empty prompts), rows of different prompt lengths do not
+affect each other, the fused step kernels (Triton interpreter) equal the layers'
+decode path, stop tokens, sampling, the streaming iterator, the command line and
+bad input. Graph replay is covered by test_generation_gpu.py."""
+
+import pytest
+import torch
+
+from kernels import generate, layers, to_recurrentgemma
+from kernels.models import HawkConfig, HawkLM
+from kernels.models.generation import Decoder, Engine
+from kernels.ops import decode as dk
+
+V = 256
+# Few, large tiles: the interpreter pays per program.
+BIG_TILES = {k: {"BN": 128, "BK": 128, "num_warps": 4, "num_stages": 1} for k in ("xy", "out", "up", "down", "logits")}
+
+
+def _model(mixer, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    m = HawkLM(HawkConfig.preset("tiny", mixer=mixer), backend="reference", dtype=dtype).eval()
+    with torch.no_grad():   # biases and norm scales start at zero; exercise them
+        for n, p in m.named_parameters():
+            if n.endswith("bias") or n.endswith(".b") or n.endswith("scale"):
+                p.normal_(std=0.1)
+    return m
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (n,), generator=g) for n in lengths]
+
+
+def _decode(engine, prompts, n, **kw):
+    steps = list(engine.stream(prompts, n, with_logits=True, **kw))
+    return torch.stack([t for t, _ in steps], 1), torch.stack([lg for _, lg in steps], 1)
+
+
+@pytest.mark.parametrize("mixer", ["rglru", "samu"])
+def test_prefill_and_decode_equal_full_forward(mixer):
+    m = _model(mixer)
+    prompts = _prompts([6, 1, 3, 9])
+    eng = Engine(m, kernels="model", prefill_chunk=4)     # prefill in chunks, left padding
+    toks, logits = _decode(eng, prompts, 5)
+    for b, p in enumerate(prompts):
+        seq = torch.cat([p, toks[b]])[None]
+        with torch.no_grad():
+            full, _ = m(seq, torch.arange(seq.shape[1])[None])
+        n = len(p)
+        torch.testing.assert_close(logits[b], full[0, n - 1: n - 1 + 5], rtol=1e-12, atol=1e-12)
+        assert torch.equal(toks[b], full[0, n - 1: n - 1 + 5].argmax(-1))
+    # Empty prompts: decoding starts from BOS at position 0.
+    toks0, logits0 = _decode(eng, None, 4, batch_size=2)
+    seq = torch.cat([torch.full((2, 1), eng.bos_id), toks0[:, :-1]], 1)
+    with torch.no_grad():
+        full, _ = m(seq, torch.arange(4).expand(2, 4))
+    torch.testing.assert_close(logits0, full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mixer", ["rglru", "samu"])
+def test_rows_with_different_prompt_lengths_are_independent(mixer):
+    m = _model(mixer)
+    prompts = _prompts([7, 2, 4])
+    eng = Engine(m, kernels="model")
+    toks, logits = _decode(eng, prompts, 4)
+    for b, p in enumerate(prompts):
+        t1, l1 = _decode(eng, [p], 4)
+        assert torch.equal(t1[0], toks[b])
+        torch.testing.assert_close(l1[0], logits[b], rtol=1e-12, atol=1e-12)
+    # What fills the left padding cannot matter, bit for bit.
+    lengths = torch.tensor([len(p) for p in prompts])
+    for fill in (0, 1):
+        g = torch.Generator().manual_seed(fill)
+        padded = torch.randint(0, V, (3, 7), generator=g)
+        for b, p in enumerate(prompts):
+            padded[b, 7 - len(p):] = p
+        t2, l2 = _decode(eng, padded, 4, lengths=lengths)
+        assert torch.equal(t2, toks) and torch.equal(l2, logits)
+
+
+@pytest.mark.parametrize("mixer,kernels", [("rglru", "gemm"), ("samu", "gemm"), ("samu", "fused")])
+def test_fused_step_kernels_equal_the_layers(mixer, kernels):
+    m = _model(mixer, dtype=torch.float32)
+    prompts = _prompts([5, 1, 3])
+    want_t, want_l = _decode(Engine(m, kernels="model"), prompts, 3, stop_tokens=[7])
+    eng = Engine(m, kernels=kernels, linear_configs=BIG_TILES)
+    got_t, got_l = _decode(eng, prompts, 3, stop_tokens=[7])
+    assert torch.equal(got_t, want_t)
+    torch.testing.assert_close(got_l, want_l)
+    assert eng.describe()["kernels"] == kernels
+
+
+def _poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_row_kernels(dtype):
+    torch.manual_seed(0)
+    M, D, E, Fw = 3, 40, 36, 50
+    norm = layers.RMSNorm(D, dtype=dtype)
+    norm.scale.data.normal_()
+    table = torch.randn(17, D).to(dtype)
+    tok = torch.tensor([3, 16, 0])
+    x, xn = dk.embed_rmsnorm(tok, table, norm.scale, norm.eps, _poisoned((M, D), dtype), _poisoned((M, D), dtype))
+    assert torch.equal(x, table[tok])
+    torch.testing.assert_close(xn, norm(table[tok]))
+    h, x0 = torch.randn(M, D).to(dtype), torch.randn(M, D).to(dtype)
+    x1 = x0.clone()
+    xn = dk.add_rmsnorm(h, x1, norm.scale, norm.eps, _poisoned((M, D), dtype))
+    assert torch.equal(x1, h + x0)
+    torch.testing.assert_close(xn, norm(h + x0))
+    conv = layers.Conv1D(E, dtype=dtype)
+    conv.b.data.normal_()
+    wide = torch.randn(M, 3 * E).to(dtype)
+    xin = wide[:, E: 2 * E]                                   # a strided view
+    st = torch.randn(M, 3, E).to(dtype)
+    st_ref = st.clone()
+    reset = torch.tensor([False, True, False])
+    y = dk.conv_step(xin, st, conv.w, conv.b, reset, y=_poisoned((M, E), dtype))
+    torch.testing.assert_close(y, conv.step(xin.contiguous(), st_ref, reset))
+    assert torch.equal(st, st_ref)
+    u = torch.randn(M, 2 * Fw).to(dtype)
+    g = dk.gelu_mul(u[:, :Fw], u[:, Fw:], y=_poisoned((M, Fw), dtype))
+    torch.testing.assert_close(g, layers.gelu(u[:, :Fw]) * u[:, Fw:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_streaming_linear(dtype):
+    torch.manual_seed(1)
+    M, D, E, Fw = 5, 48, 40, 36
+    cfg = {"BN": 16, "BK": 32, "num_warps": 4, "num_stages": 1}     # several column and k blocks
+    norm = layers.RMSNorm(D, dtype=dtype)
+    norm.scale.data.normal_()
+    x = torch.randn(M, D).to(dtype)
+    ly, lx, lo = (torch.nn.Linear(D, E, dtype=dtype), torch.nn.Linear(D, E, dtype=dtype),
+                  torch.nn.Linear(E, D, dtype=dtype))
+    for lin in (ly, lx, lo):
+        lin.bias.data.normal_()
+    conv = layers.Conv1D(E, dtype=dtype)
+    st = torch.randn(M, 3, E).to(dtype)
+    st_ref = st.clone()
+    reset = torch.tensor([True, False, False, True, False])
+    gy, xc = dk.linear(x, ly.weight, ly.bias, prologue=dk.PRO_NORM, norm_scale=norm.scale, eps=norm.eps,
+                       epilogue=dk.EPI_XY, w2=lx.weight, bias2=lx.bias, conv=(st, conv.w, conv.b), reset=reset,
+                       out=_poisoned((M, E), dtype), out2=_poisoned((M, E), dtype), config=cfg)
+    n = norm(x)
+    torch.testing.assert_close(gy, layers.gelu(ly(n)))
+    torch.testing.assert_close(xc, conv.step(lx(n), st_ref, reset))
+    torch.testing.assert_close(st, st_ref)
+    a, a2, res = torch.randn(M, E).to(dtype), torch.randn(M, E).to(dtype), torch.randn(M, D).to(dtype)
+    want = lo(a * a2) + res
+    out = dk.linear(a, lo.weight, lo.bias, prologue=dk.PRO_MUL, a2=a2, epilogue=dk.EPI_RESIDUAL, residual=res,
+                    config=cfg)
+    assert out.data_ptr() == res.data_ptr()
+    torch.testing.assert_close(res, want)
+    up = torch.nn.Linear(D, 2 * Fw, dtype=dtype)
+    up.bias.data.normal_()
+    got = dk.linear(x, up.weight, up.bias, prologue=dk.PRO_NORM, norm_scale=norm.scale, eps=norm.eps,
+                    epilogue=dk.EPI_GATED, out=_poisoned((M, Fw), dtype), config=cfg)
+    u = up(n)
+    torch.testing.assert_close(got, layers.gelu(u[:, :Fw]) * u[:, Fw:])
+    got = dk.linear(x[:, :E], lo.weight, None, out=_poisoned((M, D), dtype), config=cfg)   # strided a
+    torch.testing.assert_close(got, x[:, :E] @ lo.weight.T)
+
+
+def test_advance():
+    nxt = torch.tensor([5, 7, 9, 7])
+    tokens = torch.zeros(4, dtype=torch.int64)
+    pos = torch.tensor([-1, 0, 4, 2])
+    reset = torch.ones(4, dtype=torch.bool)
+    done = torch.tensor([False, False, True, False])
+    stops = torch.full((dk.MAX_STOP_TOKENS,), -1)
+    stops[3] = 7
+    dk.advance(nxt, tokens, pos, reset, done, stops, pad_id=1)
+    assert tokens.tolist() == [5, 7, 1, 7]
+    assert done.tolist() == [False, True, True, True]
+    assert pos.tolist() == [0, 1, 5, 3]
+    assert reset.tolist() == [True, False, False, False]
+
+
+def test_stop_tokens_and_stream():
+    m = _model("rglru")
+    prompts = _prompts([3, 5])
+    eng = Engine(m, kernels="model", pad_id=0)
+    free = eng.generate(prompts, 12)
+    stop = int(free[0, 2])
+    assert stop not in free[1].tolist()           # row 1 never stops
+    got = eng.generate(prompts, 12, stop_tokens=[stop])
+    first = free[0].tolist().index(stop)
+    assert torch.equal(got[0, : first + 1], free[0, : first + 1])
+    assert (got[0, first + 1:] == 0).all()
+    assert torch.equal(got[1], free[1])
+    # The iterator ends once every row has stopped (checked every sync_every steps).
+    both = [int(free[0, 2]), int(free[1, 1])]
+    steps = list(eng.stream(prompts, 12, stop_tokens=both, sync_every=4))
+    assert len(steps) == 4
+    assert bool(eng.done.all())
+
+
+def test_sampling_temperature_top_k():
+    m = _model("samu", dtype=torch.float32)
+    prompts = _prompts([4, 2])
+    eng = Engine(m, kernels="model")
+    greedy = eng.generate(prompts, 5)
+    assert torch.equal(eng.generate(prompts, 5, temperature=0.7, top_k=1), greedy)
+    a = eng.generate(prompts, 6, temperature=1.5, generator=torch.Generator().manual_seed(3))
+    b = eng.generate(prompts, 6, temperature=1.5, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    toks, logits = _decode(eng, prompts, 6, temperature=5.0, top_k=3, generator=torch.Generator().manual_seed(4))
+    top3 = logits.topk(3, dim=-1).indices
+    assert (top3 == toks[..., None]).any(-1).all()
+    assert not torch.equal(toks, logits.argmax(-1))   # at temperature 5 some choice is not the argmax
+
+
+def test_decoder_interface():
+    m = _model("rglru")
+    dec = Decoder(m, 2, kernels="model")
+    dec.reset(None)
+    first = dec.step().clone()
+    assert first.shape == (2,) and dec.cache.batch_size == 2
+    dec.reset(torch.randint(0, V, (2, 3)))
+    assert dec.step().shape == (2,)
+
+
+def test_command_line_and_checkpoints(tmp_path, capsys):
+    torch.manual_seed(0)
+    m = HawkLM(HawkConfig.preset("tiny"), dtype=torch.float32)
+    torch.save(to_recurrentgemma(m).state_dict(), tmp_path / "official.pt")
+    torch.save(m.state_dict(), tmp_path / "ours.pt")
+    args = ["--dtype", "fp32", "--batch", "2", "--prompt-len", "3", "--new-tokens", "3", "--kernels", "model",
+            "--device", "cpu"]
+    r_off = generate.main(["--checkpoint", str(tmp_path / "official.pt"), *args])
+    r_ours = generate.main(["--checkpoint", str(tmp_path / "ours.pt"), *args])
+    r_rand = generate.main(args)                  # seed 0: the same random weights as m
+    out = capsys.readouterr().out
+    assert "ms/step" in out and "tokens/s" in out
+    rows = [line for line in out.splitlines() if line.startswith("row 0:")]
+    assert len(rows) == 3 and rows[0] == rows[1] == rows[2]
+    assert r_off["ms_per_step"] > 0 and r_ours["mixer"] == r_rand["mixer"] == "rglru"
+
+
+def test_bad_input():
+    m = _model("rglru")
+    with pytest.raises(ValueError, match="kernels"):
+        Engine(m, kernels="fast")
+    with pytest.raises(ValueError, match="graphs"):
+        Engine(m, graphs=True)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        Engine(m, kernels="gemm")                  # a float64 model
+    eng = Engine(m, kernels="model")
+    with pytest.raises(ValueError, match="start"):
+        eng.step()
+    with pytest.raises(ValueError, match="prompt length"):
+        eng.start([[5, 6], []])
+    with pytest.raises(ValueError, match=r"prompt length in \[1, 3\]"):
+        eng.start(torch.ones(2, 3, dtype=torch.int64), lengths=[3, 4])
+    with pytest.raises(ValueError, match="lengths of shape"):
+        eng.start(torch.ones(2, 3, dtype=torch.int64), lengths=[3])
+    with pytest.raises(ValueError, match="prompt tokens"):
+        eng.start([[5, V]])
+    with pytest.raises(ValueError, match="integer tensor"):
+        eng.start(torch.ones(2, 3))
+    with pytest.raises(ValueError, match="stop tokens"):
+        eng.start(batch_size=1, stop_tokens=list(range(dk.MAX_STOP_TOKENS + 1)))
+    with pytest.raises(ValueError, match="batch_size"):
+        eng.start(None)
+    with pytest.raises(ValueError, match="temperature"):
+        eng.start(batch_size=1, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        eng.start(batch_size=1, top_k=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate(batch_size=1, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="rows"):
+        dk.linear(torch.zeros(65, 8), torch.zeros(16, 8))
