@@ -152,7 +152,8 @@ class Conv1D(nn.Module):
             shifted = F.pad(not_start[:, : max(T - s + 1, 0)], (s - 1, 0), value=1.0)[:, :T]
             keep = keep * shifted
             window = xp[:, W - 1 - s: W - 1 - s + T]
-            y = y + window * keep[..., None] * w[W - 1 - s]
+            # (window * w) * keep: autograd then keeps only views of xp and the small mask.
+            y = y + (window * w[W - 1 - s]) * keep[..., None]
             windows.append(window)
             masks.append(keep)
         y = (y + self.b.to(acc)).to(x.dtype)
@@ -193,12 +194,14 @@ def rnn_param_init(param: torch.Tensor, min_rad: float = 0.9, max_rad: float = 0
 
 class RGLRU(nn.Module):
     """Real-Gated Linear Recurrent Unit (SPEC 1.1) with official parameter names:
-    a_param [E], input_gate / a_gate BlockDiagonalLinear with H blocks."""
+    a_param [E], input_gate / a_gate BlockDiagonalLinear with H blocks. `backend` picks
+    the sequence kernel, `step_backend` the decode kernel (see set_backend)."""
 
     def __init__(self, width: int, num_heads: int, w_init_variance_scale: float = 1.0,
                  backend: str = "auto", device=None, dtype=None):
         super().__init__()
-        self.width, self.num_heads, self.backend = width, num_heads, backend
+        self.width, self.num_heads = width, num_heads
+        set_backend(self, backend)
         self.w_init_variance_scale = w_init_variance_scale
         self.a_param = nn.Parameter(torch.empty(width, device=device, dtype=dtype))
         self.input_gate = BlockDiagonalLinear(width, num_heads, w_init_variance_scale, device, dtype)
@@ -227,7 +230,7 @@ class RGLRU(nn.Module):
     def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
         """One token. x: [B, E]; state: [B, E] FP32, updated in place; reset: [B] bool."""
         return ops.rglru_step(x, self.input_gate.w, self.input_gate.b, self.a_gate.w, self.a_gate.b,
-                              self.a_param, state, reset, backend=self.backend)
+                              self.a_param, state, reset, backend=self.step_backend)
 
 
 class SAMU(nn.Module):
@@ -242,7 +245,8 @@ class SAMU(nn.Module):
         super().__init__()
         if width % 2:
             raise ValueError(f"expected an even width for SAMU (M = width / 2 complex modes), got {width}")
-        self.width, self.modes, self.backend = width, width // 2, backend
+        self.width, self.modes = width, width // 2
+        set_backend(self, backend)
         self.min_rad, self.max_rad = min_rad, max_rad
         M = self.modes
         self.nu_log = nn.Parameter(torch.empty(M, device=device, dtype=dtype))
@@ -282,7 +286,20 @@ class SAMU(nn.Module):
 
     def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
         """One token. x: [B, E]; state: [B, M] complex, updated in place; reset: [B] bool."""
-        return ops.samu_step(x, *self._params(), state, reset, backend=self.backend)
+        return ops.samu_step(x, *self._params(), state, reset, backend=self.step_backend)
+
+
+def set_backend(module: nn.Module, backend: str, step_backend: str | None = None) -> nn.Module:
+    """Select the kernels of every mixer in `module` (itself included): `backend` for
+    sequences (kernels.backends names or "auto"), `step_backend` for one-token decode
+    (kernels.step_backends names or "auto"; by default "reference" when backend is
+    "reference", else "auto")."""
+    if step_backend is None:
+        step_backend = "reference" if backend == "reference" else "auto"
+    for m in module.modules():
+        if isinstance(m, (RGLRU, SAMU)):
+            m.backend, m.step_backend = backend, step_backend
+    return module
 
 
 def make_mixer(mixer: str, width: int, num_heads: int, backend: str = "auto", device=None, dtype=None):

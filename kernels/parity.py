@@ -17,8 +17,9 @@ Tolerances (documented table; never loosened to make a run pass):
 - against the official code in float32: 1e-5 (OFFICIAL_FP32_TOL);
 - backends against float64: float64 1e-10, float32 1e-4 (BACKEND_TOL);
 - bfloat16 / float16 (both oracles): at most LOWP_FACTOR = 2 times the error that the
-  same computation done in PyTorch at that precision makes against the exact result,
-  and never below the dtype's machine epsilon (LOWP_FLOOR = torch.finfo(dtype).eps,
+  same computation done in PyTorch at that precision makes against the exact result
+  (the reference backend at that dtype; for official checks the smaller error of the
+  official module at that dtype and ours on the reference backend), and never below the dtype's machine epsilon (LOWP_FLOOR = torch.finfo(dtype).eps,
   2^-7 for bfloat16): two correct implementations whose FP32 values differ in the
   last bits can round to neighbouring low-precision numbers, one ulp apart.
 Official checks accept float32, bfloat16 and float16 (the official RG-LRU state is
@@ -153,15 +154,21 @@ def _check_official_dtype(dtype):
 
 def _official_rows(name, run, official, ours, dtype, context):
     """Run `run(module, dtype) -> {stage: tensor}` on the FP32 official module (the
-    oracle), on ours at `dtype`, and for low precision on the official module at `dtype`
-    (the PyTorch-at-that-precision yardstick); one row per stage."""
+    oracle) and on ours at `dtype`; one row per stage. For low precision the yardstick
+    is the smaller error of two PyTorch computations at `dtype`: the official module
+    and ours on the reference backend (FP32 recurrence, SPEC 4)."""
     with torch.no_grad():
         want = run(official, torch.float32)
         got = run(ours, dtype)
-        yard = run(copy.deepcopy(official).to(dtype), dtype) if dtype != torch.float32 else None
+        if dtype != torch.float32:
+            yards = (run(copy.deepcopy(official).to(dtype), dtype),
+                     run(layers.set_backend(copy.deepcopy(ours), "reference"), dtype))
     rows = []
     for stage, w in want.items():
-        tol = OFFICIAL_FP32_TOL if yard is None else _lowp_tol(dtype, rel_err(yard[stage], w))
+        if dtype == torch.float32:
+            tol = OFFICIAL_FP32_TOL
+        else:
+            tol = _lowp_tol(dtype, min(rel_err(y[stage], w) for y in yards))
         rows.append(_row(f"{name}/{stage}", rel_err(got[stage], w), tol, stage=stage, **context))
     return rows
 
@@ -169,7 +176,8 @@ def _official_rows(name, run, official, ours, dtype, context):
 def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.float32, seed=0,
                          resets=True, backend="reference", decode_steps=4):
     """RG-LRU against the official layer: sequence output and final state from an empty
-    and from a cached state, then one-token decode steps (output and state per step)."""
+    and from a cached state, the gradients of x, the initial state and every parameter
+    (a_param, both gates' w and b), then one-token decode steps (output and state)."""
     _check_official_dtype(dtype)
     rg = load_official()
     torch.manual_seed(seed)
@@ -182,23 +190,30 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
     if resets and decode_steps > 1:
         dpos[0, 1:] = torch.arange(decode_steps - 1, device=device)      # a reset while decoding
 
+    g = torch.Generator(device="cpu").manual_seed(seed + 3)
+    gy, gh = torch.randn(B, T, D, generator=g).to(device), torch.randn(B, D, generator=g).to(device)
+
     def run(m, dt):
         xs = x[:, :T].to(dt, copy=True)
         out = {}
-        if isinstance(m, layers.RGLRU):
-            out["sequence"], out["final_state"] = m(xs, pos)
-            out["sequence_cached"], h = m(xs, pos, h0.clone())
-            out["final_state_cached"] = h.clone()
-            ys, hs = [], []
-            for i in range(decode_steps):
+        out["sequence"], out["final_state"] = m(xs, pos)
+        with torch.enable_grad():
+            # Backward through the cached call: x, the initial state and every parameter.
+            xg, hg = xs.clone().requires_grad_(), h0.clone().requires_grad_()
+            params = dict(m.named_parameters())
+            y, h = m(xg, pos, hg)
+            loss = (y.float() * gy).sum() + (h.float() * gh).sum()
+            names = ["x", "initial_state", *params]
+            grads = torch.autograd.grad(loss, [xg, hg, *params.values()])
+        out["sequence_cached"], out["final_state_cached"] = y.detach(), h.detach().clone()
+        out.update({f"grad_{n}": gr for n, gr in zip(names, grads)})
+        h = h.detach().clone()
+        ys, hs = [], []
+        for i in range(decode_steps):
+            if isinstance(m, layers.RGLRU):
                 ys.append(m.step(x[:, T + i].to(dt), h, dpos[:, i] == 0))
                 hs.append(h.clone())
-        else:
-            out["sequence"], out["final_state"] = m(xs, pos)
-            out["sequence_cached"], h = m(xs, pos, h0.clone())
-            out["final_state_cached"] = h
-            ys, hs = [], []
-            for i in range(decode_steps):
+            else:
                 y, h = m(x[:, T + i: T + i + 1].to(dt), dpos[:, i: i + 1], h)
                 ys.append(y[:, 0])
                 hs.append(h)

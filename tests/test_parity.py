@@ -106,9 +106,9 @@ def test_gates_can_fail(monkeypatch):
 def test_run_gates_rows():
     profile = {k: [] for k in parity.DEFAULT_PROFILE}
     profile["rglru_official"] = [{"B": 2, "T": 9, "D": 8, "heads": 2}]
-    profile["backends"] = [{"B": 1, "T": 9, "D": 4, "chunk_sizes": (8,)}]
+    profile["samu_reference"] = [{"B": 1, "T": 5, "D": 4}]
     rows = parity.run_gates(profile, device="cpu", dtype=torch.float32)
-    assert {r["check"].split("/")[0] for r in rows} == {"backends", "rglru_official"}
+    assert {r["check"].split("/")[0] for r in rows} == {"samu_reference", "rglru_official"}
     assert {r["resets"] for r in rows if r["check"].startswith("rglru")} == {True, False}
     _assert_passed(rows, 20)
     with pytest.raises(ValueError, match="profile_shapes"):

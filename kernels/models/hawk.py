@@ -65,12 +65,10 @@ class HawkLM(nn.Module):
         for m in (*self.blocks, self.final_norm):
             m.reset_parameters()
 
-    def set_backend(self, backend: str) -> "HawkLM":
-        """Use `backend` in every mixer (plugs kernels in without touching model code)."""
-        for m in self.modules():
-            if isinstance(m, (layers.RGLRU, layers.SAMU)):
-                m.backend = backend
-        return self
+    def set_backend(self, backend: str, step_backend: str | None = None) -> "HawkLM":
+        """Use `backend` (sequences) and `step_backend` (decode) in every mixer; plugs
+        kernels in without touching model code (see kernels.layers.set_backend)."""
+        return layers.set_backend(self, backend, step_backend)
 
     @property
     def device(self) -> torch.device:
