@@ -134,6 +134,9 @@ def test_set_backend():
     m = HawkLM(HawkConfig.preset("tiny", mixer="samu"))
     m.set_backend("reference")
     assert all(b.recurrent_block.mixer.backend == "reference" for b in m.blocks)
+    assert all(b.recurrent_block.mixer.step_backend == "reference" for b in m.blocks)
+    m.set_backend("chunk")
+    assert {(b.recurrent_block.mixer.backend, b.recurrent_block.mixer.step_backend) for b in m.blocks} == {("chunk", "auto")}
 
 
 def test_samu_initialisation():
