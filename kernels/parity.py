@@ -19,9 +19,10 @@ Tolerances (documented table; never loosened to make a run pass):
 - bfloat16 / float16 (both oracles): at most LOWP_FACTOR = 2 times the error that the
   same computation done in PyTorch at that precision makes against the exact result
   (the reference backend at that dtype; for official checks the smaller error of the
-  official module at that dtype and ours on the reference backend), and never below the dtype's machine epsilon (LOWP_FLOOR = torch.finfo(dtype).eps,
-  2^-7 for bfloat16): two correct implementations whose FP32 values differ in the
-  last bits can round to neighbouring low-precision numbers, one ulp apart.
+  official module at that dtype and of ours on the reference backend), and never below
+  the dtype's machine epsilon (LOWP_FLOOR = torch.finfo(dtype).eps, 2^-7 for
+  bfloat16): two correct implementations whose FP32 values differ in the last bits
+  can round to neighbouring low-precision numbers, one ulp apart.
 Official checks accept float32, bfloat16 and float16 (the official RG-LRU state is
 float32 by construction; run_gates runs them in float32 when asked for float64).
 """
