@@ -176,6 +176,8 @@ def step_candidates(op: str, settings: dict, device) -> list[tuple[str, dict]]:
     if device.type == "cuda" and not settings.get("include_reference", False):
         names = [n for n in names if n != "reference"]
     names = [n for n in names if not any(fnmatch.fnmatch(n, p) for p in settings.get("inexact", []))]
+    if settings.get("backends"):
+        names = [n for n in names if n in settings["backends"]]
     out = []
     for name in names:
         declared = _provider_attr(op, name, "STEPS", "STEP_TUNING")

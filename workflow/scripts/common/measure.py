@@ -114,10 +114,11 @@ def describe(exc: BaseException, limit: int = 4000) -> dict:
 
 
 def release(device=None) -> None:
-    """Free what a finished or failed configuration left behind."""
-    gc.collect()
+    """Free what a finished or failed configuration left behind (on a GPU, where
+    a full collection is worth its time)."""
     dev = device_of(device)
     if dev.type == "cuda":
+        gc.collect()
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(dev)
         with contextlib.suppress(Exception):

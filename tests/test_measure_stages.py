@@ -1,0 +1,259 @@
+"""The tune stage and the three tracks at tiny shapes on the CPU: the tuning
+table's round trip through backend="auto", exactness and failure handling of
+candidates, and the cpu-smoke tracks end to end with resume."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pipeline_util import REPO
+
+from common import records  # noqa: E402
+from common.stage import Files, Job  # noqa: E402
+
+import kernels  # noqa: E402
+import track_infer  # noqa: E402
+import track_scan  # noqa: E402
+import track_train  # noqa: E402
+import tune  # noqa: E402
+from kernels import ops  # noqa: E402
+from kernels.ops import reference, tuning  # noqa: E402
+
+CPU = yaml.safe_load((REPO / "config.yaml").read_text())["profiles"]["cpu-smoke"]
+GATES = {"schema": 1, "passed": True, "checks": []}
+ENV = {"copy_bandwidth_bytes_per_s": 1.0e10, "matmul_bf16_flop_per_s": 1.0e11,
+       "counters": {"counters_available": False, "reason": "no GPU: hardware counters not applicable"}}
+
+
+def make_job(tmp: Path, rule: str, section: str, settings: dict, outputs: dict, table: Path | None = None) -> Job:
+    (tmp / "gates.json").write_text(json.dumps(GATES))
+    (tmp / "environment.json").write_text(json.dumps(ENV))
+    inputs = {"gates": str(tmp / "gates.json"), "environment": str(tmp / "environment.json")}
+    if table is not None:
+        inputs["table"] = str(table)
+    script = REPO / "workflow" / "scripts" / f"{rule if rule == 'tune' else rule}.py"
+    return Job(rule=rule, script=str(script), input=Files(inputs.values(), inputs),
+               output=Files(outputs.values(), outputs),
+               params={"profile": "cpu-smoke", "section": section, "settings": settings,
+                       "records_dir": str(tmp / f"{section}.d")},
+               config={"profiles": {"cpu-smoke": CPU}})
+
+
+def tune_settings(**over) -> dict:
+    s = json.loads(json.dumps(CPU["tune"]))
+    s["decode"]["batches"] = [2]
+    s.update(over)
+    return s
+
+
+INFER = {**CPU["infer"], "latency": {**CPU["infer"]["latency"], "prompts": [0, 5], "lengths": [2, 4]},
+         "throughput": {**CPU["infer"]["throughput"], "probe_steps": 2, "lengths": [2, 3]}}
+
+
+def test_option_grids_follow_what_launchers_accept():
+    def explicit(x, a, *, chunk_size=32, num_warps=4):
+        pass
+
+    def var(x, a, **opts):
+        pass
+
+    grids = {"chunk": {"chunk_size": [16, 32], "block_d": [64]}, "*": {"num_warps": [2, 4]}}
+    assert tune.option_grid(explicit, "chunk", grids, None) == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert tune.option_grid(explicit, "serial", grids, None) == [{"num_warps": 2}, {"num_warps": 4}]
+    assert tune.option_grid(var, "chunk", grids, None) == [{"block_d": 64, "chunk_size": 16},
+                                                         {"block_d": 64, "chunk_size": 32}]
+    assert tune.option_grid(var, "x", grids, {"block_m": [16]}) == [{"block_m": 16}]
+    assert tune.option_grid(explicit, "x", grids, None, fixed={"num_warps"}) == [{}]
+    assert tune.chunk_variants("chunk", var, [16, 32]) == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert tune.chunk_variants("serial", var, [16]) == [{}]
+    assert tune.chunk_variants("other", explicit, [8]) == [{"chunk_size": 8}]
+
+
+def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = {"table": str(tmp_path / "tuning.json"), "records": str(tmp_path / "tune.jsonl")}
+    s = tune_settings(backends=["reference", "chunk"])
+    tune.main(make_job(tmp_path, "tune", "tune", s, out))
+    table = tuning.validate_table(json.loads(Path(out["table"]).read_text()))
+    assert {e["op"] for e in table["entries"]} == {"rglru", "samu", "scan"}
+    assert {e["op"] for e in table["decode"]} == {"rglru_step", "samu_step"}
+    recs = records.read_jsonl(out["records"])
+    for e in table["entries"]:
+        probes = [r for r in recs if r["role"] == "probe" and r["op"] == e["op"] and r["status"] == "ok"]
+        best = min(probes, key=lambda r: r["stats"]["median_ms"])
+        assert (e["backend"], e["chunk_size"]) == (best["backend"], best["options"].get("chunk_size"))
+        fresh = next(r for r in recs if r["config_id"] == e["fresh_config_id"])
+        # The table's figures come from the fresh runs, not from the probes that chose.
+        assert fresh["role"] == "fresh" and e["fresh"]["median_ms"] == fresh["stats"]["median_ms"]
+        assert fresh["samples_ms"] != best["samples_ms"]
+        assert tuning.lookup(e["op"], "float32", e["B"], e["T"], e["D"], table) == e
+
+    # backend="auto" on a GPU reads the table: dispatch with a CUDA-looking input.
+    serial_entry = {"op": "rglru", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560, "backend": "chunk",
+                    "chunk_size": 16, "options": {"block_d": 32}}
+    path = tmp_path / "gpu-table.json"
+    path.write_text(json.dumps({"schema": 1, "entries": [serial_entry], "decode": []}))
+    monkeypatch.setenv("KERNELS_TUNING_TABLE", str(path))
+    fake = types.SimpleNamespace(device=torch.device("cuda"), shape=(2, 4096, 2048), dtype=torch.bfloat16)
+    if "chunk" in kernels.backends("rglru"):
+        assert ops.resolve("rglru", "auto", fake) == ("chunk", {"block_d": 32, "chunk_size": 16})
+    assert ops.resolve("rglru", "auto", torch.zeros(1, 2, 8)) == ("reference", {})   # CPU: by design
+
+
+def test_inexact_and_failing_candidates_are_recorded_and_left_out(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def wrong(*args, **opts):
+        y, h = reference.scan(*args)
+        return y * 1.01, h
+
+    def oom(*args, **opts):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    def crash(*args, **opts):
+        raise RuntimeError("triton: out of resources: shared memory")
+
+    real = kernels.backends
+
+    def fake(op):
+        got = dict(real(op))
+        if op == "scan":
+            got.update(wrong=wrong, oom=oom, crash=crash)
+        return got
+
+    monkeypatch.setattr(kernels, "backends", fake)
+    out = {"table": str(tmp_path / "tuning.json"), "records": str(tmp_path / "tune.jsonl")}
+    s = tune_settings(backends=["reference", "wrong", "oom", "crash"], decode={})
+    s["shapes"] = {"scan": [{"B": 1, "T": 9, "D": 4}]}
+    tune.main(make_job(tmp_path, "tune", "tune", s, out))
+    by = {r["backend"]: r for r in records.read_jsonl(out["records"]) if r.get("op") == "scan"
+          and r["role"] == "probe"}
+    assert by["wrong"]["status"] == "failed" and "inexact" in by["wrong"]["error"]
+    assert by["oom"]["status"] == "oom" and by["crash"]["status"] == "failed"
+    assert by["reference"]["status"] == "ok"
+    table = json.loads(Path(out["table"]).read_text())
+    assert [e["backend"] for e in table["entries"]] == ["reference"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """tune then the three tracks with the cpu-smoke settings (reference backends
+    for speed; test_tuning_table_round_trips_through_auto covers the interpreter)."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    mp = pytest.MonkeyPatch()
+    mp.chdir(tmp)
+    table = tmp / "tuning.json"
+    dec = {**CPU["tune"]["decode"], "backends": ["reference"]}
+    tune.main(make_job(tmp, "tune", "tune", tune_settings(backends=["reference"], decode=dec),
+                       {"table": str(table), "records": str(tmp / "tune.jsonl")}))
+    scan = {**CPU["scan"], "backends": ["reference", "serial"], "T": [12]}
+    runs = {}
+    for mod, rule, section, settings in ((track_scan, "track_scan", "scan", scan),
+                                         (track_train, "track_train", "train", CPU["train"]),
+                                         (track_infer, "track_infer", "infer", INFER)):
+        job = make_job(tmp, rule, section, settings, {"records": str(tmp / f"{section}.jsonl")}, table)
+        mod.main(job)
+        runs[section] = (mod, job)
+    yield tmp, runs
+    mp.undo()
+
+
+def _recs(tmp, section):
+    return records.read_jsonl(tmp / f"{section}.jsonl")
+
+
+def test_scan_track_runs_every_item_in_both_orders(smoke):
+    tmp, _ = smoke
+    recs = _recs(tmp, "scan")
+    assert recs and all(r["status"] == "ok" and r["profile"] == "cpu-smoke" for r in recs)
+    keys = {(r["op"], r["backend"], r["order"]) for r in recs}
+    for op in ("rglru", "samu", "scan"):
+        assert (op, "reference", "AB") in keys and (op, "reference", "BA") in keys
+    ab = next(r for r in recs if r["order"] == "AB")
+    assert ab["sequence"] == list(reversed(next(r for r in recs if r["order"] == "BA")["sequence"]))
+    r = next(r for r in recs if r["op"] == "scan" and r["backend"] == "serial")
+    B, T, D = 1, 12, 8
+    assert r["floor_bytes"] == 3 * B * T * D * 4                      # a, b read; y written (fp32)
+    assert r["floor_ms"] == pytest.approx(r["floor_bytes"] / 1e10 * 1e3)
+    assert r["logical"]["bytes_read"] > 0 and r["logical"]["launches"] >= 1    # the launcher's accounting
+    assert r["counters"] is None and "not applicable" in r["counters_reason"]
+
+
+def test_train_track_diagnostics_peer_and_fresh_comparison(smoke):
+    tmp, _ = smoke
+    recs = _recs(tmp, "train")
+    roles = {r["role"] for r in recs}
+    assert {"diagnostic", "fresh"} <= roles
+    fresh = [r for r in recs if r["role"] == "fresh"]
+    assert {(r["mixer"], r["order"]) for r in fresh} == {(m, o) for m in ("samu", "rglru") for o in ("AB", "BA")}
+    ab = [r for r in fresh if r["order"] == "AB"]
+    assert ab[0]["sequence"] == ["samu", "rglru"]
+    for r in fresh:
+        assert r["selected_from"] and r["config_id"] not in r["selected_from"]
+        assert r["tokens_per_s"] > 0 and r["tokens_per_step"] == 8
+        assert r["logical"]["param_bytes"] == 4 * r["parameters"]
+        assert r["model_flops_per_step"] == 6 * r["parameters"] * 8
+        assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / (r["stats"]["median_ms"] * 1e-3) / 1.0e11)
+    peer = [r for r in recs if r["role"] == "peer"]
+    assert peer and peer[0]["backend"] == "peer:recurrentgemma" and peer[0]["status"] == "ok"
+
+
+def test_infer_track_latency_and_throughput(smoke):
+    tmp, _ = smoke
+    recs = _recs(tmp, "infer")
+    lat = [r for r in recs if r["role"] == "latency"]
+    assert {(r["shapes"]["prompt"], r["mixer"], r["order"], r["generated_tokens"]) for r in lat} == {
+        (p, m, o, n) for p in (0, 5) for m in ("samu", "rglru") for o in ("AB", "BA") for n in (2, 4)}
+    for r in lat:
+        n2 = next(x for x in lat if x["config_id"] == r["config_id"][:-len(f"N{r['generated_tokens']}")] + "N2")
+        assert r["stats"]["median_ms"] >= n2["stats"]["median_ms"]     # one trajectory, cumulative
+        assert r["tokens_per_s"] == pytest.approx(2 * r["generated_tokens"] / (r["stats"]["median_ms"] * 1e-3))
+        assert r["logical"]["state_bytes"] > 0 and r["decoder"] == "eager"
+        assert r["resolved"]["step"] == "reference"
+    probes = [r for r in recs if r["role"] == "probe"]
+    assert {r["shapes"]["B"] for r in probes} == {1, 2}
+    thr = [r for r in recs if r["role"] == "fresh"]
+    assert thr and all(r["selected_from"] for r in thr)
+    assert {r["generated_tokens"] for r in thr} == {2, 3}
+
+
+def test_tracks_resume_without_measuring_again(smoke):
+    tmp, runs = smoke
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp / "scan.d").glob("*.json")}
+    (tmp / "scan.d" / sorted(before)[0]).write_text("{")            # one torn record
+    mod, job = runs["scan"]
+    mod.main(job)
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp / "scan.d").glob("*.json")}
+    changed = [n for n in before if after[n] != before[n]]
+    assert changed == [sorted(before)[0]]
+    assert len(_recs(tmp, "scan")) == len(before)
+
+
+def test_a_failing_backend_does_not_stop_the_track(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    real = kernels.backends
+
+    def fake(op):
+        got = dict(real(op))
+
+        def boom(*args, **opts):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        got["boom"] = boom
+        return got
+
+    monkeypatch.setattr(kernels, "backends", fake)
+    restarts = []
+    monkeypatch.setattr(track_scan.measure, "reexec", lambda job: restarts.append(job.rule))
+    settings = {**CPU["scan"], "backends": ["reference", "boom"], "ops": ["scan"], "orders": ["AB"], "T": [6]}
+    (tmp_path / "tuning.json").write_text(json.dumps({"schema": 1, "entries": []}))
+    job = make_job(tmp_path, "track_scan", "scan", settings, {"records": str(tmp_path / "scan.jsonl")},
+                   tmp_path / "tuning.json")
+    track_scan.main(job)
+    by = {r["backend"]: r for r in _recs(tmp_path, "scan")}
+    assert by["boom"]["status"] == "failed" and "illegal memory access" in by["boom"]["error"]
+    assert by["boom"]["samples_ms"] == [] and by["reference"]["status"] == "ok"
+    assert restarts == ["track_scan"]            # a poisoning error restarts the process, which resumes
