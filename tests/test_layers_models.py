@@ -201,6 +201,26 @@ def test_conv1d_decode_through_document_starts():
     assert torch.equal(c1[:, :2], torch.zeros_like(c1[:, :2])) and torch.equal(c1[:, 2], x[:, 0])
 
 
+def test_conv1d_chained_short_chunks_equal_forward():
+    # Chunks of 1-3 tokens (shorter than the cache) with document starts anywhere.
+    torch.manual_seed(1)
+    conv = layers.Conv1D(3, dtype=torch.float64)
+    for trial in range(20):
+        x = torch.randn(2, 12, 3, dtype=torch.float64)
+        starts = torch.rand(2, 12) < 0.3
+        pos = torch.zeros(2, 12, dtype=torch.int64)
+        for t in range(1, 12):
+            pos[:, t] = torch.where(starts[:, t], 0, pos[:, t - 1] + 1)
+        full, full_cache = conv(x, pos)
+        cuts = [0] + sorted(torch.randperm(11)[:5].add(1).tolist()) + [12]
+        cache, ys = None, []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            y, cache = conv(x[:, a:b], pos[:, a:b], cache)
+            ys.append(y)
+        torch.testing.assert_close(torch.cat(ys, 1), full, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(cache, full_cache, rtol=0, atol=0)
+
+
 def test_rmsnorm():
     torch.manual_seed(0)
     n = layers.RMSNorm(8, dtype=torch.float64)
