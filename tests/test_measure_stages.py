@@ -50,8 +50,7 @@ def tune_settings(**over) -> dict:
     return s
 
 
-INFER = {**CPU["infer"], "latency": {**CPU["infer"]["latency"], "prompts": [0, 5], "lengths": [2, 4]},
-         "throughput": {**CPU["infer"]["throughput"], "probe_steps": 2, "lengths": [2, 3]}}
+INFER = CPU["infer"]
 
 
 def test_option_grids_follow_what_launchers_accept():
@@ -68,9 +67,14 @@ def test_option_grids_follow_what_launchers_accept():
                                                          {"block_d": 64, "chunk_size": 32}]
     assert tune.option_grid(var, "x", grids, {"block_m": [16]}) == [{"block_m": 16}]
     assert tune.option_grid(explicit, "x", grids, None, fixed={"num_warps"}) == [{}]
+    per_op = {**grids, "samu/chunk": {"chunk_size": [8]}}
+    assert tune.option_grid(explicit, "chunk", per_op, None, op="samu") == [{"chunk_size": 8}]
+    assert tune.option_grid(explicit, "chunk", per_op, None, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
     assert tune.chunk_variants("chunk", var, [16, 32]) == [{"chunk_size": 16}, {"chunk_size": 32}]
     assert tune.chunk_variants("serial", var, [16]) == [{}]
-    assert tune.chunk_variants("other", explicit, [8]) == [{"chunk_size": 8}]
+    assert tune.chunk_variants("serial", explicit, [16]) == [{}]
+    assert tune.chunk_variants("chunk", explicit, [8]) == [{"chunk_size": 8}]
+    assert tune.chunk_variants("chunk", lambda x: x, [8]) == [{}]
 
 
 def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):
@@ -212,8 +216,8 @@ def test_infer_track_latency_and_throughput(smoke):
         n2 = next(x for x in lat if x["config_id"] == r["config_id"][:-len(f"N{r['generated_tokens']}")] + "N2")
         assert r["stats"]["median_ms"] >= n2["stats"]["median_ms"]     # one trajectory, cumulative
         assert r["tokens_per_s"] == pytest.approx(2 * r["generated_tokens"] / (r["stats"]["median_ms"] * 1e-3))
-        assert r["logical"]["state_bytes"] > 0 and r["decoder"] == "eager"
-        assert r["resolved"]["step"] == "reference"
+        assert r["logical"]["state_bytes"] > 0 and r["decoder"] == "engine"      # no graphs on the CPU
+        assert r["resolved"]["step"] == "reference" and r["decoder_details"]["mixer_step_backend"] == "reference"
     probes = [r for r in recs if r["role"] == "probe"]
     assert {r["shapes"]["B"] for r in probes} == {1, 2}
     thr = [r for r in recs if r["role"] == "fresh"]

@@ -38,17 +38,34 @@ class Decoder:
     """Greedy decoding of one model at batch B: `prefill()` (excluded from timing)
     then `step(i)` advances every row by one token, feeding back its choice."""
 
-    def __init__(self, model, B: int, prompt: int, vocab: int, device, use_engine: bool, seed: int = 0):
+    def __init__(self, model, B: int, prompt: int, vocab: int, device, use_engine: bool, seed: int = 0,
+                 graphs: bool = True):
         import torch
 
         self.model, self.B, self.prompt, self.device = model, B, prompt, device
+        self.vocab, self.seed = vocab, seed
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.prompt_tokens = torch.randint(1, vocab, (B, max(prompt, 1)), generator=g).to(device)
         self.engine = None
         gen = engine_module() if use_engine else None
         if gen is not None and hasattr(gen, "Decoder"):
-            self.engine = gen.Decoder(model, B)
-        self.kind = "engine" if self.engine is not None else "eager"
+            self.engine = gen.Decoder(model, B, graphs=graphs)
+        self.graphs = self.engine is not None and graphs
+        self.kind = ("engine+graphs" if self.graphs else "engine") if self.engine is not None else "eager"
+
+    def describe(self) -> dict:
+        if self.engine is None:
+            return {"kind": "eager", "step": "HawkLM.step"}
+        return {"kind": self.kind, **self.engine.engine.describe(self.B)}
+
+    def counting_twin(self) -> "Decoder":
+        """The same decoder without CUDA graphs, started on an empty prompt: a graph
+        replay runs no launcher code, so the logical counts of a step come from this
+        twin, which launches the same kernels eagerly."""
+        twin = Decoder(self.model, self.B, 0, self.vocab, self.device, self.engine is not None, self.seed,
+                       graphs=False)
+        twin.prefill()
+        return twin
 
     def prefill(self):
         """Prompt processing (or the empty-prompt start); not timed."""
@@ -121,7 +138,12 @@ def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, p
     from kernels import timing
 
     runs = [timing.time_trajectory(dec.step, checkpoints, device, before=dec.prefill) for _ in range(reps)]
-    logical = measure.logical_counts(dec.step, device)
+    counted = dec.counting_twin() if dec.graphs else dec
+    counted.step()
+    logical = measure.logical_counts(counted.step, device)
+    if counted is not dec:
+        logical["launches_method"] += " (eager twin of the graph-captured step)"
+        del counted
     logical["param_bytes"] = params * 2
     logical["state_bytes"] = dec.state_bytes()
     out = {}
@@ -137,6 +159,7 @@ def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, p
             "ms_per_step": st["median_ms"] / n,
             "logical": dict(logical),
             "decoder": dec.kind,
+            "decoder_details": dec.describe(),
             "trajectory_clock": runs[0]["clock"],
         }
     return out
@@ -152,7 +175,7 @@ def main(job):
     runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
                             restart=lambda: measure.reexec(job))
     preset, mixers = settings["preset"], settings["mixers"]
-    use_engine = settings.get("cuda_graphs", True) and device.type == "cuda"
+    use_engine = settings.get("engine", True)
     models: dict = {}
 
     def model(mixer):
@@ -169,7 +192,8 @@ def main(job):
 
         def body():
             m = model(mixer)
-            dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine)
+            dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine,
+                          graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
             try:
                 per = trajectory_fields(dec, lengths, reps, device, sum(p.numel() for p in m.parameters()))
                 for v in per.values():

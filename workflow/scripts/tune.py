@@ -121,15 +121,18 @@ def _signature(fn) -> tuple[set[str], bool]:
     return set(params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def option_grid(fn, name: str, grids: dict, declared: dict | None, fixed: set[str] = frozenset()) -> list[dict]:
-    """Every combination of launcher options to try for backend `name`. A provider's
-    declared grid wins; otherwise the profile's grid for this backend name (or for
-    "*") keeps the keys the launcher accepts: its named keyword parameters outside
-    `fixed` (the reference signature), or any key when it takes **options."""
+def option_grid(fn, name: str, grids: dict, declared: dict | None, fixed: set[str] = frozenset(),
+                op: str | None = None) -> list[dict]:
+    """Every combination of launcher options to try for backend `name` of `op`. A
+    provider's declared grid wins; otherwise the profile's grid for "op/name", else
+    for "name", else for "*" keeps the keys the launcher accepts: its named keyword
+    parameters outside `fixed` (the reference signature), or any key when it takes
+    **options (such a launcher validates them itself)."""
     if declared:
         space = {k: list(v) for k, v in declared.items()}
     else:
-        grid = (grids or {}).get(name, (grids or {}).get("*", {}))
+        grids = grids or {}
+        grid = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
         params, var_kw = _signature(fn)
         space = {k: list(v) for k, v in grid.items() if (k in params and k not in fixed) or (var_kw and k not in params)}
     keys = sorted(space)
@@ -137,10 +140,11 @@ def option_grid(fn, name: str, grids: dict, declared: dict | None, fixed: set[st
 
 
 def chunk_variants(name: str, fn, chunk_sizes) -> list[dict]:
-    """One option set per chunk size for a chunked backend (it names chunk_size, or
-    takes **options and is called chunk-something), else one empty option set."""
+    """One option set per chunk size for a chunked backend (named chunk-something and
+    taking chunk_size, by name or through **options), else one empty option set (a
+    serial launcher's chunk_size is its time tile, left at its default)."""
     params, var_kw = _signature(fn)
-    chunked = "chunk_size" in params or (var_kw and "chunk" in name)
+    chunked = "chunk" in name and ("chunk_size" in params or var_kw)
     return [{"chunk_size": k} for k in chunk_sizes] if chunked else [{}]
 
 
@@ -157,7 +161,7 @@ def op_candidates(op: str, settings: dict, gates: dict | None, device) -> list[t
     out = []
     for name in names:
         declared = _provider_attr(op, name, "BACKENDS", "TUNING")
-        for opts in option_grid(fns[name], name, settings.get("options", {}), declared):
+        for opts in option_grid(fns[name], name, settings.get("options", {}), declared, op=op):
             out.append((name, opts))
     return out[: settings.get("max_candidates", len(out))]
 
@@ -181,7 +185,7 @@ def step_candidates(op: str, settings: dict, device) -> list[tuple[str, dict]]:
     out = []
     for name in names:
         declared = _provider_attr(op, name, "STEPS", "STEP_TUNING")
-        for opts in option_grid(fns[name], name, settings.get("options", {}), declared, _STEP_FIXED[op]):
+        for opts in option_grid(fns[name], name, settings.get("options", {}), declared, _STEP_FIXED[op], op=op):
             out.append((name, opts))
     return out
 
