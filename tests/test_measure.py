@@ -259,3 +259,25 @@ def test_tensor_bytes_walks_caches():
             self.layers = [(torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.complex64))]
 
     assert measure.tensor_bytes(Cache()) == 2 * 3 * 4 + 2 * 4 * 8
+
+
+def test_ncu_pass_keeps_the_calls_between_marker_pairs(tmp_path):
+    csv_text = "\n".join([
+        '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","lts__t_bytes.sum",'
+        '"sm__warps_active.avg.pct_of_peak_sustained_active"',
+        '"0","setup_kernel","7","7","7","7"',
+        '"1","void at::native::spin_kernel(long)","0","0","0","0"',
+        '"2","call_a","100","50","300","40"',
+        '"3","void at::native::spin_kernel(long)","0","0","0","0"',
+        '"4","setup_kernel","9","9","9","9"',
+        '"5","void at::native::spin_kernel(long)","0","0","0","0"',
+        '"6","call_b","1","2","3","4"',
+        '"7","void at::native::spin_kernel(long)","0","0","0","0"',
+    ])
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!/bin/sh\ncat <<'CSV'\n{csv_text}\nCSV\n")
+    fake.chmod(0o755)
+    got = measure.ncu_counters(["python", "worker.py"], 2, ncu=str(fake))
+    assert [g["dram_bytes_read"] for g in got] == [100.0, 1.0] and [g["kernels"] for g in got] == [1, 1]
+    assert measure.ncu_counters(["python", "worker.py"], 3, ncu=str(fake)) is None
+    assert measure.ncu_counters(["x"], 1, ncu=str(tmp_path / "missing")) is None

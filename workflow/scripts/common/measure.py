@@ -353,9 +353,12 @@ def summarize_counters(rows: list[dict]) -> dict:
 
 
 def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, ncu: str = "ncu") -> list[dict] | None:
-    """Run `argv` (a worker that runs n_configs configurations once each, calling
-    mark_boundary() before each and once at the end) under Nsight Compute and
-    return one counter summary per configuration, or None when it fails."""
+    """Run `argv` (a worker that runs n_configs configurations once each, each call
+    between two mark_boundary() calls, set-up outside them) under Nsight Compute
+    and return one counter summary per configuration, or None when it fails."""
+    import shutil
+
+    ncu = shutil.which(ncu) or ("/usr/local/cuda/bin/ncu" if os.path.isfile("/usr/local/cuda/bin/ncu") else ncu)
     cmd = [ncu, "--csv", "--page", "raw", "--metrics", ",".join(NCU_METRICS.values()), *argv]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -363,11 +366,11 @@ def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, nc
         return None
     if proc.returncode != 0:
         return None
-    groups = split_by_marker(parse_ncu_csv(proc.stdout))
-    # The final marker closes the last configuration: groups = n_configs + 1 with an empty tail.
-    if len(groups) < n_configs:
+    # Groups after each marker alternate: a call, then the next configuration's set-up.
+    calls = split_by_marker(parse_ncu_csv(proc.stdout))[0::2]
+    if len(calls) < n_configs:
         return None
-    return [summarize_counters(g) for g in groups[:n_configs]]
+    return [summarize_counters(g) for g in calls[:n_configs]]
 
 
 # ------------------------------------------------------- probe and audit
