@@ -185,6 +185,9 @@ def test_scan_track_runs_every_item_in_both_orders(smoke):
     assert r["floor_ms"] == pytest.approx(r["floor_bytes"] / 1e10 * 1e3)
     assert r["logical"]["bytes_read"] > 0 and r["logical"]["launches"] >= 1    # the launcher's accounting
     assert r["counters"] is None and "not applicable" in r["counters_reason"]
+    ba = next(x for x in recs if x["config_id"] == r["config_id"][:-2] + "BA")
+    # The BA run times afresh but reuses the counts of the AB run (the same kernels).
+    assert ba["logical"]["counted_in"] == r["config_id"] and ba["samples_ms"] != r["samples_ms"]
 
 
 def test_train_track_diagnostics_peer_and_fresh_comparison(smoke):
@@ -218,6 +221,8 @@ def test_infer_track_latency_and_throughput(smoke):
         assert r["tokens_per_s"] == pytest.approx(2 * r["generated_tokens"] / (r["stats"]["median_ms"] * 1e-3))
         assert r["logical"]["state_bytes"] > 0 and r["decoder"] == "engine"      # no graphs on the CPU
         assert r["resolved"]["step"] == "reference" and r["decoder_details"]["mixer_step_backend"] == "reference"
+        if r["order"] == "BA":
+            assert r["logical"]["counted_in"].endswith("-AB-N2")
     probes = [r for r in recs if r["role"] == "probe"]
     assert {r["shapes"]["B"] for r in probes} == {1, 2}
     thr = [r for r in recs if r["role"] == "fresh"]

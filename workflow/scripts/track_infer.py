@@ -132,18 +132,22 @@ def build_model(preset: str, mixer: str, settings: dict, device, backend: str = 
     return model
 
 
-def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, params: int) -> dict:
+def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, params: int,
+                      reuse: dict | None = None) -> dict:
     """Run `reps` trajectories to max(checkpoints); per checkpoint, the cumulative
-    milliseconds of every trajectory plus tokens/s, peak memory and logical counts."""
+    milliseconds of every trajectory plus tokens/s, peak memory and logical counts
+    (of one step; taken from `reuse`, the other order's record, when it has them)."""
     from kernels import timing
 
     runs = [timing.time_trajectory(dec.step, checkpoints, device, before=dec.prefill) for _ in range(reps)]
-    counted = dec.counting_twin() if dec.graphs else dec
-    counted.step()
-    logical = measure.logical_counts(counted.step, device)
-    if counted is not dec:
-        logical["launches_method"] += " (eager twin of the graph-captured step)"
-        del counted
+    logical = measure.reuse_logical(reuse)
+    if logical is None:
+        counted = dec.counting_twin() if dec.graphs else dec
+        counted.step()
+        logical = measure.logical_counts(counted.step, device)
+        if counted is not dec:
+            logical["launches_method"] += " (eager twin of the graph-captured step)"
+            del counted
     logical["param_bytes"] = params * 2
     logical["state_bytes"] = dec.state_bytes()
     out = {}
@@ -189,13 +193,14 @@ def main(job):
 
     def group(prefix, mixer, B, prompt, lengths, reps, order, extra):
         ids = [f"{prefix}-N{n}" for n in lengths]
+        reuse = runner.ok(f"{prefix[:-2]}AB-N{lengths[0]}") if order == "BA" else None
 
         def body():
             m = model(mixer)
             dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine,
                           graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
             try:
-                per = trajectory_fields(dec, lengths, reps, device, sum(p.numel() for p in m.parameters()))
+                per = trajectory_fields(dec, lengths, reps, device, sum(p.numel() for p in m.parameters()), reuse)
                 for v in per.values():
                     v["resolved"] = resolved_backends(m, B, prompt, device)
             finally:

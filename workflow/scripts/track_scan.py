@@ -230,11 +230,15 @@ def main(job):
                 slow = settings.get("slow", {}).get(item["backend"], {})
                 reps, warmup = slow.get("reps", settings["reps"]), slow.get("warmup", settings["warmup"])
 
-                def body(item=item, reps=reps, warmup=warmup):
+                reuse = None if order == "AB" else runner.ok(config_id(item, settings, "AB"))
+
+                def body(item=item, reps=reps, warmup=warmup, reuse=reuse):
                     call, args = forward_fn(item, inputs, settings["check_tolerance"])
-                    m = measure.measure(call, reps, warmup, device,
+                    logical = measure.reuse_logical(reuse)
+                    m = measure.measure(call, reps, warmup, device, count=logical is None,
                                         budget_s=settings.get("budget_s_per_config"))
                     fields = measure.timing_fields(m)
+                    fields["logical"] = fields["logical"] or logical
                     act = args[1] if item["op"] == "scan" else args[0]
                     fb = floor_bytes(args[:2] if item["peer"] else args, act)
                     floor_ms = fb / bandwidth * 1e3 if bandwidth else None

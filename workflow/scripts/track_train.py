@@ -125,11 +125,17 @@ class Setup:
         }
 
 
-def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate, peak_rate) -> dict:
+def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate, peak_rate,
+          reuse: dict | None = None) -> dict:
+    """Build, warm up, count (unless `reuse`, the same configuration's record in the
+    other order, already holds the counts) and time the training step."""
     s = setup_fn()
     try:
-        m = measure.measure(s.step, reps, warmup, device, budget_s=settings.get("budget_s_per_config"))
+        logical = measure.reuse_logical(reuse)
+        m = measure.measure(s.step, reps, warmup, device, count=logical is None,
+                            budget_s=settings.get("budget_s_per_config"))
         fields = measure.timing_fields(m)
+        fields["logical"] = fields["logical"] or logical
         fields.update(s.figures(fields, matmul_rate, peak_rate))
         return fields
     finally:
@@ -181,9 +187,11 @@ def main(job):
                     os.environ["KERNELS_TUNING_TABLE"] = tuned
                     return Setup(preset, mixer, T, B, settings, device, backend=name)
 
-                def body(make=make, reps=reps, warmup=warmup):
+                reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
+
+                def body(make=make, reps=reps, warmup=warmup, reuse=reuse):
                     try:
-                        return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate)
+                        return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
                     finally:
                         os.environ["KERNELS_TUNING_TABLE"] = tuned
 
@@ -237,10 +245,12 @@ def main(job):
                         return Setup(preset, mixer, T, B, settings, device, backend="auto")
                     return Setup(preset, mixer, T, B, settings, device, backend=name)
 
-                def body(make=make):
+                reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
+
+                def body(make=make, reuse=reuse):
                     try:
                         return timed(make, settings["fresh_reps"], settings["warmup"], settings, device,
-                                     matmul_rate, peak_rate)
+                                     matmul_rate, peak_rate, reuse)
                     finally:
                         os.environ["KERNELS_TUNING_TABLE"] = tuned
 

@@ -473,6 +473,15 @@ def timing_fields(m: dict) -> dict:
     }
 
 
+def reuse_logical(rec: dict | None) -> dict | None:
+    """The logical counts of an earlier record of the same configuration (the other
+    run order runs the same kernels), marked with where they were counted; None
+    when there is none to reuse, and the caller counts."""
+    if rec is None or rec.get("status") != STATUS_OK or not isinstance(rec.get("logical"), dict):
+        return None
+    return {**rec["logical"], "counted_in": rec["config_id"]}
+
+
 def stats_of(samples: list[float]) -> dict:
     return timing.summarize(samples)
 
