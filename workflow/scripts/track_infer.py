@@ -19,6 +19,7 @@ model's eager `step`.
 """
 
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -114,9 +115,23 @@ def resolved_backends(model, B: int, prompt: int, device) -> dict:
     dtype = next(model.parameters()).dtype
     x = torch.empty(B, max(prompt, 1), cfg.lru_width, dtype=dtype, device=device)
     name, opts = ops.resolve(cfg.mixer, "auto", x)
-    step_fn = ops._step_backend(cfg.mixer, "auto", x[:, 0])
+    mixer = model.blocks[0].recurrent_block.mixer
+    step_fn = ops._step_backend(cfg.mixer, getattr(mixer, "step_backend", "auto"), x[:, 0])
     step = next((n for n, f in kernels.step_backends(cfg.mixer).items() if f is step_fn), None)
     return {"prefill": name, "prefill_options": opts, "step": step}
+
+
+def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
+    """The tuning table's decode entry for this mixer nearest in log(B), if any."""
+    import math
+
+    import kernels
+
+    cands = [e for e in table.get("decode", []) if e.get("op") == f"{mixer}_step"
+             and e.get("backend") in kernels.step_backends(mixer)]
+    if not cands:
+        return None
+    return min(cands, key=lambda e: abs(math.log(max(e["B"], 1) / max(B, 1))))
 
 
 def build_model(preset: str, mixer: str, settings: dict, device, backend: str = "auto"):
@@ -176,6 +191,7 @@ def main(job):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tuned = Path(job.input.table)
     os.environ["KERNELS_TUNING_TABLE"] = str(tuned.resolve())
+    table = json.loads(tuned.read_text())
     runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
                             restart=lambda: measure.reexec(job))
     preset, mixers = settings["preset"], settings["mixers"]
@@ -197,12 +213,17 @@ def main(job):
 
         def body():
             m = model(mixer)
+            choice = decode_choice(table, mixer, B)
+            # The decode table picks the step kernel by batch size (launcher options
+            # such as warps stay at the kernel's defaults: the layers take a name).
+            m.set_backend("auto", step_backend=choice["backend"] if choice else "auto")
             dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine,
                           graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
             try:
                 per = trajectory_fields(dec, lengths, reps, device, sum(p.numel() for p in m.parameters()), reuse)
                 for v in per.values():
                     v["resolved"] = resolved_backends(m, B, prompt, device)
+                    v["decode_table_entry"] = choice
             finally:
                 del dec
                 measure.release(device)
