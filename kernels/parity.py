@@ -517,11 +517,15 @@ def _run_op(fn, args, h0, pos, opts, seed):
     return out, grads
 
 
-def _accepts_chunk_size(fn) -> bool:
+def _accepts_chunk_size(name, fn) -> bool:
+    """A launcher that names `chunk_size`, or a "chunk" backend taking keyword options."""
     try:
-        return "chunk_size" in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+    if "chunk_size" in params:
+        return True
+    return name == "chunk" and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0,
@@ -563,7 +567,7 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
         tols = {k: _lowp_tol(dtype, rel_err(_none_zero(yard[k], want[k]), want[k])) for k in keys}
     rows = []
     for name, fn in ops.backends(op).items():
-        variants = [{"chunk_size": k} for k in chunk_sizes] if _accepts_chunk_size(fn) else [{}]
+        variants = [{"chunk_size": k} for k in chunk_sizes] if _accepts_chunk_size(name, fn) else [{}]
         for opts in variants:
             ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device),
                        resets=resets, **opts)
