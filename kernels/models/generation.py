@@ -32,8 +32,9 @@ Step kernels (`kernels=`):
              epilogues (four launches and the mixer step per layer), for B <= 64;
              larger batches use "fused";
     "auto"   "gemm" on CUDA for bf16/fp16/fp32 models, "model" otherwise.
-All of them compute HawkLM.step's function (same roundings; FP32 summation order may
-differ). A graph holds the parameter and cache storage it was captured with: build a
+All of them compute HawkLM.step's function with its roundings (FP32 summation order
+may differ; "gemm" rounds the normalised matmul input before the 1 / rms factor, see
+kernels.ops.decode). A graph holds the parameter and cache storage it was captured with: build a
 new engine after moving or re-creating the model's parameters.
 """
 
@@ -384,19 +385,26 @@ class Engine:
 
     def _capture(self, s: _Slot, sampling: Sampling, generator):
         saved = [t.clone() for t in s.state()]
+        # The warm-up must leave no trace: decoding state and random-number state are
+        # restored, so a sampled graph run draws what an eager run would.
+        rng = generator.get_state() if generator is not None else torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):      # compiles the Triton kernels, initialises the libraries
                 self._body(s, sampling, generator)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        for t, v in zip(s.state(), saved):
+            t.copy_(v)
+        if generator is not None:
+            generator.set_state(rng)
+        else:
+            torch.cuda.set_rng_state(rng, self.device)
         graph = torch.cuda.CUDAGraph()
         if generator is not None:
             graph.register_generator_state(generator)
         with torch.cuda.graph(graph):
             logits = self._body(s, sampling, generator)
-        for t, v in zip(s.state(), saved):
-            t.copy_(v)
         return graph, logits
 
     @torch.no_grad()

@@ -6,7 +6,7 @@ model dtype (bf16, fp16 or fp32); arithmetic is FP32.
 
 Two families, both computing what `HawkLM.step` computes and rounding where it rounds
 (every nn.Module output is in the model dtype), so that they differ from it only in
-FP32 summation order:
+FP32 summation order (and, in `linear`'s RMSNorm prologue, the place of one rounding):
 
 - row kernels around library matmuls (any M): `embed_rmsnorm` (embedding gather and
   the first pre-norm), `add_rmsnorm` (residual add and the next RMSNorm), `conv_step`
@@ -16,7 +16,10 @@ FP32 summation order:
   each weight once and fuses the neighbouring row work into it: a prologue (RMSNorm of
   the input rows, or the product of two inputs) and an epilogue (bias; residual add in
   place; GeLU; the convolution step; the gated-MLP product of paired gate/value rows).
-  A Hawk layer is then four such launches plus the mixer step.
+  A Hawk layer is then four such launches plus the mixer step. RMSNorm's 1 / rms is a
+  per-row factor, so it is applied to the FP32 sums (after the one pass over the row)
+  rather than to the inputs: the matmul reads round(x * (1 + scale)) where the model
+  reads round(x / rms * (1 + scale)), one rounding of the same size at another place.
 
 `advance` updates the decoding state after the next-token choice (stop tokens, done
 flags, positions, resets) in one launch. Nothing here synchronises with the host or
@@ -33,6 +36,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import accounting
 
@@ -66,13 +70,13 @@ def _gelu(x):
 @triton.jit
 def _pdl_wait(PDL: tl.constexpr):
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        gdc_wait()
 
 
 @triton.jit
 def _pdl_launch(PDL: tl.constexpr):
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------- row kernels
@@ -194,34 +198,38 @@ def _dot(acc, at, wt, DOT: tl.constexpr):
 
 
 @triton.jit
-def _a_tile(a, sa, a2, sa2, nscale, rinv, o_m, m_m, o_k, m_k, PRO: tl.constexpr, TY: tl.constexpr,
+def _a_tile(a, sa, a2, sa2, nscale, ss, o_m, m_m, o_k, m_k, PRO: tl.constexpr, TY: tl.constexpr,
             RNE: tl.constexpr):
+    """Input tile [BM, BK] in the model dtype and the running row sums of squares
+    (PRO_NORM: the tile is round(a * (1 + scale)); 1 / rms is applied to the sums)."""
     m2 = m_m[:, None] & m_k[None, :]
     rows = o_m.to(tl.int64)[:, None]
     t = tl.load(a + rows * sa + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
     if PRO == 1:
+        ss += tl.sum(t * t, axis=1)
         s = tl.load(nscale + o_k, mask=m_k, other=0.0).to(tl.float32)
-        t = _rnd(t * rinv[:, None] * (s[None, :] + 1.0), TY, RNE)
+        t = _rnd(t * (s[None, :] + 1.0), TY, RNE)
     elif PRO == 2:
         t2 = tl.load(a2 + rows * sa2 + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
         t = _rnd(t * t2, TY, RNE)
-    return t.to(TY)
+    return t.to(TY), ss
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def linear_kernel(
     a, sa, a2, sa2, nscale, w, bias, w2, bias2, out, out2, res,
     cstate, cw, cb, reset,
     M, N, K, eps,
     PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr, CW: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBK: tl.constexpr, DOT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
     RNE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = epilogue(sum_k prologue(a)[m, k] * w[n, k] + bias[n]); w is [N, K]
     (nn.Linear layout; [2N, K] gate rows first for EPI_GATED). EPI_XY runs over 2N
     columns: n < N uses (w, bias) -> round(gelu) into out, n >= N uses (w2, bias2) ->
     the conv step into out2. The residual epilogue writes out = round(v + res), and
-    out may be res (each program reads and writes only its own columns)."""
+    out may be res (each program reads and writes only its own columns). Program
+    (n, m) streams w[n-block, :] once, in BK slices, for its BM rows."""
     _pdl_launch(PDL)
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     TY: tl.constexpr = out.dtype.element_ty
@@ -238,26 +246,23 @@ def linear_kernel(
             wp = w2
             bp = bias2
     _pdl_wait(PDL)
-    rinv = tl.zeros([BM], tl.float32)
-    if PRO == 1:
-        ss = tl.zeros([BM], tl.float32)
-        for k0 in range(0, K, NBK):
-            o_k = k0 + tl.arange(0, NBK)
-            t = tl.load(a + o_m.to(tl.int64)[:, None] * sa + o_k[None, :],
-                        mask=m_m[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
-            ss += tl.sum(t * t, axis=1)
-        rinv = 1.0 / tl.sqrt(ss / K + eps)
     w_rows = o_n.to(tl.int64)[None, :] * K
     acc = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        at = _a_tile(a, sa, a2, sa2, nscale, rinv, o_m, m_m, o_k, m_k, PRO, TY, RNE)
+        at, ss = _a_tile(a, sa, a2, sa2, nscale, ss, o_m, m_m, o_k, m_k, PRO, TY, RNE)
         mw = m_k[:, None] & m_n[None, :]
         acc = _dot(acc, at, tl.load(wp + w_rows + o_k[:, None], mask=mw, other=0.0), DOT)
         if EPI == 3:
             acc2 = _dot(acc2, at, tl.load(wp + N * K + w_rows + o_k[:, None], mask=mw, other=0.0), DOT)
+    if PRO == 1:
+        # RMSNorm's 1 / rms is a per-row factor: applied to the sums instead of the inputs.
+        rinv = 1.0 / tl.sqrt(ss / K + eps)
+        acc = acc * rinv[:, None]
+        acc2 = acc2 * rinv[:, None]
     if HAS_BIAS:
         acc += tl.load(bp + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
         if EPI == 3:
@@ -345,7 +350,7 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     CW = _check_conv(conv_state, conv_w, conv_b, M, E)
     rst = _reset_arg(reset, M)
     y = torch.empty(M, E, dtype=x.dtype, device=x.device) if y is None else y
-    BM, BC = min(16, triton.next_power_of_2(M)), 256
+    BM, BC = 16, 256
     conv_step_kernel[(triton.cdiv(E, BC), triton.cdiv(M, BM))](
         x, x.stride(0), conv_state, conv_w, conv_b, rst if rst is not None else conv_state, y, M, E,
         HAS_RESET=rst is not None, CW=CW, BM=BM, BC=BC, RNE=INTERPRET)
@@ -361,7 +366,7 @@ def gelu_mul(a, b, y=None):
     if a.stride(1) != 1:
         raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
     y = torch.empty(M, F, dtype=a.dtype, device=a.device) if y is None else y
-    BM, BF = min(16, triton.next_power_of_2(M)), 512
+    BM, BF = 16, 512
     gelu_mul_kernel[(triton.cdiv(F, BF), triton.cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F,
                                                               BM=BM, BF=BF, RNE=INTERPRET)
     accounting.record("gelu_mul", 2 * accounting.nbytes(y), accounting.nbytes(y))
@@ -372,7 +377,7 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     """After choosing `nxt` [M]: tokens <- nxt (pad_id in rows already done), done |=
     nxt in stops [MAX_STOP_TOKENS] (-1 = unused), pos += 1, reset <- pos == 0."""
     M = tokens.shape[0]
-    BM = min(1024, triton.next_power_of_2(M))
+    BM = 128
     advance_kernel[(triton.cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
                                           stops, pad_id, M, S=stops.shape[0], BM=BM)
     accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
@@ -461,7 +466,7 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         cstate if cstate is not None else dummy, cw if cw is not None else dummy, cb if cb is not None else dummy,
         rst if rst is not None else dummy, M, N, K, eps,
         PRO=prologue, EPI=epilogue, HAS_BIAS=bias is not None, HAS_RESET=rst is not None, CW=CW,
-        BM=BM, BN=cfg["BN"], BK=cfg["BK"], NBK=min(1024, triton.next_power_of_2(K)), DOT=_dot_mode(dt),
+        BM=BM, BN=cfg["BN"], BK=cfg["BK"], DOT=_dot_mode(dt),
         RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_option(pdl),
     )

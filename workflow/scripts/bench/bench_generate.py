@@ -1,0 +1,583 @@
+"""Benchmark of the generation engine (issue 7) on one GPU, with the official
+recurrentgemma sampler step as the peer, in one call:
+
+1. the GPU tests (tests/test_generation_gpu.py) run in a subprocess, log kept; while
+   they run (no timing yet): device facts, models built (preset 1.3b, BF16 random
+   weights, both mixers), the correctness gate at real shapes and every graph captured
+   (which compiles every kernel);
+2. correctness gate (before any timing): B = 16 left-padded prompts, 8 greedy steps
+   per step-kernel variant; the logits must be within LOWP_FACTOR times the error of
+   the same forward done by PyTorch at BF16 (both judged against the FP32 forward of
+   the same weights on the same tokens); a variant that fails is not timed;
+3. device copy bandwidth -> the weight-streaming floor (parameter bytes / bandwidth);
+4. decode step at B = 16 for every variant that passed, both orders (diagnostics);
+   the fastest per mixer is chosen from these and used, on fresh runs, below;
+5. the official PyTorch sampler step (recurrentgemma 1.0.1, Sampler._sample_step) on
+   the same RG-LRU weights, B = 16, and the agreement of its greedy tokens with ours;
+6. latency at B = 16: one trajectory of 4096 steps after an empty and a 4096-token
+   prompt (prefill excluded), time read at 128, 256, ..., 4096, both orders;
+7. throughput: 64-step probes over B in 1..512, then the best B per mixer through
+   fresh 512..4096-step trajectories (both orders while the budget lasts).
+Sections past the time budget are cut and listed under "cut". Every figure comes from
+kernels.timing (CUDA events, raw samples kept); the JSON records GPU, versions,
+commit, shapes and samples.
+
+    python workflow/scripts/bench/bench_generate.py --out DIR [--budget-s S] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from kernels import parity, timing  # noqa: E402
+from kernels.ops import accounting  # noqa: E402
+from kernels.models import HawkConfig, HawkLM  # noqa: E402
+from kernels.models.generation import Engine  # noqa: E402
+
+FULL = {"preset": "1.3b", "B": 16, "lengths": [128, 256, 512, 1024, 2048, 4096], "prompts": [0, 4096],
+        "batches": [1, 4, 16, 32, 64, 96, 128, 192, 256, 384, 512], "probe_steps": 64,
+        "thr_lengths": [512, 1024, 2048, 4096], "step_reps": 100, "gate_prompt": 64, "gate_steps": 8,
+        "official_reps": 10, "copy_bytes": 2 << 30}
+SMOKE = {"preset": "tiny", "B": 4, "lengths": [4, 8], "prompts": [0, 16], "batches": [1, 4, 8], "probe_steps": 4,
+         "thr_lengths": [4, 8], "step_reps": 5, "gate_prompt": 6, "gate_steps": 3, "official_reps": 2,
+         "copy_bytes": 1 << 20}
+MIXERS = ("rglru", "samu")
+ROLES = ("xy", "out", "up", "down", "logits")
+
+
+def role_shapes(cfg) -> dict:
+    """(output columns, K) of each weight-streaming linear of a Hawk layer."""
+    D, E, F, V = cfg.width, cfg.lru_width, cfg.mlp_expanded_width, cfg.vocab_size
+    return {"xy": (2 * E, D), "out": (D, E), "up": (F, D), "down": (D, F), "logits": (V, D)}
+
+
+def deep_configs(cfg) -> dict:
+    """Alternative tiles: twice the weight bytes in flight per program (BK doubled)
+    where the default tiles are narrow."""
+    from kernels.ops import decode as dk
+
+    out = {}
+    for role, (cols, K) in role_shapes(cfg).items():
+        c = dk.default_config(cols, K)
+        if c["BN"] <= 32:
+            c = dict(c, BK=min(2 * c["BK"], 512), num_stages=4)
+        out[role] = c
+    return out
+
+
+def variants_for(cfg) -> dict:
+    """Step-kernel variants (kernels.models.generation.Engine options)."""
+    deep = deep_configs(cfg)
+    return {
+        "model+graph": dict(kernels="model"),
+        "fused+graph": dict(kernels="fused"),
+        "gemm+graph": dict(kernels="gemm"),
+        "gemm+graph+pdl": dict(kernels="gemm", pdl=True),
+        "gemm+graph+deep": dict(kernels="gemm", linear_configs=deep),
+        "gemm+graph+pdl+deep": dict(kernels="gemm", pdl=True, linear_configs=deep),
+    }
+
+
+VARIANTS: dict = {}
+
+
+def run_linear(role, conf, pdl, M, cfg, device, dtype=torch.bfloat16):
+    """One launch of a role's linear on random data (fills Triton's compile cache)."""
+    from kernels.ops import decode as dk
+
+    D, E, F, V = cfg.width, cfg.lru_width, cfg.mlp_expanded_width, cfg.vocab_size
+
+    def r(*shape):
+        return torch.randn(*shape, device=device).to(dtype)
+
+    kw = dict(config=conf, pdl=pdl)
+    if role == "xy":
+        dk.linear(r(M, D), r(E, D), r(E), prologue=dk.PRO_NORM, norm_scale=r(D), eps=1e-6, epilogue=dk.EPI_XY,
+                  w2=r(E, D), bias2=r(E), conv=(r(M, cfg.conv1d_temporal_width - 1, E), r(cfg.conv1d_temporal_width, E),
+                                                r(E)),
+                  reset=torch.zeros(M, dtype=torch.bool, device=device), **kw)
+    elif role == "out":
+        dk.linear(r(M, E), r(D, E), r(D), prologue=dk.PRO_MUL, a2=r(M, E), epilogue=dk.EPI_RESIDUAL,
+                  residual=r(M, D), **kw)
+    elif role == "up":
+        dk.linear(r(M, D), r(2 * F, D), r(2 * F), prologue=dk.PRO_NORM, norm_scale=r(D), eps=1e-6,
+                  epilogue=dk.EPI_GATED, **kw)
+    elif role == "down":
+        dk.linear(r(M, F), r(D, F), r(D), epilogue=dk.EPI_RESIDUAL, residual=r(M, D), **kw)
+    else:
+        dk.linear(r(M, D), r(V, D), None, prologue=dk.PRO_NORM, norm_scale=r(D), eps=1e-6, **kw)
+
+
+def compile_worker(args):
+    """Process-pool worker: compile (by running once) a list of linear launches."""
+    preset, tasks, device = args
+    sys.path.insert(0, str(REPO))
+    cfg = HawkConfig.preset(preset)
+    done, failed = 0, []
+    for role, conf, pdl, M in tasks:
+        try:
+            run_linear(role, conf, pdl, M, cfg, torch.device(device))
+            done += 1
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"{role} {conf} pdl={pdl} M={M}: {e!r}")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return done, failed
+
+
+def compile_tasks(variants, batches) -> list:
+    """Every (role, tile config, pdl, rows) the gemm variants launch, rows 16 first
+    (the B of the step and latency sections)."""
+    from kernels.ops import decode as dk
+
+    Ms = sorted({min(dk.LINEAR_MAX_ROWS, max(16, 1 << (b - 1).bit_length())) for b in batches
+                 if b <= dk.LINEAR_MAX_ROWS}, key=lambda m: (m != 16, m))
+    seen, tasks = set(), []
+    for M in Ms:
+        for v in variants.values():
+            if v["kernels"] != "gemm":
+                continue
+            for role in ROLES:
+                conf = (v.get("linear_configs") or {}).get(role)
+                key = (role, json.dumps(conf, sort_keys=True), bool(v.get("pdl")), M)
+                if key not in seen:
+                    seen.add(key)
+                    tasks.append((role, conf, bool(v.get("pdl")), M))
+    return tasks
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class Budget:
+    def __init__(self, seconds):
+        self.t0, self.seconds = time.perf_counter(), seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+
+def env_facts(commit: str) -> dict:
+    facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+             "commit": commit, "host": platform.node(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        import triton
+
+        facts["triton"] = triton.__version__
+    except ImportError:
+        facts["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        facts.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                     memory_bytes=p.total_memory)
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem,clocks.max.sm",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            facts["nvidia_smi"] = q.stdout.strip()
+        except Exception as e:  # noqa: BLE001
+            facts["nvidia_smi"] = f"unavailable: {e}"
+    return facts
+
+
+def build(preset, mixer, device, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    cfg = HawkConfig.preset(preset, mixer=mixer)
+    return HawkLM(cfg, device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def param_bytes(m) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def copy_bandwidth(nbytes, device) -> dict:
+    x = torch.randn(nbytes // 4, device=device)
+    y = torch.empty_like(x)
+    t = timing.time_fn(lambda: y.copy_(x), reps=10, warmup=3, device=device)
+    moved = 2 * x.numel() * 4
+    return {"bytes_moved": moved, "timing": t, "bytes_per_s": moved / (t["median_ms"] * 1e-3)}
+
+
+def left_padded_prompts(B, P, V, seed, bos=2):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, P + 1, (B,), generator=g)
+    lengths[0] = P
+    tokens = torch.randint(3, V, (B, P), generator=g)
+    for b in range(B):
+        tokens[b, P - lengths[b]] = bos
+        tokens[b, : P - lengths[b]] = 0
+    return tokens, lengths
+
+
+def gate(m, m32, yard_model, variant, B, P, steps, device) -> dict:
+    """Greedy decode of left-padded prompts with one variant; logits judged against the
+    FP32 forward on the same tokens, tolerance from the BF16 PyTorch forward."""
+    V = m.config.vocab_size
+    tokens, lengths = left_padded_prompts(B, P, V, seed=3)
+    eng = Engine(m, **VARIANTS[variant]) if variant != "model-eager" else Engine(m, kernels="model", graphs=False)
+    out = list(eng.stream(tokens, steps, lengths=lengths, with_logits=True))
+    toks = torch.stack([t for t, _ in out], 1)
+    got = torch.stack([lg for _, lg in out], 1)
+    seq = torch.cat([tokens.to(device), toks], 1)
+    pos = torch.arange(P + steps, device=device)[None, :] - (P - lengths.to(device))[:, None]
+    pos = pos.clamp(min=-1)
+    with torch.no_grad():
+        want = m32(seq, pos)[0][:, P - 1: P - 1 + steps]
+        yard = yard_model(seq, pos)[0][:, P - 1: P - 1 + steps]
+    err, err_pt = parity.rel_err(got, want), parity.rel_err(yard, want)
+    tol = max(parity.LOWP_FACTOR * err_pt, torch.finfo(torch.bfloat16).eps)
+    agree = float((toks == want.argmax(-1)).float().mean())
+    return {"variant": variant, "error": err, "bf16_pytorch_error": err_pt, "tolerance": tol,
+            "passed": bool(err == err and err <= tol), "argmax_agreement_with_fp32": agree,
+            "shapes": {"B": B, "P": P, "steps": steps}, "describe": eng.describe(B), "_engine": eng}
+
+
+class FakeVocab:
+    """What recurrentgemma's Sampler asks of a SentencePiece vocabulary (ids only)."""
+
+    def eos_id(self):
+        return 1
+
+    def pad_id(self):
+        return 0
+
+    def bos_id(self):
+        return 2
+
+
+def official_step(model_rglru, B, reps, device, ours_tokens=None) -> dict:
+    from kernels import to_recurrentgemma
+
+    rg = parity.load_official()
+    off = to_recurrentgemma(model_rglru).eval().requires_grad_(False)
+    sampler = rg.Sampler(off, FakeVocab())
+    n = reps + 3 + 12
+    # Prompt [BOS, 3] (the official prompt processing needs return_logits for a
+    # one-token prompt).
+    tokens = torch.tensor([[2, 3]] * B, dtype=torch.int32, device=device)
+    with torch.no_grad():
+        state = sampler._prompt_processing_fn(tokens, torch.full((B,), 2, dtype=torch.int32, device=device), n,
+                                              False, False)
+        box = [state]
+
+        def one():
+            box[0] = sampler._sample_step(box[0], True)
+
+        for _ in range(11):     # 12 tokens: the prompt step's and 11 sampled ones
+            one()
+        first = box[0].tokens_buffer[:, :12].to(torch.int64).clone()
+        t = timing.time_fn(one, reps=reps, warmup=2, device=device)
+    rec = {"timing": t, "B": B, "what": "recurrentgemma.torch Sampler._sample_step (eager, bf16, greedy)",
+           "first_tokens_row0": first[0].tolist()}
+    if ours_tokens is not None:
+        rec["greedy_token_agreement_first12"] = float((first.cpu() == ours_tokens[:, :12].cpu()).float().mean())
+        rec["ours_first_tokens_row0"] = ours_tokens[0, :12].tolist()
+    return rec
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=150.0, help="time for sections 3-7")
+    ap.add_argument("--tests", action="store_true", help="run tests/test_generation_gpu.py alongside")
+    ap.add_argument("--test-timeout", type=float, default=120.0)
+    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--official", action="store_true", help="time the official sampler step (needs recurrentgemma)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
+    a = ap.parse_args(argv)
+    S = SMOKE if a.smoke else FULL
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    VARIANTS.update(variants_for(HawkConfig.preset(S["preset"])))
+    variants = list(VARIANTS) if cuda else ["model+graph", "gemm+graph+deep"]
+    res = {"schema": "generation-bench/1", "env": env_facts(a.commit), "settings": S, "variants": VARIANTS,
+           "gate": {}, "step": [], "selected": {}, "latency": [], "throughput_probe": [], "throughput": [],
+           "cut": [], "errors": []}
+    path = out_dir / f"generation_{'smoke' if a.smoke else 'h200'}.json"
+
+    def save():
+        clean = json.loads(json.dumps(res, default=lambda o: None))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(clean, indent=1))
+        tmp.replace(path)
+
+    tests = None
+    if a.tests:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        tests = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rA", "-s", "tests/test_generation_gpu.py"],
+                                 cwd=REPO, stdout=open(out_dir / "gpu_tests.log", "w"), stderr=subprocess.STDOUT,
+                                 env=env)
+        log("GPU tests started")
+
+    pool, pool_result = None, None
+    tasks = compile_tasks({v: VARIANTS[v] for v in variants}, S["batches"])
+    if cuda:
+        import multiprocessing as mp
+
+        n = max(1, min(12, (os.cpu_count() or 4) - 3, len(tasks)))
+        pool = mp.get_context("spawn").Pool(n)
+        pool_result = pool.map_async(compile_worker, [(S["preset"], tasks[i::n], "cuda") for i in range(n)])
+        log(f"compiling {len(tasks)} linear specialisations in {n} processes")
+    else:
+        compile_worker((S["preset"], tasks[:2], "cpu"))
+
+    models = {mx: build(S["preset"], mx, device) for mx in MIXERS}
+    cfg = models["rglru"].config
+    res["shapes"] = {"preset": S["preset"], "width": cfg.width, "layers": cfg.num_layers, "lru_width": cfg.lru_width,
+                     "mlp": cfg.mlp_expanded_width, "vocab": cfg.vocab_size, "dtype": "bfloat16",
+                     "param_bytes": {mx: param_bytes(m) for mx, m in models.items()}}
+
+    # ---- 2. correctness gate (and graph captures for B) while the tests run
+    engines = {}
+    for mx in MIXERS:
+        m = models[mx]
+        m32 = copy.deepcopy(m).float()
+        yard = copy.deepcopy(m).set_backend("reference")
+        res["gate"][mx] = []
+        for v in ["model-eager", *variants]:
+            t0 = time.perf_counter()
+            try:
+                r = gate(m, m32, yard, v, S["B"], S["gate_prompt"], S["gate_steps"], device)
+                engines[(mx, v)] = r.pop("_engine")
+                r["seconds"] = time.perf_counter() - t0
+                res["gate"][mx].append(r)
+                log(f"gate {mx} {v}: error {r['error']:.3g} (bf16 PyTorch {r['bf16_pytorch_error']:.3g}, tolerance "
+                    f"{r['tolerance']:.3g}) {'PASS' if r['passed'] else 'FAIL'}; argmax agreement "
+                    f"{r['argmax_agreement_with_fp32']:.3f} [{r['seconds']:.1f} s]")
+            except Exception as e:  # noqa: BLE001
+                res["gate"][mx].append({"variant": v, "passed": False, "error_text": traceback.format_exc()})
+                log(f"gate {mx} {v}: ERROR {e!r}")
+        del m32, yard
+        torch.cuda.empty_cache() if cuda else None
+        save()
+    passed = {mx: [g["variant"] for g in res["gate"][mx] if g.get("passed") and g["variant"] in variants]
+              for mx in MIXERS}
+    # Logical counts of one step (Triton launchers' accounting; library matmuls are not
+    # counted), and a warm-up that compiles every kernel specialisation the timed
+    # sections use (batch sizes with other tile shapes, the long prefill).
+    t0 = time.perf_counter()
+    res["logical"] = {}
+    long_prompt = None
+    if max(S["prompts"]):
+        P = max(S["prompts"])
+        long_prompt = torch.randint(3, cfg.vocab_size, (S["B"], P), generator=torch.Generator().manual_seed(11))
+        long_prompt[:, 0] = 2
+    for mx in MIXERS:
+        res["logical"][mx] = {}
+        for v in passed[mx]:
+            opts = dict(VARIANTS[v], graphs=False)
+            try:
+                e = Engine(models[mx], **opts)
+                for B in sorted({S["B"], *[b for b in S["batches"] if b in (1, 4, 32, 64, 128)]}):
+                    e.start(batch_size=B)
+                    with accounting.counting() as c:
+                        e.step()
+                    if B == S["B"]:
+                        res["logical"][mx][v] = {**c.as_dict(), "basis": "Triton launchers only (not cuBLAS, "
+                                                 "not PyTorch ops)", "param_bytes": res["shapes"]["param_bytes"][mx]}
+                del e
+            except Exception as e:  # noqa: BLE001
+                res["errors"].append({"section": "warm-up", "mixer": mx, "variant": v, "error": traceback.format_exc()})
+                log(f"warm-up {mx} {v}: ERROR {e!r}")
+        if long_prompt is not None and passed[mx]:
+            engines[(mx, passed[mx][0])].start(long_prompt)
+    if cuda:
+        torch.cuda.synchronize()
+    log(f"warm-up (compilation) [{time.perf_counter() - t0:.1f} s]")
+    if pool is not None:
+        try:
+            got = pool_result.get(timeout=max(1.0, a.test_timeout))
+            res["compile"] = {"tasks": len(tasks), "done": sum(d for d, _ in got),
+                              "failed": [f for _, fs in got for f in fs]}
+        except Exception as e:  # noqa: BLE001
+            res["compile"] = {"tasks": len(tasks), "error": repr(e)}
+        pool.terminate()
+        log(f"compile pool: {res['compile']}")
+    if tests is not None:
+        try:
+            rc = tests.wait(timeout=max(1.0, a.test_timeout))
+        except subprocess.TimeoutExpired:
+            tests.kill()
+            rc = "timeout"
+        tail = (out_dir / "gpu_tests.log").read_text().strip().splitlines()[-3:]
+        res["tests"] = {"returncode": rc, "summary": tail}
+        log(f"GPU tests: rc={rc}: {tail[-1] if tail else ''}")
+        save()
+
+    budget = Budget(a.budget_s)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    # ---- 3. copy bandwidth and the floor
+    res["copy_bandwidth"] = copy_bandwidth(S["copy_bytes"], device)
+    bw = res["copy_bandwidth"]["bytes_per_s"]
+    res["floor_ms"] = {mx: res["shapes"]["param_bytes"][mx] / bw * 1e3 for mx in MIXERS}
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s; weight-streaming floor "
+        + ", ".join(f"{mx} {res['floor_ms'][mx]:.3f} ms" for mx in MIXERS))
+
+    # ---- 4. decode step at B, every passed variant, both orders
+    combos = [(mx, v) for mx in MIXERS for v in passed[mx]]
+    for order, seq in (("AB", combos), ("BA", combos[::-1])):
+        for mx, v in seq:
+            if order == "BA" and budget.left() < 0.75 * a.budget_s:
+                res["cut"].append({"section": "step", "mixer": mx, "variant": v, "order": order, "reason": "budget"})
+                continue
+            eng = engines[(mx, v)]
+            eng.start(batch_size=S["B"])
+            t = timing.time_fn(eng.step, reps=S["step_reps"], warmup=5, device=device)
+            rec = {"mixer": mx, "variant": v, "order": order, "B": S["B"], "prompt": 0, "timing": t,
+                   "tokens_per_s": S["B"] / (t["median_ms"] * 1e-3), "describe": eng.describe(S["B"]),
+                   "floor_ms": res["floor_ms"][mx]}
+            res["step"].append(rec)
+            log(f"step {order} {mx:5s} {v:15s} B={S['B']}: median {t['median_ms']:.3f} ms (p10 {t['p10_ms']:.3f}, "
+                f"p95 {t['p95_ms']:.3f}); floor {res['floor_ms'][mx]:.3f} ms")
+    save()
+    for mx in MIXERS:
+        meds = {}
+        for r in res["step"]:
+            if r["mixer"] == mx:
+                meds.setdefault(r["variant"], []).append(r["timing"]["median_ms"])
+        if meds:
+            best = min(meds, key=lambda k: max(meds[k]))
+            res["selected"][mx] = {"variant": best, "by": "lowest worst-order median step time at B",
+                                   "medians_ms": meds}
+    log("selected: " + ", ".join(f"{mx} {s['variant']}" for mx, s in res["selected"].items()))
+    sel = {mx: engines[(mx, s["variant"])] for mx, s in res["selected"].items()}
+    save()
+
+    # ---- 5. official sampler step
+    if a.official and "rglru" in sel:
+        try:
+            eng = sel["rglru"]
+            eng.start(torch.tensor([[2, 3]] * S["B"]))
+            ours = torch.stack([eng.step().clone() for _ in range(12)], 1)
+            res["official"] = official_step(models["rglru"], S["B"], S["official_reps"], device, ours)
+            log(f"official sampler step B={S['B']}: median {res['official']['timing']['median_ms']:.2f} ms; greedy "
+                f"agreement with ours (first 12) {res['official'].get('greedy_token_agreement_first12')}")
+        except Exception as e:  # noqa: BLE001
+            res["errors"].append({"section": "official", "error": traceback.format_exc()})
+            log(f"official: ERROR {e!r}")
+        torch.cuda.empty_cache() if cuda else None
+        save()
+
+    # ---- 6. latency
+    mixers = [mx for mx in MIXERS if mx in sel]
+    per_step_guess = {mx: max(r["timing"]["median_ms"] for r in res["step"]
+                              if r["mixer"] == mx and r["variant"] == res["selected"][mx]["variant"])
+                      for mx in mixers}
+    n_lat = max(S["lengths"])
+    for P in S["prompts"]:
+        prompt = long_prompt if P else None
+        if P and P != long_prompt.shape[1]:
+            prompt = torch.randint(3, cfg.vocab_size, (S["B"], P), generator=torch.Generator().manual_seed(11))
+            prompt[:, 0] = 2
+        for order, seq in (("AB", mixers), ("BA", mixers[::-1])):
+            for mx in seq:
+                need = per_step_guess[mx] * n_lat / 1e3 + (3.0 if P else 0.5)
+                if budget.left() < need:
+                    res["cut"].append({"section": "latency", "mixer": mx, "prompt": P, "order": order,
+                                       "reason": f"budget: {budget.left():.0f} s left, about {need:.0f} s needed"})
+                    log(f"latency P={P} {order} {mx}: cut (budget)")
+                    continue
+                eng = sel[mx]
+                before = (lambda e=eng, p=prompt: (e.start(p) if p is not None else e.start(batch_size=S["B"])))
+                try:
+                    tr = timing.time_trajectory(lambda i, e=eng: e.step(), S["lengths"], device, before=before)
+                except Exception as e:  # noqa: BLE001
+                    res["errors"].append({"section": "latency", "mixer": mx, "prompt": P,
+                                          "error": traceback.format_exc()})
+                    log(f"latency P={P} {mx}: ERROR {e!r}")
+                    continue
+                rec = {"mixer": mx, "variant": res["selected"][mx]["variant"], "order": order, "B": S["B"],
+                       "prompt": P, "trajectory": tr,
+                       "ms_per_step": [c / n for c, n in zip(tr["cumulative_ms"], tr["checkpoints"])],
+                       "tokens_per_s": [S["B"] * n / (c * 1e-3) for c, n in zip(tr["cumulative_ms"], tr["checkpoints"])]}
+                res["latency"].append(rec)
+                log(f"latency P={P} {order} {mx}: " + ", ".join(
+                    f"{n}: {c:.0f} ms" for n, c in zip(tr["checkpoints"], tr["cumulative_ms"])))
+                save()
+
+    # ---- 7. throughput: probes, then fresh trajectories of the best batch
+    probe = {mx: {} for mx in mixers}
+    for B in S["batches"]:
+        for mx in mixers:
+            if budget.left() < 8:
+                res["cut"].append({"section": "throughput_probe", "mixer": mx, "B": B, "reason": "budget"})
+                continue
+            eng = sel[mx]
+            try:
+                eng.start(batch_size=B)
+                eng.step()      # capture for this batch size (excluded)
+                sync()
+                tr = timing.time_trajectory(lambda i, e=eng: e.step(), [S["probe_steps"]], device,
+                                            before=lambda e=eng, b=B: e.start(batch_size=b))
+                tps = B * S["probe_steps"] / (tr["cumulative_ms"][0] * 1e-3)
+                probe[mx][B] = tps
+                res["throughput_probe"].append({"mixer": mx, "B": B, "steps": S["probe_steps"], "trajectory": tr,
+                                                "tokens_per_s": tps, "kernels": eng.describe(B)["kernels"],
+                                                "status": "ok"})
+                log(f"probe {mx} B={B}: {tr['cumulative_ms'][0] / S['probe_steps']:.3f} ms/step, {tps:.0f} tokens/s")
+            except torch.cuda.OutOfMemoryError:
+                res["throughput_probe"].append({"mixer": mx, "B": B, "status": "out of memory"})
+                torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001
+                res["throughput_probe"].append({"mixer": mx, "B": B, "status": "error", "error": traceback.format_exc()})
+                log(f"probe {mx} B={B}: ERROR {e!r}")
+    save()
+    best = {mx: max(probe[mx], key=probe[mx].get) for mx in mixers if probe[mx]}
+    res["selected_batch"] = {mx: {"B": b, "by": "highest probe tokens/s", "probe_tokens_per_s": probe[mx]}
+                             for mx, b in best.items()}
+    log("best batch: " + ", ".join(f"{mx} B={b}" for mx, b in best.items()))
+    bm = list(best)
+    for order, seq in (("AB", bm), ("BA", bm[::-1])):
+        for mx in seq:
+            B = best[mx]
+            ms = B * 1.0 / probe[mx][B] * 1e3         # ms per step from the probe
+            lengths = [n for n in S["thr_lengths"] if ms * n / 1e3 + 1.0 < budget.left()]
+            if not lengths:
+                res["cut"].append({"section": "throughput", "mixer": mx, "order": order, "B": B, "reason": "budget"})
+                log(f"throughput {order} {mx}: cut (budget)")
+                continue
+            if lengths != S["thr_lengths"]:
+                res["cut"].append({"section": "throughput", "mixer": mx, "order": order, "B": B,
+                                   "reason": f"budget: trajectory to {max(lengths)} instead of {max(S['thr_lengths'])}"})
+            eng = sel[mx]
+            tr = timing.time_trajectory(lambda i, e=eng: e.step(), lengths, device,
+                                        before=lambda e=eng, b=B: e.start(batch_size=b))
+            rec = {"mixer": mx, "B": B, "order": order, "trajectory": tr, "kernels": eng.describe(B)["kernels"],
+                   "tokens_per_s": [B * n / (c * 1e-3) for c, n in zip(tr["cumulative_ms"], tr["checkpoints"])]}
+            res["throughput"].append(rec)
+            log(f"throughput {order} {mx} B={B}: " + ", ".join(
+                f"{n}: {t:.0f} tok/s" for n, t in zip(tr["checkpoints"], rec["tokens_per_s"])))
+            save()
+
+    # ---- summary table
+    log("\nsummary (medians; B=%d; floor = parameter bytes / copy bandwidth)" % S["B"])
+    for mx in MIXERS:
+        for r in res["step"]:
+            if r["mixer"] == mx and r["order"] == "AB":
+                log(f"  {mx:5s} {r['variant']:15s} {r['timing']['median_ms']:.3f} ms/step  floor {r['floor_ms']:.3f}")
+    if "official" in res:
+        log(f"  official sampler step: {res['official']['timing']['median_ms']:.2f} ms")
+    res["budget_left_s"] = budget.left()
+    save()
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
