@@ -284,3 +284,38 @@ def test_docker_runtime_runs_the_script_from_a_job_file(tmp_path, monkeypatch):
     assert image == "img:1" and command[:2] == ["python", str(script)] and command[2] == "--job"
     assert env_ == {stage.IN_CONTAINER: "1"} and gpus is False
     assert not list((tmp_path / "results" / ".tmp" / "jobs").glob("*.json"))
+
+
+# ---- recovery after a hard kill ---------------------------------------------------
+
+
+def test_recovery_clears_a_killed_runs_leftovers(tmp_path):
+    import base64
+
+    from common import recovery
+
+    assert recovery.executes(["snakemake", "--cores", "1", "all"])
+    for argv in (["snakemake", "-n"], ["snakemake", "-np", "all"], ["snakemake", "--lint"],
+                 ["snakemake", "--dag"], ["snakemake", "--report=r.html"], ["snakemake", "--list-rules"]):
+        assert not recovery.executes(argv), argv
+    assert recovery.is_snakemake(["/x/.venv/bin/python", "-m", "snakemake", "--cores", "1"])
+    assert recovery.is_snakemake(["/usr/bin/python3", "/x/bin/snakemake", "all"])
+    assert not recovery.is_snakemake(["python", "/x/.snakemake/scripts/tmpab12.probe.py"])
+
+    smk = tmp_path / ".snakemake"
+    (smk / "locks").mkdir(parents=True)
+    (smk / "incomplete").mkdir()
+    (smk / "locks" / "0.input.lock").write_text("results/probe/environment.json\n")
+    out = tmp_path / "results" / "tune" / "tuning.json"
+    out.parent.mkdir(parents=True)
+    out.write_text("{}")
+    kept = tmp_path / "results" / "tune" / "records.d" / "cfg.json"
+    kept.parent.mkdir()
+    kept.write_text("{}")
+    (smk / "incomplete" / base64.urlsafe_b64encode(b"results/tune/tuning.json").decode()).write_text("")
+    (smk / "incomplete" / base64.urlsafe_b64encode(b"results/tune/missing.jsonl").decode()).write_text("")
+    done = recovery.recover(tmp_path)
+    assert done == {"locks": ["0.input.lock"], "outputs": ["results/tune/tuning.json"]}
+    assert not out.exists() and kept.exists()
+    assert not list((smk / "locks").iterdir()) and not list((smk / "incomplete").iterdir())
+    assert recovery.recover(tmp_path) == {"locks": [], "outputs": []}

@@ -9,18 +9,19 @@ min_version("9.0")
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow" / "scripts"))
 from common import facts
-from common.locks import release_stale_locks
+from common.recovery import executes, recover
 from common.profile import resolve_profile
 
 
 configfile: "config.yaml"
 
 
-if not workflow.dryrun:
-    _released = release_stale_locks(Path.cwd())
-    if _released:
+if executes(sys.argv):
+    _recovered = recover(Path.cwd())
+    if _recovered["locks"] or _recovered["outputs"]:
         print(
-            f"Released stale locks of a killed run: {_released}; resuming.",
+            f"Resuming a killed run: released locks {_recovered['locks']}, "
+            f"removed incomplete outputs {_recovered['outputs']}.",
             file=sys.stderr,
         )
 

@@ -216,9 +216,11 @@ def probe_section(env: dict) -> str:
         f"- CPU: {env.get('cpu', {}).get('model')} ({env.get('cpu', {}).get('logical_cores')} logical cores)",
         f"- measured on {m.get('device')}: copy bandwidth {m.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s "
         f"(bytes read + written), BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
-        f"{m.get('matmul_bf16_flop_per_s', 0) / 1e12:.2f} TFLOP/s",
+        f"{m.get('matmul_bf16_flop_per_s', 0) / 1e12:.3g} TFLOP/s",
         f"- hardware counters available: {env.get('counters_available')} ({env.get('counters', {}).get('reason')})",
-        f"- container: {env.get('container', {})}",
+        "- container: runtime {runtime}, image {image}{inside}".format(
+            inside=" (stages ran inside it)" if env.get("container", {}).get("inside_pipeline_container") else "",
+            **{"runtime": None, "image": None, **env.get("container", {})}),
         "",
     ]
     return "\n".join(lines)

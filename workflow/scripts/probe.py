@@ -264,7 +264,8 @@ def main(job):
         "container": {
             "runtime": job.config["container"]["runtime"],
             "image": job.config["container"]["image"],
-            "inside_pipeline_container": bool(os.environ.get(stage.IN_CONTAINER)),
+            "inside_pipeline_container": any(
+                os.environ.get(v) for v in (stage.IN_CONTAINER, "APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")),
         },
     }
     print(f"probe: GPU present: {has_gpu}; NVML: {gpu.get('reason') or gpu.get('driver_version')}", flush=True)
