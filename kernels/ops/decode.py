@@ -395,6 +395,24 @@ def default_config(cols: int, K: int) -> dict:
             "num_stages": 4 if bn <= 32 else 3}
 
 
+SMEM_BUDGET = 160 * 1024
+
+
+def _fit_smem(cfg: dict, BM: int, gated: bool, esize: int) -> dict:
+    """Fewer pipeline stages, then shorter K slices, until the staged tiles fit in
+    shared memory (Hopper has 227 KiB per block; the rest is left for the epilogue)."""
+    cfg = dict(cfg)
+
+    def need(c):
+        return c["num_stages"] * c["BK"] * (BM + c["BN"] * (2 if gated else 1)) * esize
+
+    while need(cfg) > SMEM_BUDGET and cfg["num_stages"] > 2:
+        cfg["num_stages"] -= 1
+    while need(cfg) > SMEM_BUDGET and cfg["BK"] > 32:
+        cfg["BK"] //= 2
+    return cfg
+
+
 def _pdl_option(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl and not INTERPRET else {}
 
@@ -433,8 +451,9 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         _check_2d("a2", a2, M, K, dt)
     if prologue == PRO_NORM and (norm_scale is None or norm_scale.shape != (K,)):
         raise ValueError(f"expected norm_scale of shape [{K}] with PRO_NORM")
-    cfg = dict(default_config(2 * N if epilogue == EPI_XY else N, K), **(config or {}))
     BM = _rows_block(M)
+    cfg = _fit_smem(dict(default_config(2 * N if epilogue == EPI_XY else N, K), **(config or {})), BM,
+                    epilogue == EPI_GATED, dt.itemsize)
     n_blocks = triton.cdiv(N, cfg["BN"])
     rst = None
     cstate = cw = cb = None
