@@ -259,7 +259,7 @@ def test_docker_runtime_runs_the_script_from_a_job_file(tmp_path, monkeypatch):
         "from common import atomic, stage\n"
         "def main(job):\n"
         "    atomic.write_json(job.output.result, {'profile': job.profile, 'inputs': job.input.many,"
-        " 'settings': job.settings})\n"
+        " 'settings': job.params['settings']})\n"
         "if __name__ == '__main__':\n"
         "    stage.run(main, globals().get('snakemake'))\n"
     )
@@ -275,9 +275,9 @@ def test_docker_runtime_runs_the_script_from_a_job_file(tmp_path, monkeypatch):
     monkeypatch.setattr(stage, "docker_runner", lambda: FakeRunner)
     monkeypatch.setattr(stage, "REPO_ROOT", tmp_path)
     job = stage.Job(rule="echo", script=str(script), input=stage.Files(["a", "b"], {"many": ["a", "b"]}),
-                    output=stage.Files([str(out)], {"result": str(out)}), params={"profile": "cpu-smoke"},
-                    config={"container": {"runtime": "docker", "image": "img:1"},
-                            "profiles": {"cpu-smoke": {"echo": {"k": 1}}}})
+                    output=stage.Files([str(out)], {"result": str(out)}),
+                    params={"profile": "cpu-smoke", "settings": {"k": 1}},
+                    config={"container": {"runtime": "docker", "image": "img:1"}})
     stage._run_in_docker(job)
     assert json.loads(out.read_text()) == {"profile": "cpu-smoke", "inputs": ["a", "b"], "settings": {"k": 1}}
     image, command, env_, gpus = calls[0]

@@ -18,7 +18,6 @@ rule audit:
         benchmark_path("audit")
     params:
         profile=PROFILE,
-        section="audit",
         settings=section("audit"),
     script:
         "../scripts/audit.py"

@@ -11,7 +11,6 @@ rule probe:
         benchmark_path("probe")
     params:
         profile=PROFILE,
-        section="probe",
         settings=section("probe"),
     script:
         "../scripts/probe.py"

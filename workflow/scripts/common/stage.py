@@ -65,11 +65,6 @@ class Job:
     def profile(self) -> str:
         return self.params["profile"]
 
-    @property
-    def settings(self) -> dict:
-        """This rule's section of the active profile (params.section names it)."""
-        return self.config["profiles"][self.profile].get(self.params.get("section", self.rule), {})
-
     @classmethod
     def from_snakemake(cls, smk, script: str) -> "Job":
         def files(nl):
