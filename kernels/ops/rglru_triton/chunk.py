@@ -164,8 +164,8 @@ def chunk_bwd_replay_kernel(
         A, Bs = tl.associative_scan((a, b), 0, affine)
         h = A * hin[None, :] + Bs
         hprev = h
-    r0, dsp = tile_grads(x, gx, ga, dy, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-                         h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
+    r0, dsp = tile_grads(tl.load(dy + off, mask=m, other=0.0), dx, dgx, dga, off, m, valid, keep, a, b, xv, sx,
+                         sa, mult, u, h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
     if not IS_SCAN:
         tl.store(dsp_part + o, dsp, mask=m_d)
 

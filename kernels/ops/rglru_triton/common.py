@@ -110,28 +110,44 @@ def first_row(v, rows):
 
 
 @triton.jit
-def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
-              IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
-    """Loads the tile of rows t0 .. t0 + BT - 1 and forms its coefficients in registers.
-
-    RG-LRU: x, gx, ga are the input and the two gate logits, ap_sp = softplus(a_param)
-    [BD]. Scan: x is b and ga is a (gx unused). Rows past T are identity maps (a = 1,
-    b = 0). Returns offsets, masks and every intermediate the backward reuses:
-    (off, m, valid, keep, a, b, xv, sx, sa, mult, u); `keep` is False at resets.
-    """
+def tile_offsets(i_b, t0, T, D, o_d, m_d, rows):
+    """Element offsets (int64) and mask of the tile of rows t0 .. t0 + BT - 1."""
     t = t0 + rows
-    m_t = t < T
     off = (i_b * T + t[:, None]) * D + o_d[None, :]
-    m = m_t[:, None] & m_d[None, :]
+    m = ((t >= 0) & (t < T))[:, None] & m_d[None, :]
+    return off, m
+
+
+@triton.jit
+def load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr):
+    """The tile's inputs as stored (BF16 stays BF16) and its positions; rows outside
+    [0, T) read nothing. RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
+    off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
+    t = t0 + rows
     if HAS_RESET:
-        p = tl.load(pos + i_b * T + t, mask=m_t, other=1)
-        keep = (p != 0)[:, None]
+        p = tl.load(pos + i_b * T + t, mask=(t >= 0) & (t < T), other=1)
     else:
-        keep = rows[:, None] >= 0
-    valid = m_t[:, None]
+        p = rows * 0 + 1
     if IS_SCAN:
-        a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
-        b = tl.load(x + off, mask=m, other=0.0).to(ACC)
+        r0 = tl.load(ga + off, mask=m, other=1.0)
+        r1 = tl.load(x + off, mask=m, other=0.0)
+        r2 = r1
+    else:
+        r0 = tl.load(x + off, mask=m, other=0.0)
+        r1 = tl.load(gx + off, mask=m, other=0.0)
+        r2 = tl.load(ga + off, mask=m, other=0.0)
+    return r0, r1, r2, p
+
+
+@triton.jit
+def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
+    """Coefficients of a loaded tile, in registers: (valid, keep, a, b, xv, sx, sa, mult,
+    u). Rows past T are identity maps (a = 1, b = 0); `keep` is False at resets."""
+    valid = ((t0 + rows) < T)[:, None]
+    keep = (p != 0)[:, None]
+    if IS_SCAN:
+        a = r0.to(ACC)
+        b = r1.to(ACC)
         a = tl.where(keep, a, 0.0)
         a = tl.where(valid, a, 1.0)
         xv = b
@@ -140,14 +156,29 @@ def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
         mult = a
         u = a
     else:
-        xv = tl.load(x + off, mask=m, other=0.0).to(ACC)
-        sx = tl.sigmoid(tl.load(gx + off, mask=m, other=0.0).to(ACC))
-        sa = tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC))
+        xv = r0.to(ACC)
+        sx = tl.sigmoid(r1.to(ACC))
+        sa = tl.sigmoid(r2.to(ACC))
         a = tl.exp(-8.0 * sa * ap_sp[None, :])
         u = 1.0 - a * a
         mult = tl.where(keep, tl.sqrt(u), 1.0)
         a = tl.where(keep & valid, a, tl.where(valid, 0.0, 1.0))
         b = xv * sx * mult
+    return valid, keep, a, b, xv, sx, sa, mult, u
+
+
+@triton.jit
+def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
+              IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
+    """Loads the tile of rows t0 .. t0 + BT - 1 and forms its coefficients in registers.
+
+    RG-LRU: x, gx, ga are the input and the two gate logits, ap_sp = softplus(a_param)
+    [BD]. Scan: x is b and ga is a (gx unused). Returns offsets, mask and every
+    intermediate the backward reuses: (off, m, valid, keep, a, b, xv, sx, sa, mult, u).
+    """
+    off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
+    r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
+    valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN, ACC)
     return off, m, valid, keep, a, b, xv, sx, sa, mult, u
 
 
@@ -171,12 +202,13 @@ def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
 
 
 @triton.jit
-def tile_grads(x, gx, ga, dy, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
+def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
                h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
-    """Adjoint of one tile given its states. h: [BT, BD] h_t; hprev: h_{t-1} (scan only);
-    r: [BD] mu at the row after the tile. Stores the activation gradients and returns
-    (mu at the tile's first row [BD], the tile's d softplus(a_param) partial [BD])."""
-    dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
+    """Adjoint of one tile given its states. dyv: [BT, BD] dL/dy as loaded (0 past T);
+    h: h_t; hprev: h_{t-1} (scan only); r: [BD] mu at the row after the tile. Stores the
+    activation gradients and returns (mu at the tile's first row [BD], the tile's
+    d softplus(a_param) partial [BD])."""
+    dyv = dyv.to(ACC)
     ad = a * dyv
     ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, ad),
                                          0, affine_excl, reverse=True)

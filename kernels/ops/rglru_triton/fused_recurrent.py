@@ -17,16 +17,16 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (INTERPRET, acc_dtype, affine, affine_excl, blocks_for, check_pow2, empty, last_row, load_tile,
-                     out, reduce_dap, softplus, tile_grads, tl_acc)
+from .common import (INTERPRET, acc_dtype, affine, affine_excl, blocks_for, check_pow2, coeffs, empty, last_row,
+                     load_raw, out, reduce_dap, softplus, tile_grads, tile_offsets, tl_acc)
 
 
 @triton.jit(do_not_specialize=["T"])
 def serial_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    SAVE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
+    SAVE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    ACC: tl.constexpr, RNE: tl.constexpr,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
@@ -42,16 +42,27 @@ def serial_fwd_kernel(
     else:
         h = tl.zeros([BD], ACC)
     NT = tl.cdiv(T, BT)
+    if PREFETCH:
+        # The next tile's loads are issued before this tile's scan, so a program keeps
+        # two tiles in flight without relying on the compiler's loop pipelining.
+        r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
     for i_t in tl.range(0, NT, num_stages=STAGES):
+        t0 = i_t * BT
         if SAVE:
             tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
-        off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
-            x, gx, ga, sp, pos, i_b, i_t * BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+        off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
+        if PREFETCH:
+            n0, n1, n2, n_p = load_raw(x, gx, ga, pos, i_b, t0 + BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
+        else:
+            r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
+        valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC)
         # [BT, BD]
         A, Bs = tl.associative_scan((a, b), 0, affine)
         hh = A * h[None, :] + Bs
         tl.store(y + off, out(hh, y, RNE), mask=m)
         h = last_row(hh, rows, BT)
+        if PREFETCH:
+            r0, r1, r2, p = n0, n1, n2, n_p
     if STORE_HT:
         tl.store(ht + i_b * D + o_d, h, mask=m_d)
 
@@ -60,7 +71,8 @@ def serial_fwd_kernel(
 def serial_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
@@ -77,11 +89,26 @@ def serial_bwd_kernel(
         r = tl.zeros([BD], ACC)
     dsp = tl.zeros([BD], ACC)
     NT = tl.cdiv(T, BT)
+    if PREFETCH:
+        t_last = (NT - 1) * BT
+        off, m = tile_offsets(i_b, t_last, T, D, o_d, m_d, rows)
+        r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
+        dyr = tl.load(dy + off, mask=m, other=0.0)
+        hin = tl.load(hs + (i_b * NT + NT - 1) * D + o_d, mask=m_d, other=0.0)
     for j in tl.range(0, NT, num_stages=STAGES):
         i_t = NT - 1 - j
-        hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
-        off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
-            x, gx, ga, sp, pos, i_b, i_t * BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+        t0 = i_t * BT
+        off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
+        if PREFETCH:
+            offn, mn = tile_offsets(i_b, t0 - BT, T, D, o_d, m_d, rows)
+            n0, n1, n2, n_p = load_raw(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
+            n_dy = tl.load(dy + offn, mask=mn, other=0.0)
+            n_hin = tl.load(hs + (i_b * NT + i_t - 1) * D + o_d, mask=m_d & (i_t > 0), other=0.0)
+        else:
+            r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
+            dyr = tl.load(dy + off, mask=m, other=0.0)
+            hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
+        valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC)
         if IS_SCAN:
             # h_{t-1} itself is needed (da = lam h_{t-1}): the exclusive prefix.
             ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
@@ -92,19 +119,22 @@ def serial_bwd_kernel(
             A, Bs = tl.associative_scan((a, b), 0, affine)
             h = A * hin[None, :] + Bs
             hprev = h
-        r, dsp_t = tile_grads(x, gx, ga, dy, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
+        r, dsp_t = tile_grads(dyr, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
                               h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
         dsp += dsp_t
+        if PREFETCH:
+            r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
     if STORE_DH0:
         tl.store(dh0 + i_b * D + o_d, r, mask=m_d)
     if not IS_SCAN:
         tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
 
 
-def _config(B, T, D, block_t=None, block_d=None, num_warps=None, num_stages=None, chunk_size=None, **unknown):
+def _config(B, T, D, block_t=None, block_d=None, num_warps=None, num_stages=None, prefetch=None,
+            chunk_size=None, **unknown):
     if unknown:
         raise ValueError(f"expected serial options among ['block_t', 'chunk_size', 'block_d', 'num_warps', "
-                         f"'num_stages'], got {sorted(unknown)}")
+                         f"'num_stages', 'prefetch'], got {sorted(unknown)}")
     if chunk_size is not None:
         if block_t is not None and block_t != chunk_size:
             raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
@@ -116,7 +146,7 @@ def _config(B, T, D, block_t=None, block_d=None, num_warps=None, num_stages=None
     ns = 1 if num_stages is None else num_stages
     if not isinstance(ns, int) or not 1 <= ns <= 4:
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
-    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns}
+    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": bool(prefetch)}
 
 
 def _tile_bytes(is_scan, x, pos):
@@ -137,7 +167,8 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
         x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
         h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D,
         IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        SAVE=save, BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], ACC=tl_acc(x.dtype), RNE=INTERPRET,
+        SAVE=save, BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype),
+        RNE=INTERPRET,
         num_warps=cfg["num_warps"],
     )
     accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
@@ -161,7 +192,8 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
         dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
         dh0 if dh0 is not None else hs, part if part is not None else hs, T, D,
         IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-        BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], ACC=tl_acc(x.dtype), RNE=INTERPRET,
+        BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype),
+        RNE=INTERPRET,
         num_warps=cfg["num_warps"],
     )
     accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
