@@ -289,6 +289,140 @@ def official_step(model_rglru, B, reps, device, ours_tokens=None) -> dict:
     return rec
 
 
+def kernel_category(name: str) -> str:
+    n = name.lower()
+    if "linear_kernel" in n:
+        return "weight-streaming linear (ours)"
+    if any(k in n for k in ("gemm", "gemv", "cutlass", "xmma", "cublas", "nvjet", "splitk")):
+        return "library matmul (cuBLAS)"
+    if "rglru_step" in n or "samu_step" in n or "step_kernel" in n and "conv" not in n:
+        return "mixer step"
+    if any(k in n for k in ("embed_rmsnorm", "add_rmsnorm", "conv_step", "gelu_mul", "advance")):
+        return "row kernels (ours)"
+    if "argmax" in n or "reduce" in n:
+        return "next-token choice"
+    return "other PyTorch kernels"
+
+
+LINEAR_ROLES_ORDER = ("xy", "out", "up", "down")
+
+
+def profile_step(model, opts, B, device, steps=3) -> dict:
+    """Kernel durations of `steps` eager decode steps (torch.profiler, CUDA activity):
+    totals per kernel and per category, and for our linears per role (launch order
+    xy, out, up, down per layer, then logits) with the weight bytes each streams."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = Engine(model, graphs=False, **opts)
+    eng.start(batch_size=B)
+    for _ in range(2):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kern.sort(key=lambda e: e.time_range.start)
+    by_name, by_cat = {}, {}
+    for e in kern:
+        d = by_name.setdefault(e.name, {"us": 0.0, "count": 0})
+        d["us"] += e.device_time / steps
+        d["count"] += 1 / steps
+        by_cat[kernel_category(e.name)] = by_cat.get(kernel_category(e.name), 0.0) + e.device_time / steps
+    cfg = model.config
+    D, E, F, V = cfg.width, cfg.lru_width, cfg.mlp_expanded_width, cfg.vocab_size
+    wbytes = {"xy": 2 * D * E * 2, "out": E * D * 2, "up": 2 * F * D * 2, "down": F * D * 2, "logits": V * D * 2}
+    lin = [e.device_time for e in kern if "linear_kernel" in e.name]
+    roles = {}
+    per_step = 4 * cfg.num_layers + 1
+    if lin and len(lin) == steps * per_step:
+        for i, us in enumerate(lin):
+            j = i % per_step
+            role = "logits" if j == per_step - 1 else LINEAR_ROLES_ORDER[j % 4]
+            r = roles.setdefault(role, {"us": 0.0, "n": 0})
+            r["us"] += us
+            r["n"] += 1
+        for role, r in roles.items():
+            r["mean_us"] = r["us"] / r["n"]
+            r["weight_bytes"] = wbytes[role]
+            r["bytes_per_s"] = wbytes[role] / (r["mean_us"] * 1e-6)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1]["us"])[:25]
+    return {"B": B, "opts": opts, "steps": steps, "kernel_us_per_step": sum(by_cat.values()),
+            "launches_per_step": len(kern) / steps, "by_category_us": by_cat, "top_kernels": dict(top),
+            "linear_roles": roles}
+
+
+def profile_main(a, S, out_dir, device):
+    """Second call: where the decode step's time goes (kernel durations by category
+    and per linear role, against the graph-replayed step), and the fresh SAMU
+    throughput trajectory the first call's budget cut."""
+    res = {"schema": "generation-profile/1", "env": env_facts(a.commit), "profiles": [], "step": [],
+           "throughput": [], "errors": []}
+    path = out_dir / "generation_h200_profile.json"
+
+    def save():
+        path.write_text(json.dumps(json.loads(json.dumps(res, default=lambda o: None)), indent=1))
+
+    cfg = HawkConfig.preset(S["preset"])
+    deep = deep_configs(cfg)
+    from kernels.ops import decode as dk
+
+    s6 = {r: dict(dk.default_config(cols, K), num_stages=6) for r, (cols, K) in role_shapes(cfg).items()}
+    w8 = {r: dict(c, num_warps=8) for r, c in deep.items()}
+    variants = {"fused+graph": dict(kernels="fused"), "gemm+graph+deep": dict(kernels="gemm", linear_configs=deep),
+                "gemm+graph+deep+s6": dict(kernels="gemm", linear_configs=s6),
+                "gemm+graph+deep+w8": dict(kernels="gemm", linear_configs=w8)}
+    res["variants"] = variants
+    import multiprocessing as mp
+
+    tasks = compile_tasks({k: v for k, v in variants.items() if k != "gemm+graph+deep"}, [S["B"]])
+    tasks += compile_tasks({"d": variants["gemm+graph+deep"]}, [S["B"]])
+    pool = mp.get_context("spawn").Pool(min(12, len(tasks)))
+    pool_res = pool.map_async(compile_worker, [(S["preset"], tasks[i::12], "cuda") for i in range(12)])
+    models = {mx: build(S["preset"], mx, device) for mx in MIXERS}
+    # fused-path kernels compile here while the pool compiles the linears
+    thr = Engine(models["samu"], kernels="fused")
+    thr.start(batch_size=max(S["batches"]))
+    thr.step()
+    res["compile"] = [list(x) for x in pool_res.get(timeout=120)]
+    pool.terminate()
+    budget = Budget(a.budget_s)
+    for v, opts in variants.items():
+        try:
+            eng = Engine(models["rglru"], **opts)
+            eng.start(batch_size=S["B"])
+            t = timing.time_fn(eng.step, reps=100, warmup=5, device=device)
+            res["step"].append({"mixer": "rglru", "variant": v, "B": S["B"], "timing": t})
+            pr = profile_step(models["rglru"], opts, S["B"], device)
+            pr["variant"], pr["graph_step_median_us"] = v, t["median_ms"] * 1e3
+            res["profiles"].append(pr)
+            log(f"{v}: graph step {t['median_ms']:.3f} ms; kernels {pr['kernel_us_per_step']:.0f} us in "
+                f"{pr['launches_per_step']:.0f} launches: " + ", ".join(f"{k} {u:.0f}" for k, u in
+                                                                          pr["by_category_us"].items()))
+            for role, r in pr["linear_roles"].items():
+                log(f"    {role}: {r['mean_us']:.1f} us, {r['bytes_per_s'] / 1e12:.2f} TB/s")
+        except Exception as e:  # noqa: BLE001
+            res["errors"].append({"variant": v, "error": traceback.format_exc()})
+            log(f"{v}: ERROR {e!r}")
+        save()
+    B = max(S["batches"])
+    need = 3.4 * max(S["thr_lengths"]) / 1e3 + 2
+    if budget.left() > need:
+        tr = timing.time_trajectory(lambda i: thr.step(), S["thr_lengths"], device,
+                                    before=lambda: thr.start(batch_size=B))
+        res["throughput"].append({"mixer": "samu", "B": B, "order": "AB (second call)", "trajectory": tr,
+                                  "kernels": thr.describe(B)["kernels"],
+                                  "tokens_per_s": [B * n / (c * 1e-3) for c, n in zip(tr["cumulative_ms"],
+                                                                                      tr["checkpoints"])]})
+        log("throughput samu B=%d: " % B + ", ".join(f"{n}: {t:.0f} tok/s" for n, t in
+                                                  zip(tr["checkpoints"], res["throughput"][-1]["tokens_per_s"])))
+    else:
+        res["cut"] = {"throughput": f"budget: {budget.left():.0f} s left, {need:.0f} s needed"}
+    save()
+    log(f"wrote {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -298,11 +432,14 @@ def main(argv=None):
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
     ap.add_argument("--official", action="store_true", help="time the official sampler step (needs recurrentgemma)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
+    ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of the step (second call)")
     a = ap.parse_args(argv)
     S = SMOKE if a.smoke else FULL
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if a.profile:
+        return profile_main(a, S, out_dir, device)
     cuda = device.type == "cuda"
     VARIANTS.update(variants_for(HawkConfig.preset(S["preset"])))
     variants = list(VARIANTS) if cuda else ["model+graph", "gemm+graph+deep"]
