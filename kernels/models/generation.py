@@ -182,7 +182,7 @@ class Engine:
         x = torch.empty(B, self.model.config.lru_width, dtype=self.dtype, device=self.device)
         from .. import ops
 
-        fn = _step_backend(self.model.config.mixer, mixer.backend, x)
+        fn = _step_backend(self.model.config.mixer, mixer.step_backend, x)
         step = next((n for n, f in ops.step_backends(self.model.config.mixer).items() if f is fn), None)
         return {"kernels": kernels, "mixer_step_backend": step, "graphs": self.graphs,
                 "pdl": self.pdl and kernels == "gemm", "prefill_chunk": self.prefill_chunk,
