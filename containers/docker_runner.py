@@ -3,8 +3,9 @@
 The stage helper (workflow/scripts/common/stage.py) calls `run` for every stage
 when `container.runtime` is docker. The repository is mounted read-only at its
 own path and `results/` read-write on top of it, the command runs as the host
-user (so results stay owned by whoever ran the pipeline), and every GPU of the
-host is requested when there is one. Works with any engine that speaks the
+user (so results stay owned by whoever ran the pipeline), every GPU of the host
+is requested when there is one, and no network is attached (a stage fetches
+nothing). Works with any engine that speaks the
 Docker API (DOCKER_HOST=unix:///run/podman/podman.sock for podman).
 
     python containers/docker_runner.py --image samu-kernels:0.1.0 -- python -c "import torch"
@@ -42,6 +43,7 @@ def run(image: str, command: list[str], *, repo: str | os.PathLike = REPO_ROOT, 
         environment={"HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})},
         device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])] if gpus else None,
         ipc_mode="host" if gpus else None,
+        network_mode="none",
     )
     try:
         for chunk in container.logs(stream=True, follow=True):

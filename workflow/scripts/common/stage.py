@@ -109,11 +109,8 @@ def _script_path(smk) -> str:
 
 
 def prepare_process() -> None:
-    """Make `kernels` importable and pick Triton's interpreter when there is no GPU
-    (the variable must be set before triton is first imported)."""
-    root = str(REPO_ROOT)
-    if root not in sys.path:
-        sys.path.insert(0, root)
+    """Pick Triton's interpreter when there is no GPU (the variable must be set
+    before triton is first imported; `kernels` is importable once `common` is)."""
     import torch
 
     if not torch.cuda.is_available():
