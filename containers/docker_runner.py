@@ -32,7 +32,9 @@ def run(image: str, command: list[str], *, repo: str | os.PathLike = REPO_ROOT, 
     repo = Path(repo).resolve()
     results = Path(results).resolve() if results is not None else repo / "results"
     results.mkdir(parents=True, exist_ok=True)
-    client = docker.from_env()
+    # No client timeout: creating a container from a large image can take minutes on
+    # a slow storage driver, and a stage may print nothing for hours.
+    client = docker.from_env(timeout=None)
     container = client.containers.run(
         image,
         command,
