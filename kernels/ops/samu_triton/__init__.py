@@ -1,0 +1,29 @@
+"""Fused Triton SAMU: training forward/backward with the controller and the write
+fused, exact chunked scans, the prefill and the one-launch decode step.
+
+Backends (the reference signature of kernels.ops.samu):
+- "serial" (fused_recurrent.py): state-stationary, one program per (sequence, mode
+  block) walking time in unrolled tiles; the adjoint walks back over the tiles.
+- "chunk" (chunk.py): exact two-level chunked algorithm, chunk_size K in 8, 16, 32, 64,
+  with a linear-work grouped prefix over the chunk summaries.
+Shared (common.py): the per-token controller (one pass over x: both projections,
+norms, tanh, exp(eta), cos/sin(delta), resets), its backward and the deterministic
+parameter reductions; function.py: the autograd operator around a plan.
+Inside the recurrence the transition, the write and relu exist only in registers;
+forward keeps for backward only [B, T] controls and [B, T/K, M] complex states.
+BF16/FP16 at the tensor boundaries, FP32 state and accumulation (float64 for float64).
+
+Decode (step.py): STEPS["samu"] = "row" (one program per sequence), "blocked" (one
+program per sequence and mode block) and "fused" (picks between them by batch size).
+"""
+
+from .chunk import chunk_samu
+from .common import poisoned
+from .fused_recurrent import fused_recurrent_samu
+from .step import samu_step, samu_step_blocked, samu_step_row
+
+BACKENDS = {"samu": {"serial": fused_recurrent_samu, "chunk": chunk_samu}}
+STEPS = {"samu": {"fused": samu_step, "row": samu_step_row, "blocked": samu_step_blocked}}
+
+__all__ = ["BACKENDS", "STEPS", "chunk_samu", "fused_recurrent_samu", "samu_step", "samu_step_row",
+           "samu_step_blocked", "poisoned"]

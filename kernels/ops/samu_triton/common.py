@@ -1,0 +1,461 @@
+"""Pieces every SAMU backend shares: the per-token controller, the per-element
+transition and write, the controller's backward and the parameter reductions.
+
+Notation: B batch, T time, D = 2M recurrent width, M complex modes. Per token the
+controller gives two FP32 scalars shared by all modes; `ctrl` keeps them as
+[B*T, 4] = (E = exp(eta), cos(delta) * keep, sin(delta) * keep, 0) with keep = 0 at
+resets, so that a_t[m] = exp(-nu[m] E_t) * exp(i (theta[m] + delta_t)) is formed in
+registers by angle addition and vanishes at resets. `aux` [B*T, 2] keeps the
+normalised projections (v_p, v_r) for the backward. Nothing of shape [B, T, M] exists:
+transition, write and output are recomputed per element wherever they are needed.
+
+Complex FP32 states travel as torch.view_as_real pairs [..., M, 2].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import accounting
+
+_POISON = [False]
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Allocate every kernel output filled with NaN (tests: an unwritten element fails)."""
+    _POISON.append(True)
+    try:
+        yield
+    finally:
+        _POISON.pop()
+
+
+def alloc(shape, dtype, device):
+    if _POISON[-1]:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def scalar_param(v, device, dtype) -> torch.Tensor:
+    """Amplitude as a one-element tensor on the device without a host round trip
+    (capturable in a CUDA graph)."""
+    if isinstance(v, torch.Tensor):
+        return v.reshape(1).to(device=device, dtype=dtype)
+    return torch.full((1,), float(v), device=device, dtype=dtype)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+CHUNK_SIZES = (8, 16, 32, 64)
+
+
+def check_chunk_size(k):
+    if k not in CHUNK_SIZES:
+        raise ValueError(f"expected chunk_size in {list(CHUNK_SIZES)}, got {k!r}")
+    return k
+
+
+def check_block_m(bm):
+    if bm not in (32, 64, 128):
+        raise ValueError(f"expected block_m in [32, 64, 128], got {bm!r}")
+    return bm
+
+
+@triton.jit
+def tanh(x):
+    # libdevice's tanh does not run in the interpreter.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def mode_consts(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
+    """Per-mode constants: nu, theta, cos(theta), sin(theta), gamma = sqrt(1 - e^{-2 nu}) + 1e-8."""
+    nu = tl.exp(tl.load(nu_log + offs_m, mask=mask_m, other=0.0).to(ACC))
+    th = tl.exp(tl.load(theta_log + offs_m, mask=mask_m, other=0.0).to(ACC))
+    ct = tl.cos(th)
+    st = tl.sin(th)
+    gam = tl.sqrt(tl.maximum(1.0 - tl.exp(-2.0 * nu), 0.0)) + 1e-8
+    return nu, th, ct, st, gam
+
+
+@triton.jit
+def transition(E, ck, sk, nu, ct, st, valid):
+    """a = exp(-nu E) (cos(theta + delta), sin(theta + delta)); identity on padding steps."""
+    mag = tl.exp(-nu * E)
+    ar = mag * (ct * ck - st * sk)
+    ai = mag * (st * ck + ct * sk)
+    return tl.where(valid, ar, 1.0), tl.where(valid, ai, 0.0)
+
+
+@triton.jit
+def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu, ct, st, gam,
+              K: tl.constexpr, U: tl.constexpr, WRITE_Y: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr):
+    """K steps h <- a h + gamma (x_re + i x_im) from time t0 (steps past T are identity),
+    U at a time (their loads are independent of h and go out together); optionally
+    writes y = relu(h) and multiplies p <- a p (the chunk's transition product).
+
+    Loops stay rolled (U unrolled steps inside): fully unrolled chunks make Triton's
+    coalescing pass quadratic in compile time, and the GPU hides the latency across warps."""
+    for j0 in range(0, K, U):
+        for u in tl.static_range(U):
+            t = t0 + j0 + u
+            valid = t < T
+            # per-step helpers are written inline: each device-function call costs the interpreter milliseconds
+            E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
+            ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
+            sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
+            mag = tl.exp(-nu * E)
+            ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
+            ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
+            lm = mask_m & valid
+            row = t.to(tl.int64) * D
+            xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
+            xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+            hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
+            if PROD:
+                pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
+            if WRITE_Y:
+                tl.store(y_b + row + offs_m, tl.maximum(hr, 0.0).to(y_b.dtype.element_ty), mask=lm)
+                tl.store(y_b + row + M + offs_m, tl.maximum(hi, 0.0).to(y_b.dtype.element_ty), mask=lm)
+    return hr, hi, pr, pi
+
+
+@triton.jit
+def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
+              NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, U: tl.constexpr, ACC: tl.constexpr):
+    """Adjoint walk over U steps from t0 + U - 1 down to t0, given h before t0 and the
+    carry R = conj(a_{t0+U}) lam_{t0+U} from the right (lam_t = g_t + R); the U states
+    are recomputed into registers first.
+
+    Writes dL/dx of the write (gamma lam) to dxw, the per-token sums over this mode
+    block of dL/deta and dL/ddelta to dpart [B*T, NMB, 2], accumulates per-mode sums for
+    the nu / theta / gamma gradients and returns the carry conj(a_{t0}) lam_{t0}."""
+    hs_r = (hr,)
+    hs_i = (hi,)
+    for j in tl.static_range(U):
+        t = t0 + j
+        valid = t < T
+        E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
+        ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
+        sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
+        mag = tl.exp(-nu * E)
+        ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
+        ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
+        lm = mask_m & valid
+        row = t.to(tl.int64) * D
+        xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
+        xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+        hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
+        hs_r = hs_r + (hr,)
+        hs_i = hs_i + (hi,)
+    for jj in tl.static_range(U):
+        t = t0 + (U - 1 - jj)
+        valid = t < T
+        E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
+        ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
+        sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
+        mag = tl.exp(-nu * E)
+        ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
+        ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
+        lm = mask_m & valid
+        row = t.to(tl.int64) * D
+        dyr = tl.load(dy_b + row + offs_m, mask=lm, other=0.0).to(ACC)
+        dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+        xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
+        xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+        lr = tl.where(hs_r[U - jj] > 0.0, dyr, 0.0) + Rr
+        li = tl.where(hs_i[U - jj] > 0.0, dyi, 0.0) + Ri
+        tl.store(dxw_b + row + offs_m, gam * lr, mask=lm)
+        tl.store(dxw_b + row + M + offs_m, gam * li, mask=lm)
+        # G = lam conj(h_{t-1}); dL/dlog|a| = Re(G conj a), dL/darg a = Im(G conj a)
+        gr = lr * hs_r[U - 1 - jj] + li * hs_i[U - 1 - jj]
+        gi = li * hs_r[U - 1 - jj] - lr * hs_i[U - 1 - jj]
+        dl = tl.where(valid, gr * ar + gi * ai, 0.0)
+        dph = tl.where(valid, gi * ar - gr * ai, 0.0)
+        tok = ((tok0 + t).to(tl.int64) * NMB + pid_m) * 2
+        tl.store(dpart + tok, -E * tl.sum(nu * dl, axis=0), mask=valid)
+        tl.store(dpart + tok + 1, tl.sum(dph, axis=0), mask=valid)
+        acc_nu += E * dl
+        acc_th += dph
+        acc_g += lr * xr + li * xi
+        Rr, Ri = ar * lr + ai * li, ar * li - ai * lr
+    return Rr, Ri, acc_nu, acc_th, acc_g
+
+
+@triton.jit
+def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
+              NMB, pid_m, offs_m, mask_m, nu, ct, st, gam,
+              K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
+    """bwd_steps over the K tokens from t0, U at a time in reverse. The state before
+    every U-th token is written once to this program's checkpoint slots ckpt [K/U, BM, 2]
+    (read back by the same threads, so no barrier) and each U-block is recomputed from it."""
+    lane = tl.arange(0, BM)
+    for q in range(0, K // U):
+        store_pair(ckpt, q * BM + lane, hr, hi, mask_m)
+        hr, hi, _, _ = fwd_steps(hr, hi, hr, hi, x_b, x_b, ctrl_b, t0 + q * U, T, D, M, offs_m, mask_m,
+                                 nu, ct, st, gam, U, U, False, False, ACC)
+    for qq in range(0, K // U):
+        q = K // U - 1 - qq
+        hr, hi = load_pair(ckpt, q * BM + lane, mask_m, 0.0, 0.0)
+        Rr, Ri, acc_nu, acc_th, acc_g = bwd_steps(
+            hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0 + q * U, T, D, M,
+            NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, U, ACC)
+    return Rr, Ri, acc_nu, acc_th, acc_g
+
+
+@triton.jit
+def store_param_partials(ppart, row, offs_m, mask_m, M, nu, th, acc_nu, acc_th, acc_g):
+    """Per-mode partial gradients of nu_log (transition + write) and theta_log."""
+    u = 1.0 - tl.exp(-2.0 * nu)
+    dgam = tl.where(u > 0.0, tl.exp(-2.0 * nu) / tl.sqrt(tl.where(u > 0.0, u, 1.0)), 0.0)
+    base = ppart + (row.to(tl.int64) * M + offs_m) * 2
+    tl.store(base, nu * (dgam * acc_g - acc_nu), mask=mask_m)
+    tl.store(base + 1, th * acc_th, mask=mask_m)
+
+
+@triton.jit
+def load_pair(ptr, idx, mask, other_re, other_im):
+    re = tl.load(ptr + idx * 2, mask=mask, other=other_re)
+    im = tl.load(ptr + idx * 2 + 1, mask=mask, other=other_im)
+    return re, im
+
+
+@triton.jit
+def store_pair(ptr, idx, re, im, mask):
+    tl.store(ptr + idx * 2, re, mask=mask)
+    tl.store(ptr + idx * 2 + 1, im, mask=mask)
+
+
+@triton.jit(do_not_specialize=["NTOK", "D"])
+def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
+                         HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                         ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < NTOK
+    zp = tl.zeros([BLOCK_T], ACC)
+    zr = tl.zeros([BLOCK_T], ACC)
+    wpp = tl.zeros([BLOCK_D], ACC)
+    wrr = tl.zeros([BLOCK_D], ACC)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cm = cols < D
+        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
+        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
+        xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :],
+                     other=0.0).to(ACC)  # [BLOCK_T, BLOCK_D]
+        zp += tl.sum(xt * wp[None, :], axis=1)
+        zr += tl.sum(xt * wr[None, :], axis=1)
+        wpp += wp * wp
+        wrr += wr * wr
+    bp = tl.load(pd + D).to(ACC)
+    br = tl.load(rd + D).to(ACC)
+    vp = (zp + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp)
+    vr = (zr + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br)
+    p = tanh(vp)
+    r = tanh(vr)
+    delta = scale * tanh(tl.load(pa).to(ACC)) * p
+    eta = scale * tanh(tl.load(ra).to(ACC)) * r / (1.0 + r * r)
+    c = tl.cos(delta)
+    s = tl.sin(delta)
+    if HAS_SEG:
+        keep = tl.load(seg + tok, mask=tmask, other=1) != 0
+        c = tl.where(keep, c, 0.0)
+        s = tl.where(keep, s, 0.0)
+    tl.store(ctrl + tok * 4, tl.exp(eta), mask=tmask)
+    tl.store(ctrl + tok * 4 + 1, c, mask=tmask)
+    tl.store(ctrl + tok * 4 + 2, s, mask=tmask)
+    tl.store(ctrl + tok * 4 + 3, tl.zeros([BLOCK_T], ACC), mask=tmask)
+    tl.store(aux + tok * 2, vp, mask=tmask)
+    tl.store(aux + tok * 2 + 1, vr, mask=tmask)
+
+
+def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos):
+    """x [B, T, D] -> ctrl [B*T, 4], aux [B*T, 2] in the accumulation dtype."""
+    B, T, D = x.shape
+    acc = acc_dtype(x.dtype)
+    ntok = B * T
+    ctrl = alloc((ntok, 4), acc, x.device)
+    aux = alloc((ntok, 2), acc, x.device)
+    if ntok == 0:
+        return ctrl, aux
+    BLOCK_T, BLOCK_D = 16, min(256, next_pow2(D))
+    seg = segment_pos.contiguous() if segment_pos is not None else ctrl
+    _controls_fwd_kernel[(triton.cdiv(ntok, BLOCK_T),)](
+        x, phase_dir, radial_dir, phase_amp, radial_amp, seg, ctrl, aux, ntok, D, 1.0 / math.sqrt(D // 2),
+        HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, ACC=tl_dtype(acc), num_warps=4)
+    accounting.record("samu_controls_fwd", accounting.nbytes(x, phase_dir, radial_dir, segment_pos),
+                      accounting.nbytes(ctrl, aux))
+    return ctrl, aux
+
+
+@triton.jit(do_not_specialize=["NTOK", "D", "NMB"])
+def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpart, NTOK, D, NMB, scale,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NMBP: tl.constexpr,
+                         ACC: tl.constexpr):
+    """dx = dx_write + dv_p pd / |pd| + dv_r rd / |rd| per token, plus per-block partial
+    sums for the direction and amplitude gradients."""
+    pid = tl.program_id(0)
+    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < NTOK
+    mb = tl.arange(0, NMBP)
+    pm = tmask[:, None] & (mb[None, :] < NMB)
+    poffs = (tok[:, None] * NMB + mb[None, :]) * 2
+    deta = tl.sum(tl.load(dpart + poffs, mask=pm, other=0.0), axis=1)
+    ddel = tl.sum(tl.load(dpart + poffs + 1, mask=pm, other=0.0), axis=1)
+    vp = tl.load(aux + tok * 2, mask=tmask, other=0.0)
+    vr = tl.load(aux + tok * 2 + 1, mask=tmask, other=0.0)
+    p = tanh(vp)
+    r = tanh(vr)
+    tpa = tanh(tl.load(pa).to(ACC))
+    tra = tanh(tl.load(ra).to(ACC))
+    q = 1.0 + r * r
+    dvp = scale * tpa * ddel * (1.0 - p * p)
+    dvr = scale * tra * (1.0 - r * r) / (q * q) * deta * (1.0 - r * r)
+    wpp = tl.zeros([BLOCK_D], ACC)
+    wrr = tl.zeros([BLOCK_D], ACC)
+    for d0 in range(0, D + 1, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cm = cols < D + 1
+        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
+        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
+        wpp += wp * wp
+        wrr += wr * wr
+    inv_np = 1.0 / tl.sqrt(tl.sum(wpp, axis=0))
+    inv_nr = 1.0 / tl.sqrt(tl.sum(wrr, axis=0))
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cm = cols < D
+        m2 = tmask[:, None] & cm[None, :]
+        offs = tok[:, None] * D + cols[None, :]
+        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC) * inv_np
+        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC) * inv_nr
+        g = tl.load(dxw + offs, mask=m2, other=0.0) + dvp[:, None] * wp[None, :] + dvr[:, None] * wr[None, :]
+        tl.store(dx + offs, g.to(dx.dtype.element_ty), mask=m2)
+        xt = tl.load(x + offs, mask=m2, other=0.0).to(ACC)
+        cbase = colpart + pid.to(tl.int64) * 2 * D
+        tl.store(cbase + cols, tl.sum(dvp[:, None] * xt, axis=0), mask=cm)
+        tl.store(cbase + D + cols, tl.sum(dvr[:, None] * xt, axis=0), mask=cm)
+    sbase = scalpart + pid.to(tl.int64) * 8
+    tl.store(sbase + 0, tl.sum(dvp, axis=0))
+    tl.store(sbase + 1, tl.sum(dvr, axis=0))
+    tl.store(sbase + 2, tl.sum(dvp * vp, axis=0))
+    tl.store(sbase + 3, tl.sum(dvr * vr, axis=0))
+    tl.store(sbase + 4, tl.sum(ddel * p, axis=0))
+    tl.store(sbase + 5, tl.sum(deta * r / q, axis=0))
+    tl.store(sbase + 6, 0.0)
+    tl.store(sbase + 7, 0.0)
+
+
+@triton.jit
+def _colsum(ptr, R, C, cols, cm, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+    """Sum over the R rows of a [R, C] matrix for the given columns, in a fixed order."""
+    acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        acc += tl.load(ptr + rows[:, None].to(tl.int64) * C + cols[None, :],
+                       mask=(rows[:, None] < R) & cm[None, :], other=0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit(do_not_specialize=["NTB", "RP", "D", "M", "NDB"])
+def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, dmode, NTB, RP, D, M, scale,
+                     NDB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+    """Deterministic reductions of the per-block partials into the parameter gradients.
+    Programs [0, NDB) own direction columns, the rest own mode columns."""
+    pid = tl.program_id(0)
+    if pid < NDB:
+        sc = tl.arange(0, 8)
+        s = _colsum(scalpart, NTB, 8, sc, sc < 8, BLOCK_R, 8, ACC)
+        s_vp = tl.sum(tl.where(sc == 2, s, 0.0), axis=0)
+        s_vr = tl.sum(tl.where(sc == 3, s, 0.0), axis=0)
+        wpp = tl.zeros([BLOCK_C], ACC)
+        wrr = tl.zeros([BLOCK_C], ACC)
+        for d0 in range(0, D + 1, BLOCK_C):
+            cc = d0 + tl.arange(0, BLOCK_C)
+            wp = tl.load(pd + cc, mask=cc < D + 1, other=0.0).to(ACC)
+            wr = tl.load(rd + cc, mask=cc < D + 1, other=0.0).to(ACC)
+            wpp += wp * wp
+            wrr += wr * wr
+        np_ = tl.sqrt(tl.sum(wpp, axis=0))
+        nr_ = tl.sqrt(tl.sum(wrr, axis=0))
+        cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = cols < D
+        gp = _colsum(colpart, NTB, 2 * D, cols, cm, BLOCK_R, BLOCK_C, ACC)
+        gr = _colsum(colpart + D, NTB, 2 * D, cols, cm, BLOCK_R, BLOCK_C, ACC)
+        # bias entry (index D): sum of dv over tokens
+        isb = cols == D
+        gp = tl.where(isb, tl.sum(tl.where(sc == 0, s, 0.0), axis=0), gp)
+        gr = tl.where(isb, tl.sum(tl.where(sc == 1, s, 0.0), axis=0), gr)
+        wm = cols < D + 1
+        wp = tl.load(pd + cols, mask=wm, other=0.0).to(ACC)
+        wr = tl.load(rd + cols, mask=wm, other=0.0).to(ACC)
+        tl.store(dpd + cols, gp / np_ - wp * s_vp / (np_ * np_), mask=wm)
+        tl.store(drd + cols, gr / nr_ - wr * s_vr / (nr_ * nr_), mask=wm)
+        if pid == 0:
+            tpa = tanh(tl.load(pa).to(ACC))
+            tra = tanh(tl.load(ra).to(ACC))
+            s_dp = tl.sum(tl.where(sc == 4, s, 0.0), axis=0)
+            s_de = tl.sum(tl.where(sc == 5, s, 0.0), axis=0)
+            tl.store(damp, scale * (1.0 - tpa * tpa) * s_dp)
+            tl.store(damp + 1, scale * (1.0 - tra * tra) * s_de)
+    else:
+        cols = (pid - NDB) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = cols < 2 * M
+        tl.store(dmode + cols, _colsum(ppart, RP, 2 * M, cols, cm, BLOCK_R, BLOCK_C, ACC), mask=cm)
+
+
+def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
+    """Finish the backward: dx (x's dtype) and the gradients of both directions, both
+    amplitudes, nu_log and theta_log, all from fixed-order reductions.
+
+    dxw [B, T, D] accumulation dtype: the write's part of dL/dx; dpart [B*T, NMB, 2]:
+    per-mode-block (dL/deta, dL/ddelta); ppart [R, M, 2]: per-block (nu_log, theta_log) partials."""
+    B, T, D = x.shape
+    M = D // 2
+    acc = dxw.dtype
+    ntok = B * T
+    nmb = dpart.shape[1]
+    scale = 1.0 / math.sqrt(M)
+    dx = dxw if x.dtype == acc else alloc(x.shape, x.dtype, x.device)
+    BLOCK_T, BLOCK_D = 32, min(128, next_pow2(D))
+    ntb = triton.cdiv(ntok, BLOCK_T) if ntok else 0
+    colpart = alloc((max(ntb, 1), 2 * D), acc, x.device)
+    scalpart = alloc((max(ntb, 1), 8), acc, x.device)
+    if ntb:
+        _controls_bwd_kernel[(ntb,)](
+            dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=4)
+        accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
+                          accounting.nbytes(dx, colpart, scalpart))
+    else:
+        colpart.zero_()
+        scalpart.zero_()
+    dpd = alloc((D + 1,), acc, x.device)
+    drd = alloc((D + 1,), acc, x.device)
+    damp = alloc((2,), acc, x.device)
+    dmode = alloc((M, 2), acc, x.device)
+    BLOCK_C = 128
+    ndb = triton.cdiv(D + 1, BLOCK_C)
+    _finalize_kernel[(ndb + triton.cdiv(2 * M, BLOCK_C),)](
+        colpart, scalpart, ppart, phase_dir, radial_dir, pa, ra, dpd, drd, damp, dmode, max(ntb, 1),
+        ppart.shape[0], D, M, scale, ndb, BLOCK_R=16, BLOCK_C=BLOCK_C, ACC=tl_dtype(acc), num_warps=4)
+    accounting.record("samu_finalize", accounting.nbytes(colpart, scalpart, ppart, phase_dir, radial_dir),
+                      accounting.nbytes(dpd, drd, damp, dmode))
+    return dx, dpd, drd, damp, dmode

@@ -1,0 +1,69 @@
+"""The differentiable SAMU operator shared by every Triton backend.
+
+A backend is a plan with two launchers (the recurrence's forward and backward); the
+controller's forward/backward and the parameter reductions around them are common:
+
+    forward:  controls_fwd -> plan.forward            (y, final state, states kept)
+    backward: plan.backward -> controls_bwd/finalize   (every gradient)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import acc_dtype, controls_bwd, controls_fwd, scalar_param
+
+
+class SamuFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
+                initial_state, plan):
+        acc = acc_dtype(x.dtype)
+        pa = scalar_param(phase_amp, x.device, acc)
+        ra = scalar_param(radial_amp, x.device, acc)
+        ctrl, aux = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
+        h0 = None if initial_state is None else torch.view_as_real(initial_state)
+        y, h, states = plan.forward(x, ctrl, nu_log, theta_log, h0, need_states=True)
+        ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, states)
+        ctx.plan = plan
+        ctx.amps = tuple(v if isinstance(v, torch.Tensor) else None for v in (phase_amp, radial_amp))
+        ctx.has_h0 = initial_state is not None
+        return y, torch.view_as_complex(h)
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, states = ctx.saved_tensors
+        dy = dy.contiguous()
+        gh = None if dh is None else torch.view_as_real(dh.contiguous())
+        dxw, dpart, ppart, dh0 = ctx.plan.backward(x, dy, ctrl, nu_log, theta_log, states, gh)
+        dx, dpd, drd, damp, dmode = controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra)
+        damps = [None if v is None else damp[i].reshape(v.shape).to(v.dtype) for i, v in enumerate(ctx.amps)]
+        return (dx, dpd.to(phase_dir.dtype), drd.to(radial_dir.dtype), damps[0], damps[1],
+                dmode[:, 0].to(nu_log.dtype), dmode[:, 1].to(theta_log.dtype), None,
+                torch.view_as_complex(dh0) if ctx.has_h0 else None, None)
+
+
+def samu_apply(plan, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
+               segment_pos=None, initial_state=None, output_final_state=False):
+    """(y [B, T, D], final state [B, M] complex or None) through `plan`; the forward-only
+    path (no tensor needs a gradient, or grad mode is off) keeps no states: that is the prefill."""
+    x = x.contiguous()
+    phase_dir, radial_dir = phase_dir.contiguous(), radial_dir.contiguous()
+    nu_log, theta_log = nu_log.contiguous(), theta_log.contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if segment_pos is not None:
+        segment_pos = segment_pos.contiguous()
+    args = (x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, initial_state)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args):
+        y, h = SamuFunction.apply(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
+                                  segment_pos, initial_state, plan)
+    else:
+        acc = acc_dtype(x.dtype)
+        pa = scalar_param(phase_amp, x.device, acc)
+        ra = scalar_param(radial_amp, x.device, acc)
+        ctrl, _ = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
+        h0 = None if initial_state is None else torch.view_as_real(initial_state)
+        y, hr, _ = plan.forward(x, ctrl, nu_log, theta_log, h0, need_states=False)
+        h = torch.view_as_complex(hr)
+    return y, (h if output_final_state else None)

@@ -1,0 +1,131 @@
+"""Serial ("state-stationary") SAMU: one program per (sequence, block of modes) walks
+time; the adjoint walks back.
+
+Forward: h stays in registers for the whole sequence; time is consumed in unrolled
+tiles of K tokens (their loads are independent of h, so they are in flight together).
+With gradients the state before every K-th token is kept ([B, T/K, M] complex); the
+backward recomputes each tile's states from it in registers and runs the adjoint
+lam_t = g_t + conj(a_{t+1}) lam_{t+1} over the tile, tiles visited in reverse.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import accounting
+from .common import (alloc, bwd_chunk, check_block_m, check_chunk_size, fwd_steps, load_pair, mode_consts,
+                     store_pair, store_param_partials, tl_dtype)
+from .function import samu_apply
+
+# Steps unrolled inside the time loops (the rest stays a loop; see common.fwd_steps).
+FWD_UNROLL = 8
+BWD_UNROLL = 4
+
+
+@triton.jit(do_not_specialize=["T", "N", "D", "M"])
+def _serial_fwd_kernel(x, ctrl, nu_log, theta_log, h0, y, states, hT, T, N, D, M,
+                       K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_H0: tl.constexpr,
+                       STORE_STATES: tl.constexpr, ACC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    x_b = x + b * T * D
+    y_b = y + b * T * D
+    ctrl_b = ctrl + b * T * 4
+    if HAS_H0:
+        hr, hi = load_pair(h0, b * M + offs_m, mask_m, 0.0, 0.0)
+    else:
+        hr = tl.zeros([BM], ACC)
+        hi = tl.zeros([BM], ACC)
+    for c in range(N):
+        if STORE_STATES:
+            store_pair(states, (b * N + c) * M + offs_m, hr, hi, mask_m)
+        hr, hi, _, _ = fwd_steps(hr, hi, hr, hi, x_b, y_b, ctrl_b, c * K, T, D, M, offs_m, mask_m,
+                                 nu, ct, st, gam, K, U, True, False, ACC)
+    store_pair(hT, b * M + offs_m, hr, hi, mask_m)
+
+
+@triton.jit(do_not_specialize=["T", "N", "D", "M", "NMB"])
+def _serial_bwd_kernel(x, dy, ctrl, nu_log, theta_log, states, gh, dxw, dpart, ppart, dh0, ckpt, T, N, D, M, NMB,
+                       K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_GH: tl.constexpr,
+                       ACC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    x_b = x + b * T * D
+    dy_b = dy + b * T * D
+    dxw_b = dxw + b * T * D
+    ctrl_b = ctrl + b * T * 4
+    if HAS_GH:
+        Rr, Ri = load_pair(gh, b * M + offs_m, mask_m, 0.0, 0.0)
+    else:
+        Rr = tl.zeros([BM], ACC)
+        Ri = tl.zeros([BM], ACC)
+    acc_nu = tl.zeros([BM], ACC)
+    acc_th = tl.zeros([BM], ACC)
+    acc_g = tl.zeros([BM], ACC)
+    ckpt_p = ckpt + (b * NMB + pid_m) * (K // U) * BM * 2
+    for i in range(N):
+        c = N - 1 - i
+        hr, hi = load_pair(states, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
+        Rr, Ri, acc_nu, acc_th, acc_g = bwd_chunk(
+            hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt_p, x_b, dy_b, dxw_b, dpart, ctrl_b, b * T, c * K, T, D, M,
+            NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, K, U, BM, ACC)
+    store_pair(dh0, b * M + offs_m, Rr, Ri, mask_m)
+    store_param_partials(ppart, b, offs_m, mask_m, M, nu, th, acc_nu, acc_th, acc_g)
+
+
+class SerialPlan:
+    """Launchers of the serial algorithm; K is the tile (and checkpoint) length."""
+
+    def __init__(self, chunk_size: int = 32, block_m: int = 32):
+        self.K = check_chunk_size(chunk_size)
+        self.BM = check_block_m(block_m)
+
+    def forward(self, x, ctrl, nu_log, theta_log, h0, need_states):
+        B, T, D = x.shape
+        M, K, BM = D // 2, self.K, self.BM
+        acc = ctrl.dtype
+        N = triton.cdiv(T, K)
+        y = alloc(x.shape, x.dtype, x.device)
+        hT = alloc((B, M, 2), acc, x.device)
+        states = alloc((B, N, M, 2), acc, x.device) if need_states else None
+        _serial_fwd_kernel[(triton.cdiv(M, BM), B)](
+            x, ctrl, nu_log, theta_log, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
+            T, N, D, M, K=K, U=FWD_UNROLL, BM=BM, HAS_H0=h0 is not None, STORE_STATES=need_states, ACC=tl_dtype(acc),
+            num_warps=BM // 32)
+        accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, nu_log, theta_log, h0),
+                          accounting.nbytes(y, hT, states))
+        return y, hT, states
+
+    def backward(self, x, dy, ctrl, nu_log, theta_log, states, gh):
+        B, T, D = x.shape
+        M, K, BM = D // 2, self.K, self.BM
+        acc = ctrl.dtype
+        N = triton.cdiv(T, K)
+        nmb = triton.cdiv(M, BM)
+        dxw = alloc(x.shape, acc, x.device)
+        dpart = alloc((B * T, nmb, 2), acc, x.device)
+        ppart = alloc((B, M, 2), acc, x.device)
+        dh0 = alloc((B, M, 2), acc, x.device)
+        ckpt = alloc((B * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
+        _serial_bwd_kernel[(nmb, B)](
+            x, dy, ctrl, nu_log, theta_log, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
+            T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc),
+            num_warps=BM // 32)
+        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, nu_log, theta_log, states, gh),
+                          accounting.nbytes(dxw, dpart, ppart, dh0))
+        return dxw, dpart, ppart, dh0
+
+
+def fused_recurrent_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
+                         initial_state=None, output_final_state=False, chunk_size=32, block_m=32):
+    """Serial SAMU (reference signature). x: [B, T, D], D = 2M; returns (y [B, T, D],
+    final state [B, M] complex or None). chunk_size: tile/checkpoint length (8..64)."""
+    return samu_apply(SerialPlan(chunk_size, block_m), x, phase_dir, radial_dir, phase_amp, radial_amp,
+                      nu_log, theta_log, segment_pos, initial_state, output_final_state)

@@ -1,0 +1,138 @@
+"""One-token SAMU decode step in one launch: controller (both projections, norms,
+tanh), transition, write, state update (in place) and relu.
+
+Two layouts of the same computation:
+- "row": one program per sequence walks all modes (few, larger programs);
+- "blocked": one program per (sequence, block of modes); each program recomputes
+  its sequence's two projections from the row in cache (more, smaller programs).
+"fused" takes "blocked" below ROW_MIN_BATCH sequences and "row" from there on; the
+threshold comes from the decode sweep in results/kernels/samu/.
+No host synchronisation and no allocation besides y: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import accounting
+from .._checks import check_tensor
+from .common import load_pair, mode_consts, next_pow2, store_pair, tanh, tl_dtype, transition
+
+ROW_MIN_BATCH = 64
+
+
+@triton.jit
+def _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD: tl.constexpr, ACC: tl.constexpr):
+    zp = tl.zeros([BD], ACC)
+    zr = tl.zeros([BD], ACC)
+    wpp = tl.zeros([BD], ACC)
+    wrr = tl.zeros([BD], ACC)
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        cm = cols < D
+        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
+        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
+        xv = tl.load(x_b + cols, mask=cm, other=0.0).to(ACC)
+        zp += xv * wp
+        zr += xv * wr
+        wpp += wp * wp
+        wrr += wr * wr
+    bp = tl.load(pd + D).to(ACC)
+    br = tl.load(rd + D).to(ACC)
+    p = tanh((tl.sum(zp, axis=0) + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp))
+    r = tanh((tl.sum(zr, axis=0) + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br))
+    delta = scale * tanh(tl.load(pa).to(ACC)) * p
+    eta = scale * tanh(tl.load(ra).to(ACC)) * r / (1.0 + r * r)
+    return tl.exp(eta), tl.cos(delta) * keep, tl.sin(delta) * keep
+
+
+@triton.jit
+def _step_modes(x_b, y_b, s_b, nu_log, theta_log, E, ck, sk, m0, M, BM: tl.constexpr, ACC: tl.constexpr):
+    offs_m = m0 + tl.arange(0, BM)
+    mask_m = offs_m < M
+    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    ar, ai = transition(E, ck, sk, nu, ct, st, True)
+    hr, hi = load_pair(s_b, offs_m, mask_m, 0.0, 0.0)
+    xr = tl.load(x_b + offs_m, mask=mask_m, other=0.0).to(ACC)
+    xi = tl.load(x_b + M + offs_m, mask=mask_m, other=0.0).to(ACC)
+    hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
+    store_pair(s_b, offs_m, hr, hi, mask_m)
+    tl.store(y_b + offs_m, tl.maximum(hr, 0.0).to(y_b.dtype.element_ty), mask=mask_m)
+    tl.store(y_b + M + offs_m, tl.maximum(hi, 0.0).to(y_b.dtype.element_ty), mask=mask_m)
+
+
+@triton.jit(do_not_specialize=["D", "M"])
+def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, state, reset, y, D, M, scale,
+                 HAS_RESET: tl.constexpr, ROW: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                 ACC: tl.constexpr):
+    if ROW:
+        b = tl.program_id(0).to(tl.int64)
+    else:
+        b = tl.program_id(1).to(tl.int64)
+    keep = 1.0
+    if HAS_RESET:
+        keep = tl.where(tl.load(reset + b) != 0, 0.0, 1.0)
+    E, ck, sk = _row_controls(x + b * D, pd, rd, pa, ra, D, scale, keep, BD, ACC)
+    if ROW:
+        for m0 in range(0, M, BM):
+            _step_modes(x + b * D, y + b * D, state + b * M * 2, nu_log, theta_log, E, ck, sk, m0, M, BM, ACC)
+    else:
+        _step_modes(x + b * D, y + b * D, state + b * M * 2, nu_log, theta_log, E, ck, sk,
+                    tl.program_id(0) * BM, M, BM, ACC)
+
+
+def _amp(v, device):
+    if isinstance(v, torch.Tensor):
+        return v.reshape(1)
+    return torch.full((1,), float(v), device=device, dtype=torch.float32)
+
+
+def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset):
+    B, D = x.shape
+    M = D // 2
+    if not state.is_contiguous():
+        raise ValueError("expected a contiguous state (it is updated in place), got a strided view")
+    x = x.contiguous()
+    sr = torch.view_as_real(state)
+    y = torch.empty_like(x)
+    acc = tl_dtype(sr.dtype)
+    rs = reset.contiguous().view(torch.uint8) if reset is not None else sr
+    args = (x, phase_dir.contiguous(), radial_dir.contiguous(), _amp(phase_amp, x.device),
+            _amp(radial_amp, x.device), nu_log.contiguous(), theta_log.contiguous(), sr, rs, y, D, M,
+            1.0 / math.sqrt(M))
+    if B == 0:
+        return y
+    if layout == "row":
+        BM = min(next_pow2(M), 2048)
+        _step_kernel[(B,)](*args, HAS_RESET=reset is not None, ROW=True, BD=min(next_pow2(D), 4096), BM=BM,
+                           ACC=acc, num_warps=8)
+    else:
+        BM = 128
+        _step_kernel[(triton.cdiv(M, BM), B)](*args, HAS_RESET=reset is not None, ROW=False,
+                                              BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=4)
+    accounting.record(f"samu_step_{layout}",
+                      accounting.nbytes(x, phase_dir, radial_dir, nu_log, theta_log, sr, reset),
+                      accounting.nbytes(sr, y))
+    return y
+
+
+def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
+    """Decode step, one program per sequence. x: [B, D]; state: [B, M] complex64,
+    updated in place; reset: [B] bool. Returns y [B, D] in x's dtype."""
+    return _launch("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+
+
+def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
+    """Decode step, one program per (sequence, 128 modes). Same contract as samu_step_row."""
+    return _launch("blocked", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+
+
+def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
+    """Decode step with the layout measured fastest for the batch size (see ROW_MIN_BATCH)."""
+    check_tensor("x", x, ndim=2)
+    layout = "row" if x.shape[0] >= ROW_MIN_BATCH else "blocked"
+    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)

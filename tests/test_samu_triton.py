@@ -1,0 +1,243 @@
+"""Fused Triton SAMU against the float64 complex reference (CPU: Triton interpreter).
+
+Every backend and chunk size: output, final state and every gradient (x, both
+directions, both amplitudes, nu_log, theta_log, initial state) on an odd shape with
+resets inside chunks, at chunk edges and in runs; outputs allocated poisoned with NaN.
+Also: FP32 and BF16 precision, |a| close to 1 over long rows with several losses,
+bitwise determinism, the prefill, and decode steps against the sequence op.
+"""
+
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels.ops import accounting, reference
+from kernels.ops.samu_triton import BACKENDS, STEPS, poisoned
+
+B, T, D = 2, 37, 24
+M = D // 2
+# (backend, chunk_size): chunk 8 / 16 / 32 / 64 give 5 / 3 / 2 / 1 chunks of T = 37, the last one partial.
+CONFIGS = [("serial", 16), ("chunk", 8), ("chunk", 16), ("chunk", 32), ("chunk", 64)]
+GRAD_NAMES = ["x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "initial_state"]
+
+
+def segment_positions(T, resets_per_row, first_pos=5):
+    """segment_pos [len(rows), T]: 0 at each listed reset, counting up elsewhere; a row
+    without a reset at t = 0 continues a document (so the initial state matters)."""
+    rows = []
+    for resets in resets_per_row:
+        pos, p = [], first_pos
+        for t in range(T):
+            p = 0 if t in resets else (p + 1 if t else p)
+            pos.append(p)
+        rows.append(pos)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+# Row 0: resets at the K = 8 and K = 16 chunk edges, a run of three, one inside a chunk.
+# Row 1: reset at t = 0 (the initial state is erased), inside chunks, near the end.
+SEGMENT_POS = segment_positions(T, [{8, 16, 20, 21, 22, 33}, {0, 5, 31}])
+
+
+def make_inputs(dtype=torch.float64, b=B, t=T, d=D, seed=0, hard=False, param_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    m = d // 2
+    pdt = param_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
+    x = torch.randn(b, t, d, generator=g, dtype=torch.float64)
+    u = torch.rand(m, generator=g, dtype=torch.float64)
+    if hard:
+        # |a| = exp(-nu e^eta) within about 1e-3 of 1
+        nu_log = torch.log(torch.full((m,), 1e-3, dtype=torch.float64) * (0.5 + u))
+    else:
+        nu_log = torch.log(-0.5 * torch.log(u * (0.999**2 - 0.9**2) + 0.9**2))
+    cdt = torch.complex128 if dtype == torch.float64 else torch.complex64
+    h0 = torch.complex(torch.randn(b, m, generator=g, dtype=torch.float64),
+                       torch.randn(b, m, generator=g, dtype=torch.float64))
+    return {
+        "x": x.to(dtype),
+        "phase_dir": (torch.randn(d + 1, generator=g, dtype=torch.float64) / math.sqrt(d)).to(pdt),
+        "radial_dir": (torch.randn(d + 1, generator=g, dtype=torch.float64) / math.sqrt(d)).to(pdt),
+        "phase_amp": torch.tensor(0.9, dtype=pdt),
+        "radial_amp": torch.tensor(-1.3, dtype=pdt),
+        "nu_log": nu_log.to(pdt),
+        "theta_log": torch.log(torch.rand(m, generator=g, dtype=torch.float64) * math.pi / 10).to(pdt),
+        "initial_state": h0.to(cdt),
+    }
+
+
+def leaves(inputs, dtype=None):
+    """Fresh leaf tensors requiring grad (cast to `dtype`, complex to its complex kind)."""
+    out = {}
+    for k, v in inputs.items():
+        if dtype is not None:
+            v = v.to(torch.complex128 if v.is_complex() else dtype) if dtype == torch.float64 else v
+        out[k] = v.detach().clone().requires_grad_()
+    return out
+
+
+def call(fn, p, segment_pos=SEGMENT_POS, **opts):
+    return fn(p["x"], p["phase_dir"], p["radial_dir"], p["phase_amp"], p["radial_amp"], p["nu_log"],
+              p["theta_log"], segment_pos, p["initial_state"], True, **opts)
+
+
+def weights(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+LOSSES = {
+    # every output and the final state
+    "mixed": lambda y, h: (y.double() * weights(y.shape, 1)).sum() + (h.real.double() ** 2).sum()
+    - 0.5 * h.imag.double().sum(),
+    "square": lambda y, h: (y.double() ** 2).mean(),
+    "last_token": lambda y, h: (y[:, -1].double() * weights(y[:, -1].shape, 2)).sum(),
+    "final_state_only": lambda y, h: (h.real.double() * weights(h.shape, 3)).sum() + h.imag.double().abs().sum(),
+}
+
+
+def run(fn, p, loss="mixed", segment_pos=SEGMENT_POS, **opts):
+    y, h = call(fn, p, segment_pos, **opts)
+    grads = torch.autograd.grad(LOSSES[loss](y, h), [p[k] for k in GRAD_NAMES])
+    return y, h, dict(zip(GRAD_NAMES, grads))
+
+
+def rel(a, b):
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    a = a.to(torch.complex128 if a.is_complex() else torch.float64)
+    b = b.to(torch.complex128 if b.is_complex() else torch.float64)
+    assert torch.isfinite(torch.view_as_real(a) if a.is_complex() else a).all(), "non-finite values (unwritten?)"
+    return ((a - b).abs().norm() / b.abs().norm().clamp_min(1e-30)).item()
+
+
+def assert_close_all(got, want, tol):
+    (y, h, g), (yr, hr, gr) = got, want
+    errs = {"y": rel(y, yr), "final_state": rel(h, hr), **{k: rel(g[k], gr[k]) for k in GRAD_NAMES}}
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
+
+
+@pytest.fixture(scope="module")
+def ref64():
+    p = leaves(make_inputs(torch.float64))
+    return run(reference.samu, p)
+
+
+@pytest.mark.parametrize("backend,chunk", CONFIGS)
+def test_float64_matches_reference(backend, chunk, ref64):
+    """The kernels in float64 agree with the reference to rounding: exact algorithm."""
+    p = leaves(make_inputs(torch.float64))
+    with poisoned():
+        got = run(BACKENDS["samu"][backend], p, chunk_size=chunk)
+    assert_close_all(got, ref64, 1e-11)
+
+
+@pytest.mark.parametrize("backend", ["serial", "chunk"])
+def test_float32_matches_float64(backend):
+    inputs = make_inputs(torch.float32)
+    ref = run(reference.samu, leaves(inputs, torch.float64))
+    with poisoned():
+        got = run(BACKENDS["samu"][backend], leaves(inputs), chunk_size=8)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.complex64
+    assert_close_all(got, ref, 2e-5)
+
+
+def test_bf16_against_pytorch_bf16():
+    """BF16 in and out: error against float64 at most twice that of the same computation
+    done by PyTorch at BF16 (FP32 inside), plus FP32 rounding."""
+    inputs = make_inputs(torch.bfloat16)
+    truth = run(reference.samu, leaves(inputs, torch.float64))
+    torch_bf16 = run(reference.samu, leaves(inputs))
+    with poisoned():
+        got = run(BACKENDS["samu"]["chunk"], leaves(inputs), chunk_size=16)
+    assert got[0].dtype == torch.bfloat16 and got[2]["x"].dtype == torch.bfloat16
+    pairs = [("y", got[0], torch_bf16[0], truth[0]), ("final_state", got[1], torch_bf16[1], truth[1])]
+    pairs += [(k, got[2][k], torch_bf16[2][k], truth[2][k]) for k in GRAD_NAMES]
+    for name, mine, theirs, exact in pairs:
+        assert rel(mine, exact) <= 2 * rel(theirs, exact) + 1e-5, (name, rel(mine, exact), rel(theirs, exact))
+
+
+def test_hard_mode_several_losses():
+    """|a| within ~1e-3 of 1 over 112 steps (memory far longer than the row, so every
+    gradient sums long products) and several different losses through one forward:
+    FP32 kernels stay far under 1e-3."""
+    inputs = make_inputs(torch.float32, b=1, t=112, d=8, seed=3, hard=True)
+    seg = segment_positions(112, [{97}])
+    p_ref, p = leaves(inputs, torch.float64), leaves(inputs)
+    y_ref, h_ref = call(reference.samu, p_ref, seg)
+    with poisoned():
+        y, h = call(BACKENDS["samu"]["chunk"], p, seg, chunk_size=16)
+    assert (1 - (-torch.exp(inputs["nu_log"]) * 1.2).exp()).max() < 2e-3
+    for name in ["mixed", "last_token", "final_state_only"]:
+        loss = LOSSES[name]
+        gr = torch.autograd.grad(loss(y_ref, h_ref), [p_ref[k] for k in GRAD_NAMES], retain_graph=True)
+        g = torch.autograd.grad(loss(y, h), [p[k] for k in GRAD_NAMES], retain_graph=True)
+        assert_close_all((y, h, dict(zip(GRAD_NAMES, g))), (y_ref, h_ref, dict(zip(GRAD_NAMES, gr))), 1e-4)
+
+
+def test_deterministic_bitwise():
+    inputs = make_inputs(torch.float32, seed=5)
+    runs = [run(BACKENDS["samu"]["chunk"], leaves(inputs), chunk_size=8) for _ in range(2)]
+    (y1, h1, g1), (y2, h2, g2) = runs
+    assert torch.equal(y1, y2) and torch.equal(h1, h2)
+    for k in GRAD_NAMES:
+        assert torch.equal(g1[k], g2[k]), k
+
+
+def test_prefill_and_dispatch():
+    """No gradient needed: the forward-only path (no states kept) through kernels.samu."""
+    inputs = make_inputs(torch.float32, seed=7)
+    y_ref, h_ref = call(reference.samu, leaves(inputs, torch.float64))
+    for backend in ["serial", "chunk"]:
+        with torch.no_grad(), poisoned(), accounting.counting() as c:
+            y, h = kernels.samu(*[inputs[k] for k in GRAD_NAMES[:7]], segment_pos=SEGMENT_POS,
+                                initial_state=inputs["initial_state"], output_final_state=True,
+                                backend=backend, chunk_size=16)
+        assert rel(y, y_ref) < 2e-6 and rel(h, h_ref) < 2e-6
+        assert c.launches >= 2 and c.bytes_read >= inputs["x"].numel() * 4 and c.bytes_written >= y.numel() * 4
+
+
+def test_no_resets_no_initial_state_and_empty():
+    inputs = make_inputs(torch.float64, seed=9)
+    p = leaves(inputs)
+    y_ref, h_ref = reference.samu(*[p[k] for k in GRAD_NAMES[:7]], None, None, True)
+    y, h = BACKENDS["samu"]["chunk"](*[p[k] for k in GRAD_NAMES[:7]], None, None, True, chunk_size=16)
+    assert rel(y, y_ref) < 1e-12 and rel(h, h_ref) < 1e-12
+    g_ref = torch.autograd.grad(LOSSES["mixed"](y_ref, h_ref), [p["x"], p["nu_log"]])
+    g = torch.autograd.grad(LOSSES["mixed"](y, h), [p["x"], p["nu_log"]])
+    assert rel(g[0], g_ref[0]) < 1e-12 and rel(g[1], g_ref[1]) < 1e-12
+    x0 = inputs["x"][:, :0]
+    for backend in ["serial", "chunk"]:
+        y0, h0 = BACKENDS["samu"][backend](x0, *[inputs[k] for k in GRAD_NAMES[1:7]], None,
+                                           inputs["initial_state"], True)
+        assert y0.shape == (B, 0, D) and torch.equal(h0, inputs["initial_state"])
+
+
+@pytest.mark.parametrize("layout", ["row", "blocked", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decode_steps_equal_sequence(layout, dtype):
+    """T decode steps, state updated in place, resets per step, equal the sequence op."""
+    inputs = make_inputs(dtype, t=13, seed=11)
+    seg = segment_positions(13, [{4, 5}, {9}])
+    y_ref, h_ref = call(reference.samu, inputs, seg)
+    state = inputs["initial_state"].clone()
+    params = [inputs[k] for k in GRAD_NAMES[1:7]]
+    ys = []
+    for t in range(13):
+        ys.append(STEPS["samu"][layout](inputs["x"][:, t], *params, state, seg[:, t] == 0))
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert rel(torch.stack(ys, 1), y_ref) < tol and rel(state, h_ref) < tol
+    y1 = kernels.samu_step(inputs["x"][:, 0], *params, state.clone(), backend=layout)
+    assert y1.shape == (B, D)
+
+
+def test_bad_options():
+    inputs = make_inputs(torch.float32)
+    for bad in (12, 128):
+        with pytest.raises(ValueError, match="chunk_size"):
+            BACKENDS["samu"]["chunk"](*[inputs[k] for k in GRAD_NAMES[:7]], None, None, False, chunk_size=bad)
+    with pytest.raises(ValueError, match="block_m"):
+        BACKENDS["samu"]["serial"](*[inputs[k] for k in GRAD_NAMES[:7]], None, None, False, block_m=48)
+    state = torch.zeros(B, M, 2, dtype=torch.complex64)[..., 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        STEPS["samu"]["row"](inputs["x"][:, 0], *[inputs[k] for k in GRAD_NAMES[1:7]], state)
