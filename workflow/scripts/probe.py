@@ -146,16 +146,21 @@ def measure(device: str, settings: dict) -> dict:
 
     from kernels.timing import time_fn
 
+    def copy_timing(n_bytes):
+        src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+        dst = torch.empty_like(src)
+        return time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
+
+    def matmul_timing(n):
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        return time_fn(lambda: a @ b, reps=reps, warmup=3, device=device)
+
     reps = settings["reps"]
     n_bytes = settings["copy_bytes"]
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    copy = time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
-    del src, dst
+    copy = copy_timing(n_bytes)
     n = settings["matmul_n"]
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    mm = time_fn(lambda: a @ b, reps=reps, warmup=3, device=device)
+    mm = matmul_timing(n)
     copy_bps = 2 * n_bytes / (copy["median_ms"] * 1e-3)
     flops = 2 * n**3 / (mm["median_ms"] * 1e-3)
     return {
