@@ -16,8 +16,11 @@ pytestmark = pytest.mark.cuda
 B, T, D, H = 4, 2048, 2560, 16
 VARIANTS = [("serial", {}), ("chunk", {"chunk_size": 8}), ("chunk", {"chunk_size": 16}),
             ("chunk", {"chunk_size": 32}), ("chunk", {"chunk_size": 64}),
-            ("serial", {"prefetch": True, "block_d": 32}), ("serial", {"num_stages": 3, "block_t": 32})]
-IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_prefetch", "serial_stages3"]
+            ("serial", {"prefetch": False, "block_d": 32}), ("serial", {"num_stages": 3, "block_t": 32}),
+            ("chunk", {"chunk_size": 8, "inner": "loop"}), ("chunk", {"chunk_size": 16, "inner": "loop"}),
+            ("chunk", {"chunk_size": 32, "inner": "loop", "block_d": 128, "num_warps": 1})]
+IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_noprefetch", "serial_stages3", "chunk8loop",
+       "chunk16loop", "chunk32loop"]
 NAMES = ["output", "final_state", "grad_x", "grad_gate_x", "grad_gate_a", "grad_a_param", "grad_initial_state"]
 
 
@@ -71,7 +74,7 @@ def test_fp32_model_shape(problem, backend, opts):
         assert err <= parity.BACKEND_TOL[torch.float32], name
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3], VARIANTS[8]], ids=[IDS[0], IDS[3], IDS[8]])
 def test_bitwise_reproducible(problem, backend, opts):
     fn = kernels.backends("rglru")[backend]
     first = run(fn, problem["args16"], problem["h0"], problem["pos"], problem["cot"], **opts)
@@ -80,7 +83,7 @@ def test_bitwise_reproducible(problem, backend, opts):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3], VARIANTS[8]], ids=[IDS[0], IDS[3], IDS[8]])
 def test_forward_keeps_only_boundary_states(problem, backend, opts):
     # What forward leaves allocated for backward, beyond y: FP32 states at tile or
     # chunk boundaries (at most 1/8 of a [B, T, D] FP32 tensor), nothing [B, T, D].
@@ -94,7 +97,7 @@ def test_forward_keeps_only_boundary_states(problem, backend, opts):
     del y
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3], VARIANTS[8]], ids=[IDS[0], IDS[3], IDS[8]])
 def test_int64_offsets(backend, opts):
     # 2 x 262_200 x 4_100 > 2^31 elements: the last steps (offsets past 2^31) against the
     # reference continued from the kernel's own FP32 state 64 steps earlier.
@@ -115,8 +118,9 @@ def test_int64_offsets(backend, opts):
     assert parity.rel_err(y[:, :k], y0) <= parity.BACKEND_TOL[torch.float32]
 
 
-@pytest.mark.parametrize("backend,opts", [("serial", {}), ("serial", {"prefetch": True, "block_t": 128}),
-                                          ("chunk", {"chunk_size": 32})], ids=["serial", "serial_prefetch", "chunk32"])
+@pytest.mark.parametrize("backend,opts", [("serial", {}), ("serial", {"prefetch": False, "block_t": 64}),
+                                          ("chunk", {"chunk_size": 32}), ("chunk", {"chunk_size": 16, "inner": "loop"})],
+                         ids=["serial", "serial_noprefetch", "chunk32", "chunk16loop"])
 def test_scan_track_shape(backend, opts):
     # Section-4 scan shape in BF16 (FP32 accumulation): output, final state, both gradients.
     Bs, Ts, Ds = 8, 4096, 1024

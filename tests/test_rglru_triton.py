@@ -25,8 +25,9 @@ VARIANTS = [
     ("serial", {"block_t": 8, "block_d": 16, "prefetch": True}),
     ("chunk", {"chunk_size": 16, "block_d": 16}),
     ("chunk", {"chunk_size": 8, "group": 2, "block_d": 32}),
+    ("chunk", {"chunk_size": 8, "group": 2, "block_d": 16, "inner": "loop"}),
 ]
-IDS = ["serial16", "serial8", "chunk16", "chunk8g2"]
+IDS = ["serial16", "serial8", "chunk16", "chunk8g2", "chunk8loop"]
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +95,7 @@ def test_fp32_against_float64_reference(backend, opts):
     check(got, want, FP32_TOL)
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[1], VARIANTS[3]], ids=[IDS[1], IDS[3]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[1], VARIANTS[4]], ids=[IDS[1], IDS[4]])
 def test_float64_is_exact(backend, opts):
     # In float64 the kernels differ from the reference loop only by rounding order:
     # any slip in chunk composition, reset handling or the adjoint would show far above this.
@@ -129,7 +130,7 @@ def test_bf16_against_pytorch_at_bf16(backend, opts):
         assert parity.rel_err(g, w) <= tol, name
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[3]], ids=[IDS[3]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[4]], ids=[IDS[4]])
 def test_gradients_are_bitwise_reproducible(backend, opts):
     args, h0 = inputs(torch.float32, seed=4)
     pos = positions()

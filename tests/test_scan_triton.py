@@ -11,8 +11,9 @@ from kernels.ops.rglru_triton import common
 from test_rglru_triton import B, D, T, positions
 
 VARIANTS = [("serial", {"block_t": 16, "block_d": 32, "prefetch": True}), ("chunk", {"chunk_size": 16, "block_d": 16}),
-            ("chunk", {"chunk_size": 8, "group": 2, "block_d": 32})]
-IDS = ["serial16", "chunk16", "chunk8g2"]
+            ("chunk", {"chunk_size": 8, "group": 2, "block_d": 32}),
+            ("chunk", {"chunk_size": 16, "block_d": 16, "inner": "loop"})]
+IDS = ["serial16", "chunk16", "chunk8g2", "chunk16loop"]
 
 
 @pytest.fixture(autouse=True)

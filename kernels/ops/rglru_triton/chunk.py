@@ -170,16 +170,171 @@ def chunk_bwd_replay_kernel(
         tl.store(dsp_part + o, dsp, mask=m_d)
 
 
-def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, **unknown):
+@triton.jit
+def load_row(x, gx, ga, pos, i_b, t, T, D, o_d, m_d, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr,
+             ACC: tl.constexpr, sp):
+    """One time step [BD] of the chunk, coefficients in registers (the "loop" inner
+    form: a thread owns a few channels and walks the chunk's steps one by one).
+    Returns (off, m, valid, keep, a, b, xv, sx, sa, mult, u); past T an identity map."""
+    valid = t < T
+    off = (i_b * T + t) * D + o_d
+    m = m_d & valid
+    if HAS_RESET:
+        keep = tl.load(pos + i_b * T + t, mask=valid, other=1) != 0
+    else:
+        keep = valid | True
+    if IS_SCAN:
+        a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
+        b = tl.load(x + off, mask=m, other=0.0).to(ACC)
+        a = tl.where(keep, a, 0.0)
+        a = tl.where(valid, a, 1.0)
+        xv = b
+        sx = b
+        sa = a
+        mult = a
+        u = a
+    else:
+        xv = tl.load(x + off, mask=m, other=0.0).to(ACC)
+        sx = tl.sigmoid(tl.load(gx + off, mask=m, other=0.0).to(ACC))
+        sa = tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC))
+        a = tl.exp(-8.0 * sa * sp)
+        u = 1.0 - a * a
+        mult = tl.where(keep, tl.sqrt(u), 1.0)
+        a = tl.where(keep, a, 0.0)
+        a = tl.where(valid, a, 1.0)
+        b = xv * sx * mult
+    return off, m, valid, keep, a, b, xv, sx, sa, mult, u
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def chunk_loop_fwd_kernel(
+    x, gx, ga, ap, pos, S, P, Q, y, T, D, NC,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, REPLAY: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
+    ACC: tl.constexpr, RNE: tl.constexpr,
+):
+    # REPLAY False: the chunk's summary (P, Q); True: the outputs from the entering state S.
+    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    o = (i_b * NC + i_c) * D + o_d
+    if REPLAY:
+        h = tl.load(S + o, mask=m_d, other=0.0)
+    else:
+        pa = tl.full([BD], 1.0, ACC)
+        h = tl.zeros([BD], ACC)
+    for k in tl.static_range(K):
+        off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_row(
+            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp)
+        h = a * h + b
+        if REPLAY:
+            tl.store(y + off, out(h, y, RNE), mask=m)
+        else:
+            pa = a * pa
+    if not REPLAY:
+        tl.store(P + o, pa, mask=m_d)
+        tl.store(Q + o, h, mask=m_d)
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def chunk_loop_bwd_summary_kernel(
+    ga, ap, pos, dy, P, Q, T, D, NC,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    # mu_first = P r + Q over the chunk's steps in reverse: (P, Q) <- (a P, a (Q + dy)).
+    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    pa = tl.full([BD], 1.0, ACC)
+    q = tl.zeros([BD], ACC)
+    for j in tl.static_range(K - 1, -1, -1):
+        t = i_c * K + j
+        valid = t < T
+        off = (i_b * T + t) * D + o_d
+        m = m_d & valid
+        if IS_SCAN:
+            a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
+        else:
+            a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp)
+        if HAS_RESET:
+            a = tl.where(tl.load(pos + i_b * T + t, mask=valid, other=1) != 0, a, 0.0)
+        a = tl.where(valid, a, 1.0)
+        q = a * (q + tl.load(dy + off, mask=m, other=0.0).to(ACC))
+        pa = a * pa
+    o = (i_b * NC + i_c) * D + o_d
+    tl.store(P + o, pa, mask=m_d)
+    tl.store(Q + o, q, mask=m_d)
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def chunk_loop_bwd_replay_kernel(
+    x, gx, ga, ap, pos, S, R, dy, dx, dgx, dga, dsp_part, T, D, NC,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    # Forward over the chunk keeps h_{t-1} of every step in registers (a tuple of K
+    # [BD] vectors); the adjoint then walks back, recomputing the coefficients.
+    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    o = (i_b * NC + i_c) * D + o_d
+    h = tl.load(S + o, mask=m_d, other=0.0)
+    hp = ()
+    for k in tl.static_range(K):
+        off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_row(
+            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp)
+        hp = hp + (h,)
+        h = a * h + b
+    mu = tl.load(R + o, mask=m_d, other=0.0)
+    dsp = tl.zeros([BD], ACC)
+    for k in tl.static_range(K - 1, -1, -1):
+        off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_row(
+            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp)
+        lam = tl.load(dy + off, mask=m, other=0.0).to(ACC) + mu
+        if IS_SCAN:
+            tl.store(dx + off, out(lam, dx, RNE), mask=m)
+            tl.store(dga + off, out(tl.where(keep, lam * hp[k], 0.0), dga, RNE), mask=m)
+        else:
+            gxm = lam * mult
+            tl.store(dx + off, out(gxm * sx, dx, RNE), mask=m)
+            tl.store(dgx + off, out(gxm * xv * sx * (1.0 - sx), dgx, RNE), mask=m)
+            du = lam * xv * sx * tl.rsqrt(tl.maximum(4.0 * u, 1e-6))
+            dlog = tl.where(keep & valid, lam * a * hp[k] - 2.0 * a * a * du, 0.0)
+            tl.store(dga + off, out(dlog * (-8.0 * sp) * sa * (1.0 - sa), dga, RNE), mask=m)
+            dsp += dlog * (-8.0 * sa)
+        mu = a * lam
+    if not IS_SCAN:
+        tl.store(dsp_part + o, dsp, mask=m_d)
+
+
+INNER = ("scan", "loop")
+
+
+def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, inner=None, **unknown):
     if unknown:
-        raise ValueError(f"expected chunk options among ['chunk_size', 'block_d', 'num_warps', 'group'], got "
-                         f"{sorted(unknown)}")
-    K = check_chunk_size(32 if chunk_size is None else chunk_size)
+        raise ValueError(f"expected chunk options among ['chunk_size', 'block_d', 'num_warps', 'group', 'inner'], "
+                         f"got {sorted(unknown)}")
+    inner = "scan" if inner is None else inner
+    if inner not in INNER:
+        raise ValueError(f"expected inner in {list(INNER)}, got {inner!r}")
+    K = check_chunk_size((16 if inner == "loop" else 32) if chunk_size is None else chunk_size)
     NC = triton.cdiv(T, K)
-    bd = 64 if block_d is None else check_pow2("block_d", block_d, 8, 1024)
-    nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
+    bd = (256 if inner == "loop" else 64) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
+    nw = (2 if inner == "loop" else 4) if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
     g = max(2, min(64, triton.next_power_of_2(NC))) if group is None else check_pow2("group", group, 2, 1024)
-    return {"K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw, "G": g}
+    return {"K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw, "G": g, "inner": inner}
 
 
 def _prefix(P, Q, init, need_final, reverse, cfg):
@@ -215,13 +370,20 @@ def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
               num_warps=cfg["num_warps"])
     P = empty((B, NC, D), acc, x.device)
     Q = empty((B, NC, D), acc, x.device)
-    chunk_fwd_summary_kernel[grid](x, gx, ga, ap, p, P, Q, T, D, NC, **kw)
+    loop = cfg["inner"] == "loop"
+    if loop:
+        chunk_loop_fwd_kernel[grid](x, gx, ga, ap, p, P, P, Q, x, T, D, NC, REPLAY=False, **kw)
+    else:
+        chunk_fwd_summary_kernel[grid](x, gx, ga, ap, p, P, Q, T, D, NC, **kw)
     extra = None if is_scan else a_param
     accounting.record("chunk_fwd_summary", _act_bytes(is_scan, x, pos) + accounting.nbytes(extra),
                       accounting.nbytes(P, Q))
     S, ht = _prefix(P, Q, h0, output_final_state, False, cfg)
     y = empty((B, T, D), x.dtype, x.device)
-    chunk_fwd_replay_kernel[grid](x, gx, ga, ap, p, S, y, T, D, NC, **kw)
+    if loop:
+        chunk_loop_fwd_kernel[grid](x, gx, ga, ap, p, S, S, S, y, T, D, NC, REPLAY=True, **kw)
+    else:
+        chunk_fwd_replay_kernel[grid](x, gx, ga, ap, p, S, y, T, D, NC, **kw)
     accounting.record("chunk_fwd_replay", _act_bytes(is_scan, x, pos) + accounting.nbytes(S, extra),
                       accounting.nbytes(y))
     return y, ht, S
@@ -241,15 +403,17 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     extra = None if is_scan else a_param
     P = empty((B, NC, D), acc, x.device)
     Q = empty((B, NC, D), acc, x.device)
-    chunk_bwd_summary_kernel[grid](ga, ap, p, dy, P, Q, T, D, NC, **kw)
+    loop = cfg["inner"] == "loop"
+    (chunk_loop_bwd_summary_kernel if loop else chunk_bwd_summary_kernel)[grid](ga, ap, p, dy, P, Q, T, D, NC, **kw)
     accounting.record("chunk_bwd_summary", accounting.nbytes(ga, dy, pos, extra), accounting.nbytes(P, Q))
     R, dh0 = _prefix(P, Q, dht, need_dh0, True, cfg)
     dx = empty((B, T, D), x.dtype, x.device)
     dga = empty((B, T, D), ga.dtype, x.device)
     dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
     part = None if is_scan else empty((B * NC, D), acc, x.device)
-    chunk_bwd_replay_kernel[grid](x, gx, ga, ap, p, S, R, dy, dx, dgx if dgx is not None else dx, dga,
-                                  part if part is not None else S, T, D, NC, **kw)
+    (chunk_loop_bwd_replay_kernel if loop else chunk_bwd_replay_kernel)[grid](
+        x, gx, ga, ap, p, S, R, dy, dx, dgx if dgx is not None else dx, dga, part if part is not None else S,
+        T, D, NC, **kw)
     accounting.record("chunk_bwd_replay", _act_bytes(is_scan, x, pos) + accounting.nbytes(S, R, dy, extra),
                       accounting.nbytes(dx, dgx, dga, part))
     return dx, dgx, dga, dh0, part
@@ -287,7 +451,8 @@ def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None
                 chunk_size=None, **opts):
     """RG-LRU from gate logits through the chunked kernels; the reference signature.
     chunk_size in (8, 16, 32, 64); options: block_d, num_warps, group (summaries per
-    prefix group). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
+    prefix group), inner ("scan": the chunk's steps combined by an associative scan over
+    a [K, BD] tile; "loop": each thread walks the chunk's steps in registers). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, chunk_size, **opts)
     if T == 0:

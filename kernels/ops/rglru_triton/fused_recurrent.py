@@ -130,8 +130,11 @@ def serial_bwd_kernel(
         tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
 
 
-def _config(B, T, D, block_t=None, block_d=None, num_warps=None, num_stages=None, prefetch=None,
+def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_stages=None, prefetch=None,
             chunk_size=None, **unknown):
+    # Defaults: the fastest of the probe sweep on an H200 (results/kernels/rglru, run 1):
+    # RG-LRU fwd+bwd at B=4, T=2048, D=2560 -> 16 channels x 64 steps, 4 warps, prefetch;
+    # the bare scan at B=8, D=1024 -> 32 channels x 128 steps, 4 warps, prefetch.
     if unknown:
         raise ValueError(f"expected serial options among ['block_t', 'chunk_size', 'block_d', 'num_warps', "
                          f"'num_stages', 'prefetch'], got {sorted(unknown)}")
@@ -140,13 +143,14 @@ def _config(B, T, D, block_t=None, block_d=None, num_warps=None, num_stages=None
             raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
                              f"{chunk_size}")
         block_t = chunk_size
-    bt = check_pow2("block_t", 64 if block_t is None else block_t, 8, 256)
-    bd = blocks_for(B, D) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
+    bt = check_pow2("block_t", (128 if is_scan else 64) if block_t is None else block_t, 8, 256)
+    bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
     ns = 1 if num_stages is None else num_stages
     if not isinstance(ns, int) or not 1 <= ns <= 4:
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
-    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": bool(prefetch)}
+    pf = True if prefetch is None else bool(prefetch)
+    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": pf}
 
 
 def _tile_bytes(is_scan, x, pos):
@@ -236,9 +240,10 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
     """RG-LRU from gate logits through the serial kernels; the reference signature.
     x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
     [B, D] FP32. Options: block_t (time tile; chunk_size is accepted as its alias),
-    block_d, num_warps, num_stages. Returns (y [B, T, D], final state [B, D] or None)."""
+    block_d, num_warps, num_stages, prefetch (load the next tile before scanning this
+    one; default on). Returns (y [B, T, D], final state [B, D] or None)."""
     B, T, D = x.shape
-    cfg = _config(B, T, D, **opts)
+    cfg = _config(B, T, D, False, **opts)
     if T == 0:
         return _empty_sequence(x, initial_state, output_final_state)
     return SerialFunction.apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state,
@@ -253,7 +258,7 @@ def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_fina
 
         return reference.scan(a, b, segment_pos, initial_state, output_final_state)
     B, T, D = b.shape
-    cfg = _config(B, T, D, **opts)
+    cfg = _config(B, T, D, True, **opts)
     if T == 0:
         return _empty_sequence(b, initial_state, output_final_state)
     a = a.to(b.dtype) if a.dtype != b.dtype else a

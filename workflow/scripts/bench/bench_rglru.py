@@ -56,8 +56,10 @@ SERIAL_SWEEP = [
     dict(block_d=16, block_t=64, num_warps=2, prefetch=True), dict(block_d=32, block_t=64, num_warps=4, num_stages=2),
     dict(block_d=16, block_t=64, num_warps=4, num_stages=3),
 ]
-CHUNK_SWEEP = [dict(chunk_size=k, block_d=bd, num_warps=nw) for k in (8, 16, 32, 64)
-               for bd, nw in ((32, 4), (64, 4), (64, 8))]
+CHUNK_SWEEP = [dict(chunk_size=k, block_d=bd, num_warps=nw) for k in (8, 32, 64)
+               for bd, nw in ((64, 4), (64, 8))] + [
+    dict(chunk_size=k, inner="loop", block_d=bd, num_warps=nw) for k in (8, 16, 32)
+    for bd, nw in ((128, 1), (256, 2), (512, 4))]
 SCAN_SERIAL_SWEEP = [
     dict(block_d=16, block_t=128, num_warps=4), dict(block_d=16, block_t=128, num_warps=4, prefetch=True),
     dict(block_d=16, block_t=256, num_warps=4, prefetch=True), dict(block_d=32, block_t=128, num_warps=4, prefetch=True),
@@ -65,7 +67,8 @@ SCAN_SERIAL_SWEEP = [
     dict(block_d=64, block_t=64, num_warps=4, prefetch=True), dict(block_d=8, block_t=256, num_warps=2, prefetch=True),
     dict(block_d=16, block_t=128, num_warps=4, num_stages=3), dict(block_d=32, block_t=128, num_warps=4, num_stages=2),
 ]
-SCAN_CHUNK = [dict(chunk_size=k, block_d=64) for k in (16, 32, 64)]
+SCAN_CHUNK = [dict(chunk_size=32, block_d=64)] + [dict(chunk_size=k, inner="loop", block_d=bd, num_warps=nw)
+                                                   for k in (16, 32) for bd, nw in ((256, 2), (512, 4))]
 
 
 def log(*a):
@@ -273,6 +276,21 @@ def gate_rglru(backend, opts, shape, dev):
     return {"error_output": ey, "error_final_state": eh, "passed": ey <= 2 * 2.0 ** -8 and eh <= 1e-4}
 
 
+def gate_scan(backend, opts, a, b):
+    """A bare-scan variant of ours against the PyTorch reference on the first 512 steps of
+    the same BF16 inputs (FP32 inside)."""
+    from kernels import parity
+    from kernels.ops import reference
+    import kernels
+
+    a, b = a[:, :512].contiguous(), b[:, :512].contiguous()
+    with torch.no_grad():
+        y, h = kernels.backends("scan")[backend](a, b, None, None, True, **opts)
+        y_ref, h_ref = reference.scan(a, b, None, None, True)
+    ey, eh = parity.rel_err(y, y_ref), parity.rel_err(h, h_ref)
+    return {"error_output": ey, "error_final_state": eh, "passed": ey <= 2 * 2.0 ** -8 and eh <= 1e-4}
+
+
 # ----------------------------------------------------------------------------- phases
 
 def copy_bandwidth(nbytes, dev):
@@ -306,7 +324,9 @@ def phase_rglru(S, dev, reps, warmup, res):
     # Choose per backend (and per chunk size) from the probe; measure afresh.
     chosen = {}
     for name, p in out["probe"].items():
-        key = p["backend"] + (f"{p['options']['chunk_size']}" if p["backend"] == "chunk" else "")
+        key = p["backend"]
+        if p["backend"] == "chunk":
+            key += f"{p['options']['chunk_size']}_{p['options'].get('inner', 'scan')}"
         if med(p["fwdbwd"]) < med(out["probe"].get(chosen.get(key, ""), {}).get("fwdbwd", {})):
             chosen[key] = name
     out["chosen"] = {k: out["probe"][v]["options"] | {"backend": out["probe"][v]["backend"]} for k, v in chosen.items()}
@@ -341,16 +361,21 @@ def phase_scan(S, dev, reps, warmup, res):
     a, b = scan_inputs(B, Tp, D, dev)
     for opts in SCAN_SERIAL_SWEEP:
         name = cfg_name("serial", opts)
+        gate = gate_scan("serial", opts, a, b)
+        if not gate["passed"]:
+            log(f"GATE FAILED {name}: {gate}")
+            continue
         out["probe"][name] = measure(ours_scan("serial", opts, a, b, "fwd"), reps, warmup)
         log(f"scan probe T={Tp} {name:50s} {med(out['probe'][name]):.4f} ms")
-    best = min(SCAN_SERIAL_SWEEP, key=lambda o: med(out["probe"][cfg_name("serial", o)]))
+    best = min(SCAN_SERIAL_SWEEP, key=lambda o: med(out["probe"].get(cfg_name("serial", o), {})))
     out["chosen_serial"] = best
     for T in S["scan_T"]:
         a, b = scan_inputs(B, T, D, dev)
         ac, bc = scan_inputs(B, T, D, dev, layout="bdt")
-        cands = {"ours_serial": ours_scan("serial", best, a, b, "fwd")}
-        for o in SCAN_CHUNK:
-            cands[f"ours_chunk{o['chunk_size']}"] = ours_scan("chunk", o, a, b, "fwd")
+        ours = {"ours_serial": ("serial", best), **{cfg_name("ours_chunk", o): ("chunk", o) for o in SCAN_CHUNK}}
+        gates = {k: gate_scan(bk, o, a, b) for k, (bk, o) in ours.items()}
+        out.setdefault("gates", {})[str(T)] = gates
+        cands = {k: ours_scan(bk, o, a, b, "fwd") for k, (bk, o) in ours.items() if gates[k]["passed"]}
         for peer in ("accelerated_scan_warp", "accelerated_scan_scalar"):
             if res["peers"].get(peer):
                 cands[peer] = peer_scan(peer, ac, bc, "fwd")
