@@ -18,9 +18,10 @@ VARIANTS = [("serial", {}), ("chunk", {"chunk_size": 8}), ("chunk", {"chunk_size
             ("chunk", {"chunk_size": 32}), ("chunk", {"chunk_size": 64}),
             ("serial", {"prefetch": False, "block_d": 32}), ("serial", {"num_stages": 3, "block_t": 32}),
             ("chunk", {"chunk_size": 8, "inner": "loop"}), ("chunk", {"chunk_size": 16, "inner": "loop"}),
-            ("chunk", {"chunk_size": 32, "inner": "loop", "block_d": 128, "num_warps": 1})]
+            ("chunk", {"chunk_size": 32, "inner": "loop", "block_d": 128, "num_warps": 1}),
+            ("chunk", {"chunk_size": 16, "inner": "loop", "fast_math": True}), ("serial", {"fast_math": True})]
 IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_noprefetch", "serial_stages3", "chunk8loop",
-       "chunk16loop", "chunk32loop"]
+       "chunk16loop", "chunk32loop", "chunk16loop_fast", "serial_fast"]
 NAMES = ["output", "final_state", "grad_x", "grad_gate_x", "grad_gate_a", "grad_a_param", "grad_initial_state"]
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, first_row,
+from .common import (INTERPRET, acc_dtype, fast, g_exp, g_rsqrt, g_sigmoid, g_sqrt, affine, affine_excl, check_chunk_size, check_pow2, empty, first_row,
                      last_row, load_a, load_tile, out, reduce_dap, softplus, tile_grads, tl_acc)
 
 
@@ -31,7 +31,7 @@ from .common import (INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size
 def chunk_fwd_summary_kernel(
     x, gx, ga, ap, pos, P, Q, T, D, NC,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -42,7 +42,7 @@ def chunk_fwd_summary_kernel(
     else:
         sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
     off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
-        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC, FAST)
     # [K, BD]
     A, Bs = tl.associative_scan((a, b), 0, affine)
     o = (i_b * NC + i_c) * D + o_d
@@ -96,7 +96,7 @@ def chunk_prefix_kernel(
 def chunk_fwd_replay_kernel(
     x, gx, ga, ap, pos, S, y, T, D, NC,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -108,7 +108,7 @@ def chunk_fwd_replay_kernel(
         sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
     hin = tl.load(S + (i_b * NC + i_c) * D + o_d, mask=m_d, other=0.0)
     off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
-        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC, FAST)
     A, Bs = tl.associative_scan((a, b), 0, affine)
     tl.store(y + off, out(A * hin[None, :] + Bs, y, RNE), mask=m)
 
@@ -117,7 +117,7 @@ def chunk_fwd_replay_kernel(
 def chunk_bwd_summary_kernel(
     ga, ap, pos, dy, P, Q, T, D, NC,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     # The chunk's adjoint map mu_first = P r + Q over (a_t, a_t dy_t), reverse order.
     i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -128,7 +128,7 @@ def chunk_bwd_summary_kernel(
         sp = tl.zeros([BD], ACC)
     else:
         sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
-    off, m, a = load_a(ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+    off, m, a = load_a(ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC, FAST)
     dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
     A, Bs = tl.associative_scan((a, a * dyv), 0, affine, reverse=True)
     o = (i_b * NC + i_c) * D + o_d
@@ -140,7 +140,7 @@ def chunk_bwd_summary_kernel(
 def chunk_bwd_replay_kernel(
     x, gx, ga, ap, pos, S, R, dy, dx, dgx, dga, dsp_part, T, D, NC,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -154,7 +154,7 @@ def chunk_bwd_replay_kernel(
     hin = tl.load(S + o, mask=m_d, other=0.0)
     r = tl.load(R + o, mask=m_d, other=0.0)
     off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
-        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC, FAST)
     if IS_SCAN:
         ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
                                              0, affine_excl)
@@ -165,14 +165,14 @@ def chunk_bwd_replay_kernel(
         h = A * hin[None, :] + Bs
         hprev = h
     r0, dsp = tile_grads(tl.load(dy + off, mask=m, other=0.0), dx, dgx, dga, off, m, valid, keep, a, b, xv, sx,
-                         sa, mult, u, h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
+                         sa, mult, u, h, hprev, r, sp, rows, IS_SCAN, ACC, RNE, FAST)
     if not IS_SCAN:
         tl.store(dsp_part + o, dsp, mask=m_d)
 
 
 @triton.jit
 def load_row(x, gx, ga, pos, i_b, t, T, D, o_d, m_d, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr,
-             ACC: tl.constexpr, sp):
+             ACC: tl.constexpr, sp, FAST: tl.constexpr):
     """One time step [BD] of the chunk, coefficients in registers (the "loop" inner
     form: a thread owns a few channels and walks the chunk's steps one by one).
     Returns (off, m, valid, keep, a, b, xv, sx, sa, mult, u); past T an identity map."""
@@ -195,11 +195,11 @@ def load_row(x, gx, ga, pos, i_b, t, T, D, o_d, m_d, IS_SCAN: tl.constexpr, HAS_
         u = a
     else:
         xv = tl.load(x + off, mask=m, other=0.0).to(ACC)
-        sx = tl.sigmoid(tl.load(gx + off, mask=m, other=0.0).to(ACC))
-        sa = tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC))
-        a = tl.exp(-8.0 * sa * sp)
+        sx = g_sigmoid(tl.load(gx + off, mask=m, other=0.0).to(ACC), FAST)
+        sa = g_sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC), FAST)
+        a = g_exp(-8.0 * sa * sp, FAST)
         u = 1.0 - a * a
-        mult = tl.where(keep, tl.sqrt(u), 1.0)
+        mult = tl.where(keep, g_sqrt(u, FAST), 1.0)
         a = tl.where(keep, a, 0.0)
         a = tl.where(valid, a, 1.0)
         b = xv * sx * mult
@@ -210,7 +210,7 @@ def load_row(x, gx, ga, pos, i_b, t, T, D, o_d, m_d, IS_SCAN: tl.constexpr, HAS_
 def chunk_loop_fwd_kernel(
     x, gx, ga, ap, pos, S, P, Q, y, T, D, NC,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, REPLAY: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
-    ACC: tl.constexpr, RNE: tl.constexpr,
+    ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     # REPLAY False: the chunk's summary (P, Q); True: the outputs from the entering state S.
     i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -228,7 +228,7 @@ def chunk_loop_fwd_kernel(
         h = tl.zeros([BD], ACC)
     for k in tl.static_range(K):
         off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_row(
-            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp)
+            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp, FAST)
         h = a * h + b
         if REPLAY:
             tl.store(y + off, out(h, y, RNE), mask=m)
@@ -243,7 +243,7 @@ def chunk_loop_fwd_kernel(
 def chunk_loop_bwd_summary_kernel(
     ga, ap, pos, dy, P, Q, T, D, NC,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     # mu_first = P r + Q over the chunk's steps in reverse: (P, Q) <- (a P, a (Q + dy)).
     i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -263,7 +263,7 @@ def chunk_loop_bwd_summary_kernel(
         if IS_SCAN:
             a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
         else:
-            a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp)
+            a = g_exp(-8.0 * g_sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC), FAST) * sp, FAST)
         if HAS_RESET:
             a = tl.where(tl.load(pos + i_b * T + t, mask=valid, other=1) != 0, a, 0.0)
         a = tl.where(valid, a, 1.0)
@@ -278,7 +278,7 @@ def chunk_loop_bwd_summary_kernel(
 def chunk_loop_bwd_replay_kernel(
     x, gx, ga, ap, pos, S, R, dy, dx, dgx, dga, dsp_part, T, D, NC,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     # Forward over the chunk keeps h_{t-1} of every step in registers (a tuple of K
     # [BD] vectors); the adjoint then walks back, recomputing the coefficients.
@@ -294,14 +294,14 @@ def chunk_loop_bwd_replay_kernel(
     hp = ()
     for k in tl.static_range(K):
         off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_row(
-            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp)
+            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp, FAST)
         hp = hp + (h,)
         h = a * h + b
     mu = tl.load(R + o, mask=m_d, other=0.0)
     dsp = tl.zeros([BD], ACC)
     for k in tl.static_range(K - 1, -1, -1):
         off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_row(
-            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp)
+            x, gx, ga, pos, i_b, i_c * K + k, T, D, o_d, m_d, IS_SCAN, HAS_RESET, ACC, sp, FAST)
         lam = tl.load(dy + off, mask=m, other=0.0).to(ACC) + mu
         if IS_SCAN:
             tl.store(dx + off, out(lam, dx, RNE), mask=m)
@@ -310,7 +310,7 @@ def chunk_loop_bwd_replay_kernel(
             gxm = lam * mult
             tl.store(dx + off, out(gxm * sx, dx, RNE), mask=m)
             tl.store(dgx + off, out(gxm * xv * sx * (1.0 - sx), dgx, RNE), mask=m)
-            du = lam * xv * sx * tl.rsqrt(tl.maximum(4.0 * u, 1e-6))
+            du = lam * xv * sx * g_rsqrt(tl.maximum(4.0 * u, 1e-6), FAST)
             dlog = tl.where(keep & valid, lam * a * hp[k] - 2.0 * a * a * du, 0.0)
             tl.store(dga + off, out(dlog * (-8.0 * sp) * sa * (1.0 - sa), dga, RNE), mask=m)
             dsp += dlog * (-8.0 * sa)
@@ -322,10 +322,11 @@ def chunk_loop_bwd_replay_kernel(
 INNER = ("scan", "loop")
 
 
-def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, inner=None, **unknown):
+def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, inner=None, fast_math=None,
+            **unknown):
     if unknown:
-        raise ValueError(f"expected chunk options among ['chunk_size', 'block_d', 'num_warps', 'group', 'inner'], "
-                         f"got {sorted(unknown)}")
+        raise ValueError(f"expected chunk options among ['chunk_size', 'block_d', 'num_warps', 'group', 'inner', "
+                         f"'fast_math'], got {sorted(unknown)}")
     inner = "scan" if inner is None else inner
     if inner not in INNER:
         raise ValueError(f"expected inner in {list(INNER)}, got {inner!r}")
@@ -334,7 +335,8 @@ def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, 
     bd = (256 if inner == "loop" else 64) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     nw = (2 if inner == "loop" else 4) if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
     g = max(2, min(64, triton.next_power_of_2(NC))) if group is None else check_pow2("group", group, 2, 1024)
-    return {"K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw, "G": g, "inner": inner}
+    return {"K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw, "G": g, "inner": inner,
+            "FAST": bool(fast_math)}
 
 
 def _prefix(P, Q, init, need_final, reverse, cfg):
@@ -367,6 +369,7 @@ def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
     p = pos if pos is not None else x
     grid = (triton.cdiv(D, BD), NC, B)
     kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
+              FAST=fast(cfg, x),
               num_warps=cfg["num_warps"])
     P = empty((B, NC, D), acc, x.device)
     Q = empty((B, NC, D), acc, x.device)
@@ -399,6 +402,7 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     p = pos if pos is not None else x
     grid = (triton.cdiv(D, BD), NC, B)
     kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
+              FAST=fast(cfg, x),
               num_warps=cfg["num_warps"])
     extra = None if is_scan else a_param
     P = empty((B, NC, D), acc, x.device)
@@ -452,7 +456,8 @@ def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None
     """RG-LRU from gate logits through the chunked kernels; the reference signature.
     chunk_size in (8, 16, 32, 64); options: block_d, num_warps, group (summaries per
     prefix group), inner ("scan": the chunk's steps combined by an associative scan over
-    a [K, BD] tile; "loop": each thread walks the chunk's steps in registers). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
+    a [K, BD] tile; "loop": each thread walks the chunk's steps in registers), fast_math
+    (approximate ex2/rcp/sqrt in FP32 on the GPU). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, chunk_size, **opts)
     if T == 0:

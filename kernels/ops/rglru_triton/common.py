@@ -42,6 +42,12 @@ def empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def fast(cfg: dict, x: torch.Tensor) -> bool:
+    """Approximate gate math: asked for, FP32 accumulation, and compiled for a GPU (the
+    interpreter has no PTX)."""
+    return bool(cfg.get("FAST")) and x.dtype != torch.float64 and not INTERPRET
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -86,6 +92,65 @@ def out(v, ptr, RNE: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         v = bits.to(tl.float32, bitcast=True)
     return v.to(ty)
+
+
+@triton.jit
+def _ex2(x):
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _rcp(x):
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _sqrt(x):
+    return tl.inline_asm_elementwise("sqrt.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _rsqrt(x):
+    return tl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+# The gate math. FAST (FP32 on the GPU only): the hardware approximations (ex2, rcp,
+# sqrt, rsqrt .approx.ftz: a few ulp, denormals flushed) without the range guards of the
+# exact forms, about half the instructions of the coefficients.
+@triton.jit
+def g_exp(x, FAST: tl.constexpr):
+    if FAST:
+        return _ex2(x * 1.4426950408889634)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def g_sigmoid(x, FAST: tl.constexpr):
+    if FAST:
+        return _rcp(1.0 + _ex2(x * -1.4426950408889634))
+    else:
+        return tl.sigmoid(x)
+
+
+@triton.jit
+def g_sqrt(x, FAST: tl.constexpr):
+    if FAST:
+        return _sqrt(x)
+    else:
+        return tl.sqrt(x)
+
+
+@triton.jit
+def g_rsqrt(x, FAST: tl.constexpr):
+    if FAST:
+        return _rsqrt(x)
+    else:
+        return tl.rsqrt(x)
 
 
 @triton.jit
@@ -140,7 +205,7 @@ def load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN: tl.constexp
 
 
 @triton.jit
-def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
+def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr):
     """Coefficients of a loaded tile, in registers: (valid, keep, a, b, xv, sx, sa, mult,
     u). Rows past T are identity maps (a = 1, b = 0); `keep` is False at resets."""
     valid = ((t0 + rows) < T)[:, None]
@@ -157,11 +222,11 @@ def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
         u = a
     else:
         xv = r0.to(ACC)
-        sx = tl.sigmoid(r1.to(ACC))
-        sa = tl.sigmoid(r2.to(ACC))
-        a = tl.exp(-8.0 * sa * ap_sp[None, :])
+        sx = g_sigmoid(r1.to(ACC), FAST)
+        sa = g_sigmoid(r2.to(ACC), FAST)
+        a = g_exp(-8.0 * sa * ap_sp[None, :], FAST)
         u = 1.0 - a * a
-        mult = tl.where(keep, tl.sqrt(u), 1.0)
+        mult = tl.where(keep, g_sqrt(u, FAST), 1.0)
         a = tl.where(keep & valid, a, tl.where(valid, 0.0, 1.0))
         b = xv * sx * mult
     return valid, keep, a, b, xv, sx, sa, mult, u
@@ -169,7 +234,7 @@ def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
 
 @triton.jit
 def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
-              IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
+              IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr):
     """Loads the tile of rows t0 .. t0 + BT - 1 and forms its coefficients in registers.
 
     RG-LRU: x, gx, ga are the input and the two gate logits, ap_sp = softplus(a_param)
@@ -178,13 +243,13 @@ def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
     """
     off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
     r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
-    valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN, ACC)
+    valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN, ACC, FAST)
     return off, m, valid, keep, a, b, xv, sx, sa, mult, u
 
 
 @triton.jit
 def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
-           IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
+           IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr):
     """The transition a_t of a tile alone (as load_tile forms it): (off, m, a)."""
     t = t0 + rows
     m_t = t < T
@@ -193,7 +258,7 @@ def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
     if IS_SCAN:
         a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
     else:
-        a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp[None, :])
+        a = g_exp(-8.0 * g_sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC), FAST) * sp[None, :], FAST)
     if HAS_RESET:
         p = tl.load(pos + i_b * T + t, mask=m_t, other=1)
         a = tl.where((p != 0)[:, None], a, 0.0)
@@ -203,7 +268,8 @@ def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
 
 @triton.jit
 def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
+               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+               FAST: tl.constexpr):
     """Adjoint of one tile given its states. dyv: [BT, BD] dL/dy as loaded (0 past T);
     h: h_t; hprev: h_{t-1} (scan only); r: [BD] mu at the row after the tile. Stores the
     activation gradients and returns (mu at the tile's first row [BD], the tile's
@@ -225,7 +291,7 @@ def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u
         tl.store(dgx + off, out(gxm * xv * sx * (1.0 - sx), dgx, RNE), mask=m)
         # a h_{t-1} = h_t - b_t; d/dlog_a of a is a, of u = 1 - a^2 is -2 a^2; the
         # sqrt's derivative is clipped as in the official SqrtBoundDerivative.
-        du = lam * xv * sx * tl.rsqrt(tl.maximum(4.0 * u, 1e-6))
+        du = lam * xv * sx * g_rsqrt(tl.maximum(4.0 * u, 1e-6), FAST)
         dlog = tl.where(keep & valid, lam * (h - b) - 2.0 * a * a * du, 0.0)
         tl.store(dga + off, out(dlog * (-8.0 * sp[None, :]) * sa * (1.0 - sa), dga, RNE), mask=m)
         dsp = tl.sum(dlog * (-8.0 * sa), axis=0)

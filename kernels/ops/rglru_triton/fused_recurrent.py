@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (INTERPRET, acc_dtype, affine, affine_excl, blocks_for, check_pow2, coeffs, empty, last_row,
+from .common import (INTERPRET, acc_dtype, fast, affine, affine_excl, blocks_for, check_pow2, coeffs, empty, last_row,
                      load_raw, out, reduce_dap, softplus, tile_grads, tile_offsets, tl_acc)
 
 
@@ -26,7 +26,7 @@ def serial_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     SAVE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    ACC: tl.constexpr, RNE: tl.constexpr,
+    ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
@@ -55,7 +55,7 @@ def serial_fwd_kernel(
             n0, n1, n2, n_p = load_raw(x, gx, ga, pos, i_b, t0 + BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
         else:
             r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
-        valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC)
+        valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC, FAST)
         # [BT, BD]
         A, Bs = tl.associative_scan((a, b), 0, affine)
         hh = A * h[None, :] + Bs
@@ -72,7 +72,7 @@ def serial_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
@@ -108,7 +108,7 @@ def serial_bwd_kernel(
             r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
             dyr = tl.load(dy + off, mask=m, other=0.0)
             hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
-        valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC)
+        valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC, FAST)
         if IS_SCAN:
             # h_{t-1} itself is needed (da = lam h_{t-1}): the exclusive prefix.
             ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
@@ -120,7 +120,7 @@ def serial_bwd_kernel(
             h = A * hin[None, :] + Bs
             hprev = h
         r, dsp_t = tile_grads(dyr, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-                              h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
+                              h, hprev, r, sp, rows, IS_SCAN, ACC, RNE, FAST)
         dsp += dsp_t
         if PREFETCH:
             r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
@@ -131,13 +131,13 @@ def serial_bwd_kernel(
 
 
 def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_stages=None, prefetch=None,
-            chunk_size=None, **unknown):
+            fast_math=None, chunk_size=None, **unknown):
     # Defaults: the fastest of the probe sweep on an H200 (results/kernels/rglru, run 1):
     # RG-LRU fwd+bwd at B=4, T=2048, D=2560 -> 16 channels x 64 steps, 4 warps, prefetch;
     # the bare scan at B=8, D=1024 -> 32 channels x 128 steps, 4 warps, prefetch.
     if unknown:
         raise ValueError(f"expected serial options among ['block_t', 'chunk_size', 'block_d', 'num_warps', "
-                         f"'num_stages', 'prefetch'], got {sorted(unknown)}")
+                         f"'num_stages', 'prefetch', 'fast_math'], got {sorted(unknown)}")
     if chunk_size is not None:
         if block_t is not None and block_t != chunk_size:
             raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
@@ -150,7 +150,7 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
     if not isinstance(ns, int) or not 1 <= ns <= 4:
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
     pf = True if prefetch is None else bool(prefetch)
-    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": pf}
+    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": pf, "FAST": bool(fast_math)}
 
 
 def _tile_bytes(is_scan, x, pos):
@@ -172,7 +172,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
         h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D,
         IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         SAVE=save, BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype),
-        RNE=INTERPRET,
+        RNE=INTERPRET, FAST=fast(cfg, x),
         num_warps=cfg["num_warps"],
     )
     accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
@@ -197,7 +197,7 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
         dh0 if dh0 is not None else hs, part if part is not None else hs, T, D,
         IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_DHT=dht is not None, STORE_DH0=need_dh0,
         BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype),
-        RNE=INTERPRET,
+        RNE=INTERPRET, FAST=fast(cfg, x),
         num_warps=cfg["num_warps"],
     )
     accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
@@ -241,7 +241,7 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
     x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
     [B, D] FP32. Options: block_t (time tile; chunk_size is accepted as its alias),
     block_d, num_warps, num_stages, prefetch (load the next tile before scanning this
-    one; default on). Returns (y [B, T, D], final state [B, D] or None)."""
+    one; default on), fast_math (approximate ex2/rcp/sqrt in FP32 on the GPU). Returns (y [B, T, D], final state [B, D] or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, False, **opts)
     if T == 0:

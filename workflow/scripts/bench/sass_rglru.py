@@ -70,7 +70,7 @@ def mix(kernel) -> collections.Counter:
 
 
 def variants():
-    base = dict(T="i32", D="i32:16", ACC=tl.float32, RNE=False, HAS_RESET=True)
+    base = dict(T="i32", D="i32:16", ACC=tl.float32, RNE=False, HAS_RESET=True, FAST=False)
     sf = dict(x=P, gx=P, ga=P, ap=F, pos=I64, h0=F, y=P, ht=F, hs=F, HAS_H0=False, STORE_HT=False, STAGES=1)
     sb = dict(x=P, gx=P, ga=P, ap=F, pos=I64, hs=F, dy=P, dht=F, dx=P, dgx=P, dga=P, dh0=F, dsp_part=F,
               HAS_DHT=False, STORE_DH0=False, STAGES=1)
@@ -98,6 +98,17 @@ def variants():
             args = {**base, **extra, "IS_SCAN": False, "K": K, "BD": bd}
             yield f"{name} K{K} bd{bd} w{nw}", fn, {n: args[n] for n in fn.arg_names}, nw, K * bd
     for K, bd, nw in ((16, 256, 2),):
+        for name, fn, extra in (("loop fwd summary ", chunk.chunk_loop_fwd_kernel, {**cf, "REPLAY": False}),
+                                ("loop fwd replay  ", chunk.chunk_loop_fwd_kernel, {**cf, "REPLAY": True}),
+                                ("loop bwd summary ", chunk.chunk_loop_bwd_summary_kernel, cb | {"P": F, "Q": F}),
+                                ("loop bwd replay  ", chunk.chunk_loop_bwd_replay_kernel, cb)):
+            args = {**base, **extra, "IS_SCAN": False, "K": K, "BD": bd, "FAST": True}
+            yield f"{name}fast K{K} bd{bd} w{nw}", fn, {n: args[n] for n in fn.arg_names}, nw, K * bd
+        yield ("serial fwd  rglru fast bt64 bd16 w4", fused_recurrent.serial_fwd_kernel,
+               {**base, **sf, "IS_SCAN": False, "SAVE": True, "BT": 64, "BD": 16, "PREFETCH": True, "FAST": True}, 4,
+               64 * 16)
+        yield ("serial bwd  rglru fast bt64 bd16 w4", fused_recurrent.serial_bwd_kernel,
+               {**base, **sb, "IS_SCAN": False, "BT": 64, "BD": 16, "PREFETCH": True, "FAST": True}, 4, 64 * 16)
         for name, fn, extra in (("loop fwd summary ", chunk.chunk_loop_fwd_kernel, {**cf, "REPLAY": False}),
                                 ("loop fwd replay  ", chunk.chunk_loop_fwd_kernel, {**cf, "REPLAY": True})):
             args = {**base, **extra, "IS_SCAN": True, "HAS_RESET": False, "K": K, "BD": bd}
