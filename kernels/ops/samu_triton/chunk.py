@@ -128,25 +128,25 @@ def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.co
 
 
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
-def _summary_kernel(x, ctrl, nu_log, theta_log, P, Q, T, N, D, M,
+def _summary_kernel(x, ctrl, modes, P, Q, T, N, D, M,
                     K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
-    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     x_b = x + b * T * D
     zero = tl.zeros([BM], ACC)
     hr, hi, pr, pi = fwd_steps(zero, zero, zero + 1.0, zero, x_b, x_b, ctrl + b * T * 4, c * K, T, D, M,
-                               offs_m, mask_m, nu, ct, st, gam, K, U, False, True, ACC)
+                               offs_m, mask_m, nu, ct, st, gam, lnr, K, U, False, True, ACC)
     idx = (b * N + c) * M + offs_m
     store_pair(P, idx, pr, pi, mask_m)
     store_pair(Q, idx, hr, hi, mask_m)
 
 
 @triton.jit(do_not_specialize=["T", "N", "NG", "D", "M"])
-def _replay_kernel(x, ctrl, nu_log, theta_log, P, Q, carry, y, states, T, N, NG, D, M,
+def _replay_kernel(x, ctrl, modes, P, Q, carry, y, states, T, N, NG, D, M,
                    K: tl.constexpr, U: tl.constexpr, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
                    STORE_STATES: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -154,16 +154,16 @@ def _replay_kernel(x, ctrl, nu_log, theta_log, P, Q, carry, y, states, T, N, NG,
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
-    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     hr, hi = group_start(P, Q, carry, b, c, N, NG, M, offs_m, mask_m, GS, V, False, False)
     if STORE_STATES:
         store_pair(states, (b * N + c) * M + offs_m, hr, hi, mask_m)
     fwd_steps(hr, hi, hr, hi, x + b * T * D, y + b * T * D, ctrl + b * T * 4, c * K, T, D, M, offs_m, mask_m,
-              nu, ct, st, gam, K, U, True, False, ACC)
+              nu, ct, st, gam, lnr, K, U, True, False, ACC)
 
 
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
-def _bwd_summary_kernel(x, dy, ctrl, nu_log, theta_log, states, P, Qb, T, N, D, M,
+def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
                         K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
     """P_c and Qbar_c = sum_t conj(prod_{u<=t} a_u) g_t in one forward sweep (g_t = relu'(h_t) dy_t)."""
     pid_m = tl.program_id(0)
@@ -171,7 +171,7 @@ def _bwd_summary_kernel(x, dy, ctrl, nu_log, theta_log, states, P, Qb, T, N, D, 
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
-    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     x_b = x + b * T * D
     dy_b = dy + b * T * D
     ctrl_b = ctrl + b * T * 4
@@ -188,7 +188,7 @@ def _bwd_summary_kernel(x, dy, ctrl, nu_log, theta_log, states, P, Qb, T, N, D, 
             E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
             ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
             sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
-            mag = tl.exp(-nu * E)
+            mag = tl.exp(-(nu * E + lnr))
             ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
             ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
             lm = mask_m & valid
@@ -208,7 +208,7 @@ def _bwd_summary_kernel(x, dy, ctrl, nu_log, theta_log, states, P, Qb, T, N, D, 
 
 
 @triton.jit(do_not_specialize=["T", "N", "NG", "D", "M", "NMB"])
-def _bwd_kernel(x, dy, ctrl, nu_log, theta_log, states, P, Qb, carry, dxw, dpart, ppart, ckpt,
+def _bwd_kernel(x, dy, ctrl, modes, states, P, Qb, carry, dxw, dpart, ppart, ckpt,
                 T, N, NG, D, M, NMB, K: tl.constexpr, U: tl.constexpr, GS: tl.constexpr, V: tl.constexpr,
                 BM: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -216,15 +216,15 @@ def _bwd_kernel(x, dy, ctrl, nu_log, theta_log, states, P, Qb, carry, dxw, dpart
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
-    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     hr, hi = load_pair(states, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
     Rr, Ri = group_start(P, Qb, carry, b, c, N, NG, M, offs_m, mask_m, GS, V, True, True)
     zero = tl.zeros([BM], ACC)
     ckpt_p = ckpt + ((b * N + c) * NMB + pid_m) * (K // U) * BM * 2
     _, _, acc_nu, acc_th, acc_g = bwd_chunk(
         hr, hi, Rr, Ri, zero, zero, zero, ckpt_p, x + b * T * D, dy + b * T * D, dxw + b * T * D, dpart,
-        ctrl + b * T * 4, b * T, c * K, T, D, M, NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, K, U, BM, ACC)
-    store_param_partials(ppart, b * N + c, offs_m, mask_m, M, nu, th, acc_nu, acc_th, acc_g)
+        ctrl + b * T * 4, b * T, c * K, T, D, M, NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, K, U, BM, ACC)
+    store_param_partials(ppart, b * N + c, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
 
 
 class ChunkPlan:
@@ -252,23 +252,23 @@ class ChunkPlan:
         accounting.record("samu_prefix_outer", accounting.nbytes(AG, BG, init), accounting.nbytes(carry, final))
         return carry, final, gs, ng
 
-    def forward(self, x, ctrl, nu_log, theta_log, h0, need_states):
+    def forward(self, x, ctrl, modes, h0, need_states):
         B, T, D = x.shape
         if T == 0:
-            return SerialPlan(self.K, self.BM).forward(x, ctrl, nu_log, theta_log, h0, need_states)
+            return SerialPlan(self.K, self.BM).forward(x, ctrl, modes, h0, need_states)
         M, K, BM = D // 2, self.K, self.BM
         acc = ctrl.dtype
         N = triton.cdiv(T, K)
         grid = (triton.cdiv(M, BM), N, B)
         P = alloc((B, N, M, 2), acc, x.device)
         Q = alloc((B, N, M, 2), acc, x.device)
-        _summary_kernel[grid](x, ctrl, nu_log, theta_log, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
+        _summary_kernel[grid](x, ctrl, modes, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
                               ACC=tl_dtype(acc), num_warps=BM // 32)
         accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
         carry, hT, gs, ng = self._prefix(P, Q, h0, B, N, M, conj=False, reverse=False)
         y = alloc(x.shape, x.dtype, x.device)
         states = alloc((B, N, M, 2), acc, x.device) if need_states else None
-        _replay_kernel[grid](x, ctrl, nu_log, theta_log, P, Q, carry, y, states if need_states else hT,
+        _replay_kernel[grid](x, ctrl, modes, P, Q, carry, y, states if need_states else hT,
                              T, N, ng, D, M, K=K, U=min(K, FWD_UNROLL), GS=gs, V=min(gs, PREFIX_UNROLL), BM=BM,
                              STORE_STATES=need_states, ACC=tl_dtype(acc),
                              num_warps=BM // 32)
@@ -276,10 +276,10 @@ class ChunkPlan:
                           accounting.nbytes(y, states))
         return y, hT, states
 
-    def backward(self, x, dy, ctrl, nu_log, theta_log, states, gh):
+    def backward(self, x, dy, ctrl, modes, states, gh):
         B, T, D = x.shape
         if T == 0:
-            return SerialPlan(self.K, self.BM).backward(x, dy, ctrl, nu_log, theta_log, states, gh)
+            return SerialPlan(self.K, self.BM).backward(x, dy, ctrl, modes, states, gh)
         M, K, BM = D // 2, self.K, self.BM
         acc = ctrl.dtype
         N = triton.cdiv(T, K)
@@ -287,7 +287,7 @@ class ChunkPlan:
         grid = (nmb, N, B)
         P = alloc((B, N, M, 2), acc, x.device)
         Qb = alloc((B, N, M, 2), acc, x.device)
-        _bwd_summary_kernel[grid](x, dy, ctrl, nu_log, theta_log, states, P, Qb, T, N, D, M, K=K,
+        _bwd_summary_kernel[grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, K=K,
                                   U=min(K, FWD_UNROLL), BM=BM,
                                   ACC=tl_dtype(acc), num_warps=BM // 32)
         accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
@@ -296,7 +296,7 @@ class ChunkPlan:
         dpart = alloc((B * T, nmb, 2), acc, x.device)
         ppart = alloc((B * N, M, 2), acc, x.device)
         ckpt = alloc((B * N * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
-        _bwd_kernel[grid](x, dy, ctrl, nu_log, theta_log, states, P, Qb, carry, dxw, dpart, ppart, ckpt,
+        _bwd_kernel[grid](x, dy, ctrl, modes, states, P, Qb, carry, dxw, dpart, ppart, ckpt,
                           T, N, ng, D, M, nmb, K=K, U=BWD_UNROLL, GS=gs, V=min(gs, PREFIX_UNROLL), BM=BM,
                           ACC=tl_dtype(acc),
                           num_warps=BM // 32)

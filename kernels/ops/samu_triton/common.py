@@ -84,27 +84,79 @@ def tanh(x):
 
 
 @triton.jit
-def mode_consts(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
-    """Per-mode constants: nu, theta, cos(theta), sin(theta), gamma = sqrt(1 - e^{-2 nu}) + 1e-8."""
-    nu = tl.exp(tl.load(nu_log + offs_m, mask=mask_m, other=0.0).to(ACC))
-    th = tl.exp(tl.load(theta_log + offs_m, mask=mask_m, other=0.0).to(ACC))
-    ct = tl.cos(th)
-    st = tl.sin(th)
-    gam = tl.sqrt(tl.maximum(1.0 - tl.exp(-2.0 * nu), 0.0)) + 1e-8
-    return nu, th, ct, st, gam
+def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
+    """Per-mode constants, computed in float64 and rounded once:
+    nu, theta, cos(theta), sin(theta), gamma = sqrt(1 - e^{-2 nu}) + 1e-8,
+    lnr = log |(cos theta, sin theta)| of the rounded pair, and nu dgamma/dnu.
+
+    The transition is exp(-(nu E + lnr)) (cos theta, sin theta)(cos delta, sin delta):
+    lnr cancels the norm error of the rounded (cos theta, sin theta), which would
+    otherwise bias |a| by the same few 1e-8 at every step (a drift over the ~1/(1-|a|)
+    steps a mode remembers). gamma's 1 - e^{-2 nu} cancels badly in FP32 for small nu."""
+    nu = tl.exp(tl.load(nu_log + offs_m, mask=mask_m, other=0.0).to(tl.float64))
+    th = tl.exp(tl.load(theta_log + offs_m, mask=mask_m, other=0.0).to(tl.float64))
+    ct = tl.cos(th).to(ACC)
+    st = tl.sin(th).to(ACC)
+    ct64 = ct.to(tl.float64)
+    st64 = st.to(tl.float64)
+    lnr = 0.5 * tl.log(ct64 * ct64 + st64 * st64)
+    e2 = tl.exp(-2.0 * nu)
+    u = 1.0 - e2
+    gam = tl.sqrt(tl.maximum(u, 0.0)) + 1e-8
+    dgam = tl.where(u > 0.0, nu * e2 / tl.sqrt(tl.where(u > 0.0, u, 1.0)), 0.0)
+    return nu.to(ACC), th.to(ACC), ct, st, gam.to(ACC), lnr.to(ACC), dgam.to(ACC)
 
 
 @triton.jit
-def transition(E, ck, sk, nu, ct, st, valid):
-    """a = exp(-nu E) (cos(theta + delta), sin(theta + delta)); identity on padding steps."""
-    mag = tl.exp(-nu * E)
+def _mode_table_kernel(nu_log, theta_log, tab, M, BM: tl.constexpr, ACC: tl.constexpr):
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    nu, th, ct, st, gam, lnr, dgam = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
+    row = tab + offs_m.to(tl.int64) * 8
+    tl.store(row, nu, mask=mask_m)
+    tl.store(row + 1, th, mask=mask_m)
+    tl.store(row + 2, ct, mask=mask_m)
+    tl.store(row + 3, st, mask=mask_m)
+    tl.store(row + 4, gam, mask=mask_m)
+    tl.store(row + 5, lnr, mask=mask_m)
+    tl.store(row + 6, dgam, mask=mask_m)
+    tl.store(row + 7, tl.zeros([BM], ACC), mask=mask_m)
+
+
+def mode_table(nu_log, theta_log, acc):
+    """[M, 8] per-mode constants (see mode_consts64), once per call, kept for the backward."""
+    M = nu_log.shape[0]
+    tab = alloc((M, 8), acc, nu_log.device)
+    BM = 128
+    _mode_table_kernel[(triton.cdiv(M, BM),)](nu_log, theta_log, tab, M, BM=BM, ACC=tl_dtype(acc), num_warps=4)
+    accounting.record("samu_mode_table", accounting.nbytes(nu_log, theta_log), accounting.nbytes(tab))
+    return tab
+
+
+@triton.jit
+def mode_consts(modes, offs_m, mask_m):
+    """(nu, theta, cos theta, sin theta, gamma, lnr) of a block of modes from the table."""
+    row = modes + offs_m.to(tl.int64) * 8
+    nu = tl.load(row, mask=mask_m, other=1.0)
+    th = tl.load(row + 1, mask=mask_m, other=0.0)
+    ct = tl.load(row + 2, mask=mask_m, other=1.0)
+    st = tl.load(row + 3, mask=mask_m, other=0.0)
+    gam = tl.load(row + 4, mask=mask_m, other=0.0)
+    lnr = tl.load(row + 5, mask=mask_m, other=0.0)
+    return nu, th, ct, st, gam, lnr
+
+
+@triton.jit
+def transition(E, ck, sk, nu, ct, st, lnr, valid):
+    """a = exp(-(nu E + lnr)) (cos(theta + delta), sin(theta + delta)); identity on padding steps."""
+    mag = tl.exp(-(nu * E + lnr))
     ar = mag * (ct * ck - st * sk)
     ai = mag * (st * ck + ct * sk)
     return tl.where(valid, ar, 1.0), tl.where(valid, ai, 0.0)
 
 
 @triton.jit
-def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu, ct, st, gam,
+def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, WRITE_Y: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr):
     """K steps h <- a h + gamma (x_re + i x_im) from time t0 (steps past T are identity),
     U at a time (their loads are independent of h and go out together); optionally
@@ -120,7 +172,7 @@ def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu,
             E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
             ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
             sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
-            mag = tl.exp(-nu * E)
+            mag = tl.exp(-(nu * E + lnr))
             ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
             ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
             lm = mask_m & valid
@@ -138,7 +190,7 @@ def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu,
 
 @triton.jit
 def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
-              NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, U: tl.constexpr, ACC: tl.constexpr):
+              NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, U: tl.constexpr, ACC: tl.constexpr):
     """Adjoint walk over U steps from t0 + U - 1 down to t0, given h before t0 and the
     carry R = conj(a_{t0+U}) lam_{t0+U} from the right (lam_t = g_t + R); the U states
     are recomputed into registers first.
@@ -154,7 +206,7 @@ def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ct
         E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
         ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
         sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
-        mag = tl.exp(-nu * E)
+        mag = tl.exp(-(nu * E + lnr))
         ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
         ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
         lm = mask_m & valid
@@ -170,7 +222,7 @@ def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ct
         E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
         ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
         sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
-        mag = tl.exp(-nu * E)
+        mag = tl.exp(-(nu * E + lnr))
         ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
         ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
         lm = mask_m & valid
@@ -200,7 +252,7 @@ def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ct
 
 @triton.jit
 def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
-              NMB, pid_m, offs_m, mask_m, nu, ct, st, gam,
+              NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
     """bwd_steps over the K tokens from t0, U at a time in reverse. The state before
     every U-th token is written once to this program's checkpoint slots ckpt [K/U, BM, 2]
@@ -209,23 +261,25 @@ def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpa
     for q in range(0, K // U):
         store_pair(ckpt, q * BM + lane, hr, hi, mask_m)
         hr, hi, _, _ = fwd_steps(hr, hi, hr, hi, x_b, x_b, ctrl_b, t0 + q * U, T, D, M, offs_m, mask_m,
-                                 nu, ct, st, gam, U, U, False, False, ACC)
+                                 nu, ct, st, gam, lnr, U, U, False, False, ACC)
     for qq in range(0, K // U):
         q = K // U - 1 - qq
         hr, hi = load_pair(ckpt, q * BM + lane, mask_m, 0.0, 0.0)
         Rr, Ri, acc_nu, acc_th, acc_g = bwd_steps(
             hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0 + q * U, T, D, M,
-            NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, U, ACC)
+            NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, U, ACC)
     return Rr, Ri, acc_nu, acc_th, acc_g
 
 
 @triton.jit
-def store_param_partials(ppart, row, offs_m, mask_m, M, nu, th, acc_nu, acc_th, acc_g):
+def store_param_partials(ppart, row, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g):
     """Per-mode partial gradients of nu_log (transition + write) and theta_log."""
-    u = 1.0 - tl.exp(-2.0 * nu)
-    dgam = tl.where(u > 0.0, tl.exp(-2.0 * nu) / tl.sqrt(tl.where(u > 0.0, u, 1.0)), 0.0)
+    tab = modes + offs_m.to(tl.int64) * 8
+    nu = tl.load(tab, mask=mask_m, other=0.0)
+    th = tl.load(tab + 1, mask=mask_m, other=0.0)
+    dgam = tl.load(tab + 6, mask=mask_m, other=0.0)
     base = ppart + (row.to(tl.int64) * M + offs_m) * 2
-    tl.store(base, nu * (dgam * acc_g - acc_nu), mask=mask_m)
+    tl.store(base, dgam * acc_g - nu * acc_nu, mask=mask_m)
     tl.store(base + 1, th * acc_th, mask=mask_m)
 
 
@@ -268,17 +322,19 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
     br = tl.load(rd + D).to(ACC)
     vp = (zp + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp)
     vr = (zr + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br)
-    p = tanh(vp)
-    r = tanh(vr)
-    delta = scale * tanh(tl.load(pa).to(ACC)) * p
-    eta = scale * tanh(tl.load(ra).to(ACC)) * r / (1.0 + r * r)
-    c = tl.cos(delta)
-    s = tl.sin(delta)
+    # per-token scalars in float64 where FP32 would lose digits (tanh near 0, 1 - p^2);
+    # cos/sin of the rounded delta are as accurate in FP32 and far cheaper
+    p = tanh(vp.to(tl.float64))
+    r = tanh(vr.to(tl.float64))
+    delta = scale * tanh(tl.load(pa).to(tl.float64)) * p
+    eta = scale * tanh(tl.load(ra).to(tl.float64)) * r / (1.0 + r * r)
+    c = tl.cos(delta.to(ACC))
+    s = tl.sin(delta.to(ACC))
     if HAS_SEG:
         keep = tl.load(seg + tok, mask=tmask, other=1) != 0
         c = tl.where(keep, c, 0.0)
         s = tl.where(keep, s, 0.0)
-    tl.store(ctrl + tok * 4, tl.exp(eta), mask=tmask)
+    tl.store(ctrl + tok * 4, tl.exp(eta).to(ACC), mask=tmask)
     tl.store(ctrl + tok * 4 + 1, c, mask=tmask)
     tl.store(ctrl + tok * 4 + 2, s, mask=tmask)
     tl.store(ctrl + tok * 4 + 3, tl.zeros([BLOCK_T], ACC), mask=tmask)
@@ -319,15 +375,26 @@ def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpa
     poffs = (tok[:, None] * NMB + mb[None, :]) * 2
     deta = tl.sum(tl.load(dpart + poffs, mask=pm, other=0.0), axis=1)
     ddel = tl.sum(tl.load(dpart + poffs + 1, mask=pm, other=0.0), axis=1)
-    vp = tl.load(aux + tok * 2, mask=tmask, other=0.0)
-    vr = tl.load(aux + tok * 2 + 1, mask=tmask, other=0.0)
+    vp = tl.load(aux + tok * 2, mask=tmask, other=0.0).to(tl.float64)
+    vr = tl.load(aux + tok * 2 + 1, mask=tmask, other=0.0).to(tl.float64)
     p = tanh(vp)
     r = tanh(vr)
-    tpa = tanh(tl.load(pa).to(ACC))
-    tra = tanh(tl.load(ra).to(ACC))
+    tpa = tanh(tl.load(pa).to(tl.float64))
+    tra = tanh(tl.load(ra).to(tl.float64))
     q = 1.0 + r * r
-    dvp = scale * tpa * ddel * (1.0 - p * p)
-    dvr = scale * tra * (1.0 - r * r) / (q * q) * deta * (1.0 - r * r)
+    dvp64 = scale * tpa * ddel * (1.0 - p * p)
+    dvr64 = scale * tra * (1.0 - r * r) / (q * q) * deta * (1.0 - r * r)
+    dvp = dvp64.to(ACC)
+    dvr = dvr64.to(ACC)
+    sbase = scalpart + pid.to(tl.int64) * 8
+    tl.store(sbase + 0, tl.sum(dvp64, axis=0).to(ACC))
+    tl.store(sbase + 1, tl.sum(dvr64, axis=0).to(ACC))
+    tl.store(sbase + 2, tl.sum(dvp64 * vp, axis=0).to(ACC))
+    tl.store(sbase + 3, tl.sum(dvr64 * vr, axis=0).to(ACC))
+    tl.store(sbase + 4, tl.sum(ddel * p, axis=0).to(ACC))
+    tl.store(sbase + 5, tl.sum(deta * r / q, axis=0).to(ACC))
+    tl.store(sbase + 6, 0.0)
+    tl.store(sbase + 7, 0.0)
     wpp = tl.zeros([BLOCK_D], ACC)
     wrr = tl.zeros([BLOCK_D], ACC)
     for d0 in range(0, D + 1, BLOCK_D):
@@ -352,15 +419,6 @@ def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpa
         cbase = colpart + pid.to(tl.int64) * 2 * D
         tl.store(cbase + cols, tl.sum(dvp[:, None] * xt, axis=0), mask=cm)
         tl.store(cbase + D + cols, tl.sum(dvr[:, None] * xt, axis=0), mask=cm)
-    sbase = scalpart + pid.to(tl.int64) * 8
-    tl.store(sbase + 0, tl.sum(dvp, axis=0))
-    tl.store(sbase + 1, tl.sum(dvr, axis=0))
-    tl.store(sbase + 2, tl.sum(dvp * vp, axis=0))
-    tl.store(sbase + 3, tl.sum(dvr * vr, axis=0))
-    tl.store(sbase + 4, tl.sum(ddel * p, axis=0))
-    tl.store(sbase + 5, tl.sum(deta * r / q, axis=0))
-    tl.store(sbase + 6, 0.0)
-    tl.store(sbase + 7, 0.0)
 
 
 @triton.jit
@@ -409,12 +467,12 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         tl.store(dpd + cols, gp / np_ - wp * s_vp / (np_ * np_), mask=wm)
         tl.store(drd + cols, gr / nr_ - wr * s_vr / (nr_ * nr_), mask=wm)
         if pid == 0:
-            tpa = tanh(tl.load(pa).to(ACC))
-            tra = tanh(tl.load(ra).to(ACC))
+            tpa = tanh(tl.load(pa).to(tl.float64))
+            tra = tanh(tl.load(ra).to(tl.float64))
             s_dp = tl.sum(tl.where(sc == 4, s, 0.0), axis=0)
             s_de = tl.sum(tl.where(sc == 5, s, 0.0), axis=0)
-            tl.store(damp, scale * (1.0 - tpa * tpa) * s_dp)
-            tl.store(damp + 1, scale * (1.0 - tra * tra) * s_de)
+            tl.store(damp, (scale * (1.0 - tpa * tpa) * s_dp).to(ACC))
+            tl.store(damp + 1, (scale * (1.0 - tra * tra) * s_de).to(ACC))
     else:
         cols = (pid - NDB) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = cols < 2 * M
@@ -441,7 +499,7 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     if ntb:
         _controls_bwd_kernel[(ntb,)](
             dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=4)
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
         accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
                           accounting.nbytes(dx, colpart, scalpart))
     else:

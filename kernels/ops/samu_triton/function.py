@@ -3,7 +3,7 @@
 A backend is a plan with two launchers (the recurrence's forward and backward); the
 controller's forward/backward and the parameter reductions around them are common:
 
-    forward:  controls_fwd -> plan.forward            (y, final state, states kept)
+    forward:  controls_fwd, mode_table -> plan.forward (y, final state, states kept)
     backward: plan.backward -> controls_bwd/finalize   (every gradient)
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import acc_dtype, controls_bwd, controls_fwd, scalar_param
+from .common import acc_dtype, controls_bwd, controls_fwd, mode_table, scalar_param
 
 
 class SamuFunction(torch.autograd.Function):
@@ -22,9 +22,10 @@ class SamuFunction(torch.autograd.Function):
         pa = scalar_param(phase_amp, x.device, acc)
         ra = scalar_param(radial_amp, x.device, acc)
         ctrl, aux = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
+        modes = mode_table(nu_log, theta_log, acc)
         h0 = None if initial_state is None else torch.view_as_real(initial_state)
-        y, h, states = plan.forward(x, ctrl, nu_log, theta_log, h0, need_states=True)
-        ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, states)
+        y, h, states = plan.forward(x, ctrl, modes, h0, need_states=True)
+        ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states)
         ctx.plan = plan
         ctx.amps = tuple(v if isinstance(v, torch.Tensor) else None for v in (phase_amp, radial_amp))
         ctx.has_h0 = initial_state is not None
@@ -32,10 +33,10 @@ class SamuFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh):
-        x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, states = ctx.saved_tensors
+        x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
         dy = dy.contiguous()
         gh = None if dh is None else torch.view_as_real(dh.contiguous())
-        dxw, dpart, ppart, dh0 = ctx.plan.backward(x, dy, ctrl, nu_log, theta_log, states, gh)
+        dxw, dpart, ppart, dh0 = ctx.plan.backward(x, dy, ctrl, modes, states, gh)
         dx, dpd, drd, damp, dmode = controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra)
         damps = [None if v is None else damp[i].reshape(v.shape).to(v.dtype) for i, v in enumerate(ctx.amps)]
         return (dx, dpd.to(phase_dir.dtype), drd.to(radial_dir.dtype), damps[0], damps[1],
@@ -64,6 +65,6 @@ def samu_apply(plan, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, th
         ra = scalar_param(radial_amp, x.device, acc)
         ctrl, _ = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
         h0 = None if initial_state is None else torch.view_as_real(initial_state)
-        y, hr, _ = plan.forward(x, ctrl, nu_log, theta_log, h0, need_states=False)
+        y, hr, _ = plan.forward(x, ctrl, mode_table(nu_log, theta_log, acc), h0, need_states=False)
         h = torch.view_as_complex(hr)
     return y, (h if output_final_state else None)

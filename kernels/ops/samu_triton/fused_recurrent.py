@@ -24,14 +24,14 @@ BWD_UNROLL = 4
 
 
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
-def _serial_fwd_kernel(x, ctrl, nu_log, theta_log, h0, y, states, hT, T, N, D, M,
+def _serial_fwd_kernel(x, ctrl, modes, h0, y, states, hT, T, N, D, M,
                        K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_H0: tl.constexpr,
                        STORE_STATES: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
-    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     x_b = x + b * T * D
     y_b = y + b * T * D
     ctrl_b = ctrl + b * T * 4
@@ -44,19 +44,19 @@ def _serial_fwd_kernel(x, ctrl, nu_log, theta_log, h0, y, states, hT, T, N, D, M
         if STORE_STATES:
             store_pair(states, (b * N + c) * M + offs_m, hr, hi, mask_m)
         hr, hi, _, _ = fwd_steps(hr, hi, hr, hi, x_b, y_b, ctrl_b, c * K, T, D, M, offs_m, mask_m,
-                                 nu, ct, st, gam, K, U, True, False, ACC)
+                                 nu, ct, st, gam, lnr, K, U, True, False, ACC)
     store_pair(hT, b * M + offs_m, hr, hi, mask_m)
 
 
 @triton.jit(do_not_specialize=["T", "N", "D", "M", "NMB"])
-def _serial_bwd_kernel(x, dy, ctrl, nu_log, theta_log, states, gh, dxw, dpart, ppart, dh0, ckpt, T, N, D, M, NMB,
+def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, ckpt, T, N, D, M, NMB,
                        K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_GH: tl.constexpr,
                        ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
-    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
+    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     x_b = x + b * T * D
     dy_b = dy + b * T * D
     dxw_b = dxw + b * T * D
@@ -75,9 +75,9 @@ def _serial_bwd_kernel(x, dy, ctrl, nu_log, theta_log, states, gh, dxw, dpart, p
         hr, hi = load_pair(states, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
         Rr, Ri, acc_nu, acc_th, acc_g = bwd_chunk(
             hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt_p, x_b, dy_b, dxw_b, dpart, ctrl_b, b * T, c * K, T, D, M,
-            NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, K, U, BM, ACC)
+            NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, K, U, BM, ACC)
     store_pair(dh0, b * M + offs_m, Rr, Ri, mask_m)
-    store_param_partials(ppart, b, offs_m, mask_m, M, nu, th, acc_nu, acc_th, acc_g)
+    store_param_partials(ppart, b, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
 
 
 class SerialPlan:
@@ -87,7 +87,7 @@ class SerialPlan:
         self.K = check_chunk_size(chunk_size)
         self.BM = check_block_m(block_m)
 
-    def forward(self, x, ctrl, nu_log, theta_log, h0, need_states):
+    def forward(self, x, ctrl, modes, h0, need_states):
         B, T, D = x.shape
         M, K, BM = D // 2, self.K, self.BM
         acc = ctrl.dtype
@@ -96,14 +96,14 @@ class SerialPlan:
         hT = alloc((B, M, 2), acc, x.device)
         states = alloc((B, N, M, 2), acc, x.device) if need_states else None
         _serial_fwd_kernel[(triton.cdiv(M, BM), B)](
-            x, ctrl, nu_log, theta_log, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
+            x, ctrl, modes, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
             T, N, D, M, K=K, U=FWD_UNROLL, BM=BM, HAS_H0=h0 is not None, STORE_STATES=need_states, ACC=tl_dtype(acc),
             num_warps=BM // 32)
-        accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, nu_log, theta_log, h0),
+        accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, modes, h0),
                           accounting.nbytes(y, hT, states))
         return y, hT, states
 
-    def backward(self, x, dy, ctrl, nu_log, theta_log, states, gh):
+    def backward(self, x, dy, ctrl, modes, states, gh):
         B, T, D = x.shape
         M, K, BM = D // 2, self.K, self.BM
         acc = ctrl.dtype
@@ -115,10 +115,10 @@ class SerialPlan:
         dh0 = alloc((B, M, 2), acc, x.device)
         ckpt = alloc((B * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
         _serial_bwd_kernel[(nmb, B)](
-            x, dy, ctrl, nu_log, theta_log, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
+            x, dy, ctrl, modes, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
             T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc),
             num_warps=BM // 32)
-        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, nu_log, theta_log, states, gh),
+        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh),
                           accounting.nbytes(dxw, dpart, ppart, dh0))
         return dxw, dpart, ppart, dh0
 

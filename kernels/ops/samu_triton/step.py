@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import accounting
 from .._checks import check_tensor
-from .common import load_pair, mode_consts, next_pow2, store_pair, tanh, tl_dtype, transition
+from .common import load_pair, mode_consts64, next_pow2, store_pair, tanh, tl_dtype, transition
 
 ROW_MIN_BATCH = 64
 
@@ -43,19 +43,20 @@ def _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD: tl.constexpr, ACC: tl
         wrr += wr * wr
     bp = tl.load(pd + D).to(ACC)
     br = tl.load(rd + D).to(ACC)
-    p = tanh((tl.sum(zp, axis=0) + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp))
-    r = tanh((tl.sum(zr, axis=0) + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br))
-    delta = scale * tanh(tl.load(pa).to(ACC)) * p
-    eta = scale * tanh(tl.load(ra).to(ACC)) * r / (1.0 + r * r)
-    return tl.exp(eta), tl.cos(delta) * keep, tl.sin(delta) * keep
+    p = tanh(((tl.sum(zp, axis=0) + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp)).to(tl.float64))
+    r = tanh(((tl.sum(zr, axis=0) + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br)).to(tl.float64))
+    delta = scale * tanh(tl.load(pa).to(tl.float64)) * p
+    eta = scale * tanh(tl.load(ra).to(tl.float64)) * r / (1.0 + r * r)
+    d = delta.to(ACC)
+    return tl.exp(eta).to(ACC), tl.cos(d) * keep, tl.sin(d) * keep
 
 
 @triton.jit
 def _step_modes(x_b, y_b, s_b, nu_log, theta_log, E, ck, sk, m0, M, BM: tl.constexpr, ACC: tl.constexpr):
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < M
-    nu, th, ct, st, gam = mode_consts(nu_log, theta_log, offs_m, mask_m, ACC)
-    ar, ai = transition(E, ck, sk, nu, ct, st, True)
+    nu, th, ct, st, gam, lnr, _ = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
+    ar, ai = transition(E, ck, sk, nu, ct, st, lnr, True)
     hr, hi = load_pair(s_b, offs_m, mask_m, 0.0, 0.0)
     xr = tl.load(x_b + offs_m, mask=mask_m, other=0.0).to(ACC)
     xi = tl.load(x_b + M + offs_m, mask=mask_m, other=0.0).to(ACC)
