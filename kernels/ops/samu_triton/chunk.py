@@ -228,9 +228,11 @@ def _bwd_kernel(x, dy, ctrl, modes, states, P, Qb, carry, dxw, dpart, ppart, ckp
 
 
 class ChunkPlan:
-    """Launchers of the two-level chunked algorithm."""
+    """Launchers of the two-level chunked algorithm. Default K = 16: fastest forward+backward
+    at B = 4, T = 2048, D = 2560 and forward at T >= 4096 on the H200
+    (results/kernels/samu/summary_run2.md)."""
 
-    def __init__(self, chunk_size: int = 32, block_m: int = 32):
+    def __init__(self, chunk_size: int = 16, block_m: int = 32):
         self.K = check_chunk_size(chunk_size)
         self.BM = check_block_m(block_m)
 
@@ -306,7 +308,7 @@ class ChunkPlan:
 
 
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
-               initial_state=None, output_final_state=False, chunk_size=32, block_m=32):
+               initial_state=None, output_final_state=False, chunk_size=16, block_m=32):
     """Two-level chunked SAMU (reference signature). x: [B, T, D], D = 2M; returns
     (y [B, T, D], final state [B, M] complex or None). chunk_size K in 8, 16, 32, 64."""
     return samu_apply(ChunkPlan(chunk_size, block_m), x, phase_dir, radial_dir, phase_amp, radial_amp,

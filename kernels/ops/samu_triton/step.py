@@ -6,7 +6,8 @@ Two layouts of the same computation:
 - "blocked": one program per (sequence, block of modes); each program recomputes
   its sequence's two projections from the row in cache (more, smaller programs).
 "fused" takes "blocked" below ROW_MIN_BATCH sequences and "row" from there on; the
-threshold comes from the decode sweep in results/kernels/samu/.
+threshold comes from the decode sweep in results/kernels/samu/summary_run2.md (H200,
+D = 2560: blocked is faster up to B = 32, row from B = 64).
 No host synchronisation and no allocation besides y: capturable in a CUDA graph.
 """
 
