@@ -119,9 +119,11 @@ def test_int64_offsets(backend, opts):
     assert parity.rel_err(y[:, :k], y0) <= parity.BACKEND_TOL[torch.float32]
 
 
-@pytest.mark.parametrize("backend,opts", [("serial", {}), ("serial", {"prefetch": False, "block_t": 64}),
-                                          ("chunk", {"chunk_size": 32}), ("chunk", {"chunk_size": 16, "inner": "loop"})],
-                         ids=["serial", "serial_noprefetch", "chunk32", "chunk16loop"])
+SCAN_VARIANTS = [("serial", {}), ("serial", {"prefetch": False, "block_t": 64}), ("chunk", {"chunk_size": 32}),
+                 ("chunk", {"chunk_size": 16, "inner": "loop"})]
+
+
+@pytest.mark.parametrize("backend,opts", SCAN_VARIANTS, ids=["serial", "serial_noprefetch", "chunk32", "chunk16loop"])
 def test_scan_track_shape(backend, opts):
     # Section-4 scan shape in BF16 (FP32 accumulation): output, final state, both gradients.
     Bs, Ts, Ds = 8, 4096, 1024

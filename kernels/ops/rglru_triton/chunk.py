@@ -14,6 +14,11 @@ Backward, the same algebra on the adjoint (see common.py): summary of the maps
 (a_t, a_t dy_t) per chunk, a reverse prefix from dL/dh_T (its last carry is dL/dh0),
 a replay that recomputes the chunk's states from S and stores every gradient, and the
 deterministic reduction of the per-(sequence, chunk) a_param partials.
+
+Inside a chunk (option `inner`): "scan" combines the K steps of a [K, BD] tile with
+Triton's associative scan (which runs across lanes and warps); "loop" gives each thread
+a few channels and walks the K steps in registers (straight-line code, no shuffles or
+shared memory; the backward keeps the chunk's h_{t-1} as a tuple of K registers).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (INTERPRET, acc_dtype, fast, g_exp, g_rsqrt, g_sigmoid, g_sqrt, affine, affine_excl, check_chunk_size, check_pow2, empty, first_row,
-                     last_row, load_a, load_tile, out, reduce_dap, softplus, tile_grads, tl_acc)
+from .common import (INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, fast,
+                     first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, out, reduce_dap,
+                     softplus, tile_grads, tl_acc)
 
 
 @triton.jit(do_not_specialize=["T", "NC"])

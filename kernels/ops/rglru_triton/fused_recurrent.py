@@ -241,7 +241,8 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
     x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
     [B, D] FP32. Options: block_t (time tile; chunk_size is accepted as its alias),
     block_d, num_warps, num_stages, prefetch (load the next tile before scanning this
-    one; default on), fast_math (approximate ex2/rcp/sqrt in FP32 on the GPU). Returns (y [B, T, D], final state [B, D] or None)."""
+    one; default on), fast_math (approximate ex2/rcp/sqrt in FP32 on the GPU).
+    Returns (y [B, T, D], final state [B, D] or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, False, **opts)
     if T == 0:

@@ -49,7 +49,8 @@ SHAPES = {
 
 # Probe sweeps (first phase); the chosen configuration is timed again on fresh runs.
 SERIAL_SWEEP = [
-    dict(block_d=16, block_t=64, num_warps=4, prefetch=False), dict(block_d=16, block_t=64, num_warps=4, prefetch=True),
+    dict(block_d=16, block_t=64, num_warps=4, prefetch=False),
+    dict(block_d=16, block_t=64, num_warps=4, prefetch=True),
     dict(block_d=16, block_t=64, num_warps=4, prefetch=True, fast_math=True),
     dict(block_d=32, block_t=64, num_warps=4, prefetch=False), dict(block_d=32, block_t=64, num_warps=4, prefetch=True),
     dict(block_d=32, block_t=32, num_warps=4, prefetch=True), dict(block_d=16, block_t=128, num_warps=4, prefetch=True),
@@ -62,8 +63,10 @@ CHUNK_SWEEP = [dict(chunk_size=k, block_d=bd, num_warps=nw) for k in (8, 32, 64)
     dict(chunk_size=k, inner="loop", block_d=bd, num_warps=nw, fast_math=fm) for k in (8, 16, 32)
     for bd, nw in ((128, 1), (256, 2), (512, 4)) for fm in (False, True)]
 SCAN_SERIAL_SWEEP = [
-    dict(block_d=16, block_t=128, num_warps=4, prefetch=False), dict(block_d=16, block_t=128, num_warps=4, prefetch=True),
-    dict(block_d=16, block_t=256, num_warps=4, prefetch=True), dict(block_d=32, block_t=128, num_warps=4, prefetch=True),
+    dict(block_d=16, block_t=128, num_warps=4, prefetch=False),
+    dict(block_d=16, block_t=128, num_warps=4, prefetch=True),
+    dict(block_d=16, block_t=256, num_warps=4, prefetch=True),
+    dict(block_d=32, block_t=128, num_warps=4, prefetch=True),
     dict(block_d=32, block_t=256, num_warps=8, prefetch=True), dict(block_d=16, block_t=64, num_warps=2, prefetch=True),
     dict(block_d=64, block_t=64, num_warps=4, prefetch=True), dict(block_d=8, block_t=256, num_warps=2, prefetch=True),
     dict(block_d=16, block_t=128, num_warps=4, num_stages=3), dict(block_d=32, block_t=128, num_warps=4, num_stages=2),

@@ -120,7 +120,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args(argv)
-    lines = [f"{'kernel':40s} {'instr/elem':>10s} " + " ".join(f"{k:>6s}" for k in KEYS) + "   (per element per thread)"]
+    head = f"{'kernel':40s} {'instr/elem':>10s} " + " ".join(f"{k:>6s}" for k in KEYS)
+    lines = [head + "   (per element per thread)"]
     for label, fn, kw, nw, elems in variants():
         ops = mix(compile_sm90(fn, kw, nw))
         per = elems / (32 * nw)
