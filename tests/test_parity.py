@@ -113,3 +113,12 @@ def test_run_gates_rows():
     _assert_passed(rows, 20)
     with pytest.raises(ValueError, match="profile_shapes"):
         parity.run_gates({"nope": []})
+
+
+def test_reference_rows_below_float64_are_yardsticks_not_gates():
+    rows = parity.check_backends("scan", B=1, T=5, D=4, dtype=torch.float32, chunk_sizes=(8,))
+    ref = [r for r in rows if r["backend"] == "reference"]
+    assert ref and all(r["role"] == "yardstick" and r["passed"] for r in ref)
+    assert all("role" not in r for r in rows if r["backend"] != "reference")
+    rows64 = parity.check_backends("scan", B=1, T=5, D=4, dtype=torch.float64, chunk_sizes=(8,))
+    assert all("role" not in r for r in rows64)
