@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, fast,
-                     first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, out, reduce_dap,
+from .common import (recurrence_function, INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, fast,
+                     first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, out,
                      softplus, tile_grads, tl_acc)
 
 
@@ -429,33 +429,11 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     return dx, dgx, dga, dh0, part
 
 
-class ChunkFunction(torch.autograd.Function):
-    """RG-LRU (is_scan False) or the bare scan (is_scan True: x = b, gx = b, ga = a)
-    through the chunked kernels."""
-
-    @staticmethod
-    def forward(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
-        x, gx, ga = x.contiguous(), gx.contiguous(), ga.contiguous()
-        pos = None if pos is None else pos.contiguous()
-        h0 = None if h0 is None else h0.contiguous()
-        y, ht, S = chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
-        if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x, gx, ga, a_param, pos, S)
-            ctx.is_scan, ctx.cfg, ctx.has_h0 = is_scan, cfg, h0 is not None
-        return y, ht
-
-    @staticmethod
-    def backward(ctx, dy, dht):
-        x, gx, ga, a_param, pos, S = ctx.saved_tensors
-        dy = dy.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        dx, dgx, dga, dh0, part = chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, ctx.has_h0,
-                                                 ctx.is_scan, ctx.cfg)
-        dap = None
-        if not ctx.is_scan and ctx.needs_input_grad[3]:
-            dap = reduce_dap(part, a_param)
-        return dx, dgx, dga, dap, None, dh0, None, None, None
-
+ChunkFunction = recurrence_function(
+    "ChunkFunction",
+    lambda x, gx, ga, ap, pos, h0, ofs, save, is_scan, cfg: chunk_forward(x, gx, ga, ap, pos, h0, ofs, is_scan, cfg),
+    chunk_backward,
+    "RG-LRU or the bare scan through the chunked kernels (chunk states kept for backward).")
 
 def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
                 chunk_size=None, **opts):

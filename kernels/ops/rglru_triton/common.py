@@ -335,3 +335,37 @@ def blocks_for(n_programs_per_block, D: int, lo: int = 16, hi: int = 64, target:
     while bd > lo and n_programs_per_block * triton.cdiv(D, bd) < target:
         bd //= 2
     return max(lo, min(bd, triton.next_power_of_2(D)))
+
+
+def recurrence_function(name: str, forward, backward, doc: str):
+    """The autograd Function shared by the serial and chunked backends.
+
+    forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg) ->
+    (y, final state, saved state tensor); backward(x, gx, ga, a_param, pos, saved, dy,
+    dht, has_h0, is_scan, cfg) -> (dx, dgx, dga, dh0, a_param partials). is_scan True
+    runs the bare scan (x = b, gx = b, ga = a, a_param None)."""
+
+    def fwd(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
+        x, gx, ga = x.contiguous(), gx.contiguous(), ga.contiguous()
+        pos = None if pos is None else pos.contiguous()
+        h0 = None if h0 is None else h0.contiguous()
+        save = any(ctx.needs_input_grad)
+        y, ht, saved = forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
+        if save:
+            ctx.save_for_backward(x, gx, ga, a_param, pos, saved)
+            ctx.is_scan, ctx.cfg, ctx.has_h0 = is_scan, cfg, h0 is not None
+        return y, ht
+
+    def bwd(ctx, dy, dht):
+        x, gx, ga, a_param, pos, saved = ctx.saved_tensors
+        dy = dy.contiguous()
+        dht = None if dht is None else dht.contiguous()
+        dx, dgx, dga, dh0, part = backward(x, gx, ga, a_param, pos, saved, dy, dht, ctx.has_h0,
+                                           ctx.is_scan, ctx.cfg)
+        dap = None
+        if not ctx.is_scan and ctx.needs_input_grad[3]:
+            dap = reduce_dap(part, a_param)
+        return dx, dgx, dga, dap, None, dh0, None, None, None
+
+    return type(name, (torch.autograd.Function,),
+                {"__doc__": doc, "forward": staticmethod(fwd), "backward": staticmethod(bwd)})

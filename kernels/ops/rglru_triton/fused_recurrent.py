@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (INTERPRET, acc_dtype, fast, affine, affine_excl, blocks_for, check_pow2, coeffs, empty, last_row,
-                     load_raw, out, reduce_dap, softplus, tile_grads, tile_offsets, tl_acc)
+from .common import (recurrence_function, INTERPRET, acc_dtype, fast, affine, affine_excl, blocks_for, check_pow2, coeffs, empty, last_row,
+                     load_raw, out, softplus, tile_grads, tile_offsets, tl_acc)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -206,34 +206,9 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
     return dx, dgx, dga, dh0, part
 
 
-class SerialFunction(torch.autograd.Function):
-    """RG-LRU (is_scan False: x, gate_x, gate_a, a_param) or the bare scan (is_scan True:
-    x = b, gx = b, ga = a, a_param None) through the serial kernels."""
-
-    @staticmethod
-    def forward(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
-        x, gx, ga = x.contiguous(), gx.contiguous(), ga.contiguous()
-        pos = None if pos is None else pos.contiguous()
-        h0 = None if h0 is None else h0.contiguous()
-        save = any(ctx.needs_input_grad)
-        y, ht, hs = serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
-        if save:
-            ctx.save_for_backward(x, gx, ga, a_param, pos, hs)
-            ctx.is_scan, ctx.cfg, ctx.has_h0 = is_scan, cfg, h0 is not None
-        return y, ht
-
-    @staticmethod
-    def backward(ctx, dy, dht):
-        x, gx, ga, a_param, pos, hs = ctx.saved_tensors
-        dy = dy.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        dx, dgx, dga, dh0, part = serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, ctx.has_h0,
-                                                  ctx.is_scan, ctx.cfg)
-        dap = None
-        if not ctx.is_scan and ctx.needs_input_grad[3]:
-            dap = reduce_dap(part, a_param)
-        return dx, dgx, dga, dap, None, dh0, None, None, None
-
+SerialFunction = recurrence_function(
+    "SerialFunction", serial_forward, serial_backward,
+    "RG-LRU or the bare scan through the serial kernels (tile-boundary states kept for backward).")
 
 def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,
                           output_final_state=False, **opts):
