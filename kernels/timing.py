@@ -123,19 +123,32 @@ def time_trajectory(
     checkpoints: Sequence[int],
     device: str | torch.device | None = None,
     before: Callable[[], object] | None = None,
+    warmup: int = 0,
 ) -> dict:
     """Run `step(i)` for i = 0 .. max(checkpoints) - 1 as one trajectory.
 
     `before` (prompt processing, cache set-up) runs first and is excluded: the
-    allocator's peak is reset after it. Returns the cumulative milliseconds at
+    allocator's peak is reset after it. `warmup` > 0 first runs `before` and that
+    many untimed steps (compilation, CUDA-graph capture, autotuning happen there),
+    then `before` again, so the timed trajectory starts from the same state without
+    any one-time work in it. Returns the cumulative milliseconds at
     each checkpoint (`cumulative_ms[k]` = time of the first `checkpoints[k]`
     steps), the per-interval times and the peak memory of the trajectory.
     """
     cps = sorted({int(c) for c in checkpoints})
     if not cps or cps[0] < 1:
         raise ValueError(f"expected checkpoints to be positive step counts, got {list(checkpoints)}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"expected warmup to be a non-negative integer, got {warmup!r}")
     dev = _device(device)
     cuda = dev.type == "cuda"
+    if warmup:
+        if before is not None:
+            before()
+        for i in range(warmup):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize(dev)
     if before is not None:
         before()
     n = cps[-1]
@@ -168,4 +181,4 @@ def time_trajectory(
         clock = "perf_counter"
     intervals = [c - p for c, p in zip(cumulative, [0.0, *cumulative[:-1]])]
     return {"checkpoints": cps, "cumulative_ms": cumulative, "interval_ms": intervals,
-            "peak_bytes": peak, "base_bytes": base, "clock": clock}
+            "peak_bytes": peak, "base_bytes": base, "clock": clock, "warmup_steps": warmup}

@@ -54,6 +54,23 @@ def test_time_trajectory_reads_every_checkpoint_from_one_run():
         timing.time_trajectory(lambda i: None, [0], device="cpu")
 
 
+def test_time_trajectory_warmup_runs_untimed_steps_from_a_fresh_prefill():
+    seen = []
+
+    def slow_first(i):
+        seen.append(i)
+        if len(seen) == 1:           # one-time work (compile / graph capture) on the very first step
+            time.sleep(0.2)
+
+    out = timing.time_trajectory(slow_first, [3], device="cpu", before=lambda: seen.append("p"), warmup=2)
+    # prefill, two untimed steps, prefill again, then the timed trajectory of 3 steps
+    assert seen == ["p", 0, 1, "p", 0, 1, 2]
+    assert out["warmup_steps"] == 2
+    assert out["cumulative_ms"][-1] < 150          # the one-time 200 ms stayed in the warm-up
+    with pytest.raises(ValueError, match="warmup"):
+        timing.time_trajectory(lambda i: None, [1], device="cpu", warmup=-1)
+
+
 def test_orders_run_each_comparison_both_ways():
     assert measure.orders(["samu", "rglru"]) == [("AB", ["samu", "rglru"]), ("BA", ["rglru", "samu"])]
     assert measure.orders(["a", "b", "c"])[1] == ("BA", ["c", "b", "a"])

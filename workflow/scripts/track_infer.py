@@ -148,13 +148,16 @@ def build_model(preset: str, mixer: str, settings: dict, device, backend: str = 
 
 
 def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, params: int,
-                      reuse: dict | None = None) -> dict:
+                      reuse: dict | None = None, warmup: int = 2) -> dict:
     """Run `reps` trajectories to max(checkpoints); per checkpoint, the cumulative
     milliseconds of every trajectory plus tokens/s, peak memory and logical counts
-    (of one step; taken from `reuse`, the other order's record, when it has them)."""
+    (of one step; taken from `reuse`, the other order's record, when it has them).
+    Before the first timed trajectory, `warmup` untimed steps from a fresh prefill
+    take the one-time work (kernel compilation, CUDA-graph capture) out of it."""
     from kernels import timing
 
-    runs = [timing.time_trajectory(dec.step, checkpoints, device, before=dec.prefill) for _ in range(reps)]
+    runs = [timing.time_trajectory(dec.step, checkpoints, device, before=dec.prefill,
+                                   warmup=warmup if k == 0 else 0) for k in range(reps)]
     logical = measure.reuse_logical(reuse)
     if logical is None:
         counted = dec.counting_twin() if dec.graphs else dec
@@ -180,6 +183,7 @@ def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, p
             "decoder": dec.kind,
             "decoder_details": dec.describe(),
             "trajectory_clock": runs[0]["clock"],
+            "warmup_steps": warmup,
         }
     return out
 
@@ -220,7 +224,8 @@ def main(job):
             dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine,
                           graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
             try:
-                per = trajectory_fields(dec, lengths, reps, device, sum(p.numel() for p in m.parameters()), reuse)
+                per = trajectory_fields(dec, lengths, reps, device, sum(p.numel() for p in m.parameters()), reuse,
+                                        warmup=settings.get("warmup_steps", 2))
                 for v in per.values():
                     v["resolved"] = resolved_backends(m, B, prompt, device)
                     v["decode_table_entry"] = choice
