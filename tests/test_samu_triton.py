@@ -268,3 +268,22 @@ def test_bf16_long_row_state_as_accurate_as_pytorch():
         with poisoned():
             _, mine = BACKENDS["samu"][name](*args, pos, h0, True, chunk_size=32)
         assert rel(mine, want) <= max(rel(theirs, want), 1e-7), (name, rel(mine, want), rel(theirs, want))
+
+
+@pytest.mark.parametrize("backend,chunk,block_m,num_warps", [("chunk", 8, 64, 1), ("chunk", 16, 128, 2),
+                                                             ("serial", 8, 64, 1)])
+def test_modes_per_thread_match_reference(backend, chunk, block_m, num_warps, ref64):
+    """num_warps < block_m / 32 (several adjacent modes per thread) is the same exact
+    algorithm: float64 to rounding, with resets, initial state and every gradient."""
+    p = leaves(make_inputs(torch.float64))
+    with poisoned():
+        got = run(BACKENDS["samu"][backend], p, chunk_size=chunk, block_m=block_m, num_warps=num_warps)
+    assert_close_all(got, ref64, 1e-11)
+
+
+def test_bad_num_warps():
+    inputs = make_inputs(torch.float32)
+    for bm, nw in ((32, 2), (64, 3), (128, 8)):
+        with pytest.raises(ValueError, match="num_warps"):
+            BACKENDS["samu"]["chunk"](*[inputs[k] for k in GRAD_NAMES[:7]], None, None, False, block_m=bm,
+                                      num_warps=nw)

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (alloc, bwd_chunk, check_block_m, check_chunk_size, fwd_steps, load_pair, mode_consts,
-                     next_pow2, store_pair, store_param_partials, tl_dtype)
+from .common import (alloc, bwd_chunk, check_block_m, check_chunk_size, check_num_warps, fwd_steps, load_pair,
+                     mode_consts, next_pow2, store_pair, store_param_partials, tl_dtype)
 from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, SerialPlan
 from .function import samu_apply
 
@@ -232,9 +232,10 @@ class ChunkPlan:
     at B = 4, T = 2048, D = 2560 and forward at T >= 4096 on the H200
     (results/kernels/samu/summary_run2.md)."""
 
-    def __init__(self, chunk_size: int = 16, block_m: int = 32):
+    def __init__(self, chunk_size: int = 16, block_m: int = 32, num_warps=None):
         self.K = check_chunk_size(chunk_size)
         self.BM = check_block_m(block_m)
+        self.NW = check_num_warps(num_warps, self.BM)
 
     def _prefix(self, A, Bv, init, B, N, M, conj, reverse):
         """Grouped linear-work prefix: returns (carry per group [B, NG, M, 2], final map output)."""
@@ -257,7 +258,7 @@ class ChunkPlan:
     def forward(self, x, ctrl, modes, h0, need_states):
         B, T, D = x.shape
         if T == 0:
-            return SerialPlan(self.K, self.BM).forward(x, ctrl, modes, h0, need_states)
+            return SerialPlan(self.K, self.BM, self.NW).forward(x, ctrl, modes, h0, need_states)
         M, K, BM = D // 2, self.K, self.BM
         acc = ctrl.dtype
         N = triton.cdiv(T, K)
@@ -265,7 +266,7 @@ class ChunkPlan:
         P = alloc((B, N, M, 2), acc, x.device)
         Q = alloc((B, N, M, 2), acc, x.device)
         _summary_kernel[grid](x, ctrl, modes, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
-                              ACC=tl_dtype(acc), num_warps=BM // 32)
+                              ACC=tl_dtype(acc), num_warps=self.NW)
         accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
         carry, hT, gs, ng = self._prefix(P, Q, h0, B, N, M, conj=False, reverse=False)
         y = alloc(x.shape, x.dtype, x.device)
@@ -273,7 +274,7 @@ class ChunkPlan:
         _replay_kernel[grid](x, ctrl, modes, P, Q, carry, y, states if need_states else hT,
                              T, N, ng, D, M, K=K, U=min(K, FWD_UNROLL), GS=gs, V=min(gs, PREFIX_UNROLL), BM=BM,
                              STORE_STATES=need_states, ACC=tl_dtype(acc),
-                             num_warps=BM // 32)
+                             num_warps=self.NW)
         accounting.record("samu_chunk_replay", accounting.nbytes(x, ctrl, P, Q, carry),
                           accounting.nbytes(y, states))
         return y, hT, states
@@ -281,7 +282,7 @@ class ChunkPlan:
     def backward(self, x, dy, ctrl, modes, states, gh):
         B, T, D = x.shape
         if T == 0:
-            return SerialPlan(self.K, self.BM).backward(x, dy, ctrl, modes, states, gh)
+            return SerialPlan(self.K, self.BM, self.NW).backward(x, dy, ctrl, modes, states, gh)
         M, K, BM = D // 2, self.K, self.BM
         acc = ctrl.dtype
         N = triton.cdiv(T, K)
@@ -291,7 +292,7 @@ class ChunkPlan:
         Qb = alloc((B, N, M, 2), acc, x.device)
         _bwd_summary_kernel[grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, K=K,
                                   U=min(K, FWD_UNROLL), BM=BM,
-                                  ACC=tl_dtype(acc), num_warps=BM // 32)
+                                  ACC=tl_dtype(acc), num_warps=self.NW)
         accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
         carry, dh0, gs, ng = self._prefix(P, Qb, gh, B, N, M, conj=True, reverse=True)
         dxw = alloc(x.shape, acc, x.device)
@@ -301,15 +302,17 @@ class ChunkPlan:
         _bwd_kernel[grid](x, dy, ctrl, modes, states, P, Qb, carry, dxw, dpart, ppart, ckpt,
                           T, N, ng, D, M, nmb, K=K, U=BWD_UNROLL, GS=gs, V=min(gs, PREFIX_UNROLL), BM=BM,
                           ACC=tl_dtype(acc),
-                          num_warps=BM // 32)
+                          num_warps=self.NW)
         accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, P, Qb, carry),
                           accounting.nbytes(dxw, dpart, ppart))
         return dxw, dpart, ppart, dh0
 
 
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
-               initial_state=None, output_final_state=False, chunk_size=16, block_m=32):
+               initial_state=None, output_final_state=False, chunk_size=16, block_m=32, num_warps=None):
     """Two-level chunked SAMU (reference signature). x: [B, T, D], D = 2M; returns
-    (y [B, T, D], final state [B, M] complex or None). chunk_size K in 8, 16, 32, 64."""
-    return samu_apply(ChunkPlan(chunk_size, block_m), x, phase_dir, radial_dir, phase_amp, radial_amp,
+    (y [B, T, D], final state [B, M] complex or None). chunk_size K in 8, 16, 32, 64;
+    block_m modes per program; num_warps per program (None: block_m // 32, one mode per
+    thread; fewer: several adjacent modes per thread)."""
+    return samu_apply(ChunkPlan(chunk_size, block_m, num_warps), x, phase_dir, radial_dir, phase_amp, radial_amp,
                       nu_log, theta_log, segment_pos, initial_state, output_final_state)

@@ -72,9 +72,20 @@ def check_chunk_size(k):
 
 
 def check_block_m(bm):
-    if bm not in (32, 64, 128):
-        raise ValueError(f"expected block_m in [32, 64, 128], got {bm!r}")
+    if bm not in (32, 64, 128, 256):
+        raise ValueError(f"expected block_m in [32, 64, 128, 256], got {bm!r}")
     return bm
+
+
+def check_num_warps(nw, bm):
+    """Warps per program of a mode-blocked kernel: None -> one mode per thread (bm // 32);
+    fewer warps give each thread bm / (32 nw) adjacent modes (vector loads, and the
+    per-step scalar work -- controls, addresses, masks -- shared by more elements)."""
+    if nw is None:
+        return max(1, bm // 32)
+    if nw not in (1, 2, 4, 8) or 32 * nw > bm:
+        raise ValueError(f"expected num_warps in [1, 2, 4, 8] with 32 * num_warps <= block_m = {bm}, got {nw!r}")
+    return nw
 
 
 @triton.jit
@@ -303,8 +314,10 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
     pid = tl.program_id(0)
     tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < NTOK
-    zp = tl.zeros([BLOCK_T], ACC)
-    zr = tl.zeros([BLOCK_T], ACC)
+    # [BLOCK_T, BLOCK_D] accumulators, reduced once after the loop: a reduction inside
+    # the loop costs shuffles and shared-memory round trips per element (sass_samu.py)
+    zp2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
+    zr2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
     wpp = tl.zeros([BLOCK_D], ACC)
     wrr = tl.zeros([BLOCK_D], ACC)
     for d0 in range(0, D, BLOCK_D):
@@ -314,10 +327,12 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
         wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
         xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :],
                      other=0.0).to(ACC)  # [BLOCK_T, BLOCK_D]
-        zp += tl.sum(xt * wp[None, :], axis=1)
-        zr += tl.sum(xt * wr[None, :], axis=1)
+        zp2 += xt * wp[None, :]
+        zr2 += xt * wr[None, :]
         wpp += wp * wp
         wrr += wr * wr
+    zp = tl.sum(zp2, axis=1)
+    zr = tl.sum(zr2, axis=1)
     bp = tl.load(pd + D).to(ACC)
     br = tl.load(rd + D).to(ACC)
     vp = (zp + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp)

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (alloc, bwd_chunk, check_block_m, check_chunk_size, fwd_steps, load_pair, mode_consts,
-                     store_pair, store_param_partials, tl_dtype)
+from .common import (alloc, bwd_chunk, check_block_m, check_chunk_size, check_num_warps, fwd_steps, load_pair,
+                     mode_consts, store_pair, store_param_partials, tl_dtype)
 from .function import samu_apply
 
 # Steps unrolled inside the time loops (the rest stays a loop; see common.fwd_steps).
@@ -83,9 +83,10 @@ def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, c
 class SerialPlan:
     """Launchers of the serial algorithm; K is the tile (and checkpoint) length."""
 
-    def __init__(self, chunk_size: int = 32, block_m: int = 32):
+    def __init__(self, chunk_size: int = 32, block_m: int = 32, num_warps=None):
         self.K = check_chunk_size(chunk_size)
         self.BM = check_block_m(block_m)
+        self.NW = check_num_warps(num_warps, self.BM)
 
     def forward(self, x, ctrl, modes, h0, need_states):
         B, T, D = x.shape
@@ -98,7 +99,7 @@ class SerialPlan:
         _serial_fwd_kernel[(triton.cdiv(M, BM), B)](
             x, ctrl, modes, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
             T, N, D, M, K=K, U=FWD_UNROLL, BM=BM, HAS_H0=h0 is not None, STORE_STATES=need_states, ACC=tl_dtype(acc),
-            num_warps=BM // 32)
+            num_warps=self.NW)
         accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, modes, h0),
                           accounting.nbytes(y, hT, states))
         return y, hT, states
@@ -117,15 +118,16 @@ class SerialPlan:
         _serial_bwd_kernel[(nmb, B)](
             x, dy, ctrl, modes, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
             T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc),
-            num_warps=BM // 32)
+            num_warps=self.NW)
         accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh),
                           accounting.nbytes(dxw, dpart, ppart, dh0))
         return dxw, dpart, ppart, dh0
 
 
 def fused_recurrent_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
-                         initial_state=None, output_final_state=False, chunk_size=32, block_m=32):
+                         initial_state=None, output_final_state=False, chunk_size=32, block_m=32, num_warps=None):
     """Serial SAMU (reference signature). x: [B, T, D], D = 2M; returns (y [B, T, D],
-    final state [B, M] complex or None). chunk_size: tile/checkpoint length (8..64)."""
-    return samu_apply(SerialPlan(chunk_size, block_m), x, phase_dir, radial_dir, phase_amp, radial_amp,
+    final state [B, M] complex or None). chunk_size: tile/checkpoint length (8..64);
+    block_m, num_warps as for the chunk backend."""
+    return samu_apply(SerialPlan(chunk_size, block_m, num_warps), x, phase_dir, radial_dir, phase_amp, radial_amp,
                       nu_log, theta_log, segment_pos, initial_state, output_final_state)
