@@ -15,6 +15,9 @@ Two parts:
   backend -- the fastest diagnostics record at that preset and shape, else the
   tuning table's choice (`auto`) -- re-measured on fresh runs in SAMU -> RG-LRU and
   RG-LRU -> SAMU order.
+Order of work: Triton diagnostics, the architecture comparison, then the slow
+reference diagnostics and the official peer, so a time budget that runs out cuts
+the slow per-step loops first (their records say so), never the comparison.
 Records carry tokens/s, step time, peak memory, model FLOPs utilisation (model
 FLOPs = 6 x parameters x tokens, the shared embedding counted once as the output
 projection, over the probe's measured BF16 matmul rate) and logical figures.
@@ -166,54 +169,71 @@ def main(job):
         return {"shapes": {"preset": preset, "T": T, "B": B, "vocab": settings["vocab"]}, "mixer": mixer,
                 "dtype": settings.get("autocast") or "float32"}
 
-    for preset, T, B in diag_shapes:
-        items = [(mx, name, opts) for mx in mixers for name, opts in backend_variants(mx, settings, gates, device)]
-        for order, seq in measure.orders(items):
-            if order not in settings.get("diagnostic_orders", ["AB", "BA"]):
-                continue
-            for mixer, name, opts in seq:
-                reps, warmup = settings["reps"], settings["warmup"]
-                if name == "reference":
-                    if T > ref_lim.get("max_T", 0) or preset not in ref_lim.get("presets", []):
-                        continue
-                    reps, warmup = ref_lim.get("reps", 1), ref_lim.get("warmup", 1)
-                cid = f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}"
+    # On a GPU the PyTorch per-step reference is the slow one; on the CPU it is what
+    # the architecture comparison measures, so it runs first there.
+    slow_names = {"reference"} if device.type == "cuda" else set()
 
-                def make(mixer=mixer, name=name, opts=opts):
-                    if opts:
-                        table = forced_table(tmp / f"{mixer}-{name}{opt_tag(opts)}.json", mixer, name, opts)
-                        os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
-                        return Setup(preset, mixer, T, B, settings, device, backend="auto")
-                    os.environ["KERNELS_TUNING_TABLE"] = tuned
-                    return Setup(preset, mixer, T, B, settings, device, backend=name)
+    def diagnostics(slow: bool):
+        """Diagnostics at every diagnostics shape; `slow` selects the PyTorch per-step
+        reference and the official peer (run after the architecture comparison, so a
+        spent time budget cuts them first), otherwise the Triton backends."""
+        for preset, T, B in diag_shapes:
+            items = [(mx, name, opts) for mx in mixers for name, opts in backend_variants(mx, settings, gates, device)
+                     if (name in slow_names) == slow]
+            for order, seq in measure.orders(items):
+                if order not in settings.get("diagnostic_orders", ["AB", "BA"]):
+                    continue
+                for mixer, name, opts in seq:
+                    diagnostic(preset, T, B, order, seq, mixer, name, opts)
+            if slow and "rglru" in mixers and preset in off.get("presets", []) and T <= off.get("max_T", 0):
+                official_peer(preset, T, B)
 
-                reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
+    def diagnostic(preset, T, B, order, seq, mixer, name, opts):
+        reps, warmup = settings["reps"], settings["warmup"]
+        if name == "reference":
+            if T > ref_lim.get("max_T", 0) or preset not in ref_lim.get("presets", []):
+                return
+            reps, warmup = ref_lim.get("reps", 1), ref_lim.get("warmup", 1)
+        cid = f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}"
 
-                def body(make=make, reps=reps, warmup=warmup, reuse=reuse):
-                    try:
-                        return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
-                    finally:
-                        os.environ["KERNELS_TUNING_TABLE"] = tuned
+        def make(mixer=mixer, name=name, opts=opts):
+            if opts:
+                table = forced_table(tmp / f"{mixer}-{name}{opt_tag(opts)}.json", mixer, name, opts)
+                os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
+                return Setup(preset, mixer, T, B, settings, device, backend="auto")
+            os.environ["KERNELS_TUNING_TABLE"] = tuned
+            return Setup(preset, mixer, T, B, settings, device, backend=name)
 
-                runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
-                           role="diagnostic", exact=name in measure.exact_backend_names(
-                               mixer, [name], gates, settings.get("inexact", [])),
-                           sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
-        if "rglru" in mixers and preset in off.get("presets", []) and T <= off.get("max_T", 0):
-            cid = f"train-peer-{preset}-T{T}-B{B}-rglru-official"
+        reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
 
-            def peer_body():
-                try:
-                    from kernels import parity
+        def body(make=make, reps=reps, warmup=warmup, reuse=reuse):
+            try:
+                return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
+            finally:
+                os.environ["KERNELS_TUNING_TABLE"] = tuned
 
-                    parity.load_official()
-                except ImportError as e:
-                    raise measure.Skip(f"recurrentgemma not installed ({e})") from None
-                return timed(lambda: Setup(preset, "rglru", T, B, settings, device, official=True),
-                             off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate, peak_rate)
+        runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
+                   role="diagnostic", exact=name in measure.exact_backend_names(
+                       mixer, [name], gates, settings.get("inexact", [])),
+                   sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
 
-            runner.run(cid, peer_body, **base(preset, T, B, "rglru"), backend="peer:recurrentgemma", options={},
-                       role="peer", exact=True)
+    def official_peer(preset, T, B):
+        cid = f"train-peer-{preset}-T{T}-B{B}-rglru-official"
+
+        def peer_body():
+            try:
+                from kernels import parity
+
+                parity.load_official()
+            except ImportError as e:
+                raise measure.Skip(f"recurrentgemma not installed ({e})") from None
+            return timed(lambda: Setup(preset, "rglru", T, B, settings, device, official=True),
+                         off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate, peak_rate)
+
+        runner.run(cid, peer_body, **base(preset, T, B, "rglru"), backend="peer:recurrentgemma", options={},
+                   role="peer", exact=True)
+
+    diagnostics(slow=False)
 
     inexact = settings.get("inexact", [])
     for preset, T, B in shapes:
@@ -256,6 +276,7 @@ def main(job):
 
                 runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
                            role="fresh", exact=True, selected_from=sel, selected_by=why, sequence=list(seq))
+    diagnostics(slow=True)
     recs = runner.finish(job.output.records)
     print(f"track_train: {len(recs)} records", flush=True)
 
