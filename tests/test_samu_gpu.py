@@ -22,7 +22,20 @@ pytestmark = pytest.mark.cuda
 
 B, T, D = 4, 2048, 2560
 M = D // 2
-CONFIGS = [("serial", 32), ("chunk", 8), ("chunk", 16), ("chunk", 32), ("chunk", 64)]
+# (backend, chunk_size, launcher options); ids backend-K[-fused][-bm<block_m>w<num_warps>]
+# as bench_samu.label names them (the benchmark times only the variants that pass)
+CONFIGS = [("serial", 32, {}), ("chunk", 8, {}), ("chunk", 16, {}), ("chunk", 32, {}), ("chunk", 64, {}),
+           ("chunk", 16, {"block_m": 64, "num_warps": 1}), ("chunk", 16, {"block_m": 128, "num_warps": 1}),
+           ("chunk", 16, {"block_m": 128, "num_warps": 2}), ("chunk", 32, {"block_m": 128, "num_warps": 1}),
+           ("chunk", 16, {"fuse_controls": True}),
+           ("chunk", 16, {"fuse_controls": True, "block_m": 128, "num_warps": 1}),
+           ("chunk", 32, {"fuse_controls": True, "block_m": 128, "num_warps": 1})]
+
+
+def config_id(c):
+    name, chunk, opts = c
+    out = f"{name}-{chunk}" + ("-fused" if opts.get("fuse_controls") else "")
+    return out + (f"-bm{opts['block_m']}w{opts.get('num_warps')}" if "block_m" in opts else "")
 NAMES = ["x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "initial_state"]
 
 
@@ -86,25 +99,27 @@ def refs():
     return inputs, seg, truth, torch_bf16
 
 
-@pytest.mark.parametrize("backend,chunk", CONFIGS)
-def test_bf16_gate(backend, chunk, refs):
+@pytest.mark.parametrize("backend,chunk,opts", CONFIGS, ids=map(config_id, CONFIGS))
+def test_bf16_gate(backend, chunk, opts, refs):
     inputs, seg, truth, torch_bf16 = refs
     with poisoned():
-        got = run(BACKENDS["samu"][backend], leaves(inputs), seg, chunk_size=chunk)
+        got = run(BACKENDS["samu"][backend], leaves(inputs), seg, chunk_size=chunk, **opts)
     assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
     bad = []
     for name, mine, theirs, theirs_real, exact in zip(["y", "final_state", *NAMES], got, *torch_bf16, truth):
         e_mine, e_torch = rel(mine, exact), max(rel(theirs, exact), rel(theirs_real, exact))
-        print(f"{backend}-{chunk} {name}: err {e_mine:.3e} (PyTorch bf16 {e_torch:.3e})")
+        print(f"{config_id((backend, chunk, opts))} {name}: err {e_mine:.3e} (PyTorch bf16 {e_torch:.3e})")
         if not e_mine <= 2 * e_torch + 1e-5:
             bad.append((name, e_mine, e_torch))
     assert not bad, bad
 
 
-def test_deterministic(refs):
+@pytest.mark.parametrize("opts", [{}, {"fuse_controls": True, "block_m": 128, "num_warps": 1}],
+                         ids=["default", "fused-bm128w1"])
+def test_deterministic(opts, refs):
     inputs, seg, _, _ = refs
-    a = run(BACKENDS["samu"]["chunk"], leaves(inputs), seg, chunk_size=16)
-    b = run(BACKENDS["samu"]["chunk"], leaves(inputs), seg, chunk_size=16)
+    a = run(BACKENDS["samu"]["chunk"], leaves(inputs), seg, chunk_size=16, **opts)
+    b = run(BACKENDS["samu"]["chunk"], leaves(inputs), seg, chunk_size=16, **opts)
     for name, u, v in zip(["y", "final_state", *NAMES], a, b):
         assert torch.equal(u, v), name
 

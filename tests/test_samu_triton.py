@@ -287,3 +287,24 @@ def test_bad_num_warps():
         with pytest.raises(ValueError, match="num_warps"):
             BACKENDS["samu"]["chunk"](*[inputs[k] for k in GRAD_NAMES[:7]], None, None, False, block_m=bm,
                                       num_warps=nw)
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_fused_controls_match_reference(chunk, ref64):
+    """The controller fused into the chunk summary (fuse_controls=True): float64 to
+    rounding for the output, final state and every gradient, resets inside and across
+    chunks, initial state; the prefill path too; bitwise deterministic in FP32."""
+    p = leaves(make_inputs(torch.float64))
+    with poisoned():
+        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=chunk, fuse_controls=True)
+    assert_close_all(got, ref64, 1e-11)
+    inputs = make_inputs(torch.float32, seed=7)
+    y_ref, h_ref = call(reference.samu, leaves(inputs, torch.float64))
+    with torch.no_grad(), poisoned(), accounting.counting() as c:
+        y, h = call(BACKENDS["samu"]["chunk"], inputs, chunk_size=chunk, fuse_controls=True)
+    assert rel(y, y_ref) < 2e-6 and rel(h, h_ref) < 2e-6
+    assert "samu_controls_fwd" not in c.by_kernel and "samu_chunk_summary_ctrl" in c.by_kernel
+    runs = [run(BACKENDS["samu"]["chunk"], leaves(inputs), chunk_size=chunk, fuse_controls=True) for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    for k in GRAD_NAMES:
+        assert torch.equal(runs[0][2][k], runs[1][2][k]), k

@@ -24,13 +24,16 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (alloc, bwd_chunk, check_block_m, check_chunk_size, check_num_warps, fwd_steps, load_pair,
+from .common import (acc_dtype, alloc, bwd_chunk, controls_fwd, controls_tile, check_block_m, check_chunk_size, check_num_warps, fwd_steps, load_pair,
                      mode_consts, next_pow2, store_pair, store_param_partials, tl_dtype)
 from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, SerialPlan
 from .function import samu_apply
 
 PREFIX_BM = 128
 PREFIX_UNROLL = 4
+# the fused controller+summary program: modes per trip of its mode loop, warps
+FUSED_BM = 256
+FUSED_WARPS = 4
 
 
 def group_sizes(n: int) -> tuple[int, int, int]:
@@ -145,6 +148,33 @@ def _summary_kernel(x, ctrl, modes, P, Q, T, N, D, M,
     store_pair(Q, idx, hr, hi, mask_m)
 
 
+@triton.jit(do_not_specialize=["T", "N", "D", "M"])
+def _summary_ctrl_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, modes, P, Q, T, N, D, M, scale,
+                         HAS_SEG: tl.constexpr, K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    """The controller fused into the chunk summary: one program owns the K whole rows of
+    chunk c of sequence b, computes their controls (written to ctrl/aux for the replay
+    and the backward), then the summaries of every block of BM modes. x comes from DRAM
+    once; the mode loop re-reads the chunk's rows while they are still in cache."""
+    c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    tt = c * K + tl.arange(0, K)
+    controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, b * T + tt, tt < T, D, scale, HAS_SEG, K, BLOCK_D, ACC)
+    # the controls just stored by other threads of this program are read back below
+    tl.debug_barrier()
+    x_b = x + b * T * D
+    for m0 in range(0, M, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        mask_m = offs_m < M
+        nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
+        zero = tl.zeros([BM], ACC)
+        hr, hi, pr, pi = fwd_steps(zero, zero, zero + 1.0, zero, x_b, x_b, ctrl + b * T * 4, c * K, T, D, M,
+                                   offs_m, mask_m, nu, ct, st, gam, lnr, K, U, False, True, ACC)
+        idx = (b * N + c) * M + offs_m
+        store_pair(P, idx, pr, pi, mask_m)
+        store_pair(Q, idx, hr, hi, mask_m)
+
+
 @triton.jit(do_not_specialize=["T", "N", "NG", "D", "M"])
 def _replay_kernel(x, ctrl, modes, P, Q, carry, y, states, T, N, NG, D, M,
                    K: tl.constexpr, U: tl.constexpr, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
@@ -232,10 +262,37 @@ class ChunkPlan:
     at B = 4, T = 2048, D = 2560 and forward at T >= 4096 on the H200
     (results/kernels/samu/summary_run2.md)."""
 
-    def __init__(self, chunk_size: int = 16, block_m: int = 32, num_warps=None):
+    def __init__(self, chunk_size: int = 16, block_m: int = 32, num_warps=None, fuse_controls=False):
         self.K = check_chunk_size(chunk_size)
         self.BM = check_block_m(block_m)
         self.NW = check_num_warps(num_warps, self.BM)
+        if fuse_controls not in (False, True):
+            raise ValueError(f"expected fuse_controls True or False, got {fuse_controls!r}")
+        self.fuse_controls = fuse_controls
+
+    def controls_and_forward(self, x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, need_states):
+        """(ctrl, aux, (y, final state, states)): the controller and the forward; with
+        fuse_controls the controller runs inside the chunk summary (x read from DRAM
+        twice instead of three times)."""
+        B, T, D = x.shape
+        if not self.fuse_controls or B * T == 0:
+            ctrl, aux = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
+            return ctrl, aux, self.forward(x, ctrl, modes, h0, need_states)
+        M, K = D // 2, self.K
+        acc = acc_dtype(x.dtype)
+        N = triton.cdiv(T, K)
+        ctrl = alloc((B * T, 4), acc, x.device)
+        aux = alloc((B * T, 2), acc, x.device)
+        P = alloc((B, N, M, 2), acc, x.device)
+        Q = alloc((B, N, M, 2), acc, x.device)
+        seg = segment_pos if segment_pos is not None else ctrl
+        _summary_ctrl_kernel[(N, B)](x, phase_dir, radial_dir, pa, ra, seg, ctrl, aux, modes, P, Q, T, N, D, M,
+                                     1.0 / math.sqrt(M), HAS_SEG=segment_pos is not None, K=K,
+                                     U=min(K, FWD_UNROLL), BM=FUSED_BM, BLOCK_D=min(next_pow2(D), 4096 // K),
+                                     ACC=tl_dtype(acc), num_warps=FUSED_WARPS)
+        accounting.record("samu_chunk_summary_ctrl", accounting.nbytes(x, phase_dir, radial_dir, segment_pos),
+                          accounting.nbytes(ctrl, aux, P, Q))
+        return ctrl, aux, self._finish_forward(x, ctrl, modes, h0, need_states, P, Q)
 
     def _prefix(self, A, Bv, init, B, N, M, conj, reverse):
         """Grouped linear-work prefix: returns (carry per group [B, NG, M, 2], final map output)."""
@@ -268,6 +325,15 @@ class ChunkPlan:
         _summary_kernel[grid](x, ctrl, modes, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
                               ACC=tl_dtype(acc), num_warps=self.NW)
         accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
+        return self._finish_forward(x, ctrl, modes, h0, need_states, P, Q)
+
+    def _finish_forward(self, x, ctrl, modes, h0, need_states, P, Q):
+        """Prefix over the chunk summaries P, Q, then the replay."""
+        B, T, D = x.shape
+        M, K, BM = D // 2, self.K, self.BM
+        acc = ctrl.dtype
+        N = triton.cdiv(T, K)
+        grid = (triton.cdiv(M, BM), N, B)
         carry, hT, gs, ng = self._prefix(P, Q, h0, B, N, M, conj=False, reverse=False)
         y = alloc(x.shape, x.dtype, x.device)
         states = alloc((B, N, M, 2), acc, x.device) if need_states else None
@@ -309,10 +375,12 @@ class ChunkPlan:
 
 
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
-               initial_state=None, output_final_state=False, chunk_size=16, block_m=32, num_warps=None):
+               initial_state=None, output_final_state=False, chunk_size=16, block_m=32, num_warps=None,
+               fuse_controls=False):
     """Two-level chunked SAMU (reference signature). x: [B, T, D], D = 2M; returns
     (y [B, T, D], final state [B, M] complex or None). chunk_size K in 8, 16, 32, 64;
     block_m modes per program; num_warps per program (None: block_m // 32, one mode per
-    thread; fewer: several adjacent modes per thread)."""
-    return samu_apply(ChunkPlan(chunk_size, block_m, num_warps), x, phase_dir, radial_dir, phase_amp, radial_amp,
+    thread; fewer: several adjacent modes per thread); fuse_controls: the controller
+    inside the chunk summary (one program per chunk owns whole rows)."""
+    return samu_apply(ChunkPlan(chunk_size, block_m, num_warps, fuse_controls), x, phase_dir, radial_dir, phase_amp, radial_amp,
                       nu_log, theta_log, segment_pos, initial_state, output_final_state)

@@ -307,13 +307,12 @@ def store_pair(ptr, idx, re, im, mask):
     tl.store(ptr + idx * 2 + 1, im, mask=mask)
 
 
-@triton.jit(do_not_specialize=["NTOK", "D"])
-def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
-                         HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ACC: tl.constexpr):
-    pid = tl.program_id(0)
-    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = tok < NTOK
+@triton.jit
+def controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tmask, D, scale,
+                  HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    """Controls of the BLOCK_T tokens `tok` (rows of x [B*T, D]; tmask: which exist):
+    both projections over the whole row, norms, tanh, exp(eta), cos/sin(delta), resets;
+    writes ctrl and aux (see the module docstring)."""
     # [BLOCK_T, BLOCK_D] accumulators, reduced once after the loop: a reduction inside
     # the loop costs shuffles and shared-memory round trips per element (sass_samu.py)
     zp2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
@@ -355,6 +354,15 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
     tl.store(ctrl + tok * 4 + 3, tl.zeros([BLOCK_T], ACC), mask=tmask)
     tl.store(aux + tok * 2, vp, mask=tmask)
     tl.store(aux + tok * 2 + 1, vr, mask=tmask)
+
+
+@triton.jit(do_not_specialize=["NTOK", "D"])
+def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
+                         HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                         ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tok < NTOK, D, scale, HAS_SEG, BLOCK_T, BLOCK_D, ACC)
 
 
 def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos):

@@ -3,7 +3,8 @@
 A backend is a plan with two launchers (the recurrence's forward and backward); the
 controller's forward/backward and the parameter reductions around them are common:
 
-    forward:  controls_fwd, mode_table -> plan.forward (y, final state, states kept)
+    forward:  controls_fwd, mode_table -> plan.forward (y, final state, states kept);
+              a plan may fuse the controller into its forward (controls_and_forward)
     backward: plan.backward -> controls_bwd/finalize   (every gradient)
 """
 
@@ -14,6 +15,14 @@ import torch
 from .common import acc_dtype, controls_bwd, controls_fwd, mode_table, scalar_param
 
 
+def controls_and_forward(plan, x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, need_states):
+    """(ctrl, aux, (y, final state, states)): the plan's own fused path when it has one."""
+    if hasattr(plan, "controls_and_forward"):
+        return plan.controls_and_forward(x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, need_states)
+    ctrl, aux = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
+    return ctrl, aux, plan.forward(x, ctrl, modes, h0, need_states)
+
+
 class SamuFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
@@ -21,10 +30,10 @@ class SamuFunction(torch.autograd.Function):
         acc = acc_dtype(x.dtype)
         pa = scalar_param(phase_amp, x.device, acc)
         ra = scalar_param(radial_amp, x.device, acc)
-        ctrl, aux = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
         modes = mode_table(nu_log, theta_log, acc)
         h0 = None if initial_state is None else torch.view_as_real(initial_state)
-        y, h, states = plan.forward(x, ctrl, modes, h0, need_states=True)
+        ctrl, aux, (y, h, states) = controls_and_forward(plan, x, phase_dir, radial_dir, pa, ra, segment_pos, modes,
+                                                         h0, True)
         ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states)
         ctx.plan = plan
         ctx.amps = tuple(v if isinstance(v, torch.Tensor) else None for v in (phase_amp, radial_amp))
@@ -63,8 +72,8 @@ def samu_apply(plan, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, th
         acc = acc_dtype(x.dtype)
         pa = scalar_param(phase_amp, x.device, acc)
         ra = scalar_param(radial_amp, x.device, acc)
-        ctrl, _ = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
         h0 = None if initial_state is None else torch.view_as_real(initial_state)
-        y, hr, _ = plan.forward(x, ctrl, mode_table(nu_log, theta_log, acc), h0, need_states=False)
+        _, _, (y, hr, _) = controls_and_forward(plan, x, phase_dir, radial_dir, pa, ra, segment_pos,
+                                                mode_table(nu_log, theta_log, acc), h0, False)
         h = torch.view_as_complex(hr)
     return y, (h if output_final_state else None)

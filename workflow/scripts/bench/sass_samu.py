@@ -44,8 +44,13 @@ def variants():
     for bt, bd, nw in ((16, 256, 4), (64, 128, 4)):
         yield f"controls fwd bt{bt} bd{bd} w{nw}", common._controls_fwd_kernel, \
             dict(c, BLOCK_T=bt, BLOCK_D=bd), nw, bt * bd
-    for extra in getattr(chunk, "SASS_VARIANTS", lambda: ())():
-        yield extra
+    for K in (16, 32):
+        f = dict(x=P, pd=F, rd=F, pa=F, ra=F, seg=I64, ctrl=F, aux=F, modes=F, P=F, Q=F, T="i32", N="i32",
+                 D="i32:16", M="i32:16", scale=1.0 / 32, HAS_SEG=True, K=K, U=8, BM=chunk.FUSED_BM,
+                 BLOCK_D=4096 // K, ACC=A)
+        # elements per trip: the mode loop's U steps x BM modes (the controller loop adds K x BLOCK_D)
+        yield f"summary+ctrl K{K} bm{chunk.FUSED_BM} w{chunk.FUSED_WARPS}", chunk._summary_ctrl_kernel, f, \
+            chunk.FUSED_WARPS, 8 * chunk.FUSED_BM
 
 
 def main(argv=None):
