@@ -254,3 +254,59 @@ def test_decode_steps_equal_forward():
     ys = [kernels.rglru_step(x[:, T0 + i], wx, bx, wa, ba, ap, state, pos[:, T0 + i] == 0, backend="fused")
           for i in range(n)]
     assert parity.rel_err(torch.stack(ys, 1), y_full[:, T0:]) <= FP32_TOL
+
+
+# The serial kernels with the time axis inside each thread (vec > 0: vec channels per
+# thread, BD = 32 * num_warps * vec): tiles of 8 (five tiles for T = 37, resets at
+# t = 0, inside tiles, on tile edges 8, 16, 32, in a run, at T - 1) and of 16 with prefetch.
+VEC_VARIANTS = [("serial", {"block_t": 8, "vec": 2, "num_warps": 1}),
+                ("serial", {"block_t": 16, "vec": 2, "num_warps": 1, "prefetch": True})]
+VEC_IDS = ["serial8vec2", "serial16vec2pf"]
+
+
+@pytest.mark.parametrize("backend,opts", VEC_VARIANTS, ids=VEC_IDS)
+def test_vec_layout_fp32_and_float64(backend, opts):
+    args, h0 = inputs(torch.float32)
+    pos = positions()
+    want = run(reference.rglru, [a.double() for a in args], h0.double(), pos)
+    check(run(kernels.backends("rglru")[backend], args, h0, pos, **opts), want, FP32_TOL)
+    args, h0 = inputs(torch.float64, seed=1)
+    want = run(reference.rglru, args, h0, pos)
+    check(run(kernels.backends("rglru")[backend], args, h0, pos, **opts), want, FP64_TOL)
+
+
+def test_vec_layout_several_channel_blocks_no_state():
+    # D = 72 with 64 channels per program: a full and a partial channel block.
+    torch.manual_seed(5)
+    x, gx, ga = (torch.randn(1, 21, 72, dtype=torch.float64) for _ in range(3))
+    a_param = kernels.layers.rnn_param_init(torch.empty(72, dtype=torch.float64))
+    args = [x, gx, ga, a_param]
+    want = run(reference.rglru, args, None, None, final=False)
+    got = run(kernels.backends("rglru")["serial"], args, None, None, final=False, block_t=8, vec=2, num_warps=1)
+    assert got[1] is None
+    check([got[0], None, *got[2:]], [want[0], None, *want[2:]], FP64_TOL)
+
+
+def test_vec_layout_bf16_and_bitwise_reproducible():
+    args, h0 = inputs(torch.bfloat16, seed=3)
+    pos = positions()
+    exact = run(reference.rglru, [a.double() for a in args], h0.double(), pos)
+    yard = run(reference.rglru, args, h0, pos)
+    fn, opts = kernels.backends("rglru")["serial"], VEC_VARIANTS[0][1]
+    got = run(fn, args, h0, pos, **opts)
+    for name, g, y, w in zip(NAMES, got, yard, exact):
+        assert parity.rel_err(g, w) <= max(parity.LOWP_FACTOR * parity.rel_err(y, w), 1e-6), name
+    again = run(fn, args, h0, pos, **opts)
+    for name, a, b in zip(NAMES, got, again):
+        assert torch.equal(a, b), name
+
+
+def test_vec_layout_bad_options_raise():
+    args, _ = inputs(torch.float32)
+    fn = kernels.backends("rglru")["serial"]
+    with pytest.raises(ValueError, match="vec"):
+        fn(*args, None, None, False, vec=3)
+    with pytest.raises(ValueError, match="block_d"):
+        fn(*args, None, None, False, vec=2, num_warps=1, block_d=32)
+    with pytest.raises(ValueError, match="vec"):
+        kernels.backends("scan")["serial"](args[0], args[1], None, None, False, vec=True)

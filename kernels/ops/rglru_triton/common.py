@@ -269,15 +269,25 @@ def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
 @triton.jit
 def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
                h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
-               FAST: tl.constexpr):
+               FAST: tl.constexpr, FLIP: tl.constexpr = False):
     """Adjoint of one tile given its states. dyv: [BT, BD] dL/dy as loaded (0 past T);
     h: h_t; hprev: h_{t-1} (scan only); r: [BD] mu at the row after the tile. Stores the
     activation gradients and returns (mu at the tile's first row [BD], the tile's
-    d softplus(a_param) partial [BD])."""
+    d softplus(a_param) partial [BD]). FLIP: run the reverse scan as flip, forward scan,
+    flip (same result; for tiles whose time axis lies inside each thread, where the
+    flips are register renaming and Triton's reverse scan would add lane shuffles)."""
     dyv = dyv.to(ACC)
     ad = a * dyv
-    ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, ad),
-                                         0, affine_excl, reverse=True)
+    if FLIP:
+        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), tl.flip(a, 0),
+                                              tl.flip(ad, 0)), 0, affine_excl)
+        ea = tl.flip(ea, 0)
+        eb = tl.flip(eb, 0)
+        ia = tl.flip(ia, 0)
+        ib = tl.flip(ib, 0)
+    else:
+        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, ad),
+                                             0, affine_excl, reverse=True)
     lam = dyv + ea * r[None, :] + eb
     r_new = first_row(ia * r[None, :] + ib, rows)
     if IS_SCAN:

@@ -21,16 +21,30 @@ from .common import (recurrence_function, INTERPRET, acc_dtype, fast, affine, af
                      load_raw, out, softplus, tile_grads, tile_offsets, tl_acc)
 
 
+@triton.jit
+def channels(i_d, BD: tl.constexpr, VEC: tl.constexpr):
+    # VEC > 0: claim only VEC contiguous channels (true: there are BD). Triton's coalescing
+    # then gives every [BT, BD] tile the layout sizePerThread = [1, VEC], threadsPerWarp =
+    # [1, 32], warpsPerCTA = [1, num_warps] (with BD = 32 * num_warps * VEC): each thread
+    # owns VEC whole time columns, and the associative scan along time is an in-register
+    # serial loop (no shuffles, no shared memory). VEC = 0: the pointer analysis decides
+    # (8 BF16 per thread along D, time across lanes and warps).
+    o_d = i_d * BD + tl.arange(0, BD)
+    if VEC > 0:
+        o_d = tl.max_contiguous(o_d, VEC)
+    return o_d
+
+
 @triton.jit(do_not_specialize=["T"])
 def serial_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     SAVE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr,
+    ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr = 0,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
+    o_d = channels(i_d, BD, VEC)
     m_d = o_d < D
     rows = tl.arange(0, BT)
     if IS_SCAN:
@@ -72,11 +86,11 @@ def serial_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr, FAST: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr = 0,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
+    o_d = channels(i_d, BD, VEC)
     m_d = o_d < D
     rows = tl.arange(0, BT)
     if IS_SCAN:
@@ -120,7 +134,7 @@ def serial_bwd_kernel(
             h = A * hin[None, :] + Bs
             hprev = h
         r, dsp_t = tile_grads(dyr, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-                              h, hprev, r, sp, rows, IS_SCAN, ACC, RNE, FAST)
+                              h, hprev, r, sp, rows, IS_SCAN, ACC, RNE, FAST, VEC > 0)
         dsp += dsp_t
         if PREFETCH:
             r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
@@ -131,26 +145,38 @@ def serial_bwd_kernel(
 
 
 def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_stages=None, prefetch=None,
-            fast_math=None, chunk_size=None, **unknown):
+            fast_math=None, chunk_size=None, vec=None, **unknown):
     # Defaults: the fastest of the probe sweep on an H200 (results/kernels/rglru, run 1):
     # RG-LRU fwd+bwd at B=4, T=2048, D=2560 -> 16 channels x 64 steps, 4 warps, prefetch;
     # the bare scan at B=8, D=1024 -> 32 channels x 128 steps, 4 warps, prefetch.
     if unknown:
         raise ValueError(f"expected serial options among ['block_t', 'chunk_size', 'block_d', 'num_warps', "
-                         f"'num_stages', 'prefetch', 'fast_math'], got {sorted(unknown)}")
+                         f"'num_stages', 'prefetch', 'fast_math', 'vec'], got {sorted(unknown)}")
     if chunk_size is not None:
         if block_t is not None and block_t != chunk_size:
             raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
                              f"{chunk_size}")
         block_t = chunk_size
-    bt = check_pow2("block_t", (128 if is_scan else 64) if block_t is None else block_t, 8, 256)
-    bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
-    nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
+    v = 0 if vec is None else vec
+    if not isinstance(v, int) or isinstance(v, bool) or v not in (0, 2, 4, 8):
+        raise ValueError(f"expected vec in [0, 2, 4, 8] (channels per thread, time inside each thread; 0: "
+                         f"Triton's tile layout), got {vec!r}")
+    nw = (4 if not v else 2) if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
+    if v:
+        bt = check_pow2("block_t", 16 if block_t is None else block_t, 8, 256)
+        bd = 32 * nw * v
+        if block_d is not None and block_d != bd:
+            raise ValueError(f"expected block_d to be None or 32 * num_warps * vec = {bd} when vec > 0, "
+                             f"got {block_d!r}")
+    else:
+        bt = check_pow2("block_t", (128 if is_scan else 64) if block_t is None else block_t, 8, 256)
+        bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8,
+                                                                                         1024)
     ns = 1 if num_stages is None else num_stages
     if not isinstance(ns, int) or not 1 <= ns <= 4:
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
-    pf = True if prefetch is None else bool(prefetch)
-    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": pf, "FAST": bool(fast_math)}
+    pf = (not v) if prefetch is None else bool(prefetch)
+    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": pf, "FAST": bool(fast_math), "VEC": v}
 
 
 def _tile_bytes(is_scan, x, pos):
@@ -172,7 +198,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
         h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D,
         IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         SAVE=save, BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype),
-        RNE=INTERPRET, FAST=fast(cfg, x),
+        RNE=INTERPRET, FAST=fast(cfg, x), VEC=cfg["VEC"],
         num_warps=cfg["num_warps"],
     )
     accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
@@ -197,7 +223,7 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
         dh0 if dh0 is not None else hs, part if part is not None else hs, T, D,
         IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_DHT=dht is not None, STORE_DH0=need_dh0,
         BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype),
-        RNE=INTERPRET, FAST=fast(cfg, x),
+        RNE=INTERPRET, FAST=fast(cfg, x), VEC=cfg["VEC"],
         num_warps=cfg["num_warps"],
     )
     accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
