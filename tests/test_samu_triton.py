@@ -308,3 +308,17 @@ def test_fused_controls_match_reference(chunk, ref64):
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     for k in GRAD_NAMES:
         assert torch.equal(runs[0][2][k], runs[1][2][k]), k
+
+
+def test_controller_backward_tiling(monkeypatch, ref64):
+    """The controller backward's programs (column block, token range): several column
+    blocks with a partial last one, and a token range walked in several tiles with a
+    partial tail, give the same exact gradients."""
+    from kernels.ops.samu_triton import common
+
+    monkeypatch.setattr(common, "CTRL_BWD_BLOCK_D", 16)
+    monkeypatch.setattr(common, "CTRL_BWD_PROGRAMS", 2)
+    p = leaves(make_inputs(torch.float64))
+    with poisoned():
+        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=16)
+    assert_close_all(got, ref64, 1e-11)

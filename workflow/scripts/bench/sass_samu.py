@@ -39,11 +39,22 @@ def variants():
         r = dict(s, carry=F, y=P, states=F, NG="i32", GS=32, V=4, STORE_STATES=False)
         yield f"chunk replay  K{K} U{U} bm{BM} w{nw}", chunk._replay_kernel, \
             {n: r[n] for n in chunk._replay_kernel.arg_names}, nw, U * BM
+    for K, U, BM, nw in ((16, 4, 32, 1), (16, 4, 128, 1), (16, 4, 128, 2)):
+        bs = dict(x=P, dy=P, ctrl=F, modes=F, states=F, P=F, Qb=F, T="i32", N="i32", D="i32:16", M="i32:16",
+                  K=K, U=8, BM=BM, ACC=A)
+        yield f"chunk bwd summary K{K} bm{BM} w{nw}", chunk._bwd_summary_kernel, bs, nw, 8 * BM
+        bw = dict(bs, carry=F, dxw=F, dpart=F, ppart=F, ckpt=F, NG="i32", NMB="i32", U=U, GS=32, V=4)
+        yield f"chunk bwd (adjoint) K{K} U{U} bm{BM} w{nw}", chunk._bwd_kernel, \
+            {n: bw[n] for n in chunk._bwd_kernel.arg_names}, nw, U * BM
     c = dict(x=P, pd=F, rd=F, pa=F, ra=F, seg=I64, ctrl=F, aux=F, NTOK="i32", D="i32:16", scale=1.0 / 32,
              HAS_SEG=False, ACC=A)
     for bt, bd, nw in ((16, 256, 4), (64, 128, 4)):
         yield f"controls fwd bt{bt} bd{bd} w{nw}", common._controls_fwd_kernel, \
             dict(c, BLOCK_T=bt, BLOCK_D=bd), nw, bt * bd
+    cb = dict(dxw=F, x=P, aux=F, dpart=F, pd=F, rd=F, pa=F, ra=F, dx=P, colpart=F, scalpart=F, NTOK="i32",
+              D="i32:16", NMB="i32", TPP="i32:16", scale=1.0 / 32, BLOCK_T=common.CTRL_BWD_BLOCK_T,
+              BLOCK_D=common.CTRL_BWD_BLOCK_D, NMBP=64, ACC=A)
+    yield "controls bwd", common._controls_bwd_kernel, cb, 4, common.CTRL_BWD_BLOCK_T * common.CTRL_BWD_BLOCK_D
     for K in (16, 32):
         f = dict(x=P, pd=F, rd=F, pa=F, ra=F, seg=I64, ctrl=F, aux=F, modes=F, P=F, Q=F, T="i32", N="i32",
                  D="i32:16", M="i32:16", scale=1.0 / 32, HAS_SEG=True, K=K, U=8, BM=chunk.FUSED_BM,
