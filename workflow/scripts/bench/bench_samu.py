@@ -46,7 +46,25 @@ from common import records  # noqa: E402
 from kernels.ops import accounting  # noqa: E402
 from kernels.timing import time_fn  # noqa: E402
 
-SAMU_CONFIGS = [("serial", 32), ("chunk", 8), ("chunk", 16), ("chunk", 32), ("chunk", 64)]
+# (backend, chunk_size, launcher options): run 3 adds the variants of the run-3 kernel work
+# (several modes per thread: block_m / num_warps; the controller fused into the chunk summary)
+SAMU_CONFIGS = [("serial", 32, {}), ("chunk", 8, {}), ("chunk", 16, {}), ("chunk", 32, {}), ("chunk", 64, {}),
+                ("chunk", 16, {"block_m": 64, "num_warps": 1}), ("chunk", 16, {"block_m": 128, "num_warps": 1}),
+                ("chunk", 16, {"block_m": 128, "num_warps": 2}), ("chunk", 32, {"block_m": 128, "num_warps": 1}),
+                ("chunk", 16, {"fuse_controls": True}),
+                ("chunk", 16, {"fuse_controls": True, "block_m": 128, "num_warps": 1}),
+                ("chunk", 32, {"fuse_controls": True, "block_m": 128, "num_warps": 1})]
+
+
+def label(name, chunk, opts=None):
+    """Variant name: backend-K[-fused][-bm<block_m>w<num_warps>] (the GPU tests' ids)."""
+    opts = opts or {}
+    out = f"{name}-{chunk}" if chunk else name
+    if opts.get("fuse_controls"):
+        out += "-fused"
+    if "block_m" in opts:
+        out += f"-bm{opts['block_m']}w{opts.get('num_warps')}"
+    return out
 TRAIN = dict(B=4, T=2048, D=2560)
 FLOOR_B, FLOOR_D, FLOOR_TS = 8, 1024, (2048, 4096, 8192, 16384)
 DECODE_D, DECODE_B = 2560, 16
@@ -111,28 +129,29 @@ def documents(B, T):
     return torch.arange(T, **cuda()).repeat(B, 1)
 
 
-def op_call(mixer, name, chunk, p, seg, final=False):
+def op_call(mixer, name, chunk, p, seg, final=False, opts=None):
     if mixer == "samu":
-        return kernels.samu(p["x"], p["phase_dir"], p["radial_dir"], p["phase_amp"], p["radial_amp"], p["nu_log"],
-                            p["theta_log"], segment_pos=seg, output_final_state=final, backend=name,
-                            chunk_size=chunk)
+        # the provider itself (run 3): launcher options reach it, every variant the same path
+        from kernels.ops.samu_triton import BACKENDS
+        return BACKENDS["samu"][name](p["x"], p["phase_dir"], p["radial_dir"], p["phase_amp"], p["radial_amp"],
+                                      p["nu_log"], p["theta_log"], seg, None, final, chunk_size=chunk, **(opts or {}))
     return kernels.rglru(p["x"], p["gate_x"], p["gate_a"], p["a_param"], segment_pos=seg, output_final_state=final,
                          backend=name, chunk_size=chunk)
 
 
-def train_step_fn(mixer, name, chunk, p, seg, dy):
+def train_step_fn(mixer, name, chunk, p, seg, dy, opts=None):
     params = list(p.values())
 
     def step():
-        y, _ = op_call(mixer, name, chunk, p, seg)
+        y, _ = op_call(mixer, name, chunk, p, seg, opts=opts)
         return torch.autograd.grad(y, params, dy)
     return step
 
 
-def forward_fn(mixer, name, chunk, p, seg):
+def forward_fn(mixer, name, chunk, p, seg, opts=None):
     def fwd():
         with torch.no_grad():
-            return op_call(mixer, name, chunk, p, seg, final=True)
+            return op_call(mixer, name, chunk, p, seg, final=True, opts=opts)
     return fwd
 
 
@@ -140,7 +159,7 @@ def rglru_configs():
     names = [n for n in kernels.backends("rglru") if n != "reference"]
     out = []
     for n in names:
-        out += [(n, k) for k in (8, 16, 32, 64)] if n == "chunk" else [(n, None)]
+        out += [(n, k, {}) for k in (8, 16, 32, 64)] if n == "chunk" else [(n, None, {})]
     return out
 
 
@@ -170,23 +189,23 @@ def step_fn(mixer, layout, x, args, state):
 def warm(task):
     """Run one configuration once at its real shapes so that its kernels compile."""
     t0 = time.time()
-    kind, mixer, name, chunk = task
+    kind, mixer, name, chunk, opts = task
     try:
         if kind == "train" and mixer == "samu":
             # the variants the GPU tests use (initial state, resets, final state with a gradient)
             q = samu_inputs(1, TRAIN["T"], 64, grad=True)
             h0 = torch.zeros(1, 32, **cuda(dtype=torch.complex64), requires_grad=True)
-            y, h = kernels.samu(*q.values(), segment_pos=documents(1, TRAIN["T"]), initial_state=h0,
-                                output_final_state=True, backend=name, chunk_size=chunk)
+            from kernels.ops.samu_triton import BACKENDS
+            y, h = BACKENDS["samu"][name](*q.values(), documents(1, TRAIN["T"]), h0, True, chunk_size=chunk, **opts)
             torch.autograd.grad(y.float().sum() + h.real.sum(), [*q.values(), h0])
         if kind == "train":
             p = samu_inputs(**TRAIN, grad=True) if mixer == "samu" else rglru_inputs(**TRAIN, grad=True)
             seg = documents(TRAIN["B"], TRAIN["T"])
             dy = torch.randn(TRAIN["B"], TRAIN["T"], TRAIN["D"], **cuda()).to(BF16)
-            train_step_fn(mixer, name, chunk, p, seg, dy)()
+            train_step_fn(mixer, name, chunk, p, seg, dy, opts)()
             for T in FLOOR_TS:
                 q = samu_inputs(FLOOR_B, T, FLOOR_D) if mixer == "samu" else rglru_inputs(FLOOR_B, T, FLOOR_D)
-                forward_fn(mixer, name, chunk, q, documents(FLOOR_B, T))()
+                forward_fn(mixer, name, chunk, q, documents(FLOOR_B, T), opts)()
         else:
             for layout in name:
                 x, args, state = step_inputs(mixer, DECODE_B, DECODE_D)
@@ -307,6 +326,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="skip the remaining sections (still writing the results) once this much time has passed")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode step section")
     ap.add_argument("--dry", action="store_true", help="tiny shapes on the CPU interpreter, no tests")
     args = ap.parse_args()
     if args.dry:
@@ -328,10 +348,11 @@ def main():
     meta = {"started": records.now(), "gpu": records.facts.gpu(), "versions": records.facts.versions(),
             "commit": bench.commit, "rglru_backends": [list(c) for c in rg], "notes": {}}
 
-    tasks = [("train", "samu", n, k) for n, k in SAMU_CONFIGS] + [("train", "rglru", n, k) for n, k in rg]
-    tasks += [("step", "samu", ("row", "blocked"), None)]
-    if "fused" in kernels.step_backends("rglru"):
-        tasks += [("step", "rglru", ("fused",), None)]
+    tasks = [("train", "samu", n, k, o) for n, k, o in SAMU_CONFIGS] + [("train", "rglru", n, k, o) for n, k, o in rg]
+    if not args.no_decode:
+        tasks += [("step", "samu", ("row", "blocked"), None, {})]
+        if "fused" in kernels.step_backends("rglru"):
+            tasks += [("step", "rglru", ("fused",), None, {})]
     warmed = warm_all(tasks, args.workers) if args.workers else [warm(t) for t in tasks]
     meta["warmup"] = [{"task": list(map(str, t)), "error": e, "seconds": s} for t, e, s in warmed]
     print(f"[{time.time() - t_start:5.0f}s] warm-up done: {sum(e is None for _, e, _ in warmed)}/{len(warmed)} ok",
@@ -341,8 +362,8 @@ def main():
     meta["gpu_tests"] = passed
     print(f"[{time.time() - t_start:5.0f}s] GPU tests: {sum(passed.values())}/{len(passed)} passed", flush=True)
 
-    def gate(name, chunk):
-        key = f"test_bf16_gate[{name}-{chunk}]"
+    def gate(name, chunk, opts):
+        key = f"test_bf16_gate[{label(name, chunk, opts)}]"
         return args.skip_tests or passed.get(key, False)
 
     bw = copy_bandwidth(bench)
@@ -351,32 +372,34 @@ def main():
 
     # forward + backward
     shapes = {**TRAIN, "dtype": "bfloat16"}
-    confs = [("samu", n, k) for n, k in SAMU_CONFIGS if gate(n, k)] + [("rglru", n, k) for n, k in rg]
-    meta["not_timed_gate_failed"] = [f"samu-{n}-{k}" for n, k in SAMU_CONFIGS if not gate(n, k)]
+    confs = [("samu", n, k, o) for n, k, o in SAMU_CONFIGS if gate(n, k, o)] + [("rglru", n, k, o) for n, k, o in rg]
+    meta["not_timed_gate_failed"] = [label(n, k, o) for n, k, o in SAMU_CONFIGS if not gate(n, k, o)]
     p_s = samu_inputs(**TRAIN, grad=True)
     p_r = rglru_inputs(**TRAIN, grad=True)
     seg = documents(TRAIN["B"], TRAIN["T"])
     dy = torch.randn(TRAIN["B"], TRAIN["T"], TRAIN["D"], **cuda()).to(BF16)
     for order, seq in (("AB", confs), ("BA", confs[::-1])):
-        for mixer, n, k in seq:
-            fn = train_step_fn(mixer, n, k, p_s if mixer == "samu" else p_r, seg, dy)
-            bench.timed(f"train-{mixer}-{n}{k or ''}-{order}", fn, shapes, mixer, n, order, reps=reps,
-                        extra={"kind": "fwd+bwd", "chunk_size": k, "timing": "eager"})
-    for mixer, n, k in confs:
-        if over_budget(f"graph-profile-{mixer}-{n}{k}"):
+        for mixer, n, k, o in seq:
+            fn = train_step_fn(mixer, n, k, p_s if mixer == "samu" else p_r, seg, dy, o)
+            bench.timed(f"train-{mixer}-{label(n, k, o)}-{order}", fn, shapes, mixer, n, order, reps=reps,
+                        extra={"kind": "fwd+bwd", "chunk_size": k, "timing": "eager", "variant": label(n, k, o),
+                               "options": o})
+    for mixer, n, k, o in confs:
+        if over_budget(f"graph-profile-{mixer}-{label(n, k, o)}"):
             continue
-        fn = train_step_fn(mixer, n, k, p_s if mixer == "samu" else p_r, seg, dy)
+        fn = train_step_fn(mixer, n, k, p_s if mixer == "samu" else p_r, seg, dy, o)
         try:
             g = graph_of(fn)
-            bench.timed(f"train-{mixer}-{n}{k or ''}-graph", g.replay, shapes, mixer, n, None, reps=reps,
-                        extra={"kind": "fwd+bwd", "chunk_size": k, "timing": "cuda_graph"})
+            bench.timed(f"train-{mixer}-{label(n, k, o)}-graph", g.replay, shapes, mixer, n, None, reps=reps,
+                        extra={"kind": "fwd+bwd", "chunk_size": k, "timing": "cuda_graph", "variant": label(n, k, o),
+                               "options": o})
             del g
         except Exception as e:  # noqa: BLE001
-            meta["notes"][f"graph-{mixer}-{n}{k}"] = f"{type(e).__name__}: {e}"[:300]
+            meta["notes"][f"graph-{mixer}-{label(n, k, o)}"] = f"{type(e).__name__}: {e}"[:300]
         try:
-            meta.setdefault("kernel_profile_train", {})[f"{mixer}-{n}{k or ''}"] = kernel_profile(fn)
+            meta.setdefault("kernel_profile_train", {})[f"{mixer}-{label(n, k, o)}"] = kernel_profile(fn)
         except Exception as e:  # noqa: BLE001
-            meta["notes"][f"profile-{mixer}-{n}{k}"] = f"{type(e).__name__}: {e}"[:300]
+            meta["notes"][f"profile-{mixer}-{label(n, k, o)}"] = f"{type(e).__name__}: {e}"[:300]
     del p_s, p_r, dy
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -388,33 +411,34 @@ def main():
             continue
         q_s, q_r = samu_inputs(FLOOR_B, T, FLOOR_D), rglru_inputs(FLOOR_B, T, FLOOR_D)
         seg = documents(FLOOR_B, T)
-        fconfs = [("samu", n, k) for n, k in SAMU_CONFIGS if gate(n, k)] + [("rglru", n, k) for n, k in rg]
+        fconfs = [("samu", n, k, o) for n, k, o in SAMU_CONFIGS if gate(n, k, o)] + [("rglru", n, k, o) for n, k, o in rg]
         for order, seq in (("AB", fconfs), ("BA", fconfs[::-1])):
-            for mixer, n, k in seq:
+            for mixer, n, k, o in seq:
                 q = q_s if mixer == "samu" else q_r
                 n_in = 1 if mixer == "samu" else 3
                 floor_bytes = (n_in + 1) * FLOOR_B * T * FLOOR_D * 2
-                rec = bench.timed(f"fwd-{mixer}-{n}{k or ''}-T{T}-{order}", forward_fn(mixer, n, k, q, seg),
+                rec = bench.timed(f"fwd-{mixer}-{label(n, k, o)}-T{T}-{order}", forward_fn(mixer, n, k, q, seg, o),
                                   {"B": FLOOR_B, "T": T, "D": FLOOR_D, "dtype": "bfloat16"}, mixer, n, order,
-                                  reps=reps, extra={"kind": "forward", "chunk_size": k, "floor_bytes": floor_bytes})
+                                  reps=reps, extra={"kind": "forward", "chunk_size": k, "floor_bytes": floor_bytes,
+                                                    "variant": label(n, k, o), "options": o})
                 if rec["status"] == "ok":
                     rec["floor_ms"] = floor_bytes / bw * 1e3
                     rec["fraction_of_floor"] = rec["floor_ms"] / rec["stats"]["median_ms"]
         if T == 8192:
-            for mixer, n, k in fconfs:
+            for mixer, n, k, o in fconfs:
                 try:
-                    meta.setdefault("kernel_profile_forward_T8192", {})[f"{mixer}-{n}{k or ''}"] = kernel_profile(
-                        forward_fn(mixer, n, k, q_s if mixer == "samu" else q_r, seg))
+                    meta.setdefault("kernel_profile_forward_T8192", {})[f"{mixer}-{label(n, k, o)}"] = kernel_profile(
+                        forward_fn(mixer, n, k, q_s if mixer == "samu" else q_r, seg, o))
                 except Exception as e:  # noqa: BLE001
-                    meta["notes"][f"fprofile-{mixer}-{n}{k}"] = f"{type(e).__name__}: {e}"[:300]
+                    meta["notes"][f"fprofile-{mixer}-{label(n, k, o)}"] = f"{type(e).__name__}: {e}"[:300]
         del q_s, q_r
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     print(f"[{time.time() - t_start:5.0f}s] forward floor done", flush=True)
 
     # decode
-    layouts = [("samu", "row"), ("samu", "blocked")]
-    if "fused" in kernels.step_backends("rglru"):
+    layouts = [] if args.no_decode else [("samu", "row"), ("samu", "blocked")]
+    if layouts and "fused" in kernels.step_backends("rglru"):
         layouts.append(("rglru", "fused"))
     meta["decode_layouts"] = layouts
     sweep = {}
@@ -504,7 +528,7 @@ def write_summary(path, recs, meta):
         if r.get("kind") == "fwd+bwd" and r["order"] == "AB":
             stem = r["config_id"][:-3]
             ba, gr = by.get(stem + "-BA"), by.get(stem + "-graph")
-            lines.append(f"| {r['mixer']} | {r['backend']} | {r.get('chunk_size') or ''} | "
+            lines.append(f"| {r['mixer']} | {r.get('variant', r['backend'])} | {r.get('chunk_size') or ''} | "
                          f"{r['stats']['median_ms']:.4f} | {ba['stats']['median_ms'] if ba else float('nan'):.4f} | "
                          f"{gr['stats']['median_ms'] if gr else float('nan'):.4f} | {r['logical']['launches']} |")
     lines += ["", f"## Forward (prefill), B = {FLOOR_B}, D = {FLOOR_D}, bf16: fraction of the memory floor", "",
@@ -513,13 +537,13 @@ def write_summary(path, recs, meta):
               "|---|---|---|" + "---|" * len(FLOOR_TS)]
     seen = []
     for r in ok:
-        if r.get("kind") == "forward" and (r["mixer"], r["backend"], r.get("chunk_size")) not in seen:
-            key = (r["mixer"], r["backend"], r.get("chunk_size"))
+        if r.get("kind") == "forward" and (r["mixer"], r.get("variant"), r.get("chunk_size")) not in seen:
+            key = (r["mixer"], r.get("variant"), r.get("chunk_size"))
             seen.append(key)
             cells = []
             for T in FLOOR_TS:
                 rs = [x for x in ok if x.get("kind") == "forward" and x["shapes"]["T"] == T
-                      and (x["mixer"], x["backend"], x.get("chunk_size")) == key]
+                      and (x["mixer"], x.get("variant"), x.get("chunk_size")) == key]
                 if rs:
                     med = sorted(x["stats"]["median_ms"] for x in rs)[len(rs) // 2]
                     cells.append(f"{med:.4f} ({100 * rs[0]['floor_ms'] / med:.0f}%)")
