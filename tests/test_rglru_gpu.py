@@ -19,9 +19,13 @@ VARIANTS = [("serial", {}), ("chunk", {"chunk_size": 8}), ("chunk", {"chunk_size
             ("serial", {"prefetch": False, "block_d": 32}), ("serial", {"num_stages": 3, "block_t": 32}),
             ("chunk", {"chunk_size": 8, "inner": "loop"}), ("chunk", {"chunk_size": 16, "inner": "loop"}),
             ("chunk", {"chunk_size": 32, "inner": "loop", "block_d": 128, "num_warps": 1}),
-            ("chunk", {"chunk_size": 16, "inner": "loop", "fast_math": True}), ("serial", {"fast_math": True})]
+            ("chunk", {"chunk_size": 16, "inner": "loop", "fast_math": True}), ("serial", {"fast_math": True}),
+            ("serial", {"vec": 2, "block_t": 16, "num_warps": 2}),
+            ("serial", {"vec": 2, "block_t": 8, "num_warps": 2, "fast_math": True})]
 IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_noprefetch", "serial_stages3", "chunk8loop",
-       "chunk16loop", "chunk32loop", "chunk16loop_fast", "serial_fast"]
+       "chunk16loop", "chunk32loop", "chunk16loop_fast", "serial_fast", "serial_vec2", "serial_vec2_fast"]
+# Subsets for the slower checks: run 1's default, chunk 32, chunk 16 loop, the time-in-thread serial.
+SUBSET = [0, 3, 8, 12]
 NAMES = ["output", "final_state", "grad_x", "grad_gate_x", "grad_gate_a", "grad_a_param", "grad_initial_state"]
 
 
@@ -75,7 +79,7 @@ def test_fp32_model_shape(problem, backend, opts):
         assert err <= parity.BACKEND_TOL[torch.float32], name
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3], VARIANTS[8]], ids=[IDS[0], IDS[3], IDS[8]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[i] for i in SUBSET], ids=[IDS[i] for i in SUBSET])
 def test_bitwise_reproducible(problem, backend, opts):
     fn = kernels.backends("rglru")[backend]
     first = run(fn, problem["args16"], problem["h0"], problem["pos"], problem["cot"], **opts)
@@ -84,7 +88,7 @@ def test_bitwise_reproducible(problem, backend, opts):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3], VARIANTS[8]], ids=[IDS[0], IDS[3], IDS[8]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[i] for i in SUBSET], ids=[IDS[i] for i in SUBSET])
 def test_forward_keeps_only_boundary_states(problem, backend, opts):
     # What forward leaves allocated for backward, beyond y: FP32 states at tile or
     # chunk boundaries (at most 1/8 of a [B, T, D] FP32 tensor), nothing [B, T, D].
@@ -98,7 +102,7 @@ def test_forward_keeps_only_boundary_states(problem, backend, opts):
     del y
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[0], VARIANTS[3], VARIANTS[8]], ids=[IDS[0], IDS[3], IDS[8]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[i] for i in SUBSET], ids=[IDS[i] for i in SUBSET])
 def test_int64_offsets(backend, opts):
     # 2 x 262_200 x 4_100 > 2^31 elements: the last steps (offsets past 2^31) against the
     # reference continued from the kernel's own FP32 state 64 steps earlier.
@@ -120,10 +124,11 @@ def test_int64_offsets(backend, opts):
 
 
 SCAN_VARIANTS = [("serial", {}), ("serial", {"prefetch": False, "block_t": 64}), ("chunk", {"chunk_size": 32}),
-                 ("chunk", {"chunk_size": 16, "inner": "loop"})]
+                 ("chunk", {"chunk_size": 16, "inner": "loop"}), ("serial", {"vec": 4, "block_t": 32, "num_warps": 2})]
 
 
-@pytest.mark.parametrize("backend,opts", SCAN_VARIANTS, ids=["serial", "serial_noprefetch", "chunk32", "chunk16loop"])
+@pytest.mark.parametrize("backend,opts", SCAN_VARIANTS,
+                         ids=["serial", "serial_noprefetch", "chunk32", "chunk16loop", "serial_vec4"])
 def test_scan_track_shape(backend, opts):
     # Section-4 scan shape in BF16 (FP32 accumulation): output, final state, both gradients.
     Bs, Ts, Ds = 8, 4096, 1024

@@ -8,6 +8,17 @@ Backward walks the tiles in reverse: recompute the tile's states from the saved
 entering state, run the adjoint scan (see common.py), store the gradients, and carry
 mu_t = a_t lam_t to the previous tile. The a_param gradient is a per-program partial
 [B, D] reduced in a fixed order.
+
+Tile layout (option vec). vec = 0 (default, run 1's measured configuration): Triton's
+coalescing gives a tile 8 BF16 per thread along D and spreads the time axis over lanes
+and warps, so the tile scan costs shuffles and shared memory (181 / 327 SASS
+instructions per element forward / backward, results/kernels/rglru/sass_sm90.txt).
+vec in (2, 4, 8): each thread owns vec adjacent channels and their whole time column
+(BD = 32 * num_warps * vec; block_d must then be left out or equal that), so the scan
+along time is a serial loop in registers; the backward's reverse scan runs as flip,
+forward scan, flip (register renaming). One channel per thread (vec = 1) is not
+offered: with contiguity 1 Triton puts the time axis across lanes again. Fewer
+threads in all (B * D / vec): see results/kernels/rglru/README.md (run 2) for timings.
 """
 
 from __future__ import annotations
@@ -242,8 +253,10 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
     x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
     [B, D] FP32. Options: block_t (time tile; chunk_size is accepted as its alias),
     block_d, num_warps, num_stages, prefetch (load the next tile before scanning this
-    one; default on), fast_math (approximate ex2/rcp/sqrt in FP32 on the GPU).
-    Returns (y [B, T, D], final state [B, D] or None)."""
+    one; default on, off with vec), fast_math (approximate ex2/rcp/sqrt in FP32 on the
+    GPU), vec (0: Triton's tile layout; 2, 4, 8: channels per thread with the time axis
+    inside each thread, BD = 32 * num_warps * vec, default block_t 16 and 2 warps; see
+    the module docstring). Returns (y [B, T, D], final state [B, D] or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, False, **opts)
     if T == 0:
@@ -254,7 +267,8 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
 
 def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
     """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets) through the serial kernels, real
-    inputs; complex inputs go to the PyTorch reference."""
+    inputs; complex inputs go to the PyTorch reference. Options as fused_recurrent_rglru
+    (vec included)."""
     if b.is_complex():
         from .. import reference
 

@@ -396,6 +396,70 @@ def phase_scan(S, dev, reps, warmup, res):
     return out
 
 
+# Run 2: the serial kernels with the time axis inside each thread (option vec) against
+# run 1's serial default, at the fwd+bwd target shape and on the bare-scan track.
+VEC_RGLRU = [("serial", {}), ("serial", {"fast_math": True}),
+             ("serial", dict(vec=2, block_t=16, num_warps=2)),
+             ("serial", dict(vec=2, block_t=16, num_warps=2, fast_math=True)),
+             ("serial", dict(vec=2, block_t=8, num_warps=2, fast_math=True)),
+             ("serial", dict(vec=2, block_t=8, num_warps=1, fast_math=True)),
+             ("serial", dict(vec=2, block_t=16, num_warps=1, fast_math=True, prefetch=True)),
+             ("chunk", dict(chunk_size=16, inner="loop", block_d=256, num_warps=2, fast_math=True))]
+VEC_SCAN = [("serial", {}), ("serial", dict(vec=2, block_t=32, num_warps=1)),
+            ("serial", dict(vec=2, block_t=32, num_warps=1, prefetch=True)),
+            ("serial", dict(vec=2, block_t=64, num_warps=1, prefetch=True)),
+            ("serial", dict(vec=4, block_t=32, num_warps=1))]
+
+
+def phase_vec(S, dev, reps, warmup, res):
+    """Old serial default vs the vec (time-in-thread) variants; gates first, then both
+    orders. RG-LRU: fwd+bwd and fwd at S['rglru']; bare scan: fwd at every S['scan_T']."""
+    B, T, D = S["rglru"]
+    args, pos, dy = rglru_inputs(B, T, D, dev)
+    out = {"rglru": {"shape": [B, T, D], "dtype": "bfloat16", "gates": {}}, "scan": {"by_T": {}, "gates": {}}}
+    cands_fb, cands_f = {}, {}
+    for backend, opts in VEC_RGLRU:
+        name = cfg_name(backend, opts)
+        gate = gate_rglru(backend, opts, (B, T, D), dev)
+        out["rglru"]["gates"][name] = gate
+        if not gate["passed"]:
+            log(f"GATE FAILED {name}: {gate}")
+            continue
+        cands_fb[name] = ours_rglru(backend, opts, args, pos, dy, "fwdbwd")
+        cands_f[name] = ours_rglru(backend, opts, args, pos, dy, "fwd")
+    out["rglru"]["fwdbwd"] = both_orders(cands_fb, reps, warmup, graph=True)
+    out["rglru"]["fwd"] = both_orders(cands_f, reps, warmup)
+    for k in cands_fb:
+        fb, f = out["rglru"]["fwdbwd"][k], out["rglru"]["fwd"][k]
+        log(f"rglru {k:60s} fwd+bwd {fb['median_ms'] or math.nan:.4f} ms "
+            f"(graph {fb['graph_median_ms'] or math.nan:.4f})  fwd {f['median_ms'] or math.nan:.4f} ms")
+    bw = res["copy"]["bytes_per_s"]
+    Bs, Ds = S["scan_B"], S["scan_D"]
+    for T in S["scan_T"]:
+        a, b = scan_inputs(Bs, T, Ds, dev)
+        cands = {}
+        for backend, opts in VEC_SCAN:
+            name = cfg_name(backend, opts)
+            gate = gate_scan(backend, opts, a, b)
+            out["scan"]["gates"].setdefault(str(T), {})[name] = gate
+            if gate["passed"]:
+                cands[name] = ours_scan(backend, opts, a, b, "fwd")
+            else:
+                log(f"GATE FAILED scan {name}: {gate}")
+        if res["peers"].get("accelerated_scan_scalar"):
+            ac, bc = scan_inputs(Bs, T, Ds, dev, layout="bdt")
+            cands["accelerated_scan_scalar"] = peer_scan("accelerated_scan_scalar", ac, bc, "fwd")
+        r = both_orders(cands, reps, warmup)
+        floor_ms = 3 * a.numel() * a.element_size() / bw * 1e3
+        for v in r.values():
+            v["floor_fraction"] = floor_ms / v["median_ms"] if v.get("median_ms") else None
+        out["scan"]["by_T"][str(T)] = {"floor_ms": floor_ms, "bytes_moved": 3 * a.numel() * a.element_size(),
+                                       "results": r}
+        log(f"scan T={T}: floor {floor_ms:.4f} ms | " + " | ".join(
+            f"{k} {v['median_ms'] or math.nan:.4f} ({(v['floor_fraction'] or 0) * 100:.0f}%)" for k, v in r.items()))
+    return out
+
+
 def phase_step(S, dev, reps, warmup):
     import kernels
     from kernels.timing import time_fn
@@ -523,6 +587,20 @@ def summary(res):
             row = " | ".join(f"{k} {x['median_ms'] or float('nan'):.4f} ({(x['floor_fraction'] or 0) * 100:.0f}%)"
                              for k, x in v["results"].items())
             lines.append(f"  T={T:>5s} floor {v['floor_ms']:.4f} ms | {row}")
+    vr = res.get("vec", {})
+    if "rglru" in vr:
+        lines.append(f"run 2 vec: RG-LRU {vr['rglru']['shape']} bf16, both orders (target fwd+bwd <= 0.25 ms):")
+        for k, v in vr["rglru"].get("fwdbwd", {}).items():
+            f = vr["rglru"].get("fwd", {}).get(k, {})
+            nan = float("nan")
+            lines.append(f"  {k:62s} fwd+bwd {v.get('median_ms') or nan:8.4f} ms  graph "
+                         f"{v.get('graph_median_ms') or nan:8.4f} ms  fwd {f.get('median_ms') or nan:8.4f} ms")
+        lines.append("run 2 vec: bare scan fwd (target >= 85% of floor for T >= 4096):")
+        for T, v in vr["scan"]["by_T"].items():
+            lines.append(f"  T={T:>5s} floor {v['floor_ms']:.4f} ms")
+            for k, x in v["results"].items():
+                lines.append(f"    {k:56s} {x['median_ms'] or float('nan'):.4f} ms "
+                             f"({(x['floor_fraction'] or 0) * 100:.0f}% of floor)")
     st = res.get("step", {})
     for B, v in st.get("by_B", {}).items():
         lines.append(f"step B={B:>3s} D={st['D']}: eager {med(v) * 1e3:7.2f} us | graph 1-step "
@@ -539,12 +617,16 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--vec", action="store_true",
+                    help="only phase_vec (old serial default vs the vec variants); with --tests only the vec GPU tests")
     ap.add_argument("--build-deadline", type=float, default=150.0,
                     help="seconds from the start after which the accelerated-scan CUDA build is abandoned")
     args = ap.parse_args(argv)
     if args.smoke:
         for sweep in (SERIAL_SWEEP, CHUNK_SWEEP, SCAN_SERIAL_SWEEP, SCAN_CHUNK):
             del sweep[2:]
+        for sweep in (VEC_RGLRU, VEC_SCAN):
+            del sweep[3:], sweep[1]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     S = SHAPES["smoke" if args.smoke else "full"]
@@ -560,6 +642,9 @@ def main(argv=None):
 
     t0 = time.time()
     tests = warp_build = None
+    if args.vec:
+        peers["accelerated_scan_warp"] = False
+        args.workers = 0
     if peers.get("accelerated_scan_warp"):
         # accelerated-scan's CUDA scan builds with nvcc at import (load_inline): in its
         # own process from the start, waited for only up to a deadline.
@@ -569,7 +654,8 @@ def main(argv=None):
     if args.tests:
         xdist = ["-n", "4"] if importlib.util.find_spec("xdist") else []
         tests = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-rA", "tests/test_rglru_gpu.py", *xdist],
+            [sys.executable, "-m", "pytest", "-q", "-rA", "tests/test_rglru_gpu.py", *xdist,
+             *(["-k", "vec"] if args.vec else [])],
             cwd=REPO, stdout=open(out_dir / "test_rglru_gpu.log", "w"), stderr=subprocess.STDOUT)
     if dev == "cuda" and args.workers > 0:
         jobs = warm_jobs(S, peers)
@@ -596,9 +682,12 @@ def main(argv=None):
 
     res["copy"] = copy_bandwidth(S["copy_bytes"], dev)
     log(f"copy bandwidth {res['copy']['bytes_per_s'] / 1e12:.3f} TB/s")
-    for name, phase in (("scan", lambda: phase_scan(S, dev, args.reps, args.warmup, res)),
-                        ("rglru", lambda: phase_rglru(S, dev, args.reps, args.warmup, res)),
-                        ("step", lambda: phase_step(S, dev, args.reps, args.warmup))):
+    phases = (("scan", lambda: phase_scan(S, dev, args.reps, args.warmup, res)),
+              ("rglru", lambda: phase_rglru(S, dev, args.reps, args.warmup, res)),
+              ("step", lambda: phase_step(S, dev, args.reps, args.warmup)))
+    if args.vec:
+        phases = (("vec", lambda: phase_vec(S, dev, args.reps, args.warmup, res)),)
+    for name, phase in phases:
         t1 = time.time()
         try:
             res[name] = phase()

@@ -7,7 +7,7 @@ once), the shuffles (SHFL), shared-memory traffic (LDS/STS) and barriers (BAR) t
 Triton's associative scan along the tile's time axis costs, the special-function
 instructions (MUFU) of the gates, and local-memory spills (LDL/STL). No device time.
 
-    python workflow/scripts/bench/sass_rglru.py [--out FILE]
+    python workflow/scripts/bench/sass_rglru.py [--vec] [--out FILE]
 """
 
 from __future__ import annotations
@@ -115,14 +115,39 @@ def variants():
             yield f"{name}scan K{K} bd{bd} w{nw}", fn, {n: args[n] for n in fn.arg_names}, nw, K * bd
 
 
+def vec_variants():
+    """The serial kernels with option vec (time axis inside each thread, BD = 32 * nw * vec)."""
+    base = dict(T="i32", D="i32:16", ACC=tl.float32, RNE=False, HAS_RESET=True)
+    sf = dict(x=P, gx=P, ga=P, ap=F, pos=I64, h0=F, y=P, ht=F, hs=F, HAS_H0=False, STORE_HT=False, STAGES=1)
+    sb = dict(x=P, gx=P, ga=P, ap=F, pos=I64, hs=F, dy=P, dht=F, dx=P, dgx=P, dga=P, dh0=F, dsp_part=F,
+              HAS_DHT=False, STORE_DH0=False, STAGES=1)
+    for bt, vec, nw, pf, fast in ((16, 2, 2, False, False), (8, 2, 2, False, False), (16, 2, 2, True, False),
+                                  (16, 2, 2, False, True), (8, 2, 2, False, True), (8, 2, 1, False, True),
+                                  (16, 2, 1, True, True)):
+        bd = 32 * nw * vec
+        tag = f"bt{bt} vec{vec} w{nw}{' pf' if pf else ''}{' fast' if fast else ''}"
+        kw = {**base, "IS_SCAN": False, "BT": bt, "BD": bd, "PREFETCH": pf, "VEC": vec, "FAST": fast}
+        yield f"serial fwd  rglru {tag}", fused_recurrent.serial_fwd_kernel, {**kw, **sf, "SAVE": True}, nw, bt * bd
+        yield f"serial bwd  rglru {tag}", fused_recurrent.serial_bwd_kernel, {**kw, **sb}, nw, bt * bd
+    for bt, vec, nw, pf in ((32, 2, 1, False), (32, 2, 1, True), (64, 2, 1, True), (32, 4, 1, False),
+                            (16, 8, 1, False)):
+        bd = 32 * nw * vec
+        tag = f"bt{bt} vec{vec} w{nw}{' pf' if pf else ''}"
+        kw = {**base, "IS_SCAN": True, "HAS_RESET": False, "BT": bt, "BD": bd, "PREFETCH": pf, "VEC": vec,
+              "FAST": False}
+        yield f"serial fwd  scan  {tag}", fused_recurrent.serial_fwd_kernel, {**kw, **sf, "SAVE": False}, nw, bt * bd
+        yield f"serial bwd  scan  {tag}", fused_recurrent.serial_bwd_kernel, {**kw, **sb}, nw, bt * bd
+
+
 def main(argv=None):
     """Compile every variant for sm_90 and print its per-element instruction mix."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--vec", action="store_true", help="only the serial vec (time-in-thread) variants")
     args = ap.parse_args(argv)
     head = f"{'kernel':40s} {'instr/elem':>10s} " + " ".join(f"{k:>6s}" for k in KEYS)
     lines = [head + "   (per element per thread)"]
-    for label, fn, kw, nw, elems in variants():
+    for label, fn, kw, nw, elems in (vec_variants() if args.vec else variants()):
         ops = mix(compile_sm90(fn, kw, nw))
         per = elems / (32 * nw)
         lines.append(f"{label:40s} {sum(ops.values()) / per:10.1f} " + " ".join(f"{ops[k] / per:6.1f}" for k in KEYS))
