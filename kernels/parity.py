@@ -29,7 +29,7 @@ float64 measures the problem's conditioning (SAMU's adjoint over thousands of st
 |a| near 1 loses digits in FP32 whatever the implementation); Triton backends stay
 gated at the fixed FP32 tolerance.
 SAMU's comparisons zero the output cotangent at relu's kink (exact pre-relu state within
-KINK_REL * max|h| of zero, see _samu_relu_kinks), in every run alike; rows report the
+KINK_REL * max|h| of zero, see samu_relu_kinks), in every run alike; rows report the
 count as relu_kinks_masked.
 Official checks accept float32, bfloat16 and float16 (the official RG-LRU state is
 float32 by construction; run_gates runs them in float32 when asked for float64).
@@ -531,7 +531,7 @@ def _run_op(fn, args, h0, pos, opts, seed, kinks=None):
 KINK_REL = 10 * 2.0**-20
 
 
-def _samu_relu_kinks(args64, h064, pos):
+def samu_relu_kinks(args64, h064, pos):
     """Where SAMU's exact pre-relu state is within KINK_REL * max|h| of zero. relu's
     derivative jumps there, and which side an FP32 state lands on (|h| ~ 1e-8 against
     values of order 1) is rounding luck for any implementation, the reference included;
@@ -581,7 +581,7 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     pos = make_segment_pos(B, T, resets, seed, device)
     args_exact = [a.double() for a in args]
     h0_exact = h0.to(torch.complex128 if h0.is_complex() else torch.float64)
-    kinks = _samu_relu_kinks(args_exact, h0_exact, pos) if op == "samu" else None
+    kinks = samu_relu_kinks(args_exact, h0_exact, pos) if op == "samu" else None
     n_kinks = 0 if kinks is None else int(kinks.sum())
     # The exact answer for exactly these (rounded) inputs.
     want, want_g = _run_op(ops.backends(op)["reference"], args_exact, h0_exact, pos, {}, seed, kinks)

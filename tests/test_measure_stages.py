@@ -143,6 +143,44 @@ def test_inexact_and_failing_candidates_are_recorded_and_left_out(tmp_path, monk
     assert [e["backend"] for e in table["entries"]] == ["reference"]
 
 
+def test_samu_tune_check_zeroes_the_cotangent_at_relu_kinks_like_the_audit(tmp_path, monkeypatch):
+    """A candidate whose gradient differs from the reference only through the output
+    cotangent at positions the kink mask names is exact for the tune (as for the audit);
+    the same candidate with an empty mask is rejected, so the mask is what decides."""
+    from kernels import parity
+
+    monkeypatch.chdir(tmp_path)
+    real = kernels.backends
+
+    def kinky(*args, **opts):
+        y, h = reference.samu(*args)
+        z = 100.0 * y[:, -1:]
+        return y + torch.nn.functional.pad(z - z.detach(), (0, 0, y.shape[1] - 1, 0)), h
+
+    monkeypatch.setattr(kernels, "backends", lambda op: {**real(op), "kinky": kinky} if op == "samu" else real(op))
+
+    def last_step(args64, h0, pos):
+        m = torch.zeros(args64[0].shape, dtype=torch.bool)
+        m[:, -1] = True
+        return m
+
+    def run(mask_fn, name):
+        monkeypatch.setattr(parity, "samu_relu_kinks", mask_fn)
+        out = {"table": str(tmp_path / f"{name}.json"), "records": str(tmp_path / f"{name}.jsonl")}
+        s = tune_settings(backends=["reference", "kinky"], decode={}, modes={"samu": "fwd_bwd"})
+        s["shapes"] = {"samu": [{"B": 1, "T": 5, "D": 4}]}
+        job = make_job(tmp_path, "tune", "tune", s, out)
+        job.params["records_dir"] = str(tmp_path / f"{name}.d")
+        tune.main(job)
+        return {r["backend"]: r for r in records.read_jsonl(out["records"]) if r["role"] == "probe"}
+
+    masked = run(last_step, "masked")
+    assert masked["kinky"]["status"] == "ok" and masked["kinky"]["relu_kinks_masked"] == 4
+    bare = run(lambda a, h, p: torch.zeros(a[0].shape, dtype=torch.bool), "bare")
+    assert bare["kinky"]["status"] == "failed" and "inexact: gradient" in bare["kinky"]["error"]
+    assert bare["reference"]["status"] == "ok" and bare["reference"]["relu_kinks_masked"] == 0
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """tune then the three tracks with the cpu-smoke settings (reference backends

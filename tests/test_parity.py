@@ -124,13 +124,13 @@ def test_reference_rows_below_float64_are_yardsticks_not_gates():
     assert all("role" not in r for r in rows64)
 
 
-def test_samu_relu_kinks_mask_only_states_at_zero():
-    from kernels.parity import _samu_inputs, _samu_relu_kinks
+def testsamu_relu_kinks_mask_only_states_at_zero():
+    from kernels.parity import _samu_inputs, samu_relu_kinks
 
     args, h0 = _samu_inputs(1, 6, 8, torch.float64, "cpu", 0)
     args[0][0, 2] = 0.0  # a reset with a zero write: h is exactly 0 at t = 2
     pos = torch.tensor([[3, 4, 0, 1, 2, 3]])
-    kinks = _samu_relu_kinks(args, h0, pos)
+    kinks = samu_relu_kinks(args, h0, pos)
     assert kinks[0, 2].all() and int(kinks.sum()) == 8
     rows = parity.check_backends("samu", B=1, T=6, D=8, dtype=torch.float64, chunk_sizes=(8,))
     assert all(r["passed"] for r in rows)
