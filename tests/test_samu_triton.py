@@ -310,15 +310,25 @@ def test_fused_controls_match_reference(chunk, ref64):
         assert torch.equal(runs[0][2][k], runs[1][2][k]), k
 
 
-def test_controller_backward_tiling(monkeypatch, ref64):
-    """The controller backward's programs (column block, token range): several column
-    blocks with a partial last one, and a token range walked in several tiles with a
-    partial tail, give the same exact gradients."""
-    from kernels.ops.samu_triton import common
 
-    monkeypatch.setattr(common, "CTRL_BWD_BLOCK_D", 16)
-    monkeypatch.setattr(common, "CTRL_BWD_PROGRAMS", 2)
+@pytest.mark.parametrize("chunk,opts", [(8, {}), (16, {"fuse_controls": True, "block_m": 64, "num_warps": 1})])
+def test_prefix_fill_matches_reference(chunk, opts, ref64):
+    """prefix="fill" (the chunk states written by one more pass over the summaries):
+    float64 to rounding, every gradient, resets, initial state, two groups of chunks
+    (K = 8: 5 chunks in groups of 4); the prefill; bitwise deterministic in FP32."""
     p = leaves(make_inputs(torch.float64))
     with poisoned():
-        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=16)
+        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=chunk, prefix="fill", **opts)
     assert_close_all(got, ref64, 1e-11)
+    inputs = make_inputs(torch.float32, seed=7)
+    y_ref, h_ref = call(reference.samu, leaves(inputs, torch.float64))
+    with torch.no_grad(), poisoned(), accounting.counting() as c:
+        y, h = call(BACKENDS["samu"]["chunk"], inputs, chunk_size=chunk, prefix="fill", **opts)
+    assert rel(y, y_ref) < 2e-6 and rel(h, h_ref) < 2e-6 and "samu_prefix_fill" in c.by_kernel
+    runs = [run(BACKENDS["samu"]["chunk"], leaves(inputs), chunk_size=chunk, prefix="fill", **opts)
+            for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    for k in GRAD_NAMES:
+        assert torch.equal(runs[0][2][k], runs[1][2][k]), k
+    with pytest.raises(ValueError, match="prefix"):
+        call(BACKENDS["samu"]["chunk"], inputs, prefix="tree")

@@ -130,6 +130,34 @@ def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.co
     store_pair(final, b * M + offs_m, sr, si, mask_m)
 
 
+@triton.jit(do_not_specialize=["N", "NG", "M"])
+def _fill_kernel(A, Bv, carry, S, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
+                 CONJ: tl.constexpr, REVERSE: tl.constexpr):
+    """prefix="fill": each group walked once more from its incoming state, writing the
+    state entering every chunk to S [B, N, M, 2]; the replays then load one state instead
+    of composing the earlier chunks of their group (group_start) themselves."""
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    sr, si = load_pair(carry, (b * NG + g) * M + offs_m, mask_m, 0.0, 0.0)
+    for j0 in range(0, GS, V):
+        for v in tl.static_range(V):
+            if REVERSE:
+                c = g * GS + GS - 1 - (j0 + v)
+            else:
+                c = g * GS + j0 + v
+            lm = mask_m & (c < N)
+            idx = (b * N + c) * M + offs_m
+            store_pair(S, idx, sr, si, lm)
+            ar, ai = load_pair(A, idx, lm, 1.0, 0.0)
+            if CONJ:
+                ai = -ai
+            br, bi = load_pair(Bv, idx, lm, 0.0, 0.0)
+            sr, si = ar * sr - ai * si + br, ar * si + ai * sr + bi
+
+
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
 def _summary_kernel(x, ctrl, modes, P, Q, T, N, D, M,
                     K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
@@ -178,14 +206,18 @@ def _summary_ctrl_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, modes, P, Q, T, N, D
 @triton.jit(do_not_specialize=["T", "N", "NG", "D", "M"])
 def _replay_kernel(x, ctrl, modes, P, Q, carry, y, states, T, N, NG, D, M,
                    K: tl.constexpr, U: tl.constexpr, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
-                   STORE_STATES: tl.constexpr, ACC: tl.constexpr):
+                   STORE_STATES: tl.constexpr, FILLED: tl.constexpr, ACC: tl.constexpr):
+    """FILLED: `carry` holds the state entering every chunk ([B, N, M, 2], prefix="fill")."""
     pid_m = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
-    hr, hi = group_start(P, Q, carry, b, c, N, NG, M, offs_m, mask_m, GS, V, False, False)
+    if FILLED:
+        hr, hi = load_pair(carry, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
+    else:
+        hr, hi = group_start(P, Q, carry, b, c, N, NG, M, offs_m, mask_m, GS, V, False, False)
     if STORE_STATES:
         store_pair(states, (b * N + c) * M + offs_m, hr, hi, mask_m)
     fwd_steps(hr, hi, hr, hi, x + b * T * D, y + b * T * D, ctrl + b * T * 4, c * K, T, D, M, offs_m, mask_m,
@@ -240,7 +272,7 @@ def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
 @triton.jit(do_not_specialize=["T", "N", "NG", "D", "M", "NMB"])
 def _bwd_kernel(x, dy, ctrl, modes, states, P, Qb, carry, dxw, dpart, ppart, ckpt,
                 T, N, NG, D, M, NMB, K: tl.constexpr, U: tl.constexpr, GS: tl.constexpr, V: tl.constexpr,
-                BM: tl.constexpr, ACC: tl.constexpr):
+                BM: tl.constexpr, FILLED: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -248,7 +280,10 @@ def _bwd_kernel(x, dy, ctrl, modes, states, P, Qb, carry, dxw, dpart, ppart, ckp
     mask_m = offs_m < M
     nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     hr, hi = load_pair(states, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
-    Rr, Ri = group_start(P, Qb, carry, b, c, N, NG, M, offs_m, mask_m, GS, V, True, True)
+    if FILLED:
+        Rr, Ri = load_pair(carry, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
+    else:
+        Rr, Ri = group_start(P, Qb, carry, b, c, N, NG, M, offs_m, mask_m, GS, V, True, True)
     zero = tl.zeros([BM], ACC)
     ckpt_p = ckpt + ((b * N + c) * NMB + pid_m) * (K // U) * BM * 2
     _, _, acc_nu, acc_th, acc_g = bwd_chunk(
@@ -262,13 +297,17 @@ class ChunkPlan:
     at B = 4, T = 2048, D = 2560 and forward at T >= 4096 on the H200
     (results/kernels/samu/summary_run2.md)."""
 
-    def __init__(self, chunk_size: int = 16, block_m: int = 32, num_warps=None, fuse_controls=False):
+    def __init__(self, chunk_size: int = 16, block_m: int = 32, num_warps=None, fuse_controls=False,
+                 prefix="group"):
         self.K = check_chunk_size(chunk_size)
         self.BM = check_block_m(block_m)
         self.NW = check_num_warps(num_warps, self.BM)
         if fuse_controls not in (False, True):
             raise ValueError(f"expected fuse_controls True or False, got {fuse_controls!r}")
         self.fuse_controls = fuse_controls
+        if prefix not in ("group", "fill"):
+            raise ValueError(f"expected prefix 'group' or 'fill', got {prefix!r}")
+        self.fill = prefix == "fill"
 
     def controls_and_forward(self, x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, need_states):
         """(ctrl, aux, (y, final state, states)): the controller and the forward; with
@@ -294,8 +333,10 @@ class ChunkPlan:
                           accounting.nbytes(ctrl, aux, P, Q))
         return ctrl, aux, self._finish_forward(x, ctrl, modes, h0, need_states, P, Q)
 
-    def _prefix(self, A, Bv, init, B, N, M, conj, reverse):
-        """Grouped linear-work prefix: returns (carry per group [B, NG, M, 2], final map output)."""
+    def _prefix(self, A, Bv, init, B, N, M, conj, reverse, fill_into=None):
+        """Grouped linear-work prefix: returns (carry per group [B, NG, M, 2], final map output);
+        with fill_into [B, N, M, 2] (prefix="fill") the state entering every chunk is written
+        there and returned as the carry."""
         acc = A.dtype
         gs, ng, ngp = group_sizes(N)
         AG = alloc((B, ng, M, 2), acc, A.device)
@@ -310,6 +351,11 @@ class ChunkPlan:
                                 V=min(ngp, PREFIX_UNROLL), BM=PREFIX_BM, HAS_INIT=init is not None, REVERSE=reverse,
                                 ACC=tl_dtype(acc), num_warps=4)
         accounting.record("samu_prefix_outer", accounting.nbytes(AG, BG, init), accounting.nbytes(carry, final))
+        if fill_into is not None:
+            _fill_kernel[(nmb, ng, B)](A, Bv, carry, fill_into, N, ng, M, GS=gs, V=min(gs, PREFIX_UNROLL), BM=PREFIX_BM,
+                                       CONJ=conj, REVERSE=reverse, num_warps=4)
+            accounting.record("samu_prefix_fill", accounting.nbytes(A, Bv, carry), accounting.nbytes(fill_into))
+            carry = fill_into
         return carry, final, gs, ng
 
     def forward(self, x, ctrl, modes, h0, need_states):
@@ -334,13 +380,17 @@ class ChunkPlan:
         acc = ctrl.dtype
         N = triton.cdiv(T, K)
         grid = (triton.cdiv(M, BM), N, B)
-        carry, hT, gs, ng = self._prefix(P, Q, h0, B, N, M, conj=False, reverse=False)
+        # prefix="fill": the fill pass writes the chunk states themselves (kept for the backward)
+        states = alloc((B, N, M, 2), acc, x.device) if need_states or self.fill else None
+        carry, hT, gs, ng = self._prefix(P, Q, h0, B, N, M, conj=False, reverse=False,
+                                         fill_into=states if self.fill else None)
         y = alloc(x.shape, x.dtype, x.device)
-        states = alloc((B, N, M, 2), acc, x.device) if need_states else None
         _replay_kernel[grid](x, ctrl, modes, P, Q, carry, y, states if need_states else hT,
                              T, N, ng, D, M, K=K, U=min(K, FWD_UNROLL), GS=gs, V=min(gs, PREFIX_UNROLL), BM=BM,
-                             STORE_STATES=need_states, ACC=tl_dtype(acc),
+                             STORE_STATES=need_states and not self.fill, FILLED=self.fill, ACC=tl_dtype(acc),
                              num_warps=self.NW)
+        if not need_states:
+            states = None
         accounting.record("samu_chunk_replay", accounting.nbytes(x, ctrl, P, Q, carry),
                           accounting.nbytes(y, states))
         return y, hT, states
@@ -360,14 +410,15 @@ class ChunkPlan:
                                   U=min(K, FWD_UNROLL), BM=BM,
                                   ACC=tl_dtype(acc), num_warps=self.NW)
         accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
-        carry, dh0, gs, ng = self._prefix(P, Qb, gh, B, N, M, conj=True, reverse=True)
+        carry, dh0, gs, ng = self._prefix(P, Qb, gh, B, N, M, conj=True, reverse=True,
+                                          fill_into=alloc((B, N, M, 2), acc, x.device) if self.fill else None)
         dxw = alloc(x.shape, acc, x.device)
         dpart = alloc((B * T, nmb, 2), acc, x.device)
         ppart = alloc((B * N, M, 2), acc, x.device)
         ckpt = alloc((B * N * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
         _bwd_kernel[grid](x, dy, ctrl, modes, states, P, Qb, carry, dxw, dpart, ppart, ckpt,
                           T, N, ng, D, M, nmb, K=K, U=BWD_UNROLL, GS=gs, V=min(gs, PREFIX_UNROLL), BM=BM,
-                          ACC=tl_dtype(acc),
+                          FILLED=self.fill, ACC=tl_dtype(acc),
                           num_warps=self.NW)
         accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, P, Qb, carry),
                           accounting.nbytes(dxw, dpart, ppart))
@@ -376,11 +427,13 @@ class ChunkPlan:
 
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                initial_state=None, output_final_state=False, chunk_size=16, block_m=32, num_warps=None,
-               fuse_controls=False):
+               fuse_controls=False, prefix="group"):
     """Two-level chunked SAMU (reference signature). x: [B, T, D], D = 2M; returns
     (y [B, T, D], final state [B, M] complex or None). chunk_size K in 8, 16, 32, 64;
     block_m modes per program; num_warps per program (None: block_m // 32, one mode per
     thread; fewer: several adjacent modes per thread); fuse_controls: the controller
-    inside the chunk summary (one program per chunk owns whole rows)."""
-    return samu_apply(ChunkPlan(chunk_size, block_m, num_warps, fuse_controls), x, phase_dir, radial_dir, phase_amp, radial_amp,
+    inside the chunk summary (one program per chunk owns whole rows); prefix "group"
+    (each replay composes the earlier chunks of its group itself) or "fill" (one more pass
+    over the chunk summaries writes every chunk's incoming state; the replays load it)."""
+    return samu_apply(ChunkPlan(chunk_size, block_m, num_warps, fuse_controls, prefix), x, phase_dir, radial_dir, phase_amp, radial_amp,
                       nu_log, theta_log, segment_pos, initial_state, output_final_state)

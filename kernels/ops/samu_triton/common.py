@@ -384,84 +384,64 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos):
     return ctrl, aux
 
 
-@triton.jit(do_not_specialize=["NTOK", "D", "NMB", "TPP"])
-def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpart, NTOK, D, NMB, TPP, scale,
+@triton.jit(do_not_specialize=["NTOK", "D", "NMB"])
+def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpart, NTOK, D, NMB, scale,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NMBP: tl.constexpr,
                          ACC: tl.constexpr):
-    """dx = dx_write + dv_p pd / |pd| + dv_r rd / |rd| per token, plus per-program partial
-    sums for the direction and amplitude gradients.
-
-    Program (column block, token range of TPP tokens): it walks its tokens BLOCK_T at a
-    time, keeps the column sums in [BLOCK_T, BLOCK_D] accumulators and reduces them once
-    at the end (no cross-warp reduction inside the loop); the per-token dv (a few flops
-    from dpart) is recomputed by every column block. Column block 0 writes the scalar sums."""
-    pid_d = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    cm = cols < D
+    """dx = dx_write + dv_p pd / |pd| + dv_r rd / |rd| per token, plus per-block partial
+    sums for the direction and amplitude gradients."""
+    pid = tl.program_id(0)
+    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < NTOK
+    mb = tl.arange(0, NMBP)
+    pm = tmask[:, None] & (mb[None, :] < NMB)
+    poffs = (tok[:, None] * NMB + mb[None, :]) * 2
+    deta = tl.sum(tl.load(dpart + poffs, mask=pm, other=0.0), axis=1)
+    ddel = tl.sum(tl.load(dpart + poffs + 1, mask=pm, other=0.0), axis=1)
+    vp = tl.load(aux + tok * 2, mask=tmask, other=0.0).to(tl.float64)
+    vr = tl.load(aux + tok * 2 + 1, mask=tmask, other=0.0).to(tl.float64)
+    p = tanh(vp)
+    r = tanh(vr)
+    tpa = tanh(tl.load(pa).to(tl.float64))
+    tra = tanh(tl.load(ra).to(tl.float64))
+    q = 1.0 + r * r
+    dvp64 = scale * tpa * ddel * (1.0 - p * p)
+    dvr64 = scale * tra * (1.0 - r * r) / (q * q) * deta * (1.0 - r * r)
+    dvp = dvp64.to(ACC)
+    dvr = dvr64.to(ACC)
+    sbase = scalpart + pid.to(tl.int64) * 8
+    tl.store(sbase + 0, tl.sum(dvp64, axis=0).to(ACC))
+    tl.store(sbase + 1, tl.sum(dvr64, axis=0).to(ACC))
+    tl.store(sbase + 2, tl.sum(dvp64 * vp, axis=0).to(ACC))
+    tl.store(sbase + 3, tl.sum(dvr64 * vr, axis=0).to(ACC))
+    tl.store(sbase + 4, tl.sum(ddel * p, axis=0).to(ACC))
+    tl.store(sbase + 5, tl.sum(deta * r / q, axis=0).to(ACC))
+    tl.store(sbase + 6, 0.0)
+    tl.store(sbase + 7, 0.0)
     wpp = tl.zeros([BLOCK_D], ACC)
     wrr = tl.zeros([BLOCK_D], ACC)
     for d0 in range(0, D + 1, BLOCK_D):
-        cc = d0 + tl.arange(0, BLOCK_D)
-        w0 = tl.load(pd + cc, mask=cc < D + 1, other=0.0).to(ACC)
-        w1 = tl.load(rd + cc, mask=cc < D + 1, other=0.0).to(ACC)
-        wpp += w0 * w0
-        wrr += w1 * w1
-    wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC) * (1.0 / tl.sqrt(tl.sum(wpp, axis=0)))
-    wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC) * (1.0 / tl.sqrt(tl.sum(wrr, axis=0)))
-    tpa = tanh(tl.load(pa).to(tl.float64))
-    tra = tanh(tl.load(ra).to(tl.float64))
-    mb = tl.arange(0, NMBP)
-    cp = tl.zeros([BLOCK_T, BLOCK_D], ACC)
-    cr = tl.zeros([BLOCK_T, BLOCK_D], ACC)
-    s0 = tl.zeros([BLOCK_T], tl.float64)
-    s1 = tl.zeros([BLOCK_T], tl.float64)
-    s2 = tl.zeros([BLOCK_T], tl.float64)
-    s3 = tl.zeros([BLOCK_T], tl.float64)
-    s4 = tl.zeros([BLOCK_T], tl.float64)
-    s5 = tl.zeros([BLOCK_T], tl.float64)
-    for t0 in range(0, TPP, BLOCK_T):
-        tok = pid_t.to(tl.int64) * TPP + t0 + tl.arange(0, BLOCK_T)
-        tmask = (tok < NTOK) & (t0 + tl.arange(0, BLOCK_T) < TPP)
-        pm = tmask[:, None] & (mb[None, :] < NMB)
-        poffs = (tok[:, None] * NMB + mb[None, :]) * 2
-        deta = tl.sum(tl.load(dpart + poffs, mask=pm, other=0.0), axis=1)
-        ddel = tl.sum(tl.load(dpart + poffs + 1, mask=pm, other=0.0), axis=1)
-        vp = tl.load(aux + tok * 2, mask=tmask, other=0.0).to(tl.float64)
-        vr = tl.load(aux + tok * 2 + 1, mask=tmask, other=0.0).to(tl.float64)
-        p = tanh(vp)
-        r = tanh(vr)
-        q = 1.0 + r * r
-        dvp64 = scale * tpa * ddel * (1.0 - p * p)
-        dvr64 = scale * tra * (1.0 - r * r) / (q * q) * deta * (1.0 - r * r)
-        s0 += dvp64
-        s1 += dvr64
-        s2 += dvp64 * vp
-        s3 += dvr64 * vr
-        s4 += ddel * p
-        s5 += deta * r / q
-        dvp = dvp64.to(ACC)
-        dvr = dvr64.to(ACC)
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cm = cols < D + 1
+        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
+        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
+        wpp += wp * wp
+        wrr += wr * wr
+    inv_np = 1.0 / tl.sqrt(tl.sum(wpp, axis=0))
+    inv_nr = 1.0 / tl.sqrt(tl.sum(wrr, axis=0))
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cm = cols < D
         m2 = tmask[:, None] & cm[None, :]
         offs = tok[:, None] * D + cols[None, :]
+        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC) * inv_np
+        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC) * inv_nr
         g = tl.load(dxw + offs, mask=m2, other=0.0) + dvp[:, None] * wp[None, :] + dvr[:, None] * wr[None, :]
         tl.store(dx + offs, g.to(dx.dtype.element_ty), mask=m2)
         xt = tl.load(x + offs, mask=m2, other=0.0).to(ACC)
-        cp += dvp[:, None] * xt
-        cr += dvr[:, None] * xt
-    cbase = colpart + pid_t.to(tl.int64) * 2 * D
-    tl.store(cbase + cols, tl.sum(cp, axis=0), mask=cm)
-    tl.store(cbase + D + cols, tl.sum(cr, axis=0), mask=cm)
-    if pid_d == 0:
-        sbase = scalpart + pid_t.to(tl.int64) * 8
-        tl.store(sbase + 0, tl.sum(s0, axis=0).to(ACC))
-        tl.store(sbase + 1, tl.sum(s1, axis=0).to(ACC))
-        tl.store(sbase + 2, tl.sum(s2, axis=0).to(ACC))
-        tl.store(sbase + 3, tl.sum(s3, axis=0).to(ACC))
-        tl.store(sbase + 4, tl.sum(s4, axis=0).to(ACC))
-        tl.store(sbase + 5, tl.sum(s5, axis=0).to(ACC))
-        tl.store(sbase + 6, 0.0)
-        tl.store(sbase + 7, 0.0)
+        cbase = colpart + pid.to(tl.int64) * 2 * D
+        tl.store(cbase + cols, tl.sum(dvp[:, None] * xt, axis=0), mask=cm)
+        tl.store(cbase + D + cols, tl.sum(dvr[:, None] * xt, axis=0), mask=cm)
 
 
 @triton.jit
@@ -522,12 +502,6 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         tl.store(dmode + cols, _colsum(ppart, RP, 2 * M, cols, cm, BLOCK_R, BLOCK_C, ACC), mask=cm)
 
 
-# controller backward: tile [BLOCK_T tokens, BLOCK_D columns], about this many programs
-CTRL_BWD_BLOCK_T = 16
-CTRL_BWD_BLOCK_D = 128
-CTRL_BWD_PROGRAMS = 1024
-
-
 def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     """Finish the backward: dx (x's dtype) and the gradients of both directions, both
     amplitudes, nu_log and theta_log, all from fixed-order reductions.
@@ -541,17 +515,14 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     nmb = dpart.shape[1]
     scale = 1.0 / math.sqrt(M)
     dx = dxw if x.dtype == acc else alloc(x.shape, x.dtype, x.device)
-    BLOCK_T, BLOCK_D = CTRL_BWD_BLOCK_T, min(CTRL_BWD_BLOCK_D, next_pow2(D))
-    # token ranges: enough programs to fill the GPU with the column blocks, few partial rows
-    ndb = triton.cdiv(D, BLOCK_D)
-    tpp = BLOCK_T * max(1, triton.cdiv(ntok, BLOCK_T * max(1, CTRL_BWD_PROGRAMS // ndb)))
-    ntb = triton.cdiv(ntok, tpp) if ntok else 0
+    BLOCK_T, BLOCK_D = 32, min(128, next_pow2(D))
+    ntb = triton.cdiv(ntok, BLOCK_T) if ntok else 0
     colpart = alloc((max(ntb, 1), 2 * D), acc, x.device)
     scalpart = alloc((max(ntb, 1), 8), acc, x.device)
     if ntb:
-        _controls_bwd_kernel[(ndb, ntb)](
-            dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, tpp, scale,
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=4)
+        _controls_bwd_kernel[(ntb,)](
+            dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
         accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
                           accounting.nbytes(dx, colpart, scalpart))
     else:

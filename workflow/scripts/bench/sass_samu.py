@@ -36,25 +36,31 @@ def variants():
     for K, U, BM, nw in ((16, 8, 32, 1), (16, 8, 128, 1), (16, 8, 128, 4)):
         s = dict(x=P, ctrl=F, modes=F, P=F, Q=F, T="i32", N="i32", D="i32:16", M="i32:16", K=K, U=U, BM=BM, ACC=A)
         yield f"chunk summary K{K} U{U} bm{BM} w{nw}", chunk._summary_kernel, s, nw, U * BM
-        r = dict(s, carry=F, y=P, states=F, NG="i32", GS=32, V=4, STORE_STATES=False)
-        yield f"chunk replay  K{K} U{U} bm{BM} w{nw}", chunk._replay_kernel, \
-            {n: r[n] for n in chunk._replay_kernel.arg_names}, nw, U * BM
+        for filled in (False, True):
+            r = dict(s, carry=F, y=P, states=F, NG="i32", GS=32, V=4, STORE_STATES=False, FILLED=filled)
+            yield f"chunk replay  K{K} U{U} bm{BM} w{nw}{' fill' if filled else ''}", chunk._replay_kernel, \
+                {n: r[n] for n in chunk._replay_kernel.arg_names}, nw, U * BM
     for K, U, BM, nw in ((16, 4, 32, 1), (16, 4, 128, 1), (16, 4, 128, 2)):
         bs = dict(x=P, dy=P, ctrl=F, modes=F, states=F, P=F, Qb=F, T="i32", N="i32", D="i32:16", M="i32:16",
                   K=K, U=8, BM=BM, ACC=A)
         yield f"chunk bwd summary K{K} bm{BM} w{nw}", chunk._bwd_summary_kernel, bs, nw, 8 * BM
-        bw = dict(bs, carry=F, dxw=F, dpart=F, ppart=F, ckpt=F, NG="i32", NMB="i32", U=U, GS=32, V=4)
-        yield f"chunk bwd (adjoint) K{K} U{U} bm{BM} w{nw}", chunk._bwd_kernel, \
-            {n: bw[n] for n in chunk._bwd_kernel.arg_names}, nw, U * BM
+        for filled in (False, True):
+            bw = dict(bs, carry=F, dxw=F, dpart=F, ppart=F, ckpt=F, NG="i32", NMB="i32", U=U, GS=32, V=4,
+                      FILLED=filled)
+            yield f"chunk bwd (adjoint) K{K} U{U} bm{BM} w{nw}{' fill' if filled else ''}", chunk._bwd_kernel, \
+                {n: bw[n] for n in chunk._bwd_kernel.arg_names}, nw, U * BM
+    for conj in (False, True):
+        fk = dict(A=F, Bv=F, carry=F, S=F, N="i32", NG="i32", M="i32:16", GS=32, V=4, BM=chunk.PREFIX_BM,
+                  CONJ=conj, REVERSE=conj)
+        yield f"prefix fill{' reverse conj' if conj else ''}", chunk._fill_kernel, fk, 4, 4 * chunk.PREFIX_BM
     c = dict(x=P, pd=F, rd=F, pa=F, ra=F, seg=I64, ctrl=F, aux=F, NTOK="i32", D="i32:16", scale=1.0 / 32,
              HAS_SEG=False, ACC=A)
     for bt, bd, nw in ((16, 256, 4), (64, 128, 4)):
         yield f"controls fwd bt{bt} bd{bd} w{nw}", common._controls_fwd_kernel, \
             dict(c, BLOCK_T=bt, BLOCK_D=bd), nw, bt * bd
     cb = dict(dxw=F, x=P, aux=F, dpart=F, pd=F, rd=F, pa=F, ra=F, dx=P, colpart=F, scalpart=F, NTOK="i32",
-              D="i32:16", NMB="i32", TPP="i32:16", scale=1.0 / 32, BLOCK_T=common.CTRL_BWD_BLOCK_T,
-              BLOCK_D=common.CTRL_BWD_BLOCK_D, NMBP=64, ACC=A)
-    yield "controls bwd", common._controls_bwd_kernel, cb, 4, common.CTRL_BWD_BLOCK_T * common.CTRL_BWD_BLOCK_D
+              D="i32:16", NMB="i32", scale=1.0 / 32, BLOCK_T=32, BLOCK_D=128, NMBP=64, ACC=A)
+    yield "controls bwd bt32 bd128 w8", common._controls_bwd_kernel, cb, 8, 32 * 128
     for K in (16, 32):
         f = dict(x=P, pd=F, rd=F, pa=F, ra=F, seg=I64, ctrl=F, aux=F, modes=F, P=F, Q=F, T="i32", N="i32",
                  D="i32:16", M="i32:16", scale=1.0 / 32, HAS_SEG=True, K=K, U=8, BM=chunk.FUSED_BM,
