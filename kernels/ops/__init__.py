@@ -1,7 +1,9 @@
 """Public ops: one signature per recurrence, backends chosen by name.
 
-Backends: "reference" (PyTorch, autograd), and the Triton backends each kernel
-module registers ("serial", "chunk", ...). "auto" reads the tuning table
+Backends: "reference" (PyTorch, autograd), the Triton backends each kernel
+module registers ("serial", "chunk", ...) and the PyTorch associative scans of
+kernels.ops.assoc ("assoc", and "assoc_bf16", inexact by design: see
+`inexact_backends`). "auto" reads the tuning table
 (kernels.ops.tuning) and falls back to the fastest exact default for the device.
 Every op returns (y, final_state or None).
 """
@@ -24,9 +26,10 @@ from ._checks import (
     state_dtype,
 )
 
-# Modules that provide Triton backends. Each exposes BACKENDS = {op: {name: fn}} and
-# may expose STEPS = {op: {name: fn}} for decode steps.
-PROVIDERS = ("kernels.ops.rglru_triton", "kernels.ops.samu_triton")
+# Modules that provide backends. Each exposes BACKENDS = {op: {name: fn}}, may expose
+# STEPS = {op: {name: fn}} for decode steps and INEXACT = {names} for backends that are
+# inexact by design (timed as diagnostics, never chosen).
+PROVIDERS = ("kernels.ops.rglru_triton", "kernels.ops.samu_triton", "kernels.ops.assoc")
 
 
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
@@ -53,6 +56,22 @@ def backends(op: str) -> dict:
     if op not in ref:
         raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
     return {"reference": ref[op], **_provided("BACKENDS").get(op, {})}
+
+
+@functools.cache
+def inexact_backends() -> frozenset:
+    """Backend names that are inexact by design (e.g. BF16 accumulation): the audit
+    records their errors without gating them, and nothing selects them."""
+    out = set()
+    for name in PROVIDERS:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        out |= set(getattr(mod, "INEXACT", ()))
+    return frozenset(out)
 
 
 def step_backends(op: str) -> dict:

@@ -69,17 +69,21 @@ def plan(settings: dict, gates: dict | None) -> list[dict]:
     for T in settings["T"]:
         for op in settings["ops"]:
             fns = kernels.backends(op)
-            names = measure.exact_backend_names(op, list(fns), gates)
+            exact = measure.exact_backend_names(op, list(fns), gates)
+            # Backends inexact by design (BF16 accumulation) run too, labelled exact=False.
+            names = [n for n in fns if n in exact or n in kernels.ops.inexact_backends()]
             for name in names:
                 if settings.get("backends") and name not in settings["backends"]:
                     continue
                 if name == "reference" and T > settings.get("reference_max_T", 0):
                     continue
                 for opts in chunk_variants(name, fns[name], settings["chunk_sizes"]):
-                    out.append({"T": T, "op": op, "backend": name, "options": opts, "peer": False})
+                    out.append({"T": T, "op": op, "backend": name, "options": opts, "peer": False,
+                                "exact": name in exact})
         for peer in settings.get("peers", []):
             if T <= settings.get("peer_max_T", {}).get(peer, T):
-                out.append({"T": T, "op": "scan", "backend": f"peer:{peer}", "options": {}, "peer": True})
+                out.append({"T": T, "op": "scan", "backend": f"peer:{peer}", "options": {}, "peer": True,
+                            "exact": None})
     return out
 
 
@@ -252,7 +256,8 @@ def main(job):
                 counter = counters.get(config_id(item, settings, "AB"))
                 runner.run(cid, body, shapes={"B": settings["B"], "T": T, "D": settings["D"]},
                            mixer=item["op"] if item["op"] != "scan" else None, backend=item["backend"],
-                           op=item["op"], options=item["options"], peer=item["peer"], order=order,
+                           op=item["op"], options=item["options"], peer=item["peer"], exact=item["exact"],
+                           order=order,
                            sequence=[i["backend"] + opt_tag(i["options"]) + "/" + i["op"] for i in seq],
                            dtype=settings["dtype"], counters=counter,
                            counters_reason=None if counter else counters.get("_reason"))
