@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (acc_dtype, alloc, bwd_chunk, controls_fwd, controls_tile, check_block_m, check_chunk_size, check_num_warps, fwd_steps, load_pair,
-                     mode_consts, next_pow2, store_pair, store_param_partials, tl_dtype)
+from .common import (acc_dtype, alloc, bwd_chunk, check_block_m, check_chunk_size, check_num_warps, controls_fwd,
+                     controls_tile, fwd_steps, load_pair, mode_consts, next_pow2, store_pair, store_param_partials,
+                     tl_dtype)
 from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, SerialPlan
 from .function import samu_apply
 
@@ -435,5 +436,5 @@ def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_lo
     inside the chunk summary (one program per chunk owns whole rows); prefix "group"
     (each replay composes the earlier chunks of its group itself) or "fill" (one more pass
     over the chunk summaries writes every chunk's incoming state; the replays load it)."""
-    return samu_apply(ChunkPlan(chunk_size, block_m, num_warps, fuse_controls, prefix), x, phase_dir, radial_dir, phase_amp, radial_amp,
-                      nu_log, theta_log, segment_pos, initial_state, output_final_state)
+    return samu_apply(ChunkPlan(chunk_size, block_m, num_warps, fuse_controls, prefix), x, phase_dir, radial_dir,
+                      phase_amp, radial_amp, nu_log, theta_log, segment_pos, initial_state, output_final_state)

@@ -414,7 +414,8 @@ def main():
             continue
         q_s, q_r = samu_inputs(FLOOR_B, T, FLOOR_D), rglru_inputs(FLOOR_B, T, FLOOR_D)
         seg = documents(FLOOR_B, T)
-        fconfs = [("samu", n, k, o) for n, k, o in SAMU_CONFIGS if gate(n, k, o)] + [("rglru", n, k, o) for n, k, o in rg]
+        fconfs = [("samu", n, k, o) for n, k, o in SAMU_CONFIGS if gate(n, k, o)]
+        fconfs += [("rglru", n, k, o) for n, k, o in rg]
         for order, seq in (("AB", fconfs), ("BA", fconfs[::-1])):
             for mixer, n, k, o in seq:
                 q = q_s if mixer == "samu" else q_r
