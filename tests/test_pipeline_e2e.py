@@ -92,6 +92,10 @@ def test_outputs_records_and_report(smoke):
     report = (repo / "results/report/report.md").read_text()
     assert "cpu-smoke" in report and "results/probe/environment.json" in report and "results/audit/audit.md" in report
     assert f"{n} records" in report
+    plots = {p.name for p in (repo / "results/report/plots").glob("*.png")}
+    # The study's headline figures exist beside the per-stage ones, and the report shows them.
+    assert {"train_comparison.png", "infer_throughput.png", "infer_latency.png", "scan.png"} <= plots
+    assert all(f"plots/{p}" in report for p in plots)
     csv = (repo / "results/report/records.csv").read_text()
     assert n == 0 or ("median_ms" in csv and "logical.launches" in csv)
     for rule in ("probe", "audit", "tune", "track_scan", "track_train", "track_infer", "aggregate", "archive"):

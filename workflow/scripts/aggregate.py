@@ -156,7 +156,11 @@ def plots(df, folder: Path) -> list[str]:
         varying = [c for c in ids if g[c].nunique(dropna=False) > 1]
         fixed = ", ".join(f"{c.removeprefix('shape.')}={_num(g[c].iloc[0])}" for c in ids if c not in varying)
         xkey = next((c for c in X_AXES if c in varying), None)
-        series_keys = ["mixer", "variant", "order", *[c for c in varying if c != xkey]]
+        # A shape that the x value determines (B = 8192 / T in the training track) does
+        # not split series: it would leave one point per series.
+        determined = {c for c in varying if xkey and c != xkey
+                      and g.groupby(xkey, dropna=False)[c].nunique(dropna=False).max() <= 1}
+        series_keys = ["mixer", "variant", "order", *[c for c in varying if c != xkey and c not in determined]]
         groups = list(g.groupby(series_keys, dropna=False, sort=True))
         fig, ax = plt.subplots(figsize=(8, 5 if xkey else max(3, 0.28 * len(groups) + 1.5)))
         labels = []
@@ -189,6 +193,93 @@ def plots(df, folder: Path) -> list[str]:
         plt.close(fig)
         atomic.write_bytes(folder / f"{name}.png", buf.getvalue())
         made.append(f"{name}.png")
+    return made
+
+
+def _save(fig, folder: Path, name: str, made: list[str]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, metadata={"Software": None})
+    plt.close(fig)
+    atomic.write_bytes(folder / name, buf.getvalue())
+    made.append(name)
+
+
+def headline_plots(df, folder: Path) -> list[str]:
+    """The study's comparisons, one figure each, from the records that make them:
+    training tokens/s of the architecture comparison (fresh runs, both orders), the
+    inference throughput probes over batch sizes and the latency per decode step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    made: list[str] = []
+    ok = df[df["status"] == "ok"] if not df.empty else df
+    if ok.empty or "role" not in ok.columns:
+        return made
+    colors = {"samu": "tab:blue", "rglru": "tab:orange"}
+
+    arch = ok[(ok["stage"] == "train") & (ok["role"] == "fresh")]
+    if not arch.empty and {"shape.preset", "shape.T", "shape.B", "tokens_per_s"} <= set(arch.columns):
+        cats = sorted({(r["shape.preset"], int(r["shape.T"]), int(r["shape.B"])) for _, r in arch.iterrows()},
+                      key=lambda c: (c[0], c[1]))
+        fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cats)), 4))
+        width = 0.2
+        for j, (mixer, order) in enumerate([(m, o) for m in MIXERS for o in ("AB", "BA")]):
+            xs, ys, lo, hi = [], [], [], []
+            for i, c in enumerate(cats):
+                r = arch[(arch["mixer"] == mixer) & (arch["order"] == order) & (arch["shape.preset"] == c[0])
+                         & (arch["shape.T"] == c[1]) & (arch["shape.B"] == c[2])]
+                if r.empty:
+                    continue
+                r = r.iloc[0]
+                tok = r["tokens_per_s"] * r["median_ms"]          # tokens per step x 1e3
+                xs.append(i + (j - 1.5) * width)
+                ys.append(r["tokens_per_s"])
+                lo.append(r["tokens_per_s"] - tok / r["p95_ms"])
+                hi.append(tok / r["p10_ms"] - r["tokens_per_s"])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=colors.get(mixer), alpha=1.0 if order == "AB"
+                   else 0.55, label=f"{mixer} ({order})")
+        ax.set_xticks(range(len(cats)), [f"{p}\nT={t} B={b}" for p, t, b in cats], fontsize=7)
+        ax.set_ylabel("training tokens/s (median; bars P10-P95)")
+        ax.set_title(f"training step, each mixer's fastest exact backend, fresh runs ({arch['gpu'].iloc[0]})",
+                     fontsize=8)
+        ax.legend(fontsize=7)
+        _save(fig, folder, "train_comparison.png", made)
+
+    infer = ok[ok["stage"] == "infer"]
+    probe = infer[infer["role"] == "probe"] if not infer.empty else infer
+    if not probe.empty and "tokens_per_s" in probe.columns:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (mixer, order), s in probe.groupby(["mixer", "order"], sort=True):
+            s = s.sort_values("shape.B")
+            ax.plot(s["shape.B"].astype(float), s["tokens_per_s"], marker="o", color=colors.get(mixer),
+                    linestyle="-" if order == "AB" else "--", label=f"{mixer} ({order})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel("decode tokens/s (64-step probe)")
+        ax.set_title(f"inference throughput probes ({probe['gpu'].iloc[0]})", fontsize=8)
+        ax.legend(fontsize=7)
+        _save(fig, folder, "infer_throughput.png", made)
+
+    lat = infer[infer["role"] == "latency"] if not infer.empty else infer
+    if not lat.empty and "ms_per_step" in lat.columns:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (mixer, prompt, order), s in lat.groupby(["mixer", "shape.prompt", "order"], sort=True):
+            s = s.sort_values("generated_tokens")
+            ax.plot(s["generated_tokens"].astype(float), s["ms_per_step"], marker="o" if prompt else "s",
+                    color=colors.get(mixer), linestyle="-" if order == "AB" else "--",
+                    label=f"{mixer}, prompt {int(prompt)} ({order})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("generated tokens")
+        ax.set_ylabel("ms per decode step (cumulative time / tokens)")
+        ax.set_title(f"inference latency, B={int(lat['shape.B'].iloc[0])} ({lat['gpu'].iloc[0]})", fontsize=8)
+        ax.legend(fontsize=6)
+        _save(fig, folder, "infer_latency.png", made)
     return made
 
 
@@ -251,7 +342,7 @@ def main(job):
     tables = stage_tables(df)
     cmp_md = md_table(cmp_df, list(cmp_df.columns)) if not cmp_df.empty else "_no configuration measured both mixers_\n"
     atomic.write_text(out.tables, f"<!-- {GENERATED} -->\n\n## Tracks\n\n{tables}\n## SAMU / RG-LRU\n\n{cmp_md}")
-    made = plots(df, Path(out.plots))
+    made = headline_plots(df, Path(out.plots)) + plots(df, Path(out.plots))
 
     counts = df.groupby(["stage", "status"]).size().to_dict() if not df.empty else {}
     lines = [
