@@ -149,9 +149,9 @@ def forward_fn(item: dict, inputs: Inputs, check_tol: float | None):
 
 
 def counter_items(items: list[dict], settings: dict) -> list[dict]:
-    """Items profiled by Nsight Compute: not the PyTorch per-step loops, whose
-    thousands of tiny kernels would each be replayed."""
-    skip = settings.get("counters_skip", ["reference", "peer:recurrentgemma"])
+    """Items profiled by Nsight Compute: not the PyTorch per-step loops or the PyTorch
+    associative scans, whose many small kernels would each be replayed."""
+    skip = settings.get("counters_skip", ["reference", "peer:recurrentgemma", "assoc", "assoc_bf16"])
     return [i for i in items if i["backend"] not in skip]
 
 
