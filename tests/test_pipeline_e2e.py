@@ -96,6 +96,9 @@ def test_outputs_records_and_report(smoke):
     # The study's headline figures exist beside the per-stage ones, and the report shows them.
     assert {"train_comparison.png", "infer_throughput.png", "infer_latency.png", "scan.png"} <= plots
     assert all(f"plots/{p}" in report for p in plots)
+    summary = report.split("## Summary", 1)[1].split("## Environment", 1)[0]
+    for part in ("**Training step**", "**Inference latency**", "**Inference throughput**", "**Scan track**"):
+        assert part in summary
     csv = (repo / "results/report/records.csv").read_text()
     assert n == 0 or ("median_ms" in csv and "logical.launches" in csv)
     for rule in ("probe", "audit", "tune", "track_scan", "track_train", "track_infer", "aggregate", "archive"):

@@ -283,6 +283,89 @@ def headline_plots(df, folder: Path) -> list[str]:
     return made
 
 
+def _pair(g, col: str, fmt: str = "{:.4g}") -> str:
+    """"AB / BA" figures of one configuration (the orders it has)."""
+    vals = [fmt.format(g[g["order"] == o][col].iloc[0]) for o in ("AB", "BA") if not g[g["order"] == o].empty]
+    return " / ".join(vals) or "-"
+
+
+def summary_section(df) -> str:
+    """The study's answer in four small tables, each figure from the records below:
+    the training comparison, inference latency and best throughput, and the scan
+    track's best exact backend per length against the memory floor."""
+    import pandas as pd
+
+    ok = df[df["status"] == "ok"] if not df.empty else df
+    if ok.empty or "role" not in ok.columns:
+        return "## Summary\n\nNo track produced records in this run.\n"
+    out = ["## Summary\n", "Medians of the raw samples; where a configuration ran in both orders the figures "
+           "read `AB / BA` (SAMU first / RG-LRU first).\n"]
+
+    tr = ok[(ok["stage"] == "train") & (ok["role"] == "fresh")]
+    if not tr.empty:
+        rows = []
+        for (preset, T, B), g in tr.groupby(["shape.preset", "shape.T", "shape.B"], sort=True):
+            row = {"preset": preset, "T": int(T), "B": int(B)}
+            med = {}
+            for m in MIXERS:
+                gm = g[g["mixer"] == m]
+                if gm.empty:
+                    continue
+                row[f"{m} backend"] = gm["variant"].iloc[0]
+                row[f"{m} step ms"] = _pair(gm, "median_ms")
+                row[f"{m} tokens/s"] = _pair(gm, "tokens_per_s", "{:.0f}")
+                med[m] = gm.set_index("order")["median_ms"]
+            if len(med) == 2:
+                r = (med["samu"] / med["rglru"]).dropna()
+                row["SAMU / RG-LRU time"] = " / ".join(f"{r[o]:.3f}" for o in ("AB", "BA") if o in r)
+            rows.append(row)
+        out.append("**Training step** (each mixer's fastest exact backend, fresh runs; `auto` is the tuning "
+                   "table's choice where no diagnostics ran at that shape):\n\n"
+                   + pd.DataFrame(rows).fillna("-").to_markdown(index=False) + "\n")
+
+    inf = ok[ok["stage"] == "infer"]
+    lat = inf[inf["role"] == "latency"] if not inf.empty else inf
+    if not lat.empty:
+        rows = []
+        for (m, prompt), g in lat.groupby(["mixer", "shape.prompt"], sort=True):
+            n = g["generated_tokens"].max()
+            gl = g[g["generated_tokens"] == n]
+            rows.append({"mixer": m, "B": int(g["shape.B"].iloc[0]), "prompt": int(prompt),
+                         "generated tokens": int(n), "ms per step": _pair(gl, "ms_per_step")})
+        out.append("**Inference latency** (decode only, prompt excluded):\n\n"
+                   + pd.DataFrame(rows).to_markdown(index=False) + "\n")
+    thr = inf[inf["role"] == "fresh"] if not inf.empty else inf
+    if not thr.empty:
+        rows = []
+        for (m, B), g in thr.groupby(["mixer", "shape.B"], sort=True):
+            n = g["generated_tokens"].max()
+            rows.append({"mixer": m, "B": int(B), "steps": int(n),
+                         "tokens/s": _pair(g[g["generated_tokens"] == n], "tokens_per_s", "{:.0f}")})
+        out.append("**Inference throughput** at the best probed batch size (fresh trajectories):\n\n"
+                   + pd.DataFrame(rows).to_markdown(index=False) + "\n")
+
+    sc = ok[ok["stage"] == "scan"]
+    if not sc.empty and "fraction_of_floor" in sc.columns:
+        rows = []
+        own = sc[(sc["peer"] != True) & (sc["exact"] != False)] if "exact" in sc.columns else sc[sc["peer"] != True]  # noqa: E712
+        peers = sc[sc["peer"] == True]  # noqa: E712
+        op_of = own["mixer"].fillna("scan") if not own.empty else own
+        for (op, T), g in own.groupby([op_of, "shape.T"], sort=True):
+            best = g.loc[g["median_ms"].idxmin()]
+            row = {"op": op, "T": int(T), "fastest exact backend": best["variant"], "order": best["order"],
+                   "median ms": f"{best['median_ms']:.4g}", "of floor": f"{best['fraction_of_floor']:.0%}"}
+            if op == "scan" and not peers.empty:
+                pg = peers[peers["shape.T"] == T]
+                if not pg.empty:
+                    pb = pg.loc[pg["median_ms"].idxmin()]
+                    row.update({"fastest peer": pb["variant"], "peer ms": f"{pb['median_ms']:.4g}",
+                                "peer of floor": f"{pb['fraction_of_floor']:.0%}"})
+            rows.append(row)
+        out.append("**Scan track** (forward; fastest of either order):\n\n"
+                   + pd.DataFrame(rows).fillna("-").to_markdown(index=False) + "\n")
+    return "\n".join(out)
+
+
 def probe_section(env: dict) -> str:
     m = env.get("measured", {})
     devs = env.get("gpu", {}).get("devices", [])
@@ -354,6 +437,7 @@ def main(job):
         + (", ".join(f"{s} {st}: {n}" for (s, st), n in sorted(counts.items())) or "no measurements")
         + f". Tuning table: {len(table.get('entries', []))} entries.",
         "",
+        summary_section(df),
         probe_section(env),
         audit_section(gates),
         "## Tracks\n",
