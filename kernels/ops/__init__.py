@@ -35,16 +35,21 @@ PROVIDERS = ("kernels.ops.rglru_triton", "kernels.ops.samu_triton", "kernels.ops
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
 
 
-@functools.cache
-def _provided(table: str) -> dict[str, dict]:
-    out: dict[str, dict] = {}
+def _provider_modules():
+    """The importable modules of PROVIDERS (a provider that is not installed is skipped;
+    an import error inside one is raised)."""
     for name in PROVIDERS:
         try:
-            mod = importlib.import_module(name)
+            yield importlib.import_module(name)
         except ModuleNotFoundError as e:
             if e.name != name:
                 raise
-            continue
+
+
+@functools.cache
+def _provided(table: str) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for mod in _provider_modules():
         for op, fns in getattr(mod, table, {}).items():
             out.setdefault(op, {}).update(fns)
     return out
@@ -63,13 +68,7 @@ def inexact_backends() -> frozenset:
     """Backend names that are inexact by design (e.g. BF16 accumulation): the audit
     records their errors without gating them, and nothing selects them."""
     out = set()
-    for name in PROVIDERS:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
+    for mod in _provider_modules():
         out |= set(getattr(mod, "INEXACT", ()))
     return frozenset(out)
 

@@ -172,6 +172,16 @@ def main(job):
         return {"shapes": {"preset": preset, "T": T, "B": B, "vocab": settings["vocab"]}, "mixer": mixer,
                 "dtype": settings.get("autocast") or "float32"}
 
+    def setup(preset, T, B, mixer, name, opts):
+        """The model with backend `name`; launcher options go through a one-entry
+        tuning table (the layers take a backend name only) read by backend="auto"."""
+        if opts:
+            table = forced_table(tmp / f"{mixer}-{name}{opt_tag(opts)}.json", mixer, name, opts)
+            os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
+            return Setup(preset, mixer, T, B, settings, device, backend="auto")
+        os.environ["KERNELS_TUNING_TABLE"] = tuned
+        return Setup(preset, mixer, T, B, settings, device, backend=name)
+
     # On a GPU the PyTorch per-step reference is the slow one; on the CPU it is what
     # the architecture comparison measures, so it runs first there.
     slow_names = {"reference"} if device.type == "cuda" else set()
@@ -200,12 +210,7 @@ def main(job):
         cid = f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}"
 
         def make(mixer=mixer, name=name, opts=opts):
-            if opts:
-                table = forced_table(tmp / f"{mixer}-{name}{opt_tag(opts)}.json", mixer, name, opts)
-                os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
-                return Setup(preset, mixer, T, B, settings, device, backend="auto")
-            os.environ["KERNELS_TUNING_TABLE"] = tuned
-            return Setup(preset, mixer, T, B, settings, device, backend=name)
+            return setup(preset, T, B, mixer, name, opts)
 
         reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
 
@@ -262,11 +267,7 @@ def main(job):
                 cid = f"train-arch-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}"
 
                 def make(mixer=mixer, name=name, opts=opts):
-                    if opts:
-                        table = forced_table(tmp / f"{mixer}-{name}{opt_tag(opts)}.json", mixer, name, opts)
-                        os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
-                        return Setup(preset, mixer, T, B, settings, device, backend="auto")
-                    return Setup(preset, mixer, T, B, settings, device, backend=name)
+                    return setup(preset, T, B, mixer, name, opts)
 
                 reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
 
