@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
+from .lookback import lookback_config, lookback_forward
 from .common import (recurrence_function, INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, fast,
                      first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, out,
                      softplus, tile_grads, tl_acc)
@@ -328,21 +329,39 @@ def chunk_loop_bwd_replay_kernel(
 INNER = ("scan", "loop")
 
 
+FWD = ("replay", "lookback")
+
+
 def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, inner=None, fast_math=None,
-            **unknown):
+            fwd=None, vec=None, window=None, **unknown):
     if unknown:
         raise ValueError(f"expected chunk options among ['chunk_size', 'block_d', 'num_warps', 'group', 'inner', "
-                         f"'fast_math'], got {sorted(unknown)}")
+                         f"'fast_math', 'fwd', 'vec', 'window'], got {sorted(unknown)}")
     inner = "scan" if inner is None else inner
     if inner not in INNER:
         raise ValueError(f"expected inner in {list(INNER)}, got {inner!r}")
-    K = check_chunk_size((16 if inner == "loop" else 32) if chunk_size is None else chunk_size)
+    fwd = "replay" if fwd is None else fwd
+    if fwd not in FWD:
+        raise ValueError(f"expected fwd in {list(FWD)}, got {fwd!r}")
+    lb = None
+    if fwd == "lookback":
+        # chunk_size, block_d, num_warps, vec and window configure the look-back forward;
+        # the backward keeps its defaults and runs on sub-chunks of K steps.
+        lb = lookback_config(D, chunk_size, block_d, num_warps, vec, window)
+        K = min(lb["L"], 16 if inner == "loop" else 32)
+        chunk_size = block_d = num_warps = None
+    elif vec is not None or window is not None:
+        name = "vec" if vec is not None else "window"
+        raise ValueError(f"expected {name} only with fwd='lookback', got {name}={vec if vec is not None else window!r}"
+                         f" with fwd={fwd!r}")
+    else:
+        K = check_chunk_size((16 if inner == "loop" else 32) if chunk_size is None else chunk_size)
     NC = triton.cdiv(T, K)
     bd = (256 if inner == "loop" else 64) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     nw = (2 if inner == "loop" else 4) if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
     g = max(2, min(64, triton.next_power_of_2(NC))) if group is None else check_pow2("group", group, 2, 1024)
     return {"K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw, "G": g, "inner": inner,
-            "FAST": bool(fast_math)}
+            "FAST": bool(fast_math), "fwd": fwd, "lookback": lb}
 
 
 def _prefix(P, Q, init, need_final, reverse, cfg):
@@ -429,9 +448,15 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     return dx, dgx, dga, dh0, part
 
 
+def _forward(x, gx, ga, ap, pos, h0, ofs, save, is_scan, cfg):
+    if cfg["fwd"] == "lookback":
+        return lookback_forward(x, gx, ga, ap, pos, h0, ofs, save, is_scan, cfg)
+    return chunk_forward(x, gx, ga, ap, pos, h0, ofs, is_scan, cfg)
+
+
 ChunkFunction = recurrence_function(
     "ChunkFunction",
-    lambda x, gx, ga, ap, pos, h0, ofs, save, is_scan, cfg: chunk_forward(x, gx, ga, ap, pos, h0, ofs, is_scan, cfg),
+    _forward,
     chunk_backward,
     "RG-LRU or the bare scan through the chunked kernels (chunk states kept for backward).")
 
@@ -441,7 +466,11 @@ def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None
     chunk_size in (8, 16, 32, 64); options: block_d, num_warps, group (summaries per
     prefix group), inner ("scan": the chunk's steps combined by an associative scan over
     a [K, BD] tile; "loop": each thread walks the chunk's steps in registers), fast_math
-    (approximate ex2/rcp/sqrt in FP32 on the GPU). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
+    (approximate ex2/rcp/sqrt in FP32 on the GPU), fwd ("replay", the default: summary,
+    prefix, replay; "lookback": one pass with decoupled look-back, lookback.py, untimed
+    and never run on a GPU, opt-in only; chunk_size is then its chunk L, a power of two
+    in [16, 256], default 64, and the backward runs on sub-chunks of min(L, 32) steps,
+    min(L, 16) with inner="loop"). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, chunk_size, **opts)
     if T == 0:

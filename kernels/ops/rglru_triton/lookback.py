@@ -1,0 +1,252 @@
+"""Single-pass chained forward (decoupled look-back) for the bare scan and the RG-LRU.
+
+UNTIMED AND NEVER RUN ON A GPU. Opt-in only, as options of the chunk backend:
+fwd="lookback", chunk_size = L (a power of two in [16, 256]), vec, window, block_d,
+num_warps (lookback_config). It is not a default, a tuning-grid entry or an audit
+backend. Tested on the CPU interpreter only (tests/test_lookback_triton.py); what a GPU
+session must check is listed at the end.
+
+Why: the chunk backend's forward reads its inputs twice (summary pass, then replay), so
+the bare scan moves 10 bytes per element against a 6-byte floor (BF16 a, b, y). Here
+every input element is read once and every output written once, plus a few FP32 words
+per chunk and channel.
+
+One launch. A program owns (chunk c of L steps, batch row b, channel block d). It
+1. loads its [L, BD] tile once and forms the coefficients in registers (common.load_tile:
+   resets give a_t = 0, rows past T are identity maps) and scans it from a zero state:
+   (A_t, B_t) = the composition of the chunk's maps up to row t;
+2. if c > 0, publishes its aggregate (A_L, B_L) with flag 1;
+3. looks back over its predecessors, a window of W chunks (c - W .. c - 1, then the W
+   before them, ...) per step: waits until every flag of the window is non-zero, then
+   composes the window's maps in time order, an inclusive prefix s (flag 2: the true
+   state at the end of that chunk) counting as the constant map z -> 0 z + s, which
+   discards everything before it exactly. The look-back stops at the first window
+   holding an inclusive prefix; chunk 0 always publishes one, and before chunk 0 the
+   state is the initial state (or zero). The window's [W, BD] composition runs through
+   tl.associative_scan (order-preserving; tl.reduce is not used for the non-commutative
+   affine maps);
+4. publishes its inclusive prefix A_L h_in + B_L with flag 2;
+5. stores y_t = A_t h_in + B_t from registers, the final state if it owns the last chunk,
+   and, under autograd, the states entering every sub-chunk of K steps that the chunk
+   backward reads (S [B, ceil(T / K), D], K = cfg["K"] = min(L, 32), min(L, 16) with
+   inner="loop"), so the existing chunk backward runs unchanged after this forward.
+Workspaces per call: flags int32 [NC, ND, B] zeroed (plus one int32 ticket counter),
+aggregates and inclusive prefixes FP32 [NC, B, D] (float64 for float64 inputs).
+
+Tile layout (vec): 0 is Triton's default for a [L, BD] tile (time across lanes and warps:
+the chunk's scan costs shuffles and shared memory); 2, 4, 8 give each thread vec whole
+time columns of the chunk (fused_recurrent.channels), so the chunk's scan is a serial
+loop in registers. For the serial backend this layout left too few threads (run 2);
+here the chunks supply the parallelism (B * D / vec * NC threads).
+
+Order of programs. Each program first takes a ticket, an atomic increment of one
+counter; the ticket (not tl.program_id) is decoded as (chunk, batch row, channel block)
+with the chunk slowest-varying, so every chunk-0 ticket comes first and a program only
+ever waits on programs holding lower tickets. A program holding a ticket is resident;
+the lowest unfinished ticket waits on nobody unfinished, so it runs to the end, and the
+launch cannot deadlock whatever order the hardware dispatches program ids in (mapping
+tl.program_id directly would rely on in-order dispatch, the usual assumption of
+decoupled look-back, which CUDA does not document). The cost: one relaxed atomic on one
+address per program.
+
+Memory ordering (Triton 3.6 atomics: sem "acquire", "release", "acq_rel" (default) or
+"relaxed"; scope "gpu" (default), "cta" or "sys"; tl.load cache_modifier ".cg" caches in
+L2, not L1; tl.debug_barrier synchronises the program's threads):
+- publish: plain stores of the [BD] data by the program's threads, tl.debug_barrier()
+  (bar.sync: every thread's stores are ordered before what follows in the program),
+  then tl.atomic_xchg(flag, v, sem="release") at gpu scope. Release is cumulative in
+  the PTX memory model: stores ordered before it through the barrier become visible to
+  any program that observes the new flag with an acquire operation.
+- wait: tl.atomic_add(flags, 0, sem="acquire") in a loop until non-zero (an atomic read
+  with acquire semantics: later loads of the program are ordered after it and the
+  compiler may not hoist them). The window's data loads that follow use ".cg" (from
+  L2, never a stale L1 line). Compiled for sm_90 on the CPU (Triton's ptxas), the
+  kernel shows: st.global of the data, bar.sync, then `atom.global.gpu.release.exch`
+  by one thread; each wait as `atom.global.gpu.acquire.add` by one thread per window
+  element between two bar.sync (the values broadcast through shared memory), the
+  minimum over the window by shuffles, then `ld.global.cg` for the data (W = 1 and 8,
+  vec 4, 2 warps).
+- flags only grow (0 -> 1 -> 2); aggregates and inclusive prefixes live in separate
+  buffers written once, so a reader that saw flag 1 reads a valid aggregate even if
+  the owner has moved on to flag 2 meanwhile.
+The interpreter runs programs one after another in program order, so there every
+look-back finds its predecessor's inclusive prefix at once. The constexpr
+INCLUSIVE_EVERY = k (launcher argument inclusive_every, tests only) lets only every k-th
+chunk publish an inclusive prefix, the others aggregates only, so the composition of
+several aggregates over several windows runs on the CPU too.
+
+What the next GPU session must check (none of it has run): that no launch hangs (run
+it first in a subprocess under a timeout: bench_rglru.py --lookback does); correctness
+at real shapes against the float64 reference and PyTorch at BF16 (scan and RG-LRU,
+resets, initial and final state; gradients through the chunk backward); and the
+fraction of the memory floor of the bare forward scan at B = 8, D = 1024,
+T = 2048 .. 16384 (workflow/scripts/bench/bench_rglru.py --lookback).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import accounting
+from .fused_recurrent import channels
+from .common import INTERPRET, acc_dtype, affine, check_pow2, empty, fast, last_row, load_tile, out, softplus, tl_acc
+
+L_RANGE = (16, 256)
+VECS = (0, 2, 4, 8)
+# Unmeasured defaults, from static sm_90 instruction counts (README "Look-back forward").
+DEFAULT_L, DEFAULT_VEC, DEFAULT_WARPS, DEFAULT_WINDOW = 16, 4, 2, 8
+
+
+@triton.jit(do_not_specialize=["T", "NC", "NCB"])
+def lookback_fwd_kernel(
+    x, gx, ga, ap, pos, h0, flags, agg_a, agg_b, incl, y, hN, S, B, T, D, NC, NCB,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HN: tl.constexpr,
+    SAVE: tl.constexpr, L: tl.constexpr, KB: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr, W: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr,
+):
+    ND = tl.cdiv(D, BD)
+    # The ticket counter sits after the NC * ND * B flags.
+    ticket = tl.atomic_add(flags + NC * ND * B, 1, sem="relaxed")
+    i_c = ticket // (B * ND)
+    i_b = ((ticket // ND) % B).to(tl.int64)
+    i_d = ticket % ND
+    o_d = channels(i_d, BD, VEC)
+    m_d = o_d < D
+    rows = tl.arange(0, L)
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
+        x, gx, ga, sp, pos, i_b, i_c * L, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC, FAST)
+    # [L, BD]: the tile's maps composed from its first row, from a zero state
+    A, Bs = tl.associative_scan((a, b), 0, affine)
+    a_tot = last_row(A, rows, L)
+    b_tot = last_row(Bs, rows, L)
+    my_flag = flags + (i_c * ND + i_d) * B + i_b
+    my = (i_c * B + i_b) * D + o_d
+    if i_c > 0:
+        tl.store(agg_a + my, a_tot, mask=m_d)
+        tl.store(agg_b + my, b_tot, mask=m_d)
+        tl.debug_barrier()
+        tl.atomic_xchg(my_flag, 1, sem="release")
+    # [BD] the map of chunks j + 1 .. c - 1 gathered so far, applied to the state s
+    # at the end of chunk j (the initial state before chunk 0)
+    ca = tl.full([BD], 1.0, ACC)
+    cb = tl.zeros([BD], ACC)
+    if HAS_H0:
+        s = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        s = tl.zeros([BD], ACC)
+    j = i_c - 1
+    wv = tl.arange(0, W)
+    while j >= 0:
+        # [W] the window of predecessors j - W + 1 .. j, oldest first; before chunk 0
+        # identity maps, ready
+        c = j - (W - 1) + wv
+        m_c = c >= 0
+        f_ptr = flags + (c * ND + i_d) * B + i_b
+        f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+        while tl.min(f, axis=0) == 0:
+            f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+        # [W, BD] an inclusive prefix is the constant map z -> 0 z + s_c: composed after
+        # older maps it discards them exactly, so the window's composition is the map
+        # from the newest inclusive prefix (if any) on
+        o = (c[:, None] * B + i_b) * D + o_d[None, :]
+        mm = m_c[:, None] & m_d[None, :]
+        is_incl = (f == 2)[:, None]
+        wa = tl.load(agg_a + o, mask=mm & ~is_incl, other=1.0, cache_modifier=".cg")
+        wa = tl.where(is_incl, 0.0, wa)
+        wb = tl.load(tl.where(is_incl, incl + o, agg_b + o), mask=mm, other=0.0, cache_modifier=".cg")
+        WA, WB = tl.associative_scan((wa, wb), 0, affine)
+        cb = ca * last_row(WB, wv, W) + cb
+        ca = ca * last_row(WA, wv, W)
+        j = tl.where(tl.max(f, axis=0) == 2, -1, j - W)
+    hin = ca * s + cb
+    hout = a_tot * hin + b_tot
+    if i_c % INCLUSIVE_EVERY == 0:
+        tl.store(incl + my, hout, mask=m_d)
+        tl.debug_barrier()
+        tl.atomic_xchg(my_flag, 2, sem="release")
+    h = A * hin[None, :] + Bs
+    tl.store(y + off, out(h, y, RNE), mask=m)
+    if STORE_HN:
+        if i_c == NC - 1:
+            tl.store(hN + i_b * D + o_d, hout, mask=m_d)
+    if SAVE:
+        # S[b, g] = the state entering sub-chunk g (KB steps): the end of sub-chunk g - 1.
+        NS: tl.constexpr = L // KB
+        ends = tl.sum(tl.where((tl.arange(0, KB) == KB - 1)[None, :, None], tl.reshape(h, [NS, KB, BD]), 0.0),
+                      axis=1)
+        g = i_c * NS + 1 + tl.arange(0, NS)
+        tl.store(S + (i_b * NCB + g[:, None]) * D + o_d[None, :], ends, mask=(g < NCB)[:, None] & m_d[None, :])
+        if i_c == 0:
+            tl.store(S + i_b * NCB * D + o_d, hin, mask=m_d)
+
+
+def lookback_config(D, chunk_size=None, block_d=None, num_warps=None, vec=None, window=None) -> dict:
+    """The look-back forward's launch configuration from the chunk backend's options:
+    chunk_size L (power of two in [16, 256]), vec (0: Triton's tile layout, block_d a
+    power of two in [8, 1024], default 64 and 4 warps; 2, 4, 8: channels per thread with
+    the chunk's time axis inside each thread, block_d = 32 * num_warps * vec), window
+    (predecessors examined per look-back step, power of two in [1, 64])."""
+    L = check_pow2("chunk_size", DEFAULT_L if chunk_size is None else chunk_size, *L_RANGE)
+    v = DEFAULT_VEC if vec is None else vec
+    if v not in VECS:
+        raise ValueError(f"expected vec in {list(VECS)} (channels per thread, the chunk's time axis inside each "
+                         f"thread; 0: Triton's tile layout), got {vec!r}")
+    if v:
+        nw = DEFAULT_WARPS if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
+        bd = 32 * nw * v
+        if block_d is not None and block_d != bd:
+            raise ValueError(f"expected block_d to be None or 32 * num_warps * vec = {bd} when vec > 0, "
+                             f"got {block_d!r}")
+    else:
+        nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
+        bd = 64 if block_d is None else check_pow2("block_d", block_d, 8, 1024)
+        bd = min(bd, max(8, triton.next_power_of_2(D)))
+    w = check_pow2("window", DEFAULT_WINDOW if window is None else window, 1, 64)
+    return {"L": L, "BD": bd, "num_warps": nw, "VEC": v, "W": w}
+
+
+def workspace_flags(n: int, device) -> torch.Tensor:
+    """The zeroed int32 flags and ticket counter of one launch (a function so tests can
+    inspect them)."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def lookback_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg, inclusive_every=1):
+    """Launcher. Scan mode: x = b, ga = a. cfg: the chunk backend's, with "lookback"
+    (lookback_config), "K" (sub-chunk of the saved states) and "FAST". Returns (y, final state or None,
+    S [B, ceil(T / K), D] or None). inclusive_every > 1 is a test knob (see the module
+    docstring); it never changes the result."""
+    B, T, D = x.shape
+    lb = cfg["lookback"]
+    L, KB, BD = lb["L"], cfg["K"], lb["BD"]
+    NC, ND, NCB = triton.cdiv(T, L), triton.cdiv(D, BD), triton.cdiv(T, KB)
+    acc = acc_dtype(x.dtype)
+    flags = workspace_flags(NC * ND * B + 1, x.device)
+    accounting.record("chunk_fwd_lookback_flags", 0, accounting.nbytes(flags))
+    agg_a = empty((NC, B, D), acc, x.device)
+    agg_b = empty((NC, B, D), acc, x.device)
+    incl = empty((NC, B, D), acc, x.device)
+    y = empty((B, T, D), x.dtype, x.device)
+    hN = empty((B, D), acc, x.device) if output_final_state else None
+    S = empty((B, NCB, D), acc, x.device) if save else None
+    lookback_fwd_kernel[(NC * ND * B,)](
+        x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
+        h0 if h0 is not None else x, flags, agg_a, agg_b, incl, y, hN if hN is not None else y,
+        S if S is not None else y, B, T, D, NC, NCB,
+        IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HN=output_final_state,
+        SAVE=save, L=L, KB=KB, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET, FAST=fast(cfg, x),
+        VEC=lb["VEC"], W=lb["W"], INCLUSIVE_EVERY=inclusive_every, num_warps=lb["num_warps"],
+    )
+    n = x.numel() * x.element_size()
+    read = (2 if is_scan else 3) * n + accounting.nbytes(pos, h0, None if is_scan else a_param)
+    # Workspaces: every chunk's aggregate and inclusive prefix written, at least one
+    # inclusive prefix read per chunk; the flags' memset and atomics are not counted.
+    ws = NC * B * D * torch.finfo(acc).bits // 8
+    accounting.record("chunk_fwd_lookback", read + ws, accounting.nbytes(y, hN, S) + 3 * ws)
+    return y, hN, S
