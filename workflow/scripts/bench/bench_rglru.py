@@ -411,14 +411,17 @@ VEC_SCAN = [("serial", {}), ("serial", dict(vec=2, block_t=32, num_warps=1)),
             ("serial", dict(vec=4, block_t=32, num_warps=1))]
 
 
-def phase_vec(S, dev, reps, warmup, res):
-    """Old serial default vs the vec (time-in-thread) variants; gates first, then both
-    orders. RG-LRU: fwd+bwd and fwd at S['rglru']; bare scan: fwd at every S['scan_T']."""
+def phase_vec(S, dev, reps, warmup, res, rglru_variants=None, scan_variants=None):
+    """Old serial default vs the vec (time-in-thread) variants (or the given lists);
+    gates first, then both orders. RG-LRU: fwd+bwd and fwd at S['rglru']; bare scan: fwd
+    at every S['scan_T']."""
+    rglru_variants = VEC_RGLRU if rglru_variants is None else rglru_variants
+    scan_variants = VEC_SCAN if scan_variants is None else scan_variants
     B, T, D = S["rglru"]
     args, pos, dy = rglru_inputs(B, T, D, dev)
     out = {"rglru": {"shape": [B, T, D], "dtype": "bfloat16", "gates": {}}, "scan": {"by_T": {}, "gates": {}}}
     cands_fb, cands_f = {}, {}
-    for backend, opts in VEC_RGLRU:
+    for backend, opts in rglru_variants:
         name = cfg_name(backend, opts)
         gate = gate_rglru(backend, opts, (B, T, D), dev)
         out["rglru"]["gates"][name] = gate
@@ -438,7 +441,7 @@ def phase_vec(S, dev, reps, warmup, res):
     for T in S["scan_T"]:
         a, b = scan_inputs(Bs, T, Ds, dev)
         cands = {}
-        for backend, opts in VEC_SCAN:
+        for backend, opts in scan_variants:
             name = cfg_name(backend, opts)
             gate = gate_scan(backend, opts, a, b)
             out["scan"]["gates"].setdefault(str(T), {})[name] = gate
@@ -457,6 +460,113 @@ def phase_vec(S, dev, reps, warmup, res):
                                        "results": r}
         log(f"scan T={T}: floor {floor_ms:.4f} ms | " + " | ".join(
             f"{k} {v['median_ms'] or math.nan:.4f} ({(v['floor_fraction'] or 0) * 100:.0f}%)" for k, v in r.items()))
+    return out
+
+
+# Run 3 (not yet run): the chunk backend's single-pass forward with decoupled look-back
+# (fwd="lookback", kernels/ops/rglru_triton/lookback.py), never run on a GPU before. The
+# defaults are chunk 16, vec 4, 2 warps, window 8 (static sm_90 counts only).
+LOOKBACK_RGLRU = [("serial", {}), ("serial", {"fast_math": True}),
+                  ("chunk", dict(fwd="lookback")), ("chunk", dict(fwd="lookback", fast_math=True)),
+                  ("chunk", dict(fwd="lookback", chunk_size=32, num_warps=1, fast_math=True)),
+                  ("chunk", dict(fwd="lookback", vec=0, chunk_size=64, block_d=64, num_warps=4, fast_math=True)),
+                  ("chunk", dict(fwd="lookback", inner="loop", fast_math=True))]
+LOOKBACK_SCAN = [("serial", {}), ("chunk", dict(fwd="lookback")), ("chunk", dict(fwd="lookback", window=1)),
+                 ("chunk", dict(fwd="lookback", window=32)), ("chunk", dict(fwd="lookback", num_warps=1)),
+                 ("chunk", dict(fwd="lookback", chunk_size=32, num_warps=1)),
+                 ("chunk", dict(fwd="lookback", chunk_size=32, vec=2, num_warps=2)),
+                 ("chunk", dict(fwd="lookback", chunk_size=16, vec=8, num_warps=1)),
+                 ("chunk", dict(fwd="lookback", vec=0, chunk_size=128, block_d=64, num_warps=4))]
+
+
+def probe_lookback(S, out_file):
+    """Child process of phase_lookback: every look-back variant once at the benchmark's
+    shapes, with resets and an initial state, against the PyTorch reference on the same
+    BF16 inputs (FP32 inside), one JSON line per variant written as soon as it is done,
+    so that a hang (the parent kills this process) names the variant that hung."""
+    import kernels
+    from kernels import parity
+    from kernels.ops import reference
+
+    def line(rec):
+        with open(out_file, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    B, T, D = S["rglru"]
+    args, pos, dy = rglru_inputs(B, T, D, dev, grad=False, seed=12)
+    h0 = torch.randn(B, D, device=dev)
+    want = reference.rglru(*args, pos, h0, True)
+    wgrad = None
+    for backend, opts in LOOKBACK_RGLRU:
+        if backend != "chunk":
+            continue
+        name = cfg_name(backend, opts)
+        line({"op": "rglru", "variant": name, "started": True})
+        with torch.no_grad():
+            y, h = kernels.backends("rglru")[backend](*args, pos, h0, True, **opts)
+        sync()
+        rec = {"op": "rglru", "variant": name, "error_output": parity.rel_err(y, want[0]),
+               "error_final_state": parity.rel_err(h, want[1])}
+        leaves = [a.detach().clone().requires_grad_() for a in args]
+        y, _ = kernels.backends("rglru")[backend](*leaves, pos, h0, False, **opts)
+        grads = torch.autograd.grad(y, leaves, dy)
+        if wgrad is None:
+            ref_leaves = [a.detach().clone().requires_grad_() for a in args]
+            wy, _ = reference.rglru(*ref_leaves, pos, h0, False)
+            wgrad = torch.autograd.grad(wy, ref_leaves, dy)
+        sync()
+        rec["error_grads"] = [parity.rel_err(g, w) for g, w in zip(grads, wgrad)]
+        line(rec)
+    Bs, Ds = S["scan_B"], S["scan_D"]
+    for T in S["scan_T"][-1:]:
+        a, b = scan_inputs(Bs, T, Ds, dev, seed=13)
+        spos = parity.make_segment_pos(Bs, T, True, 13, dev)
+        h0 = torch.randn(Bs, Ds, device=dev)
+        want = reference.scan(a, b, spos, h0, True)
+        for backend, opts in LOOKBACK_SCAN:
+            if backend != "chunk":
+                continue
+            name = cfg_name(backend, opts)
+            line({"op": "scan", "T": T, "variant": name, "started": True})
+            with torch.no_grad():
+                y, h = kernels.backends("scan")[backend](a, b, spos, h0, True, **opts)
+            sync()
+            line({"op": "scan", "T": T, "variant": name, "error_output": parity.rel_err(y, want[0]),
+                  "error_final_state": parity.rel_err(h, want[1])})
+
+
+def phase_lookback(S, dev, reps, warmup, res, timeout_s=360):
+    """The look-back variants: first the probe in a child process under a timeout (a
+    kernel that never finishes is killed with its process, and the variants are then not
+    timed), then, if every variant finished, the vec phase's gates and timings."""
+    probe_file = Path(res["out_dir"]) / "lookback_probe.jsonl"
+    probe_file.unlink(missing_ok=True)
+    t0 = time.time()
+    child = subprocess.Popen([sys.executable, __file__, "--out", res["out_dir"], "--probe-lookback", str(probe_file)],
+                             cwd=REPO, stdout=open(Path(res["out_dir"]) / "lookback_probe.log", "w"),
+                             stderr=subprocess.STDOUT)
+    try:
+        rc = child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        rc = "killed at the timeout"
+    lines = [json.loads(x) for x in probe_file.read_text().splitlines()] if probe_file.exists() else []
+    out = {"probe": {"returncode": rc, "seconds": round(time.time() - t0, 1), "records": lines}}
+    done = [r for r in lines if not r.get("started")]
+    log(f"look-back probe: exit {rc} after {out['probe']['seconds']} s; " + "; ".join(
+        f"{r['op']} {r['variant']}: y {r['error_output']:.2e} h {r['error_final_state']:.2e}"
+        + (f" grads {max(r['error_grads']):.2e}" if "error_grads" in r else "") for r in done))
+    if rc != 0:
+        hung = [r for r in lines if r.get("started")][-1:] if lines else []
+        log(f"look-back probe failed ({rc}); last variant started: {hung}; nothing timed")
+        return out
+    out.update(phase_vec(S, dev, reps, warmup, res, LOOKBACK_RGLRU, LOOKBACK_SCAN))
     return out
 
 
@@ -601,6 +711,21 @@ def summary(res):
             for k, x in v["results"].items():
                 lines.append(f"    {k:56s} {x['median_ms'] or float('nan'):.4f} ms "
                              f"({(x['floor_fraction'] or 0) * 100:.0f}% of floor)")
+    lb = res.get("lookback", {})
+    if "probe" in lb:
+        lines.append(f"run 3 look-back: probe exit {lb['probe']['returncode']} after {lb['probe']['seconds']} s")
+    if "rglru" in lb:
+        nan = float("nan")
+        for k, v in lb["rglru"].get("fwdbwd", {}).items():
+            f = lb["rglru"].get("fwd", {}).get(k, {})
+            lines.append(f"  {k:62s} fwd+bwd {v.get('median_ms') or nan:8.4f} ms  graph "
+                         f"{v.get('graph_median_ms') or nan:8.4f} ms  fwd {f.get('median_ms') or nan:8.4f} ms")
+        lines.append("run 3 look-back: bare scan fwd (target >= 85% of floor for T >= 4096):")
+        for T, v in lb["scan"]["by_T"].items():
+            lines.append(f"  T={T:>5s} floor {v['floor_ms']:.4f} ms")
+            for k, x in v["results"].items():
+                lines.append(f"    {k:56s} {x['median_ms'] or nan:.4f} ms "
+                             f"({(x['floor_fraction'] or 0) * 100:.0f}% of floor)")
     st = res.get("step", {})
     for B, v in st.get("by_B", {}).items():
         lines.append(f"step B={B:>3s} D={st['D']}: eager {med(v) * 1e3:7.2f} us | graph 1-step "
@@ -619,13 +744,20 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--vec", action="store_true",
                     help="only phase_vec (old serial default vs the vec variants); with --tests only the vec GPU tests")
+    ap.add_argument("--lookback", action="store_true",
+                    help="only phase_lookback (the chunk backend's fwd='lookback' variants, first probed for hangs "
+                         "and correctness in a child process)")
+    ap.add_argument("--probe-lookback", metavar="FILE", help=argparse.SUPPRESS)
     ap.add_argument("--build-deadline", type=float, default=150.0,
                     help="seconds from the start after which the accelerated-scan CUDA build is abandoned")
     args = ap.parse_args(argv)
+    if args.probe_lookback:
+        probe_lookback(SHAPES["smoke" if args.smoke else "full"], args.probe_lookback)
+        return
     if args.smoke:
         for sweep in (SERIAL_SWEEP, CHUNK_SWEEP, SCAN_SERIAL_SWEEP, SCAN_CHUNK):
             del sweep[2:]
-        for sweep in (VEC_RGLRU, VEC_SCAN):
+        for sweep in (VEC_RGLRU, VEC_SCAN, LOOKBACK_RGLRU, LOOKBACK_SCAN):
             del sweep[3:], sweep[1]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -642,9 +774,10 @@ def main(argv=None):
 
     t0 = time.time()
     tests = warp_build = None
-    if args.vec:
+    if args.vec or args.lookback:
         peers["accelerated_scan_warp"] = False
         args.workers = 0
+    res["out_dir"] = str(out_dir)
     if peers.get("accelerated_scan_warp"):
         # accelerated-scan's CUDA scan builds with nvcc at import (load_inline): in its
         # own process from the start, waited for only up to a deadline.
@@ -687,6 +820,8 @@ def main(argv=None):
               ("step", lambda: phase_step(S, dev, args.reps, args.warmup)))
     if args.vec:
         phases = (("vec", lambda: phase_vec(S, dev, args.reps, args.warmup, res)),)
+    if args.lookback:
+        phases = (("lookback", lambda: phase_lookback(S, dev, args.reps, args.warmup, res)),)
     for name, phase in phases:
         t1 = time.time()
         try:
