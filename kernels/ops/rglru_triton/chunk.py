@@ -28,10 +28,10 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .lookback import lookback_config, lookback_forward
 from .common import (recurrence_function, INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, fast,
                      first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, out,
                      softplus, tile_grads, tl_acc)
+from .lookback import lookback_config, lookback_forward
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -469,8 +469,9 @@ def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None
     (approximate ex2/rcp/sqrt in FP32 on the GPU), fwd ("replay", the default: summary,
     prefix, replay; "lookback": one pass with decoupled look-back, lookback.py, untimed
     and never run on a GPU, opt-in only; chunk_size is then its chunk L, a power of two
-    in [16, 256], default 64, and the backward runs on sub-chunks of min(L, 32) steps,
-    min(L, 16) with inner="loop"). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
+    in [16, 256], default 16; block_d, num_warps and the options vec and window configure
+    its kernel (lookback.lookback_config), and the backward runs with its defaults on
+    sub-chunks of min(L, 32) steps, min(L, 16) with inner="loop"). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, chunk_size, **opts)
     if T == 0:
@@ -483,7 +484,8 @@ def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None
 
 def chunk_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, chunk_size=None, **opts):
     """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets) through the chunked kernels, real
-    inputs; complex inputs go to the PyTorch reference."""
+    inputs; complex inputs go to the PyTorch reference. Options as chunk_rglru's
+    (fwd="lookback" included)."""
     if b.is_complex():
         from .. import reference
 
