@@ -191,7 +191,8 @@ def lookback_config(D, chunk_size=None, block_d=None, num_warps=None, vec=None, 
     chunk_size L (power of two in [16, 256]), vec (0: Triton's tile layout, block_d a
     power of two in [8, 1024], default 64 and 4 warps; 2, 4, 8: channels per thread with
     the chunk's time axis inside each thread, block_d = 32 * num_warps * vec), window
-    (predecessors examined per look-back step, power of two in [1, 64])."""
+    (predecessors examined per look-back step, power of two in [1, 64]). Defaults: L 16,
+    vec 4, 2 warps (block_d 256), window 8."""
     L = check_pow2("chunk_size", DEFAULT_L if chunk_size is None else chunk_size, *L_RANGE)
     v = DEFAULT_VEC if vec is None else vec
     if v not in VECS:
