@@ -54,6 +54,7 @@ def scan_inputs(T, dtype, seed=0):
 def rglru_inputs(T, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x, gx, ga = (torch.randn(B, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    torch.manual_seed(seed)
     a_param = kernels.layers.rnn_param_init(torch.empty(D, dtype=torch.float64))
     h0 = torch.randn(B, D, generator=g, dtype=torch.float64)
     pdt = torch.float64 if dtype == torch.float64 else torch.float32
