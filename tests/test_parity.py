@@ -127,7 +127,7 @@ def test_reference_rows_below_float64_are_yardsticks_not_gates():
     assert all(r["role"] == "inexact-by-design" for r in rows + rows64 if r["backend"] in inexact)
 
 
-def testsamu_relu_kinks_mask_only_states_at_zero():
+def test_samu_relu_kinks_mask_only_states_at_zero():
     from kernels.parity import _samu_inputs, samu_relu_kinks
 
     args, h0 = _samu_inputs(1, 6, 8, torch.float64, "cpu", 0)
@@ -137,3 +137,33 @@ def testsamu_relu_kinks_mask_only_states_at_zero():
     assert kinks[0, 2].all() and int(kinks.sum()) == 8
     rows = parity.check_backends("samu", B=1, T=6, D=8, dtype=torch.float64, chunk_sizes=(8,))
     assert all(r["passed"] for r in rows)
+
+
+def test_samu_gate_with_the_kink_mask_still_catches_wrong_gradients(monkeypatch):
+    """The relu-kink cotangent mask only removes positions whose exact state is ~0; a
+    SAMU backend whose parameter gradient is 0.1 % off, or whose output is, still fails."""
+    from kernels.ops import reference
+
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * (1 + 1e-3)
+
+    def grad_off(x, pd, rd, pa, ra, nu_log, *rest):
+        return reference.samu(x, pd, rd, pa, ra, Scaled.apply(nu_log), *rest)
+
+    def out_off(*args):
+        y, h = reference.samu(*args)
+        return y * (1 + 1e-3), h
+
+    monkeypatch.setattr("kernels.ops.backends",
+                        lambda op: {"reference": reference.samu, "grad_off": grad_off, "out_off": out_off})
+    rows = parity.check_backends("samu", B=2, T=9, D=8)
+    assert all(r["relu_kinks_masked"] < 0.01 * 2 * 9 * 8 for r in rows)
+    failed = {(r["backend"], r["stage"]) for r in parity.failures(rows)}
+    assert ("grad_off", "grad_nu_log") in failed and ("out_off", "output") in failed
+    assert all(b != "reference" for b, _ in failed)
