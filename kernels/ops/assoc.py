@@ -49,7 +49,7 @@ def _round_bf16(t: torch.Tensor) -> torch.Tensor:
 def prefix_scan(a: torch.Tensor, b: torch.Tensor, segment_pos=None, initial_state=None, bf16: bool = False):
     """Every state h_t ([B, T, D], a's compute dtype) of h_t = a_t h_{t-1} + b_t by
     recursive doubling; a_t = 0 where segment_pos == 0."""
-    reset = None if segment_pos is None else segment_pos == 0
+    reset = reference._reset(segment_pos)
     if reset is not None:
         a = torch.where(reset[..., None], torch.zeros_like(a), a)
     T = a.shape[1]
@@ -66,10 +66,6 @@ def prefix_scan(a: torch.Tensor, b: torch.Tensor, segment_pos=None, initial_stat
             a, b = _round_bf16(a), _round_bf16(b)
         k *= 2
     return b
-
-
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _final(h: torch.Tensor, initial_state, output_final_state: bool, shape, dtype, device):
@@ -108,7 +104,7 @@ def _samu(bf16):
 def _scan(bf16):
     def run(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
         _no_options("assoc_bf16" if bf16 else "assoc", opts)
-        acc = _acc(b)
+        acc = reference._acc(b)
         h = prefix_scan(a.to(acc), b.to(acc), segment_pos, initial_state, bf16)
         ht = _final(h, initial_state, output_final_state, b.shape, acc, b.device)
         return h.to(b.dtype), ht

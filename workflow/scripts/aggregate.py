@@ -187,12 +187,7 @@ def plots(df, folder: Path) -> list[str]:
             ax.set_yticks(range(len(labels)), labels, fontsize=6)
             ax.set_xlabel("time per call, median (ms); bars P10-P95")
         ax.set_title(f"{name} ({g['profile'].iloc[0]}, {g['gpu'].iloc[0]}){': ' + fixed if fixed else ''}", fontsize=8)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=120, metadata={"Software": None})
-        plt.close(fig)
-        atomic.write_bytes(folder / f"{name}.png", buf.getvalue())
-        made.append(f"{name}.png")
+        _save(fig, folder, f"{name}.png", made)
     return made
 
 

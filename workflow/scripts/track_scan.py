@@ -69,9 +69,8 @@ def plan(settings: dict, gates: dict | None) -> list[dict]:
     for T in settings["T"]:
         for op in settings["ops"]:
             fns = kernels.backends(op)
-            exact = measure.exact_backend_names(op, list(fns), gates)
             # Backends inexact by design (BF16 accumulation) run too, labelled exact=False.
-            names = [n for n in fns if n in exact or n in kernels.ops.inexact_backends()]
+            names, exact = measure.diagnostic_backend_names(op, fns, gates)
             for name in names:
                 if settings.get("backends") and name not in settings["backends"]:
                     continue

@@ -39,11 +39,10 @@ def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> 
     import kernels
 
     fns = kernels.backends(mixer)
-    exact = measure.exact_backend_names(mixer, list(fns), gates)
     out = []
     # Backends inexact by design (the BF16 associative scan) are diagnostics too; their
     # records say exact=False and the architecture comparison never takes them.
-    for name in [n for n in fns if n in exact or n in kernels.ops.inexact_backends()]:
+    for name in measure.diagnostic_backend_names(mixer, fns, gates)[0]:
         if settings.get("backends") and name not in settings["backends"]:
             continue
         variants = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]

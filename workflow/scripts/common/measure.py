@@ -457,6 +457,17 @@ def exact_backend_names(op: str, names: Iterable[str], gates: dict | None, inexa
     return out
 
 
+def diagnostic_backend_names(op: str, names: Iterable[str], gates: dict | None) -> tuple[list[str], set[str]]:
+    """(backends a track times, the exact ones among them): the exact backends plus
+    those inexact by design (kernels.ops.inexact_backends), which are timed as
+    labelled diagnostics but never selected; listing order kept."""
+    from kernels import ops
+
+    names = list(names)
+    exact = set(exact_backend_names(op, names, gates))
+    return [n for n in names if n in exact or n in ops.inexact_backends()], exact
+
+
 # ------------------------------------------------------- record fields
 
 
