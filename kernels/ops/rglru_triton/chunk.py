@@ -23,7 +23,6 @@ shared memory; the backward keeps the chunk's h_{t-1} as a tuple of K registers)
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -518,7 +518,7 @@ def write_summary(path, recs, meta):
     """summary.md, generated from the records (never edited by hand)."""
     ok = [r for r in recs if r["status"] == "ok"]
     g = meta["gpu"] or {}
-    lines = [f"# SAMU kernels: generated from samu_bench.json", "",
+    lines = ["# SAMU kernels: generated from samu_bench.json", "",
              f"GPU {g.get('name')} ({g.get('sm_count')} SMs), torch {meta['versions'].get('torch')}, "
              f"triton {meta['versions'].get('triton')}, commit {meta['commit']['sha']}, {meta['started']}; "
              f"measured copy bandwidth {meta['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write). "
