@@ -541,7 +541,8 @@ def probe_lookback(S, out_file):
                   "error_final_state": parity.rel_err(h, want[1])})
 
 
-def phase_lookback(S, dev, reps, warmup, res, timeout_s=360):
+def phase_lookback(S, dev, reps, warmup, res, timeout_s=360, stall_s=100):
+    stall_s = stall_s if dev == "cuda" else timeout_s  # the interpreter is slow
     """The look-back variants: first the probe in a child process under a timeout (a
     kernel that never finishes is killed with its process, and the variants are then not
     timed), then, if every variant finished, the vec phase's gates and timings."""
@@ -551,11 +552,20 @@ def phase_lookback(S, dev, reps, warmup, res, timeout_s=360):
     child = subprocess.Popen([sys.executable, __file__, "--out", res["out_dir"], "--probe-lookback", str(probe_file)],
                              cwd=REPO, stdout=open(Path(res["out_dir"]) / "lookback_probe.log", "w"),
                              stderr=subprocess.STDOUT)
-    try:
-        rc = child.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        rc = "killed at the timeout"
+    rc = None
+    while rc is None:
+        # A variant that makes no progress for stall_s (its compile included) is taken
+        # as hung: the child is killed, and the last variant started is named below.
+        try:
+            rc = child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            last = probe_file.stat().st_mtime if probe_file.exists() else t0
+            if time.time() - t0 > timeout_s:
+                child.kill()
+                rc = "killed at the timeout"
+            elif time.time() - last > stall_s:
+                child.kill()
+                rc = f"killed: no progress for {stall_s} s"
     lines = [json.loads(x) for x in probe_file.read_text().splitlines()] if probe_file.exists() else []
     out = {"probe": {"returncode": rc, "seconds": round(time.time() - t0, 1), "records": lines}}
     done = [r for r in lines if not r.get("started")]
