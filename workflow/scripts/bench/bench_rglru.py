@@ -542,10 +542,10 @@ def probe_lookback(S, out_file):
 
 
 def phase_lookback(S, dev, reps, warmup, res, timeout_s=360, stall_s=100):
-    stall_s = stall_s if dev == "cuda" else timeout_s  # the interpreter is slow
     """The look-back variants: first the probe in a child process under a timeout (a
     kernel that never finishes is killed with its process, and the variants are then not
     timed), then, if every variant finished, the vec phase's gates and timings."""
+    stall_s = stall_s if dev == "cuda" else timeout_s  # the interpreter is slow
     probe_file = Path(res["out_dir"]) / "lookback_probe.jsonl"
     probe_file.unlink(missing_ok=True)
     t0 = time.time()
