@@ -88,6 +88,7 @@ class _Slot:
     done: torch.Tensor          # [B] bool, row emitted a stop token
     stops: torch.Tensor         # [MAX_STOP_TOKENS] int64, -1 = unused
     temperature: torch.Tensor   # [] float32
+    workspace: dk.Workspace | None = None   # split-K partials of the weight-streaming linears
     graphs: dict = field(default_factory=dict)
     logits: torch.Tensor | None = None
 
@@ -155,7 +156,8 @@ class Engine:
                       reset=torch.zeros(B, dtype=torch.bool, device=dev),
                       done=torch.zeros(B, dtype=torch.bool, device=dev),
                       stops=torch.full((dk.MAX_STOP_TOKENS,), -1, dtype=torch.int64, device=dev),
-                      temperature=torch.ones((), dtype=torch.float32, device=dev))
+                      temperature=torch.ones((), dtype=torch.float32, device=dev),
+                      workspace=dk.Workspace(dev) if kernels == "gemm" else None)
             self._slots[B] = s
         return s
 
@@ -336,7 +338,8 @@ class Engine:
         return F.linear(xn, m.embed.weight)
 
     def _logits_gemm(self, s: _Slot) -> torch.Tensor:
-        m, pdl, cfg = self.model, self.pdl, self.linear_configs
+        m, cfg = self.model, self.linear_configs
+        kw = dict(pdl=self.pdl, workspace=s.workspace)
         x = F.embedding(s.tokens, m.embed.weight)
         for block, c in zip(m.blocks, s.cache.layers):
             rb, mlp = block.recurrent_block, block.mlp_block
@@ -344,17 +347,17 @@ class Engine:
             gy, xc = dk.linear(x, rb.linear_y.weight, rb.linear_y.bias, prologue=dk.PRO_NORM, norm_scale=tn.scale,
                                eps=tn.eps, epilogue=dk.EPI_XY, w2=rb.linear_x.weight, bias2=rb.linear_x.bias,
                                conv=(c.conv_state, rb.conv_1d.w, rb.conv_1d.b), reset=s.reset,
-                               config=cfg.get("xy"), pdl=pdl)
+                               config=cfg.get("xy"), **kw)
             mo = rb.mixer.step(xc, c.rnn_state, s.reset)
             dk.linear(gy, rb.linear_out.weight, rb.linear_out.bias, prologue=dk.PRO_MUL, a2=mo,
-                      epilogue=dk.EPI_RESIDUAL, residual=x, config=cfg.get("out"), pdl=pdl)
+                      epilogue=dk.EPI_RESIDUAL, residual=x, config=cfg.get("out"), **kw)
             p = dk.linear(x, mlp.ffw_up.weight, mlp.ffw_up.bias, prologue=dk.PRO_NORM, norm_scale=cn.scale,
-                          eps=cn.eps, epilogue=dk.EPI_GATED, config=cfg.get("up"), pdl=pdl)
+                          eps=cn.eps, epilogue=dk.EPI_GATED, config=cfg.get("up"), **kw)
             dk.linear(p, mlp.ffw_down.weight, mlp.ffw_down.bias, epilogue=dk.EPI_RESIDUAL, residual=x,
-                      config=cfg.get("down"), pdl=pdl)
+                      config=cfg.get("down"), **kw)
         fn = m.final_norm
         return dk.linear(x, m.embed.weight, None, prologue=dk.PRO_NORM, norm_scale=fn.scale, eps=fn.eps,
-                         config=cfg.get("logits"), pdl=pdl)
+                         config=cfg.get("logits"), **kw)
 
     def _choose(self, s: _Slot, logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
         if sampling.greedy:

@@ -190,74 +190,53 @@ EPI_BIAS, EPI_RESIDUAL, EPI_XY, EPI_GATED = 0, 1, 2, 3
 
 
 @triton.jit
-def _dot(acc, at, wt, DOT: tl.constexpr):
+def _dot(acc, x, y, DOT: tl.constexpr):
     if DOT == 0:
-        return tl.dot(at, wt, acc)
+        return tl.dot(x, y, acc)
     else:
-        return tl.dot(at.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
-def _a_tile(a, sa, a2, sa2, nscale, ss, o_m, m_m, o_k, m_k, PRO: tl.constexpr, TY: tl.constexpr,
+def _mma(acc, at, wt, DOT: tl.constexpr, SWAP: tl.constexpr):
+    """acc += at @ wt.T for at [BM, BK], wt [BN, BK]; acc is [BM, BN], or [BN, BM]
+    with SWAP (the weight tile as the dot's M operand: M = BN >= 64 suits wgmma)."""
+    if SWAP:
+        return _dot(acc, wt, tl.trans(at), DOT)
+    else:
+        return _dot(acc, at, tl.trans(wt), DOT)
+
+
+@triton.jit
+def _w_tile(wp, o_n, m_n, o_k, m_k, K):
+    # [BN, BK], K contiguous
+    return tl.load(wp + o_n.to(tl.int64)[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
+def _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO: tl.constexpr, TY: tl.constexpr,
             RNE: tl.constexpr):
-    """Input tile [BM, BK] in the model dtype and the running row sums of squares
-    (PRO_NORM: the tile is round(a * (1 + scale)); 1 / rms is applied to the sums)."""
+    """Input tile [BM, BK] in the model dtype and the running squares [BM, BK] of the
+    raw inputs (PRO_NORM: the tile is round(a * (1 + scale)); 1 / rms is applied to the
+    row sums after the reduction over K)."""
     m2 = m_m[:, None] & m_k[None, :]
     rows = o_m.to(tl.int64)[:, None]
     t = tl.load(a + rows * sa + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
     if PRO == 1:
-        ss += tl.sum(t * t, axis=1)
+        sq += t * t
         s = tl.load(nscale + o_k, mask=m_k, other=0.0).to(tl.float32)
         t = _rnd(t * (s[None, :] + 1.0), TY, RNE)
     elif PRO == 2:
         t2 = tl.load(a2 + rows * sa2 + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
         t = _rnd(t * t2, TY, RNE)
-    return t.to(TY), ss
+    return t.to(TY), sq
 
 
-@triton.jit(do_not_specialize=["M"])
-def linear_kernel(
-    a, sa, a2, sa2, nscale, w, bias, w2, bias2, out, out2, res,
-    cstate, cw, cb, reset,
-    M, N, K, eps,
-    PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr, CW: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-    RNE: tl.constexpr, PDL: tl.constexpr,
-):
-    """out[m, n] = epilogue(sum_k prologue(a)[m, k] * w[n, k] + bias[n]); w is [N, K]
-    (nn.Linear layout; [2N, K] gate rows first for EPI_GATED). EPI_XY runs over 2N
-    columns: n < N uses (w, bias) -> round(gelu) into out, n >= N uses (w2, bias2) ->
-    the conv step into out2. The residual epilogue writes out = round(v + res), and
-    out may be res (each program reads and writes only its own columns). Program
-    (n, m) streams w[n-block, :] once, in BK slices, for its BM rows."""
-    _pdl_launch(PDL)
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    TY: tl.constexpr = out.dtype.element_ty
-    o_m = pid_m * BM + tl.arange(0, BM)
-    m_m = o_m < M
-    NB = tl.cdiv(N, BN)
-    second = pid_n >= NB  # only EPI_XY has programs past NB
-    o_n = (pid_n % NB) * BN + tl.arange(0, BN)
-    m_n = o_n < N
-    wp = w
-    bp = bias
-    if EPI == 2:
-        if second:
-            wp = w2
-            bp = bias2
-    _pdl_wait(PDL)
-    w_rows = o_n.to(tl.int64)[None, :] * K
-    acc = tl.zeros([BM, BN], tl.float32)
-    acc2 = tl.zeros([BM, BN], tl.float32)
-    ss = tl.zeros([BM], tl.float32)
-    for k0 in range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        at, ss = _a_tile(a, sa, a2, sa2, nscale, ss, o_m, m_m, o_k, m_k, PRO, TY, RNE)
-        mw = m_k[:, None] & m_n[None, :]
-        acc = _dot(acc, at, tl.load(wp + w_rows + o_k[:, None], mask=mw, other=0.0), DOT)
-        if EPI == 3:
-            acc2 = _dot(acc2, at, tl.load(wp + N * K + w_rows + o_k[:, None], mask=mw, other=0.0), DOT)
+@triton.jit
+def _epilogue(acc, acc2, ss, bp, out, out2, res, cstate, cw, cb, reset, o_m, m_m, o_n, m_n, second, N, K, eps,
+              PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr,
+              CW: tl.constexpr, TY: tl.constexpr, RNE: tl.constexpr):
+    """acc, acc2 [BM, BN]: the full FP32 sums over K; ss [BM]: the rows' sums of squares."""
     if PRO == 1:
         # RMSNorm's 1 / rms is a per-row factor: applied to the sums instead of the inputs.
         rinv = 1.0 / tl.sqrt(ss / K + eps)
@@ -284,6 +263,110 @@ def linear_kernel(
     else:
         g = _rnd(_gelu(v), TY, RNE)
         tl.store(out + offs, _rnd(g * _rnd(acc2, TY, RNE), TY, RNE).to(TY), mask=m2)
+
+
+@triton.jit(do_not_specialize=["M"])
+def linear_kernel(
+    a, sa, a2, sa2, nscale, w, bias, w2, bias2, out, out2, res,
+    cstate, cw, cb, reset, ws, counts,
+    M, N, K, eps,
+    PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr, CW: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr,
+    SWAP: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
+):
+    """out[m, n] = epilogue(sum_k prologue(a)[m, k] * w[n, k] + bias[n]) for all M <= BM
+    rows; w is [N, K] (nn.Linear layout; [2N, K] gate rows first for EPI_GATED). EPI_XY
+    runs over 2N columns: n < N uses (w, bias) -> round(gelu) into out, n >= N uses
+    (w2, bias2) -> the conv step into out2. The residual epilogue writes
+    out = round(v + res), and out may be res (each column block is written by one program).
+
+    Program (n, s) streams w[n-block, s*KS : (s+1)*KS] once, in BK slices. With SPLIT > 1
+    it stores its FP32 partial sums (and partial sums of squares) in the workspace `ws`
+    and counts itself in counts[n]; the last of the SPLIT programs of a column block to
+    arrive adds the partials in split order (deterministic), runs the epilogue and sets
+    the count back to 0 (ready for the next launch or graph replay)."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    TY: tl.constexpr = out.dtype.element_ty
+    o_m = tl.arange(0, BM)
+    m_m = o_m < M
+    NB = tl.cdiv(N, BN)
+    second = pid_n >= NB  # only EPI_XY has programs past NB
+    o_n = (pid_n % NB) * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    wp = w
+    bp = bias
+    if EPI == 2:
+        if second:
+            wp = w2
+            bp = bias2
+    k_lo = pid_s * KS
+    k_hi = tl.minimum(k_lo + KS, K)
+    # The first weight slice does not depend on the previous kernel: with PDL it is
+    # loaded while that kernel finishes.
+    o_k = k_lo + tl.arange(0, BK)
+    m_k = o_k < k_hi
+    wt = _w_tile(wp, o_n, m_n, o_k, m_k, K)
+    wt2 = wt
+    if EPI == 3:
+        wt2 = _w_tile(wp + N * K, o_n, m_n, o_k, m_k, K)
+    _pdl_wait(PDL)
+    if SWAP:
+        acc = tl.zeros([BN, BM], tl.float32)
+        acc2 = tl.zeros([BN, BM], tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc2 = tl.zeros([BM, BN], tl.float32)
+    sq = tl.zeros([BM, BK], tl.float32)
+    at, sq = _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO, TY, RNE)
+    acc = _mma(acc, at, wt, DOT, SWAP)
+    if EPI == 3:
+        acc2 = _mma(acc2, at, wt2, DOT, SWAP)
+    for k0 in range(k_lo + BK, k_hi, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < k_hi
+        at, sq = _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO, TY, RNE)
+        acc = _mma(acc, at, _w_tile(wp, o_n, m_n, o_k, m_k, K), DOT, SWAP)
+        if EPI == 3:
+            acc2 = _mma(acc2, at, _w_tile(wp + N * K, o_n, m_n, o_k, m_k, K), DOT, SWAP)
+    _pdl_launch(PDL)
+    if SWAP:
+        acc = tl.trans(acc)
+        acc2 = tl.trans(acc2)
+    if PRO == 1:
+        ss = tl.sum(sq, axis=1)
+    else:
+        ss = tl.zeros([BM], tl.float32)
+    if SPLIT == 1:
+        _epilogue(acc, acc2, ss, bp, out, out2, res, cstate, cw, cb, reset, o_m, m_m, o_n, m_n, second, N, K, eps,
+                  PRO, EPI, HAS_BIAS, HAS_RESET, CW, TY, RNE)
+    else:
+        # workspace: [programs, BM, BN] partials (a second such block for EPI_GATED), then [programs, BM] squares
+        tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        n_prog = tl.num_programs(0) * SPLIT
+        slot = (pid_n * SPLIT + pid_s).to(tl.int64)
+        tl.store(ws + slot * (BM * BN) + tile, acc)
+        if EPI == 3:
+            tl.store(ws + (n_prog + slot) * (BM * BN) + tile, acc2)
+        sq_base = n_prog.to(tl.int64) * (BM * BN) * (2 if EPI == 3 else 1)
+        if PRO == 1:
+            tl.store(ws + sq_base + slot * BM + o_m, ss)
+        # Every thread's partials are stored before the count (release at GPU scope).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counts + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            acc = tl.zeros([BM, BN], tl.float32)
+            acc2 = tl.zeros([BM, BN], tl.float32)
+            ss = tl.zeros([BM], tl.float32)
+            first = pid_n.to(tl.int64) * SPLIT
+            for s in range(SPLIT):
+                acc += tl.load(ws + (first + s) * (BM * BN) + tile, cache_modifier=".cg")
+                if EPI == 3:
+                    acc2 += tl.load(ws + (n_prog + first + s) * (BM * BN) + tile, cache_modifier=".cg")
+                if PRO == 1:
+                    ss += tl.load(ws + sq_base + (first + s) * BM + o_m, cache_modifier=".cg")
+            tl.store(counts + pid_n, 0)
+            _epilogue(acc, acc2, ss, bp, out, out2, res, cstate, cw, cb, reset, o_m, m_m, o_n, m_n, second, N, K,
+                      eps, PRO, EPI, HAS_BIAS, HAS_RESET, CW, TY, RNE)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -383,16 +466,23 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
 
 
-def default_config(cols: int, K: int) -> dict:
-    """Tile sizes of `linear` for `cols` output columns per row (both halves of
-    EPI_XY, the gate half of EPI_GATED): enough column blocks to cover the GPU (about
-    128 programs or more), weight tiles of 8-32 KiB per pipeline stage."""
-    bn = 16
-    while bn < 128 and triton.cdiv(cols, bn * 2) >= 128:
-        bn *= 2
-    bk = 256 if bn <= 16 else 128
-    return {"BN": bn, "BK": min(bk, max(16, triton.next_power_of_2(K))), "num_warps": 4,
-            "num_stages": 4 if bn <= 32 else 3}
+# Programs a split-K launch aims for: several per SM (132 on the H200), so that enough
+# weight bytes are in flight to stream at the memory's rate.
+TARGET_PROGRAMS = 528
+
+
+def default_config(cols: int, K: int, rows: int = 16) -> dict:
+    """Tiles of `linear` for `cols` output columns per row (both halves of EPI_XY, the
+    gate half of EPI_GATED), reduction length K and `rows` rows: column blocks of BN,
+    and K split so that about TARGET_PROGRAMS programs stream the weight.
+    Keys: BN, BK (slice of K per iteration), SPLIT (requested K splits; the launch
+    uses cdiv(K, KS) with KS = cdiv(K, SPLIT) rounded up to a multiple of BK), SWAP
+    (weight tile as the dot's M operand), num_warps, num_stages."""
+    bn = 64
+    bk = min(128, max(16, triton.next_power_of_2(K)))
+    blocks = triton.cdiv(cols, bn)
+    split = max(1, min(triton.cdiv(K, bk), round(TARGET_PROGRAMS / blocks)))
+    return {"BN": bn, "BK": bk, "SPLIT": split, "SWAP": 0, "num_warps": 4, "num_stages": 3}
 
 
 SMEM_BUDGET = 160 * 1024
@@ -413,6 +503,37 @@ def _fit_smem(cfg: dict, BM: int, gated: bool, esize: int) -> dict:
     return cfg
 
 
+def split_plan(K: int, BK: int, split: int) -> tuple[int, int]:
+    """(KS, splits): K per program, a multiple of BK, and the number of K splits."""
+    if split < 1:
+        raise ValueError(f"expected SPLIT >= 1, got {split}")
+    ks = triton.cdiv(triton.cdiv(K, split), BK) * BK
+    return ks, triton.cdiv(K, ks)
+
+
+class Workspace:
+    """Scratch of split-K linears: FP32 partial sums and per-column-block arrival counts
+    (int32, zero between launches: the last program of a block resets its count).
+    Launches that share one workspace must run one after another (one stream). It
+    grows on demand but not under CUDA-graph capture (a captured graph keeps the
+    storage it was captured with): run the step once before capturing it."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.partials = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.counts = torch.zeros(0, dtype=torch.int32, device=self.device)
+
+    def take(self, floats: int, counts: int):
+        if self.partials.numel() < floats or self.counts.numel() < counts:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"expected a workspace of at least {floats} floats and {counts} counts under "
+                                 f"CUDA-graph capture, got {self.partials.numel()} and {self.counts.numel()} "
+                                 f"(run the step once before capturing)")
+            self.partials = torch.empty(max(floats, self.partials.numel()), dtype=torch.float32, device=self.device)
+            self.counts = torch.zeros(max(counts, self.counts.numel()), dtype=torch.int32, device=self.device)
+        return self.partials, self.counts
+
+
 def _pdl_option(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl and not INTERPRET else {}
 
@@ -426,9 +547,12 @@ def _dot_mode(dtype):
     raise ValueError(f"expected a bf16, fp16 or fp32 model for the fused linear, got {dtype}")
 
 
+CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "num_warps", "num_stages")
+
+
 def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, norm_scale=None, eps=1e-6,
            residual=None, w2=None, bias2=None, conv=None, reset=None, out=None, out2=None, config=None,
-           pdl=False):
+           pdl=False, workspace=None):
     """Weight-streaming y = epilogue(prologue(a) @ w.T + bias) for M <= 64 rows.
 
     a: [M, K] (row stride free); w: [N, K] ([2N, K] for EPI_GATED); bias [N] or None.
@@ -437,6 +561,8 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     (in place, returned); EPI_XY -> (round(gelu(y)) [M, N], conv step of a @ w2.T + bias2
     [M, N]) with conv = (conv_state [M, CW-1, N], conv_w [CW, N], conv_b [N]) and reset;
     EPI_GATED -> round(gelu(y_gate)) * y_value [M, N] from w's two halves.
+    config: tile options overriding `default_config` (keys CONFIG_KEYS). workspace: a
+    `Workspace` for split-K partials (default: fresh scratch per call).
     """
     M, K = a.shape
     if M > LINEAR_MAX_ROWS:
@@ -445,6 +571,9 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
     if w.dim() != 2 or w.shape[1] != K or not w.is_contiguous():
         raise ValueError(f"expected a contiguous w of shape [N, {K}], got {list(w.shape)}")
+    unknown = set(config or {}) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"expected config keys among {list(CONFIG_KEYS)}, got {sorted(unknown)}")
     dt = a.dtype
     N = w.shape[0] // 2 if epilogue == EPI_GATED else w.shape[0]
     if prologue == PRO_MUL:
@@ -452,8 +581,11 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     if prologue == PRO_NORM and (norm_scale is None or norm_scale.shape != (K,)):
         raise ValueError(f"expected norm_scale of shape [{K}] with PRO_NORM")
     BM = _rows_block(M)
-    cfg = _fit_smem(dict(default_config(2 * N if epilogue == EPI_XY else N, K), **(config or {})), BM,
+    cfg = _fit_smem(dict(default_config(2 * N if epilogue == EPI_XY else N, K, M), **(config or {})), BM,
                     epilogue == EPI_GATED, dt.itemsize)
+    if cfg["BN"] < 16 or cfg["BK"] < 16:
+        raise ValueError(f"expected BN and BK >= 16 (the dot's smallest tile), got {cfg}")
+    KS, split = split_plan(K, cfg["BK"], cfg["SPLIT"])
     n_blocks = triton.cdiv(N, cfg["BN"])
     rst = None
     cstate = cw = cb = None
@@ -476,16 +608,24 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         _check_2d("out2", out2, M, N, dt)
         n_blocks *= 2
     dummy = out
-    grid = (n_blocks, triton.cdiv(M, BM))
-    linear_kernel[grid](
+    if split > 1:
+        floats = n_blocks * split * BM * (cfg["BN"] * (2 if epilogue == EPI_GATED else 1) + 1)
+        if workspace is None:
+            ws = torch.empty(floats, dtype=torch.float32, device=a.device)
+            counts = torch.zeros(n_blocks, dtype=torch.int32, device=a.device)
+        else:
+            ws, counts = workspace.take(floats, n_blocks)
+    else:
+        ws, counts = dummy, dummy
+    linear_kernel[(n_blocks, split)](
         a, a.stride(0), a2 if a2 is not None else a, a2.stride(0) if a2 is not None else 0,
         norm_scale if norm_scale is not None else dummy, w, bias if bias is not None else dummy,
         w2 if w2 is not None else w, bias2 if bias2 is not None else dummy, out,
         out2 if out2 is not None else dummy, residual if residual is not None else dummy,
         cstate if cstate is not None else dummy, cw if cw is not None else dummy, cb if cb is not None else dummy,
-        rst if rst is not None else dummy, M, N, K, eps,
+        rst if rst is not None else dummy, ws, counts, M, N, K, eps,
         PRO=prologue, EPI=epilogue, HAS_BIAS=bias is not None, HAS_RESET=rst is not None, CW=CW,
-        BM=BM, BN=cfg["BN"], BK=cfg["BK"], DOT=_dot_mode(dt),
+        BM=BM, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, KS=KS, SWAP=int(bool(cfg["SWAP"])), DOT=_dot_mode(dt),
         RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_option(pdl),
     )
@@ -499,4 +639,4 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
 
 __all__ = ["embed_rmsnorm", "add_rmsnorm", "conv_step", "gelu_mul", "advance", "linear", "default_config",
            "PRO_PLAIN", "PRO_NORM", "PRO_MUL", "EPI_BIAS", "EPI_RESIDUAL", "EPI_XY", "EPI_GATED",
-           "MAX_STOP_TOKENS", "LINEAR_MAX_ROWS"]
+           "MAX_STOP_TOKENS", "LINEAR_MAX_ROWS", "Workspace", "split_plan", "CONFIG_KEYS", "TARGET_PROGRAMS"]
