@@ -202,3 +202,117 @@ def test_bad_options(opts, match):
         chunk.chunk_scan(*args, **opts)
     with pytest.raises(ValueError, match=match):
         kernels.backends("rglru")["chunk"](*rglru_inputs(5, torch.float32)[0], **opts)
+
+
+# The one-pass backward (bwd="lookback"): chunks taken last first, the adjoint carry
+# looked back for over the chunks after each one. BWD_TILE: Triton's layout, two channel
+# blocks; BWD_VEC: vec 2 with the forward's 2 warps and the backward's 2 warps along the
+# chunk's time axis (block_d = 32 * vec), backward chunks of 16 inside forward chunks of 32.
+BWD_TILE = {**TILE, "bwd": "lookback", "bwd_chunk": 16, "bwd_vec": 0, "bwd_block_d": 16}
+BWD_VEC = {"chunk_size": 32, "vec": 2, "num_warps": 2, "block_d": 64, "window": 2, "bwd": "lookback",
+           "bwd_chunk": 16, "bwd_vec": 2, "bwd_warps": 2, "bwd_block_d": 64}
+
+
+def grads_of(fn, args, h0, pos, **kw):
+    """(y, final state, every input gradient incl. h0) of a loss touching y and the
+    final state with fixed random weights."""
+    leaves = [t.detach().clone().requires_grad_() for t in (*args, h0)]
+    y, ht = fn(*leaves[:-1], pos, leaves[-1], True, **kw)
+    g = torch.Generator().manual_seed(7)
+    loss = (y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64)).sum() \
+        + (ht.double() * torch.randn(ht.shape, generator=g, dtype=torch.float64)).sum()
+    return [y, ht, *torch.autograd.grad(loss, leaves)]
+
+
+@pytest.mark.parametrize("op,T,opts,dtype", [
+    ("scan", 70, BWD_TILE, torch.float64),
+    ("rglru", 70, BWD_TILE, torch.float32),
+    ("rglru", 70, BWD_VEC, torch.float64),
+    ("rglru", 1, BWD_VEC, torch.float32),
+], ids=["scan-tile-fp64", "rglru-tile-fp32", "rglru-vec2-fp64", "rglru-T1"])
+def test_lookback_backward_against_float64_reference(op, T, opts, dtype):
+    ref, fn, make = OPS[op]
+    args, h0 = make(T, dtype, seed=4)
+    pos = positions(T)
+    want = grads_of(ref, [a.double() for a in args], h0.double(), pos)
+    got = grads_of(fn, args, h0, pos, fwd="lookback", **opts)
+    tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert parity.rel_err(g, w) <= tol, i
+
+
+@pytest.mark.parametrize("op,every,window", [("scan", 2, 1), ("rglru", 3, 2), ("rglru", 100, 1)])
+def test_lookback_backward_aggregate_path(op, every, window, monkeypatch):
+    # Five backward chunks of 16 (T = 70); only chunks NC - 1 - c with c % every == 0
+    # publish the carry at their first row, the others their map alone, so look-backs
+    # (toward later chunks) compose several maps over one or more windows. Sparse resets
+    # (a reset cuts the carry and would hide a wrong composition).
+    T, L = 70, 16
+    ref, _, make = OPS[op]
+    args, h0 = make(T, torch.float64, seed=5)
+    pos = positions(T, starts=((), (0, 37)))
+    leaves = [t.detach().clone().requires_grad_() for t in (*args, h0)]
+    y, ht = ref(*leaves[:-1], pos, leaves[-1], True)
+    g = torch.Generator().manual_seed(8)
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    dht = torch.randn(ht.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad((y * dy).sum() + (ht * dht).sum(), leaves)
+    seen = []
+    monkeypatch.setattr(lookback, "workspace_flags",
+                        lambda n, device: seen.append(torch.zeros(n, dtype=torch.int32)) or seen[-1])
+    opts = dict(fwd="lookback", block_d=16, vec=0, window=window, bwd="lookback", bwd_chunk=L, bwd_vec=0,
+                bwd_block_d=16)
+    cfg = chunk._config(B, T, D, L, **opts)
+    if op == "scan":
+        a, b = (t.detach() for t in args)
+        _, _, S = lookback.lookback_forward(b, b, a, None, pos, h0, True, True, True, cfg)
+        dx, _, dga, dh0, _ = lookback.lookback_backward(b, b, a, None, pos, S, dy, dht, True, True, cfg,
+                                                        inclusive_every=every)
+        got = [dga, dx, dh0]
+    else:
+        xs = [t.detach() for t in args]
+        _, _, S = lookback.lookback_forward(*xs, pos, h0, True, True, False, cfg)
+        dx, dgx, dga, dh0, part = lookback.lookback_backward(*xs, pos, S, dy, dht, True, False, cfg,
+                                                             inclusive_every=every)
+        got = [dx, dgx, dga, common.reduce_dap(part, xs[3]), dh0]
+    for i, (gg, w) in enumerate(zip(got, want)):
+        assert parity.rel_err(gg, w) <= FP64_TOL, i
+    flags = seen[1]
+    nc, nd = 5, 2
+    assert flags[-1].item() == nc * nd * B
+    published = flags[:-1].view(nc, nd, B)
+    for c in range(nc):
+        assert (published[c] == (2 if (nc - 1 - c) % every == 0 else 1)).all(), c
+
+
+def test_lookback_backward_launches_and_determinism():
+    args, h0 = rglru_inputs(37, torch.float32, seed=6)
+    pos = positions(37)
+    with accounting.counting() as c:
+        first = grads_of(chunk.chunk_rglru, args, h0, pos, fwd="lookback", **BWD_TILE)
+    assert set(c.by_kernel) == {"chunk_fwd_lookback", "chunk_fwd_lookback_flags", "chunk_bwd_lookback",
+                                "chunk_bwd_lookback_flags", "rglru_reduce_dap"}
+    second = grads_of(chunk.chunk_rglru, args, h0, pos, fwd="lookback", **BWD_TILE)
+    for g1, g2 in zip(first, second):
+        assert torch.equal(g1, g2)
+
+
+def test_warps_along_time_forward():
+    # block_d = 32 * vec with 4 warps: all four warps along the chunk's time axis.
+    (got, ht), (want, want_h) = forward("rglru", 70, torch.float32,
+                                        {"chunk_size": 64, "vec": 2, "num_warps": 4, "block_d": 64})
+    assert parity.rel_err(got, want) <= FP32_TOL and parity.rel_err(ht, want_h) <= FP32_TOL
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"bwd": "lookback"}, "bwd='lookback' only with fwd='lookback'"),
+    ({"bwd": "back"}, "bwd"),
+    ({"fwd": "lookback", "bwd_chunk": 16}, "only with bwd='lookback'"),
+    ({"fwd": "lookback", "bwd": "lookback", "bwd_chunk": 12}, "bwd_chunk_size"),
+    ({"fwd": "lookback", "bwd": "lookback", "bwd_vec": 2, "bwd_warps": 2, "bwd_block_d": 192}, "bwd_block_d"),
+    ({"fwd": "lookback", "vec": 2, "num_warps": 2, "block_d": 256}, "block_d"),
+])
+def test_bad_backward_options(opts, match):
+    args, _ = scan_inputs(5, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        chunk.chunk_scan(*args, **opts)

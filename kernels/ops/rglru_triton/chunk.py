@@ -30,7 +30,7 @@ from .. import accounting
 from .common import (recurrence_function, INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, fast,
                      first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, out,
                      softplus, tile_grads, tl_acc)
-from .lookback import lookback_config, lookback_forward
+from .lookback import lookback_backward, lookback_config, lookback_forward
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -329,25 +329,43 @@ INNER = ("scan", "loop")
 
 
 FWD = ("replay", "lookback")
+BWD = ("replay", "lookback")
 
 
 def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, inner=None, fast_math=None,
-            fwd=None, vec=None, window=None, **unknown):
+            fwd=None, vec=None, window=None, bwd=None, bwd_chunk=None, bwd_vec=None, bwd_warps=None,
+            bwd_block_d=None, **unknown):
     if unknown:
         raise ValueError(f"expected chunk options among ['chunk_size', 'block_d', 'num_warps', 'group', 'inner', "
-                         f"'fast_math', 'fwd', 'vec', 'window'], got {sorted(unknown)}")
+                         f"'fast_math', 'fwd', 'vec', 'window', 'bwd', 'bwd_chunk', 'bwd_vec', 'bwd_warps', "
+                         f"'bwd_block_d'], got {sorted(unknown)}")
     inner = "scan" if inner is None else inner
     if inner not in INNER:
         raise ValueError(f"expected inner in {list(INNER)}, got {inner!r}")
     fwd = "replay" if fwd is None else fwd
     if fwd not in FWD:
         raise ValueError(f"expected fwd in {list(FWD)}, got {fwd!r}")
-    lb = None
+    bwd = "replay" if bwd is None else bwd
+    if bwd not in BWD:
+        raise ValueError(f"expected bwd in {list(BWD)}, got {bwd!r}")
+    bwd_opts = {"bwd_chunk": bwd_chunk, "bwd_vec": bwd_vec, "bwd_warps": bwd_warps, "bwd_block_d": bwd_block_d}
+    if bwd == "lookback" and fwd != "lookback":
+        raise ValueError(f"expected bwd='lookback' only with fwd='lookback', got fwd={fwd!r}")
+    if bwd != "lookback" and any(v is not None for v in bwd_opts.values()):
+        named = sorted(k for k, v in bwd_opts.items() if v is not None)
+        raise ValueError(f"expected {named} only with bwd='lookback', got bwd={bwd!r}")
+    lb = lbb = None
     if fwd == "lookback":
         # chunk_size, block_d, num_warps, vec and window configure the look-back forward;
-        # the backward keeps its defaults and runs on sub-chunks of K steps.
+        # the replay backward keeps its defaults and runs on sub-chunks of K steps, the
+        # look-back backward on its own chunks (bwd_ options), K then being the smaller
+        # of the two chunks (the forward saves the state entering every K steps).
         lb = lookback_config(D, chunk_size, block_d, num_warps, vec, window)
-        K = min(lb["L"], 16 if inner == "loop" else 32)
+        if bwd == "lookback":
+            lbb = lookback_config(D, bwd_chunk, bwd_block_d, bwd_warps, bwd_vec, window, prefix="bwd_")
+            K = min(lb["L"], lbb["L"])
+        else:
+            K = min(lb["L"], 16 if inner == "loop" else 32)
         chunk_size = block_d = num_warps = None
     elif vec is not None or window is not None:
         name = "vec" if vec is not None else "window"
@@ -360,7 +378,7 @@ def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, 
     nw = (2 if inner == "loop" else 4) if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
     g = max(2, min(64, triton.next_power_of_2(NC))) if group is None else check_pow2("group", group, 2, 1024)
     return {"K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw, "G": g, "inner": inner,
-            "FAST": bool(fast_math), "fwd": fwd, "lookback": lb}
+            "FAST": bool(fast_math), "fwd": fwd, "lookback": lb, "bwd": bwd, "lookback_bwd": lbb}
 
 
 def _prefix(P, Q, init, need_final, reverse, cfg):
@@ -453,10 +471,16 @@ def _forward(x, gx, ga, ap, pos, h0, ofs, save, is_scan, cfg):
     return chunk_forward(x, gx, ga, ap, pos, h0, ofs, is_scan, cfg)
 
 
+def _backward(x, gx, ga, ap, pos, S, dy, dht, need_dh0, is_scan, cfg):
+    if cfg["bwd"] == "lookback":
+        return lookback_backward(x, gx, ga, ap, pos, S, dy, dht, need_dh0, is_scan, cfg)
+    return chunk_backward(x, gx, ga, ap, pos, S, dy, dht, need_dh0, is_scan, cfg)
+
+
 ChunkFunction = recurrence_function(
     "ChunkFunction",
     _forward,
-    chunk_backward,
+    _backward,
     "RG-LRU or the bare scan through the chunked kernels (chunk states kept for backward).")
 
 def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
@@ -470,7 +494,11 @@ def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None
     and never run on a GPU, opt-in only; chunk_size is then its chunk L, a power of two
     in [16, 256], default 16; block_d, num_warps and the options vec and window configure
     its kernel (lookback.lookback_config), and the backward runs with its defaults on
-    sub-chunks of min(L, 32) steps, min(L, 16) with inner="loop"). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
+    sub-chunks of min(L, 32) steps, min(L, 16) with inner="loop"), bwd ("replay", the
+    default; "lookback", only with fwd="lookback": the backward in one pass with
+    decoupled look-back from the end, lookback.lookback_backward, configured by bwd_chunk,
+    bwd_vec, bwd_warps and bwd_block_d as chunk_size, vec, num_warps and block_d configure
+    the forward). Returns (y [B, T, D], final state [B, D] FP32 or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, chunk_size, **opts)
     if T == 0:

@@ -277,6 +277,16 @@ def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u
     flip (same result; for tiles whose time axis lies inside each thread, where the
     flips are register renaming and Triton's reverse scan would add lane shuffles)."""
     dyv = dyv.to(ACC)
+    ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, FLIP)
+    return tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
+                            ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE, FAST)
+
+
+@triton.jit
+def adjoint_scans(dyv, a, ACC: tl.constexpr, FLIP: tl.constexpr):
+    """The tile's reverse adjoint maps from its end (dyv FP32): lam_t = dy_t + ea_t r +
+    eb_t for the carry r entering after the tile, and (ia, ib) whose first row is the
+    tile's map r -> mu at its first row (tile_grads' FLIP explains the flip)."""
     ad = a * dyv
     if FLIP:
         ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), tl.flip(a, 0),
@@ -288,6 +298,14 @@ def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u
     else:
         ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, ad),
                                              0, affine_excl, reverse=True)
+    return ea, eb, ia, ib
+
+
+@triton.jit
+def tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
+                     ea, eb, ia, ib, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+                     FAST: tl.constexpr):
+    """tile_grads once the adjoint scans are known (see adjoint_scans)."""
     lam = dyv + ea * r[None, :] + eb
     r_new = first_row(ia * r[None, :] + ib, rows)
     if IS_SCAN:

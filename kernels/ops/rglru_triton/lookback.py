@@ -91,7 +91,8 @@ import triton.language as tl
 
 from .. import accounting
 from .fused_recurrent import channels
-from .common import INTERPRET, acc_dtype, affine, check_pow2, empty, fast, last_row, load_tile, out, softplus, tl_acc
+from .common import (INTERPRET, acc_dtype, adjoint_scans, affine, affine_excl, check_pow2, empty, fast, first_row,
+                     last_row, load_tile, out, softplus, tile_grads_given, tl_acc)
 
 L_RANGE = (16, 256)
 VECS = (0, 2, 4, 8)
@@ -132,38 +133,11 @@ def lookback_fwd_kernel(
         tl.store(agg_b + my, b_tot, mask=m_d)
         tl.debug_barrier()
         tl.atomic_xchg(my_flag, 1, sem="release")
-    # [BD] the map of chunks j + 1 .. c - 1 gathered so far, applied to the state s
-    # at the end of chunk j (the initial state before chunk 0)
-    ca = tl.full([BD], 1.0, ACC)
-    cb = tl.zeros([BD], ACC)
     if HAS_H0:
         s = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
     else:
         s = tl.zeros([BD], ACC)
-    j = i_c - 1
-    wv = tl.arange(0, W)
-    while j >= 0:
-        # [W] the window of predecessors j - W + 1 .. j, oldest first; before chunk 0
-        # identity maps, ready
-        c = j - (W - 1) + wv
-        m_c = c >= 0
-        f_ptr = flags + (c * ND + i_d) * B + i_b
-        f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
-        while tl.min(f, axis=0) == 0:
-            f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
-        # [W, BD] an inclusive prefix is the constant map z -> 0 z + s_c: composed after
-        # older maps it discards them exactly, so the window's composition is the map
-        # from the newest inclusive prefix (if any) on
-        o = (c[:, None] * B + i_b) * D + o_d[None, :]
-        mm = m_c[:, None] & m_d[None, :]
-        is_incl = (f == 2)[:, None]
-        wa = tl.load(agg_a + o, mask=mm & ~is_incl, other=1.0, cache_modifier=".cg")
-        wa = tl.where(is_incl, 0.0, wa)
-        wb = tl.load(tl.where(is_incl, incl + o, agg_b + o), mask=mm, other=0.0, cache_modifier=".cg")
-        WA, WB = tl.associative_scan((wa, wb), 0, affine)
-        cb = ca * last_row(WB, wv, W) + cb
-        ca = ca * last_row(WA, wv, W)
-        j = tl.where(tl.max(f, axis=0) == 2, -1, j - W)
+    ca, cb = look_back(flags, agg_a, agg_b, incl, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND, BD, W, False, ACC)
     hin = ca * s + cb
     hout = a_tot * hin + b_tot
     if i_c % INCLUSIVE_EVERY == 0:
@@ -186,27 +160,156 @@ def lookback_fwd_kernel(
             tl.store(S + i_b * NCB * D + o_d, hin, mask=m_d)
 
 
-def lookback_config(D, chunk_size=None, block_d=None, num_warps=None, vec=None, window=None) -> dict:
-    """The look-back forward's launch configuration from the chunk backend's options:
+@triton.jit(do_not_specialize=["T", "NC", "NCB"])
+def lookback_bwd_kernel(
+    x, gx, ga, ap, pos, S, dy, dht, flags, agg_a, agg_b, incl, dx, dgx, dga, dh0, part, B, T, D, NC, NCB,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    L: tl.constexpr, KB: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+    FAST: tl.constexpr, VEC: tl.constexpr, W: tl.constexpr, FLIP: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr,
+):
+    """The backward in one pass: the adjoint carry mu runs from the end of the sequence,
+    so programs take chunks last first and look back over the chunks after theirs. A
+    program recomputes its chunk's states from S (the state entering it, saved by the
+    forward every KB steps), forms the chunk's reverse adjoint map mu_out = ia mu_in + ib,
+    publishes it (flag 1), looks back for mu_in, publishes mu_out (flag 2) and stores
+    every gradient, its a_param partial (row i_c * B + i_b of part) and, for chunk 0,
+    dL/dh0 = mu_out."""
+    ND = tl.cdiv(D, BD)
+    ticket = tl.atomic_add(flags + NC * ND * B, 1, sem="relaxed")
+    i_c = NC - 1 - ticket // (B * ND)
+    i_b = ((ticket // ND) % B).to(tl.int64)
+    i_d = ticket % ND
+    o_d = channels(i_d, BD, VEC)
+    m_d = o_d < D
+    rows = tl.arange(0, L)
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
+        x, gx, ga, sp, pos, i_b, i_c * L, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC, FAST)
+    dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
+    hin = tl.load(S + (i_b * NCB + i_c * (L // KB)) * D + o_d, mask=m_d, other=0.0).to(ACC)
+    if IS_SCAN:
+        # h_{t-1} itself is needed (da = lam h_{t-1}): the exclusive prefix.
+        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
+                                             0, affine_excl)
+        hprev = ea * hin[None, :] + eb
+        h = hprev
+    else:
+        A, Bs = tl.associative_scan((a, b), 0, affine)
+        h = A * hin[None, :] + Bs
+        hprev = h
+    ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, FLIP)
+    ra = first_row(ia, rows)
+    rb = first_row(ib, rows)
+    my_flag = flags + (i_c * ND + i_d) * B + i_b
+    my = (i_c * B + i_b) * D + o_d
+    if i_c < NC - 1:
+        tl.store(agg_a + my, ra, mask=m_d)
+        tl.store(agg_b + my, rb, mask=m_d)
+        tl.debug_barrier()
+        tl.atomic_xchg(my_flag, 1, sem="release")
+    if HAS_DHT:
+        s = tl.load(dht + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        s = tl.zeros([BD], ACC)
+    ca, cb = look_back(flags, agg_a, agg_b, incl, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND, BD, W, True, ACC)
+    r = ca * s + cb
+    r_out = ra * r + rb
+    if (NC - 1 - i_c) % INCLUSIVE_EVERY == 0:
+        tl.store(incl + my, r_out, mask=m_d)
+        tl.debug_barrier()
+        tl.atomic_xchg(my_flag, 2, sem="release")
+    r_new, dsp = tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
+                                  ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE, FAST)
+    if STORE_DH0:
+        if i_c == 0:
+            tl.store(dh0 + i_b * D + o_d, r_new, mask=m_d)
+    if not IS_SCAN:
+        tl.store(part + my, dsp, mask=m_d)
+
+
+@triton.jit
+def look_back(flags, agg_a, agg_b, incl, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND, BD: tl.constexpr,
+              W: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr):
+    """[BD] (ca, cb): the composed map of the chunks between chunk i_c and the nearest
+    predecessor holding an inclusive prefix, that prefix included (as a constant map),
+    so the value entering chunk i_c is ca * s + cb with s the value before the first
+    chunk (the initial state; the final state's gradient when REVERSE). Predecessors are
+    the chunks before i_c in time, or after it when REVERSE (the backward's carry runs
+    from the end). Waits until every flag of a window of W predecessors is set."""
+    # [BD] the map of the predecessors gathered so far (nearest first), applied to the
+    # value at the far side of the gathered ones
+    ca = tl.full([BD], 1.0, ACC)
+    cb = tl.zeros([BD], ACC)
+    wv = tl.arange(0, W)
+    if REVERSE:
+        j = i_c + 1
+        more = j <= NC - 1
+    else:
+        j = i_c - 1
+        more = j >= 0
+    while more:
+        # [W] the window of predecessors, farthest first; beyond the sequence identity
+        # maps, ready
+        if REVERSE:
+            c = j + (W - 1) - wv
+            m_c = c <= NC - 1
+        else:
+            c = j - (W - 1) + wv
+            m_c = c >= 0
+        f_ptr = flags + (c * ND + i_d) * B + i_b
+        f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+        while tl.min(f, axis=0) == 0:
+            f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+        # [W, BD] an inclusive prefix is the constant map z -> 0 z + s_c: composed after
+        # farther maps it discards them exactly, so the window's composition is the map
+        # from the nearest inclusive prefix (if any) on
+        o = (c[:, None] * B + i_b) * D + o_d[None, :]
+        mm = m_c[:, None] & m_d[None, :]
+        is_incl = (f == 2)[:, None]
+        wa = tl.load(agg_a + o, mask=mm & ~is_incl, other=1.0, cache_modifier=".cg")
+        wa = tl.where(is_incl, 0.0, wa)
+        wb = tl.load(tl.where(is_incl, incl + o, agg_b + o), mask=mm, other=0.0, cache_modifier=".cg")
+        WA, WB = tl.associative_scan((wa, wb), 0, affine)
+        cb = ca * last_row(WB, wv, W) + cb
+        ca = ca * last_row(WA, wv, W)
+        done = tl.max(f, axis=0) == 2
+        if REVERSE:
+            j = j + W
+            more = (j <= NC - 1) & ~done
+        else:
+            j = j - W
+            more = (j >= 0) & ~done
+    return ca, cb
+
+
+def lookback_config(D, chunk_size=None, block_d=None, num_warps=None, vec=None, window=None, prefix="") -> dict:
+    """A look-back kernel's launch configuration from the chunk backend's options:
     chunk_size L (power of two in [16, 256]), vec (0: Triton's tile layout, block_d a
     power of two in [8, 1024], default 64 and 4 warps; 2, 4, 8: channels per thread with
-    the chunk's time axis inside each thread, block_d = 32 * num_warps * vec), window
-    (predecessors examined per look-back step, power of two in [1, 64]). Defaults: L 16,
-    vec 4, 2 warps (block_d 256), window 8."""
-    L = check_pow2("chunk_size", DEFAULT_L if chunk_size is None else chunk_size, *L_RANGE)
+    the chunk's time axis inside each thread, block_d = 32 * vec * k for a power of two
+    k dividing num_warps, default 32 * num_warps * vec: k warps side by side along the
+    channels, the other num_warps / k warps along the chunk's time axis, so a longer
+    chunk costs no more registers per thread), window (predecessors examined per
+    look-back step, power of two in [1, 64]). Defaults: L 16, vec 4, 2 warps (block_d
+    256), window 8. prefix names the options in errors ("bwd_" for the backward's)."""
+    L = check_pow2(prefix + "chunk_size", DEFAULT_L if chunk_size is None else chunk_size, *L_RANGE)
     v = DEFAULT_VEC if vec is None else vec
     if v not in VECS:
-        raise ValueError(f"expected vec in {list(VECS)} (channels per thread, the chunk's time axis inside each "
-                         f"thread; 0: Triton's tile layout), got {vec!r}")
+        raise ValueError(f"expected {prefix}vec in {list(VECS)} (channels per thread, the chunk's time axis inside "
+                         f"each thread; 0: Triton's tile layout), got {vec!r}")
     if v:
-        nw = DEFAULT_WARPS if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
-        bd = 32 * nw * v
-        if block_d is not None and block_d != bd:
-            raise ValueError(f"expected block_d to be None or 32 * num_warps * vec = {bd} when vec > 0, "
-                             f"got {block_d!r}")
+        nw = DEFAULT_WARPS if num_warps is None else check_pow2(prefix + "num_warps", num_warps, 1, 16)
+        bd = 32 * nw * v if block_d is None else block_d
+        k = bd // (32 * v) if isinstance(bd, int) and bd % (32 * v) == 0 else 0
+        if k < 1 or k & (k - 1) or nw % k:
+            raise ValueError(f"expected {prefix}block_d to be None or 32 * vec * k = {32 * v} * k with k a power "
+                             f"of two dividing {prefix}num_warps = {nw} when vec > 0, got {block_d!r}")
     else:
-        nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
-        bd = 64 if block_d is None else check_pow2("block_d", block_d, 8, 1024)
+        nw = 4 if num_warps is None else check_pow2(prefix + "num_warps", num_warps, 1, 16)
+        bd = 64 if block_d is None else check_pow2(prefix + "block_d", block_d, 8, 1024)
         bd = min(bd, max(8, triton.next_power_of_2(D)))
     w = check_pow2("window", DEFAULT_WINDOW if window is None else window, 1, 64)
     return {"L": L, "BD": bd, "num_warps": nw, "VEC": v, "W": w}
@@ -251,3 +354,39 @@ def lookback_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_s
     ws = NC * B * D * torch.finfo(acc).bits // 8
     accounting.record("chunk_fwd_lookback", read + ws, accounting.nbytes(y, hN, S) + 3 * ws)
     return y, hN, S
+
+
+def lookback_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg, inclusive_every=1):
+    """Launcher of the one-pass backward (lookback_bwd_kernel). cfg: the chunk backend's,
+    with "lookback_bwd" (lookback_config of the bwd_ options; its L is the saved states'
+    spacing cfg["K"] or a multiple of it) and "FAST". Returns (dx, dgx, dga, dh0, part)
+    as chunk_backward does; part is [NC * B, D] (row i_c * B + i_b)."""
+    B, T, D = x.shape
+    lb = cfg["lookback_bwd"]
+    L, KB, BD = lb["L"], cfg["K"], lb["BD"]
+    NC, ND, NCB = triton.cdiv(T, L), triton.cdiv(D, BD), triton.cdiv(T, KB)
+    acc = acc_dtype(x.dtype)
+    flags = workspace_flags(NC * ND * B + 1, x.device)
+    accounting.record("chunk_bwd_lookback_flags", 0, accounting.nbytes(flags))
+    agg_a = empty((NC, B, D), acc, x.device)
+    agg_b = empty((NC, B, D), acc, x.device)
+    incl = empty((NC, B, D), acc, x.device)
+    dx = empty((B, T, D), x.dtype, x.device)
+    dga = empty((B, T, D), ga.dtype, x.device)
+    dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
+    part = None if is_scan else empty((NC * B, D), acc, x.device)
+    dh0 = empty((B, D), acc, x.device) if need_dh0 else None
+    lookback_bwd_kernel[(NC * ND * B,)](
+        x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, S, dy,
+        dht if dht is not None else S, flags, agg_a, agg_b, incl, dx, dgx if dgx is not None else dx, dga,
+        dh0 if dh0 is not None else S, part if part is not None else S, B, T, D, NC, NCB,
+        IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_DHT=dht is not None, STORE_DH0=need_dh0,
+        L=L, KB=KB, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET, FAST=fast(cfg, x), VEC=lb["VEC"], W=lb["W"],
+        FLIP=lb["VEC"] > 0, INCLUSIVE_EVERY=inclusive_every, num_warps=lb["num_warps"],
+    )
+    n = x.numel() * x.element_size()
+    read = (3 if is_scan else 4) * n + accounting.nbytes(pos, dht, None if is_scan else a_param)
+    ws = NC * B * D * torch.finfo(acc).bits // 8
+    accounting.record("chunk_bwd_lookback", read + ws + NC * B * D * torch.finfo(acc).bits // 8,
+                      accounting.nbytes(dx, dgx, dga, part, dh0) + 3 * ws)
+    return dx, dgx, dga, dh0, part
