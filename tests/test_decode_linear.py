@@ -12,8 +12,10 @@ from kernels import layers, parity
 from kernels.ops import decode as dk
 
 CONFIGS = {
-    "split3": {"BN": 16, "BK": 16, "SPLIT": 3, "SWAP": 0, "num_warps": 4, "num_stages": 2},
-    "split2-swap": {"BN": 32, "BK": 16, "SPLIT": 2, "SWAP": 1, "num_warps": 4, "num_stages": 3},
+    "split3": {"BN": 16, "BK": 16, "SPLIT": 3, "SWAP": 0, "PRE": 1, "num_warps": 4, "num_stages": 2},
+    "split2-swap": {"BN": 32, "BK": 16, "SPLIT": 2, "SWAP": 1, "PRE": 0, "num_warps": 4, "num_stages": 3},
+    # one partial tile per reducing load (BM * BN = 8192): three load groups
+    "split3-wide": {"BN": 128, "BK": 16, "SPLIT": 3, "SWAP": 1, "PRE": 1, "num_warps": 4, "num_stages": 2},
 }
 
 
@@ -69,7 +71,8 @@ def _eager(mods, d, dt, part, Fw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name,M", [("split3", 7), ("split2-swap", 19), ("split3", 1)])
+@pytest.mark.parametrize("name,M", [("split3", 7), ("split2-swap", 19), ("split3", 1),
+                                    ("split3-wide", 40)])
 def test_split_k_linear_every_prologue_and_epilogue(dtype, name, M):
     cfg = CONFIGS[name]
     m, d, (D, E, Fw) = _setup(M, dtype)

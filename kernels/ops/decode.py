@@ -271,8 +271,8 @@ def linear_kernel(
     cstate, cw, cb, reset, ws, counts,
     M, N, K, eps,
     PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr, CW: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr,
-    SWAP: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, RG: tl.constexpr,
+    SWAP: tl.constexpr, PRE: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = epilogue(sum_k prologue(a)[m, k] * w[n, k] + bias[n]) for all M <= BM
     rows; w is [N, K] (nn.Linear layout; [2N, K] gate rows first for EPI_GATED). EPI_XY
@@ -280,10 +280,11 @@ def linear_kernel(
     (w2, bias2) -> the conv step into out2. The residual epilogue writes
     out = round(v + res), and out may be res (each column block is written by one program).
 
-    Program (n, s) streams w[n-block, s*KS : (s+1)*KS] once, in BK slices. With SPLIT > 1
+    Program (n, s) streams w[n-block, s*KS : (s+1)*KS] once, in BK slices (with PRE the
+    first slice into registers before the PDL wait, the rest software-pipelined). With SPLIT > 1
     it stores its FP32 partial sums (and partial sums of squares) in the workspace `ws`
     and counts itself in counts[n]; the last of the SPLIT programs of a column block to
-    arrive adds the partials in split order (deterministic), runs the epilogue and sets
+    arrive adds the partials (RG at a time, in a fixed order: deterministic), runs the epilogue and sets
     the count back to 0 (ready for the next launch or graph replay)."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     TY: tl.constexpr = out.dtype.element_ty
@@ -301,15 +302,6 @@ def linear_kernel(
             bp = bias2
     k_lo = pid_s * KS
     k_hi = tl.minimum(k_lo + KS, K)
-    # The first weight slice does not depend on the previous kernel: with PDL it is
-    # loaded while that kernel finishes.
-    o_k = k_lo + tl.arange(0, BK)
-    m_k = o_k < k_hi
-    wt = _w_tile(wp, o_n, m_n, o_k, m_k, K)
-    wt2 = wt
-    if EPI == 3:
-        wt2 = _w_tile(wp + N * K, o_n, m_n, o_k, m_k, K)
-    _pdl_wait(PDL)
     if SWAP:
         acc = tl.zeros([BN, BM], tl.float32)
         acc2 = tl.zeros([BN, BM], tl.float32)
@@ -317,11 +309,25 @@ def linear_kernel(
         acc = tl.zeros([BM, BN], tl.float32)
         acc2 = tl.zeros([BM, BN], tl.float32)
     sq = tl.zeros([BM, BK], tl.float32)
-    at, sq = _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO, TY, RNE)
-    acc = _mma(acc, at, wt, DOT, SWAP)
-    if EPI == 3:
-        acc2 = _mma(acc2, at, wt2, DOT, SWAP)
-    for k0 in range(k_lo + BK, k_hi, BK):
+    if PRE:
+        # The first weight slice does not depend on the previous kernel: with PDL it is
+        # loaded (into registers) while that kernel finishes.
+        o_k = k_lo + tl.arange(0, BK)
+        m_k = o_k < k_hi
+        wt = _w_tile(wp, o_n, m_n, o_k, m_k, K)
+        wt2 = wt
+        if EPI == 3:
+            wt2 = _w_tile(wp + N * K, o_n, m_n, o_k, m_k, K)
+        _pdl_wait(PDL)
+        at, sq = _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO, TY, RNE)
+        acc = _mma(acc, at, wt, DOT, SWAP)
+        if EPI == 3:
+            acc2 = _mma(acc2, at, wt2, DOT, SWAP)
+        k_start = k_lo + BK
+    else:
+        _pdl_wait(PDL)
+        k_start = k_lo
+    for k0 in range(k_start, k_hi, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < k_hi
         at, sq = _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO, TY, RNE)
@@ -358,12 +364,19 @@ def linear_kernel(
             acc2 = tl.zeros([BM, BN], tl.float32)
             ss = tl.zeros([BM], tl.float32)
             first = pid_n.to(tl.int64) * SPLIT
-            for s in range(SPLIT):
-                acc += tl.load(ws + (first + s) * (BM * BN) + tile, cache_modifier=".cg")
+            # RG partials per load (independent loads in flight), summed in a fixed order
+            o_s = tl.arange(0, RG)
+            for s0 in tl.static_range(0, SPLIT, RG):
+                sl = first + s0 + o_s
+                live = (s0 + o_s) < SPLIT
+                acc += tl.sum(tl.load(ws + sl[:, None, None] * (BM * BN) + tile[None, :, :],
+                                      mask=live[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
                 if EPI == 3:
-                    acc2 += tl.load(ws + (n_prog + first + s) * (BM * BN) + tile, cache_modifier=".cg")
+                    acc2 += tl.sum(tl.load(ws + (n_prog + sl)[:, None, None] * (BM * BN) + tile[None, :, :],
+                                           mask=live[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
                 if PRO == 1:
-                    ss += tl.load(ws + sq_base + (first + s) * BM + o_m, cache_modifier=".cg")
+                    ss += tl.sum(tl.load(ws + sq_base + sl[:, None] * BM + o_m[None, :], mask=live[:, None],
+                                         other=0.0, cache_modifier=".cg"), axis=0)
             tl.store(counts + pid_n, 0)
             _epilogue(acc, acc2, ss, bp, out, out2, res, cstate, cw, cb, reset, o_m, m_m, o_n, m_n, second, N, K,
                       eps, PRO, EPI, HAS_BIAS, HAS_RESET, CW, TY, RNE)
@@ -477,12 +490,13 @@ def default_config(cols: int, K: int, rows: int = 16) -> dict:
     and K split so that about TARGET_PROGRAMS programs stream the weight.
     Keys: BN, BK (slice of K per iteration), SPLIT (requested K splits; the launch
     uses cdiv(K, KS) with KS = cdiv(K, SPLIT) rounded up to a multiple of BK), SWAP
-    (weight tile as the dot's M operand), num_warps, num_stages."""
+    (weight tile as the dot's M operand), PRE (first weight slice loaded before the
+    PDL wait, outside the pipelined loop), num_warps, num_stages."""
     bn = 64
     bk = min(128, max(16, triton.next_power_of_2(K)))
     blocks = triton.cdiv(cols, bn)
     split = max(1, min(triton.cdiv(K, bk), round(TARGET_PROGRAMS / blocks)))
-    return {"BN": bn, "BK": bk, "SPLIT": split, "SWAP": 0, "num_warps": 4, "num_stages": 3}
+    return {"BN": bn, "BK": bk, "SPLIT": split, "SWAP": 0, "PRE": 1, "num_warps": 4, "num_stages": 3}
 
 
 SMEM_BUDGET = 160 * 1024
@@ -501,6 +515,11 @@ def _fit_smem(cfg: dict, BM: int, gated: bool, esize: int) -> dict:
     while need(cfg) > SMEM_BUDGET and cfg["BK"] > 32:
         cfg["BK"] //= 2
     return cfg
+
+
+def _reduce_group(split: int, BM: int, BN: int) -> int:
+    # partial tiles loaded at once by the reducing program: <= 8192 floats in registers
+    return max(1, min(triton.next_power_of_2(split), 8192 // (BM * BN)))
 
 
 def split_plan(K: int, BK: int, split: int) -> tuple[int, int]:
@@ -547,7 +566,7 @@ def _dot_mode(dtype):
     raise ValueError(f"expected a bf16, fp16 or fp32 model for the fused linear, got {dtype}")
 
 
-CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "num_warps", "num_stages")
+CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "PRE", "num_warps", "num_stages")
 
 
 def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, norm_scale=None, eps=1e-6,
@@ -625,7 +644,8 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         cstate if cstate is not None else dummy, cw if cw is not None else dummy, cb if cb is not None else dummy,
         rst if rst is not None else dummy, ws, counts, M, N, K, eps,
         PRO=prologue, EPI=epilogue, HAS_BIAS=bias is not None, HAS_RESET=rst is not None, CW=CW,
-        BM=BM, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, KS=KS, SWAP=int(bool(cfg["SWAP"])), DOT=_dot_mode(dt),
+        BM=BM, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, KS=KS, RG=_reduce_group(split, BM, cfg["BN"]),
+        SWAP=int(bool(cfg["SWAP"])), PRE=int(bool(cfg["PRE"])), DOT=_dot_mode(dt),
         RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_option(pdl),
     )

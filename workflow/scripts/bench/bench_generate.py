@@ -51,10 +51,10 @@ from kernels.models.generation import Engine  # noqa: E402
 FULL = {"preset": "1.3b", "B": 16, "lengths": [128, 256, 512, 1024, 2048, 4096], "prompts": [0, 4096],
         "batches": [1, 4, 16, 32, 64, 96, 128, 192, 256, 384, 512], "probe_steps": 64,
         "thr_lengths": [512, 1024, 2048, 4096], "step_reps": 100, "gate_prompt": 64, "gate_steps": 8,
-        "official_reps": 10, "copy_bytes": 2 << 30}
+        "official_reps": 10, "copy_bytes": 2 << 30, "sweep_rows": [16, 1, 64], "sweep_reps": 20}
 SMOKE = {"preset": "tiny", "B": 4, "lengths": [4, 8], "prompts": [0, 16], "batches": [1, 4, 8], "probe_steps": 4,
          "thr_lengths": [4, 8], "step_reps": 5, "gate_prompt": 6, "gate_steps": 3, "official_reps": 2,
-         "copy_bytes": 1 << 20}
+         "copy_bytes": 1 << 20, "sweep_rows": [16], "sweep_reps": 2}
 MIXERS = ("rglru", "samu")
 ROLES = ("xy", "out", "up", "down", "logits")
 
@@ -423,6 +423,410 @@ def profile_main(a, S, out_dir, device):
     log(f"wrote {path}")
 
 
+# ----------------------------------------------------------------------------- linear sweep (--sweep)
+
+
+class RoleBench:
+    """One weight-streaming linear of a Hawk layer (role xy, out, up, down or logits) at
+    M rows: inputs, `copies` weight sets (their total exceeds the L2 cache, so a graph of
+    launches cycling through them streams from memory), our launch, the same matmul
+    through cuBLAS (F.linear, no fused row work), and the role's computation in PyTorch
+    at any dtype (float64: the reference; BF16: the yardstick)."""
+
+    def __init__(self, role, cfg, M, device, copies, dtype=torch.bfloat16):
+        import math
+
+        from kernels import layers
+
+        self.role, self.M, self.device, self.dtype = role, M, device, dtype
+        D, E, F, V = cfg.width, cfg.lru_width, cfg.mlp_expanded_width, cfg.vocab_size
+        self.Fw = F
+        g = torch.Generator(device=device).manual_seed(ROLES.index(role))
+
+        def r(*shape, std=1.0):
+            return (torch.randn(*shape, device=device, generator=g) * std).to(dtype)
+
+        K = {"xy": D, "out": E, "up": D, "down": F, "logits": D}[role]
+        rows = {"xy": E, "out": D, "up": 2 * F, "down": D, "logits": V}[role]
+        self.K, self.N = K, rows
+        std = 1 / math.sqrt(K)
+        self.sets = []
+        for _ in range(copies):
+            s = {"w": r(rows, K, std=std), "bias": r(rows, std=0.1) if role != "logits" else None}
+            if role == "xy":
+                s["w2"], s["bias2"] = r(rows, K, std=std), r(rows, std=0.1)
+                s["cat"] = torch.cat([s["w"], s["w2"]])
+                s["catb"] = torch.cat([s["bias"], s["bias2"]])
+            self.sets.append(s)
+        self.weight_bytes = sum(t.numel() * t.element_size() for k, t in self.sets[0].items()
+                                if t is not None and k in ("w", "w2"))
+        self.x = r(M, K)
+        self.scale = r(K, std=0.1)
+        self.eps = 1e-6
+        self.a2 = r(M, K)
+        self.res = r(M, rows)
+        self.conv_w, self.conv_b = r(4, rows, std=0.05), r(rows, std=0.1)
+        self.state = r(M, 3, rows)
+        # what timed launches update in place (the checks use clones of res and state)
+        self.res_t, self.state_t = self.res.clone(), self.state.clone()
+        self.reset = torch.arange(M, device=device) % 5 == 1
+        self.layers = layers
+
+    def ours(self, i, conf, pdl=False, workspace=None, res=None, state=None):
+        from kernels.ops import decode as dk
+
+        s = self.sets[i % len(self.sets)]
+        kw = dict(config=conf, pdl=pdl, workspace=workspace)
+        if self.role == "xy":
+            return dk.linear(self.x, s["w"], s["bias"], prologue=dk.PRO_NORM, norm_scale=self.scale, eps=self.eps,
+                             epilogue=dk.EPI_XY, w2=s["w2"], bias2=s["bias2"],
+                             conv=(self.state_t if state is None else state, self.conv_w, self.conv_b),
+                             reset=self.reset, **kw)
+        if self.role == "out":
+            return dk.linear(self.x, s["w"], s["bias"], prologue=dk.PRO_MUL, a2=self.a2, epilogue=dk.EPI_RESIDUAL,
+                             residual=self.res_t if res is None else res, **kw)
+        if self.role == "up":
+            return dk.linear(self.x, s["w"], s["bias"], prologue=dk.PRO_NORM, norm_scale=self.scale, eps=self.eps,
+                             epilogue=dk.EPI_GATED, **kw)
+        if self.role == "down":
+            return dk.linear(self.x, s["w"], s["bias"], epilogue=dk.EPI_RESIDUAL,
+                             residual=self.res_t if res is None else res, **kw)
+        return dk.linear(self.x, s["w"], None, prologue=dk.PRO_NORM, norm_scale=self.scale, eps=self.eps, **kw)
+
+    def cublas(self, i):
+        s = self.sets[i % len(self.sets)]
+        if self.role == "xy":
+            return torch.nn.functional.linear(self.x, s["cat"], s["catb"])
+        return torch.nn.functional.linear(self.x, s["w"], s["bias"])
+
+    def eager(self, dt):
+        """The role's outputs for weight set 0 computed by PyTorch in dtype dt."""
+        L, s = self.layers, {k: (v.to(dt) if v is not None else None) for k, v in self.sets[0].items()}
+        x, F_ = self.x.to(dt), torch.nn.functional
+
+        def norm(v):
+            n = L.RMSNorm(v.shape[1], eps=self.eps, device=self.device, dtype=dt)
+            n.scale.data.copy_(self.scale)
+            return n(v)
+
+        if self.role == "xy":
+            n = norm(x)
+            conv = L.Conv1D(self.N, device=self.device, dtype=dt)
+            conv.w.data.copy_(self.conv_w)
+            conv.b.data.copy_(self.conv_b)
+            st = self.state.to(dt).clone()
+            y = conv.step(F_.linear(n, s["w2"], s["bias2"]), st, self.reset)
+            return [L.gelu(F_.linear(n, s["w"], s["bias"])), y, st]
+        if self.role == "out":
+            return [F_.linear(x * self.a2.to(dt), s["w"], s["bias"]) + self.res.to(dt)]
+        if self.role == "up":
+            u = F_.linear(norm(x), s["w"], s["bias"])
+            return [L.gelu(u[:, :self.Fw]) * u[:, self.Fw:]]
+        if self.role == "down":
+            return [F_.linear(x, s["w"], s["bias"]) + self.res.to(dt)]
+        return [F_.linear(norm(x), s["w"])]
+
+    def check(self, conf, pdl=False):
+        """Our outputs against float64 (at most LOWP_FACTOR times PyTorch's BF16 error),
+        and a second run equal bit for bit (the split-K reduction is deterministic)."""
+        from kernels.ops import decode as dk
+
+        outs = []
+        for _ in range(2):
+            res, st = self.res.clone(), self.state.clone()
+            o = self.ours(0, conf, pdl, dk.Workspace(self.device), res=res, state=st)
+            o = list(o) + [st] if self.role == "xy" else [res] if self.role in ("out", "down") else [o]
+            outs.append([t.clone() for t in o])
+        if not hasattr(self, "_refs"):
+            self._refs = self.eager(torch.float64), self.eager(self.dtype)
+        want, yard = self._refs
+        errs = [parity.rel_err(g, w) for g, w in zip(outs[0], want)]
+        errs_pt = [parity.rel_err(y, w) for y, w in zip(yard, want)]
+        tols = [max(parity.LOWP_FACTOR * e, torch.finfo(self.dtype).eps) for e in errs_pt]
+        ok = all(e == e and e <= t for e, t in zip(errs, tols))
+        same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+        return {"errors": errs, "bf16_pytorch_errors": errs_pt, "tolerances": tols, "passed": bool(ok and same),
+                "deterministic": same}
+
+
+def graph_time(launch, n, reps, device) -> dict:
+    """Median time per launch of a CUDA graph of n launches launch(0..n-1) (eager on
+    the CPU), with the raw samples of the whole graph."""
+    if device.type != "cuda":
+        t = timing.time_fn(lambda: [launch(i) for i in range(n)], reps=reps, warmup=1, device=device)
+        return {"graph": t, "n": n, "us_per_launch": t["median_ms"] * 1e3 / n}
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for i in range(n):
+            launch(i)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            launch(i)
+    t = timing.time_fn(graph.replay, reps=reps, warmup=2, device=device)
+    del graph
+    return {"graph": t, "n": n, "us_per_launch": t["median_ms"] * 1e3 / n}
+
+
+def legacy_config(cols, K) -> dict:
+    """The tiles of the first run's "deep" variant (one program per column block, no
+    K split), for comparison."""
+    import triton
+
+    bn = 16
+    while bn < 128 and triton.cdiv(cols, bn * 2) >= 128:
+        bn *= 2
+    bk = min(256 if bn <= 16 else 128, max(16, triton.next_power_of_2(K)))
+    c = {"BN": bn, "BK": bk, "SPLIT": 1, "SWAP": 0, "PRE": 0, "num_warps": 4, "num_stages": 4 if bn <= 32 else 3}
+    if bn <= 32:
+        c.update(BK=min(2 * bk, 512), num_stages=4)
+    return c
+
+
+def sweep_grid(cols, K, gated, smoke=False) -> list:
+    """Tile configurations to try for one role: column block BN, K per program KS (the
+    split), K slice BK per iteration, swapped dot; register-resident first slice kept
+    at <= 32 KiB of weights per program for 4 warps."""
+    import triton
+
+    from kernels.ops import decode as dk
+
+    if smoke:
+        return [dict(BN=64, BK=32, SPLIT=2, SWAP=1, PRE=1, num_warps=4, num_stages=2)]
+    out, seen = [], set()
+    for BN in (32, 64, 128):
+        blocks = triton.cdiv(cols, BN)
+        for KS in (128, 256, 512, 1024, 2048):
+            split = triton.cdiv(K, KS)
+            for BK in ((64, 128, 256) if BN == 128 else (128, 256)):
+                if BK > KS or BN * BK * (2 if gated else 1) > 16384:
+                    continue
+                ks, sp = dk.split_plan(K, BK, split)
+                if not 128 <= blocks * sp <= 8192:
+                    continue
+                for swap in ((0, 1) if BN >= 64 else (0,)):
+                    for pre in ((1, 0) if ks > BK else (1,)):
+                        key = (BN, BK, ks, swap, pre)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        out.append(dict(BN=BN, BK=BK, SPLIT=sp, SWAP=swap, PRE=pre, num_warps=4, num_stages=3))
+    return out
+
+
+def _sweep_compile(args):
+    """Process-pool worker: run (and so compile) a list of (role, M, conf, pdl)."""
+    preset, tasks, device = args
+    sys.path.insert(0, str(REPO))
+    cfg = HawkConfig.preset(preset)
+    benches, failed = {}, []
+    for role, M, conf, pdl in tasks:
+        try:
+            if (role, M) not in benches:
+                benches[(role, M)] = RoleBench(role, cfg, M, torch.device(device), 1)
+            benches[(role, M)].ours(0, conf, pdl)
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"{role} M={M} {conf} pdl={pdl}: {e!r}")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return failed
+
+
+def sweep_main(a, S, out_dir, device):
+    """Microbenchmark of the split-K linear at the five linear shapes of preset
+    1.3b: a grid of tiles at M = 16, then the neighbours of the best (warps, stages,
+    PDL), the best few at M = 1 and 64, cuBLAS (F.linear, same weight bytes) and the
+    copy bandwidth as references; then the B = 16 step of the engine with the chosen
+    tiles. Each config is checked against float64 before it is timed."""
+    import multiprocessing as mp
+
+    from kernels.ops import decode as dk
+
+    cuda = device.type == "cuda"
+    res = {"schema": "generation-linear-sweep/1", "env": env_facts(a.commit), "preset": S["preset"], "roles": {},
+           "cublas": {}, "best": {}, "rows": {}, "step": [], "errors": []}
+    path = out_dir / ("linear_sweep_smoke.json" if a.smoke else "linear_sweep_h200.json")
+
+    def save():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(json.loads(json.dumps(res, default=lambda o: None)), indent=1))
+        tmp.replace(path)
+
+    budget = Budget(a.budget_s)
+    cfg = HawkConfig.preset(S["preset"])
+    shapes = role_shapes(cfg)
+    grids = {role: sweep_grid(cols, K, role == "up", a.smoke) for role, (cols, K) in shapes.items()}
+    legacy = {role: legacy_config(cols, K) for role, (cols, K) in shapes.items()}
+    for role in grids:
+        grids[role].append(legacy[role])
+    tasks = [(role, 16, c, False) for role, cs in grids.items() for c in cs]
+    log(f"sweep: {len(tasks)} configs at M=16")
+
+    def compile_all(tasks):
+        t0 = time.perf_counter()
+        if not cuda:
+            return _sweep_compile((S["preset"], tasks[:2], "cpu"))
+        n = max(1, min(14, (os.cpu_count() or 4) - 2, len(tasks)))
+        with mp.get_context("spawn").Pool(n) as pool:
+            got = pool.map(_sweep_compile, [(S["preset"], tasks[i::n], "cuda") for i in range(n)])
+        failed = [f for fs in got for f in fs]
+        log(f"compiled {len(tasks)} in {time.perf_counter() - t0:.1f} s, {len(failed)} failed")
+        return failed
+
+    res["compile_failed"] = compile_all(tasks)
+    res["copy_bandwidth"] = copy_bandwidth(S["copy_bytes"], device)
+    bw = res["copy_bandwidth"]["bytes_per_s"]
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    l2 = 256 << 20
+    benches = {}
+
+    def bench(role, M):
+        if (role, M) not in benches:
+            wb = 2 * shapes[role][0] * shapes[role][1] * (2 if role == "up" else 1)
+            copies = 1 if a.smoke else max(2, -(-l2 // wb))
+            benches[(role, M)] = RoleBench(role, cfg, M, device, copies)
+        return benches[(role, M)]
+
+    def measure(role, M, conf, pdl=False, tag=""):
+        b = bench(role, M)
+        rec = {"role": role, "M": M, "config": conf, "pdl": pdl, "tag": tag}
+        try:
+            rec["check"] = b.check(conf, pdl)
+            if rec["check"]["passed"]:
+                ws = dk.Workspace(device)
+                n = 2 if a.smoke else max(24, len(b.sets))
+                t = graph_time(lambda i: b.ours(i, conf, pdl, ws), n, S["sweep_reps"], device)
+                rec.update(t)
+                rec["bytes_per_s"] = b.weight_bytes / (t["us_per_launch"] * 1e-6)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = traceback.format_exc()
+            log(f"  {role} M={M} {conf}: ERROR {e!r}")
+        res["roles"].setdefault(role, []).append(rec)
+        return rec
+
+    def fmt(r):
+        c = r["config"]
+        s = (f"BN{c['BN']} BK{c['BK']} S{c['SPLIT']} W{c['SWAP']} P{c.get('PRE')} w{c['num_warps']} "
+             f"s{c['num_stages']}")
+        s += " pdl" if r["pdl"] else ""
+        if "us_per_launch" not in r:
+            return s + (" FAILED CHECK" if "check" in r else " ERROR")
+        return s + f": {r['us_per_launch']:.2f} us {r['bytes_per_s'] / 1e12:.2f} TB/s"
+
+    # cuBLAS reference per role at M = 16, 1, 64
+    for role in shapes:
+        for M in S["sweep_rows"]:
+            b = bench(role, M)
+            try:
+                t = graph_time(lambda i: b.cublas(i), 2 if a.smoke else max(24, len(b.sets)), S["sweep_reps"], device)
+                res["cublas"][f"{role}/M{M}"] = dict(t, bytes_per_s=b.weight_bytes / (t["us_per_launch"] * 1e-6))
+                log(f"cuBLAS {role} M={M}: {t['us_per_launch']:.2f} us "
+                    f"{b.weight_bytes / (t['us_per_launch'] * 1e-6) / 1e12:.2f} TB/s")
+            except Exception:  # noqa: BLE001
+                res["errors"].append({"section": "cublas", "role": role, "M": M, "error": traceback.format_exc()})
+    save()
+
+    def ranked(role, pdl=None):
+        return sorted([r for r in res["roles"].get(role, []) if "us_per_launch" in r
+                       and (pdl is None or r["pdl"] == pdl)], key=lambda r: r["us_per_launch"])
+
+    def pick_best():
+        for role in grids:
+            ok, okp = ranked(role, False), ranked(role, True)
+            if ok:
+                res["best"][role] = {"config": ok[0]["config"], "us": ok[0]["us_per_launch"],
+                                     "bytes_per_s": ok[0]["bytes_per_s"],
+                                     "pdl_best": okp[0]["config"] if okp else None,
+                                     "pdl_us": okp[0]["us_per_launch"] if okp else None}
+                log(f"best {role}: {fmt(ok[0])}" + (f" | with PDL {fmt(okp[0])}" if okp else ""))
+        save()
+
+    models = {}
+
+    def step_section(tag):
+        """The engine's B = 16 step (rglru) with the best tiles so far."""
+        try:
+            model = models.get("rglru") or models.setdefault("rglru", build(S["preset"], "rglru", device))
+        except Exception as e:  # noqa: BLE001
+            res["errors"].append({"section": "step", "error": traceback.format_exc()})
+            log(f"step: ERROR {e!r}")
+            return
+        best = {role: b["config"] for role, b in res["best"].items()}
+        bestp = {role: (b["pdl_best"] or b["config"]) for role, b in res["best"].items()}
+        variants = [("gemm+graph+split", dict(kernels="gemm", linear_configs=best)),
+                    ("gemm+graph+split+pdl", dict(kernels="gemm", pdl=True, linear_configs=bestp))]
+        if tag == "grid":
+            variants = [("fused+graph", dict(kernels="fused"))] + variants + [("gemm+graph+default",
+                                                                                 dict(kernels="gemm"))]
+        for name, opts in variants:
+            if budget.left() < 12:
+                res["errors"].append({"section": "step", "variant": name, "after": tag, "error": "budget"})
+                continue
+            try:
+                eng = Engine(model, graphs=cuda, **opts)
+                eng.start(batch_size=S["B"])
+                t = timing.time_fn(eng.step, reps=S["step_reps"], warmup=3, device=device)
+                res["step"].append({"variant": name, "after": tag, "opts": opts, "B": S["B"], "timing": t})
+                log(f"step rglru {name} (tiles after {tag}) B={S['B']}: median {t['median_ms']:.3f} ms "
+                    f"(p10 {t['p10_ms']:.3f}, p95 {t['p95_ms']:.3f})")
+                del eng
+            except Exception as e:  # noqa: BLE001
+                res["errors"].append({"section": "step", "variant": name, "after": tag, "error": traceback.format_exc()})
+                log(f"step {name}: ERROR {e!r}")
+            save()
+
+    # phase 1: the grid at M = 16
+    for role, cs in grids.items():
+        for c in cs:
+            if budget.left() < 0.45 * a.budget_s and c is not legacy[role]:
+                res["errors"].append({"section": "grid", "role": role, "config": c, "error": "budget"})
+                continue
+            measure(role, 16, c, tag="legacy" if c is legacy[role] else "grid")
+        ok = ranked(role)
+        leg = next((r for r in res["roles"].get(role, []) if r["tag"] == "legacy"), None)
+        log(f"{role}: best of {len(cs)}: " + "; ".join(fmt(r) for r in ok[:3])
+            + (" | no split (old tiles): " + fmt(leg) if leg else ""))
+        save()
+    pick_best()
+    if budget.left() > 40:
+        step_section("grid")
+    # phase 2: neighbours of the 3 best (warps, stages, PDL)
+    nb_tasks = []
+    for role in grids:
+        for r in ranked(role)[:1 if a.smoke else 3]:
+            c = r["config"]
+            for v in (() if a.smoke else (dict(c, num_warps=8), dict(c, num_stages=2), dict(c, num_stages=5))):
+                nb_tasks.append((role, 16, v, False))
+            nb_tasks.append((role, 16, c, True))
+    if budget.left() > 60:
+        compile_all(nb_tasks)
+        for role, M, c, pdl in nb_tasks:
+            if budget.left() > 20:
+                measure(role, M, c, pdl, tag="neighbour")
+        save()
+    pick_best()
+    # rows 1 and 64: the best two at 16 and the default
+    row_tasks = []
+    for role in grids:
+        for M in S["sweep_rows"]:
+            if M != 16:
+                for c in [r["config"] for r in ranked(role, False)[:2]] + [dk.default_config(*shapes[role], M)]:
+                    row_tasks.append((role, M, c, False))
+    if budget.left() > 45:
+        compile_all([t for t in row_tasks if t[1] != 1])
+        for role, M, c, pdl in row_tasks:
+            if budget.left() > 25:
+                measure(role, M, c, pdl, tag="rows")
+        save()
+    if budget.left() > 25:
+        step_section("neighbours")
+    res["budget_left_s"] = budget.left()
+    save()
+    log(f"wrote {path}")
+
+
 def report(folder: Path) -> str:
     """Markdown summary of the result files in `folder` (generated, never edited)."""
     r = json.loads((folder / "generation_h200.json").read_text())
@@ -502,6 +906,7 @@ def main(argv=None):
     ap.add_argument("--official", action="store_true", help="time the official sampler step (needs recurrentgemma)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of the step (second call)")
+    ap.add_argument("--sweep", action="store_true", help="microbenchmark of the split-K linear's tiles")
     ap.add_argument("--report", action="store_true", help="write summary.md from the result files in --out")
     a = ap.parse_args(argv)
     if a.report:
@@ -513,6 +918,8 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.profile:
         return profile_main(a, S, out_dir, device)
+    if a.sweep:
+        return sweep_main(a, S, out_dir, device)
     cuda = device.type == "cuda"
     VARIANTS.update(variants_for(HawkConfig.preset(S["preset"])))
     variants = list(VARIANTS) if cuda else ["model+graph", "gemm+graph+deep"]
