@@ -76,9 +76,9 @@ from .common import alloc, mode_consts, next_pow2, tanh, tl_dtype
 
 L_RANGE = (2, 1024)
 LS_RANGE = (2, 64)
-# Defaults: chunks of 64 steps walked in sub-tiles of 16 rows, two modes per thread
+# Defaults: chunks of 64 steps walked in sub-tiles of 8 rows, two modes per thread
 # (num_warps = BM / 64, at most 16), look-back window 8.
-DEFAULT_L, DEFAULT_LS, DEFAULT_WINDOW = 64, 16, 8
+DEFAULT_L, DEFAULT_LS, DEFAULT_WINDOW = 64, 8, 8
 
 
 @triton.jit
@@ -95,21 +95,32 @@ def last_row(v, rows, R: tl.constexpr):
 
 
 @triton.jit
-def _tile_coeffs(x_b, ctrl, tok, off, m2, valid, M, nu, ct, st, gam, lnr, ACC: tl.constexpr):
-    """The sub-tile's maps from x and the stored per-token controls: (ar, ai, br, bi),
+def _load_x(x_b, t0, T, D, M, o_m, m_m, rows, ok):
+    """The raw (real, imaginary) halves [LS, BM] of rows t0 .. t0 + LS - 1 (nothing past T
+    or when not ok), in x's dtype: a prefetch keeps them packed until used."""
+    t = t0 + rows
+    off = t[:, None].to(tl.int64) * D + o_m[None, :]
+    m2 = ((t < T) & ok)[:, None] & m_m[None, :]
+    return tl.load(x_b + off, mask=m2, other=0.0), tl.load(x_b + off + M, mask=m2, other=0.0)
+
+
+@triton.jit
+def _load_ctrl(ctrl, tok, valid):
+    return (tl.load(ctrl + tok * 4, mask=valid, other=0.0), tl.load(ctrl + tok * 4 + 1, mask=valid, other=0.0),
+            tl.load(ctrl + tok * 4 + 2, mask=valid, other=0.0))
+
+
+@triton.jit
+def _tile_coeffs(xr, xi, E, ck, sk, valid, nu, ct, st, gam, lnr, ACC: tl.constexpr):
+    """The sub-tile's maps (ar, ai, br, bi) [LS, BM] from x and the per-token controls;
     rows past T identity."""
-    xr = tl.load(x_b + off, mask=m2, other=0.0).to(ACC)
-    xi = tl.load(x_b + off + M, mask=m2, other=0.0).to(ACC)
-    E = tl.load(ctrl + tok * 4, mask=valid, other=0.0)
-    ck = tl.load(ctrl + tok * 4 + 1, mask=valid, other=0.0)
-    sk = tl.load(ctrl + tok * 4 + 2, mask=valid, other=0.0)
     mag = tl.exp(-(nu[None, :] * E[:, None] + lnr[None, :]))
     ar = mag * (ct[None, :] * ck[:, None] - st[None, :] * sk[:, None])
     ai = mag * (st[None, :] * ck[:, None] + ct[None, :] * sk[:, None])
     v2 = valid[:, None]
     ar = tl.where(v2, ar, 1.0)
     ai = tl.where(v2, ai, 0.0)
-    return ar, ai, gam[None, :] * xr, gam[None, :] * xi
+    return ar, ai, gam[None, :] * xr.to(ACC), gam[None, :] * xi.to(ACC)
 
 
 @triton.jit
@@ -136,17 +147,16 @@ def _save_states(S, hr, hi, h_run_r, h_run_i, rows, t0, i_b, NCB, M, o_m, m_m, L
 
 
 @triton.jit
-def _phase_a_tile(x_b, aux, ctrl, seg, i_b, t0, T, D, M, o_m, m_m, rows, wpr, wpi, wrr, wri, bp, br, nrm_p, nrm_r,
+def _phase_a_tile(xr, xi, aux, ctrl, seg, i_b, t0, T, rows, wpr, wpi, wrr, wri, bp, br, nrm_p, nrm_r,
                   tpa, tra, scale, nu, ct, st, gam, lnr, HAS_SEG: tl.constexpr, LS: tl.constexpr, ACC: tl.constexpr):
-    """Phase A of one sub-tile (rows t0 .. t0 + LS - 1): controls stored to aux / ctrl,
-    then the sub-tile's maps scanned from its first row: (A_t, B_t) [LS, BM] complex."""
+    """Phase A of one sub-tile (rows t0 .. t0 + LS - 1, x's halves xr, xi already loaded):
+    controls stored to aux / ctrl, then the sub-tile's maps scanned from its first row:
+    (A_t, B_t) [LS, BM] complex."""
     t = t0 + rows
     valid = t < T
     tok = i_b * T + t
-    off = t[:, None].to(tl.int64) * D + o_m[None, :]
-    m2 = valid[:, None] & m_m[None, :]
-    xr = tl.load(x_b + off, mask=m2, other=0.0).to(ACC)
-    xi = tl.load(x_b + off + M, mask=m2, other=0.0).to(ACC)
+    xr = xr.to(ACC)
+    xi = xi.to(ACC)
     zp = tl.sum(xr * wpr[None, :] + xi * wpi[None, :], axis=1)
     zr = tl.sum(xr * wrr[None, :] + xi * wri[None, :], axis=1)
     tl.store(aux + tok * 2, (zp + bp) / nrm_p, mask=valid)
@@ -173,15 +183,10 @@ def _phase_a_tile(x_b, aux, ctrl, seg, i_b, t0, T, D, M, o_m, m_m, rows, wpr, wp
     tl.store(ctrl + tok1 * 4 + 2, sn, mask=v1)
     tl.store(ctrl + tok1 * 4 + 3, tl.zeros([LS], ACC), mask=v1)
     tl.debug_barrier()
-    E = tl.load(ctrl + tok * 4, mask=valid, other=0.0)
-    ck = tl.load(ctrl + tok * 4 + 1, mask=valid, other=0.0)
-    sk = tl.load(ctrl + tok * 4 + 2, mask=valid, other=0.0)
-    mag = tl.exp(-(nu[None, :] * E[:, None] + lnr[None, :]))
-    ar = mag * (ct[None, :] * ck[:, None] - st[None, :] * sk[:, None])
-    ai = mag * (st[None, :] * ck[:, None] + ct[None, :] * sk[:, None])
-    ar = tl.where(valid[:, None], ar, 1.0)
-    ai = tl.where(valid[:, None], ai, 0.0)
-    return tl.associative_scan((ar, ai, gam[None, :] * xr, gam[None, :] * xi), 0, caffine)
+    # back in the tile's layout (computing them there would repeat the float64 work in every thread)
+    E, ck, sk = _load_ctrl(ctrl, tok, valid)
+    ar, ai, b_r, b_i = _tile_coeffs(xr, xi, E, ck, sk, valid, nu, ct, st, gam, lnr, ACC)
+    return tl.associative_scan((ar, ai, b_r, b_i), 0, caffine)
 
 
 @triton.jit(do_not_specialize=["T", "NC", "NCB"])
@@ -190,7 +195,7 @@ def samu_lookback_kernel(
     B, T, D, M, NC, NCB, scale,
     HAS_SEG: tl.constexpr, HAS_H0: tl.constexpr, STORE_HN: tl.constexpr, SAVE: tl.constexpr,
     L: tl.constexpr, LS: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr,
-    W: tl.constexpr, ACC: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr,
+    W: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr,
 ):
     # The ticket counter sits after the NC * B flags.
     ticket = tl.atomic_add(flags + NC * B, 1, sem="relaxed")
@@ -223,17 +228,27 @@ def samu_lookback_kernel(
     qr = tl.zeros([BM], ACC)
     qi = tl.zeros([BM], ACC)
     if NSUB == 1:
-        Ar, Ai, Br, Bi = _phase_a_tile(x_b, aux, ctrl, seg, i_b, i_c * L, T, D, M, o_m, m_m, rows, wpr, wpi, wrr, wri,
-                                       bp, br, nrm_p, nrm_r, tpa, tra, scale, nu, ct, st, gam, lnr, HAS_SEG, LS, ACC)
+        xr, xi = _load_x(x_b, i_c * L, T, D, M, o_m, m_m, rows, True)
+        Ar, Ai, Br, Bi = _phase_a_tile(xr, xi, aux, ctrl, seg, i_b, i_c * L, T, rows, wpr, wpi, wrr, wri, bp, br,
+                                       nrm_p, nrm_r, tpa, tra, scale, nu, ct, st, gam, lnr, HAS_SEG, LS, ACC)
         pr = last_row(Ar, rows, LS)
         pi = last_row(Ai, rows, LS)
         qr = last_row(Br, rows, LS)
         qi = last_row(Bi, rows, LS)
     else:
+        # sub-tile s + 1 is loaded while sub-tile s is processed (registers: 2 LS VEC raw values)
+        if PREFETCH:
+            xr_n, xi_n = _load_x(x_b, i_c * L, T, D, M, o_m, m_m, rows, True)
         for s in range(NSUB):
-            Ar, Ai, Br, Bi = _phase_a_tile(x_b, aux, ctrl, seg, i_b, i_c * L + s * LS, T, D, M, o_m, m_m, rows,
-                                           wpr, wpi, wrr, wri, bp, br, nrm_p, nrm_r, tpa, tra, scale, nu, ct, st,
-                                           gam, lnr, HAS_SEG, LS, ACC)
+            if PREFETCH:
+                xr = xr_n
+                xi = xi_n
+                xr_n, xi_n = _load_x(x_b, i_c * L + (s + 1) * LS, T, D, M, o_m, m_m, rows, s + 1 < NSUB)
+            else:
+                xr, xi = _load_x(x_b, i_c * L + s * LS, T, D, M, o_m, m_m, rows, True)
+            Ar, Ai, Br, Bi = _phase_a_tile(xr, xi, aux, ctrl, seg, i_b, i_c * L + s * LS, T, rows, wpr, wpi, wrr,
+                                           wri, bp, br, nrm_p, nrm_r, tpa, tra, scale, nu, ct, st, gam, lnr, HAS_SEG,
+                                           LS, ACC)
             pr, pi, qr, qi = caffine(pr, pi, qr, qi, last_row(Ar, rows, LS), last_row(Ai, rows, LS),
                                      last_row(Br, rows, LS), last_row(Bi, rows, LS))
 
@@ -314,14 +329,29 @@ def samu_lookback_kernel(
         if SAVE:
             _save_states(S, Hr, Hi, hr, hi, rows, t0, i_b, NCB, M, o_m, m_m, LS, KB)
     else:
+        if PREFETCH:
+            xr_n, xi_n = _load_x(x_b, i_c * L, T, D, M, o_m, m_m, rows, True)
+            t = i_c * L + rows
+            E_n, ck_n, sk_n = _load_ctrl(ctrl, i_b * T + t, t < T)
         for s in range(NSUB):
             t0 = i_c * L + s * LS
             t = t0 + rows
             valid = t < T
-            tok = i_b * T + t
             off = t[:, None].to(tl.int64) * D + o_m[None, :]
             m2 = valid[:, None] & m_m[None, :]
-            ar, ai, b_r, b_i = _tile_coeffs(x_b, ctrl, tok, off, m2, valid, M, nu, ct, st, gam, lnr, ACC)
+            if PREFETCH:
+                xr = xr_n
+                xi = xi_n
+                E = E_n
+                ck = ck_n
+                sk = sk_n
+                nxt = s + 1 < NSUB
+                xr_n, xi_n = _load_x(x_b, t0 + LS, T, D, M, o_m, m_m, rows, nxt)
+                E_n, ck_n, sk_n = _load_ctrl(ctrl, i_b * T + t + LS, (t + LS < T) & nxt)
+            else:
+                xr, xi = _load_x(x_b, t0, T, D, M, o_m, m_m, rows, True)
+                E, ck, sk = _load_ctrl(ctrl, i_b * T + t, valid)
+            ar, ai, b_r, b_i = _tile_coeffs(xr, xi, E, ck, sk, valid, nu, ct, st, gam, lnr, ACC)
             # the incoming state folded into the first write: the scanned writes are the states
             first = rows[:, None] == 0
             b_r = tl.where(first, b_r + ar * hr[None, :] - ai * hi[None, :], b_r)
@@ -341,21 +371,28 @@ def _pow2(name, value, lo, hi):
     return value
 
 
-def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None) -> dict:
+def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None, prefetch=None) -> dict:
     """Launch configuration: L = chunk steps per program (power of two in [2, 1024],
-    default 64), LS = rows per sub-tile (power of two in [2, 64] dividing L, default
-    min(L, 16)), num_warps (power of two in [1, 16], default BM / 64 clamped to
-    [1, 16]: two modes per thread), window W (predecessors per look-back step, power of
-    two in [1, 64], default 8). BM = next_pow2(M); VEC = BM / (32 num_warps) modes per
-    thread (0, no layout hint, when the warps outnumber the modes)."""
+    default 64); num_warps (power of two in [1, 16], default BM / 64 clamped to [1, 16]:
+    two modes per thread); LS = rows per sub-tile (power of two in [2, 64] dividing L,
+    default min(L, max(2, 16 / VEC)): 8 at M = 512); window W (predecessors per look-back
+    step, power of two in [1, 64], default 8). BM = next_pow2(M); VEC = BM / (32 num_warps)
+    modes per thread (0, no layout hint, when the warps outnumber the modes); prefetch
+    (default True): each sub-tile's x (and in phase C its controls) loaded while the
+    previous one is processed."""
     L = _pow2("lb_chunk", DEFAULT_L if chunk is None else chunk, *L_RANGE)
-    LS = _pow2("lb_rows", min(L, DEFAULT_LS) if rows is None else rows, *LS_RANGE)
-    if LS > L:
-        raise ValueError(f"expected lb_rows <= lb_chunk = {L}, got {rows!r}")
     BM = next_pow2(max(M, 1))
     nw = (min(16, max(1, BM // 64)) if num_warps is None else _pow2("lb_warps", num_warps, 1, 16))
+    vec = BM // (32 * nw)
+    # default: LS * VEC = 16 complex elements per thread (sm_90 compile: 154 registers at
+    # M = 512, LS 8, 8 warps; 16 warps cap registers at 128 and spill a little at M = 1280)
+    LS = _pow2("lb_rows", min(L, max(2, DEFAULT_LS * 2 // max(vec, 1))) if rows is None else rows, *LS_RANGE)
+    if LS > L:
+        raise ValueError(f"expected lb_rows <= lb_chunk = {L}, got {rows!r}")
     W = _pow2("lb_window", DEFAULT_WINDOW if window is None else window, 1, 64)
-    return {"L": L, "LS": LS, "BM": BM, "num_warps": nw, "VEC": BM // (32 * nw), "W": W}
+    if prefetch not in (None, True, False):
+        raise ValueError(f"expected lb_prefetch True, False or None, got {prefetch!r}")
+    return {"L": L, "LS": LS, "BM": BM, "num_warps": nw, "VEC": vec, "W": W, "prefetch": prefetch is not False}
 
 
 def workspace_flags(n: int, device) -> torch.Tensor:
@@ -391,7 +428,7 @@ def lookback_forward(x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, n
         h0 if h0 is not None else hN, flags, agg, incl, ctrl, aux, y, hN, S if S is not None else hN,
         B, T, D, M, NC, NCB, 1.0 / math.sqrt(M),
         HAS_SEG=segment_pos is not None, HAS_H0=h0 is not None, STORE_HN=True, SAVE=need_states,
-        L=L, LS=LS, KB=K, BM=cfg["BM"], VEC=cfg["VEC"], W=cfg["W"], ACC=tl_dtype(acc),
+        L=L, LS=LS, KB=K, BM=cfg["BM"], VEC=cfg["VEC"], W=cfg["W"], PREFETCH=cfg["prefetch"], ACC=tl_dtype(acc),
         INCLUSIVE_EVERY=inclusive_every, num_warps=cfg["num_warps"],
     )
     # x once; per chunk one aggregate / inclusive prefix written and at least one read;

@@ -89,7 +89,9 @@ def sync():
 def dry_run_shapes():
     """--dry: tiny shapes on the CPU (Triton interpreter) to check this script's logic."""
     global DEVICE, TRAIN, FLOOR_B, FLOOR_D, FLOOR_TS, DECODE_D, DECODE_B, DECODE_BATCHES, GRAPH_STEPS
+    global LB_TS, LB_PROBE_T
     DEVICE, TRAIN = "cpu", dict(B=1, T=40, D=16)
+    LB_TS, LB_PROBE_T = (40,), 40
     FLOOR_B, FLOOR_D, FLOOR_TS = 1, 16, (40,)
     DECODE_D, DECODE_B, DECODE_BATCHES, GRAPH_STEPS = 16, 2, (1, 2), 2
 
@@ -331,11 +333,21 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode step section")
     ap.add_argument("--dry", action="store_true", help="tiny shapes on the CPU interpreter, no tests")
+    ap.add_argument("--lookback", action="store_true",
+                    help="only the look-back forward section (fwd='lookback': probes in child processes, then "
+                         "CUDA-graph device times of the forward and fwd+bwd against chunk K = 16)")
+    ap.add_argument("--lb-timeout", type=float, default=110.0, help="seconds the look-back probes may take")
+    ap.add_argument("--lb-probe", help=argparse.SUPPRESS)
+    ap.add_argument("--lb-probe-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dry:
         os.environ["TRITON_INTERPRET"] = "1"
         dry_run_shapes()
         args.skip_tests, args.workers, args.quick = True, 0, True
+    if args.lb_probe is not None:
+        return lb_probe(args.lb_probe, args.lb_probe_file)
+    if args.lookback:
+        return lookback_main(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -569,6 +581,231 @@ def write_summary(path, recs, meta):
                       f"{fresh['us_per_step']:.2f} us/step. "
                       f"Layout choice per batch: {meta.get('decode_layout_choice')}"]
     Path(path).write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------- look-back forward (--lookback)
+# The chunk backend's single-pass forward (fwd="lookback", kernels/ops/samu_triton/lookback.py):
+# every variant is first run in its own child process under a timeout (a look-back that never
+# finishes is killed with its process and not timed): correctness at the benchmark shape
+# against the float64 reference next to the chunk K = 16 forward; one child checks the
+# gradients at the training shape; one runs the look-back GPU test. Then, in this process,
+# device times from CUDA-graph replay for the variants that passed.
+
+# sm_90 registers per thread (CPU compile, no spills unless said): defaults (L 64, LS 8,
+# 8 warps, prefetch) 219, without prefetch 154; LS 4 window 2: 128 (two programs per SM);
+# L = LS = 16 (maps kept in registers): 253
+LB_VARIANTS = [{}, {"lb_prefetch": False}, {"lb_chunk": 128}, {"lb_chunk": 256}, {"lb_rows": 4, "lb_window": 2},
+               {"lb_rows": 4, "lb_window": 2, "lb_prefetch": False}, {"lb_chunk": 128, "lb_rows": 4, "lb_window": 4},
+               {"lb_chunk": 16, "lb_rows": 16}, {"lb_chunk": 32, "lb_window": 4},
+               {"lb_chunk": 128, "lb_prefetch": False}]
+LB_TS = (2048, 4096, 16384)
+LB_PROBE_T = 4096
+LB_TRAIN_VARIANTS = [{}, {"lb_prefetch": False}, {"lb_chunk": 128}]
+
+
+def lb_label(opts):
+    """lookback[-chunk<L>][-rows<LS>][-warps<n>][-window<W>] (defaults left out)."""
+    return "lookback" + "".join(f"-{k[3:]}{v}" for k, v in opts.items())
+
+
+def lb_segment_pos(B, T):
+    """Resets at t = 0 in every other row and inside every row (a run of two included)."""
+    pos = torch.arange(T, **cuda()).repeat(B, 1) + 3
+    for r in range(B):
+        for s in ([0] if r % 2 else []) + [100 + 37 * r, T // 4, T // 4 + 1, T - 97 - r]:
+            if 0 <= s < T:
+                pos[r, s:] -= pos[r, s].clone()
+    return pos
+
+
+def lb_rel(a, b):
+    a = torch.view_as_real(a.to(torch.complex128)) if a.is_complex() else a.double()
+    b = torch.view_as_real(b.to(torch.complex128)) if b.is_complex() else b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def lb_probe(which, out_file):
+    """Child process: one variant's prefill at B = FLOOR_B, T = LB_PROBE_T, D = FLOOR_D
+    (resets, initial state, final state) against float64 and the chunk K = 16 forward,
+    or ("train") the training shape's gradients against chunk K = 16 (same backward)."""
+    from kernels.ops import reference
+    from kernels.ops.samu_triton import BACKENDS, poisoned
+
+    t0 = time.time()
+    chunk = BACKENDS["samu"]["chunk"]
+    names = ["x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log"]
+    out = {"which": which}
+    if which != "train":
+        opts = LB_VARIANTS[int(which)]
+        out["variant"] = lb_label(opts)
+        B, T, D = FLOOR_B, LB_PROBE_T, FLOOR_D
+        p = samu_inputs(B, T, D, seed=3)
+        seg = lb_segment_pos(B, T)
+        g = torch.Generator(device=DEVICE).manual_seed(4)
+        h0 = torch.complex(*(torch.randn(B, D // 2, generator=g, **cuda()) for _ in range(2)))
+        args = [p[k] for k in names]
+        y64, h64 = reference.samu(*[a.double() for a in args], seg, h0.to(torch.complex128), True)
+        with torch.no_grad(), poisoned():
+            yc, hc = chunk(*args, seg, h0, True, chunk_size=16)
+            sync()
+            out["compile_and_first_run_s"] = time.time()
+            yl, hl = chunk(*args, seg, h0, True, chunk_size=16, fwd="lookback", **opts)
+            sync()
+            out["compile_and_first_run_s"] = round(time.time() - out["compile_and_first_run_s"], 2)
+        out.update(err_y=lb_rel(yl, y64), err_h=lb_rel(hl, h64), err_y_chunk16=lb_rel(yc, y64),
+                   err_h_chunk16=lb_rel(hc, h64), diff_y_vs_chunk16=lb_rel(yl, yc), diff_h_vs_chunk16=lb_rel(hl, hc))
+        out["ok"] = bool(out["err_y"] <= 2 * out["err_y_chunk16"] + 1e-5
+                         and out["err_h"] <= 2 * out["err_h_chunk16"] + 1e-5)
+    else:
+        out["variants"] = {}
+        B, T, D = TRAIN["B"], TRAIN["T"], TRAIN["D"]
+        p = samu_inputs(B, T, D, seed=5, grad=True)
+        seg = lb_segment_pos(B, T)
+        dy = torch.randn(B, T, D, **cuda()).to(BF16)
+        leaves = list(p.values())
+
+        def grads(**opts):
+            with poisoned():
+                y, _ = chunk(*[p[k] for k in names], seg, None, False, chunk_size=16, **opts)
+                return [y] + list(torch.autograd.grad(y, leaves, dy))
+
+        want = grads()
+        for opts in LB_TRAIN_VARIANTS:
+            got = grads(fwd="lookback", **opts)
+            diffs = {n: lb_rel(a, b) for n, a, b in zip(["y"] + names, got, want)}
+            out["variants"][lb_label(opts)] = {"diff_vs_chunk16": diffs, "ok": bool(max(diffs.values()) < 1e-2)}
+        out["ok"] = all(v["ok"] for v in out["variants"].values())
+    sync()
+    out["seconds"] = round(time.time() - t0, 1)
+    Path(out_file).write_text(json.dumps(out))
+
+
+def lb_children(out_dir, timeout_s, dry):
+    """Every probe (and the look-back GPU test) in its own child process, all at once;
+    a child still running after timeout_s is killed and reported."""
+    children = {}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    flags = ["--dry"] if dry else []
+    for which in [str(i) for i in range(len(LB_VARIANTS))] + ["train"]:
+        f = out_dir / f"lb_probe_{which}.json"
+        f.unlink(missing_ok=True)
+        log = open(out_dir / f"lb_probe_{which}.log", "w")
+        children[which] = (subprocess.Popen([sys.executable, __file__, "--out", str(out_dir), "--lb-probe", which,
+                                             "--lb-probe-file", str(f)] + flags, cwd=ROOT, stdout=log,
+                                            stderr=subprocess.STDOUT, env=env), f)
+    if not dry:
+        log = open(out_dir / "test_samu_lookback_gpu.log", "w")
+        children["pytest"] = (subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_samu_lookback.py",
+             "-k", "gpu"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), None)
+    t0 = time.time()
+    res = {}
+    for which, (proc, f) in children.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout_s - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = f"killed after {timeout_s} s"
+        rec = json.loads(f.read_text()) if f is not None and f.exists() else {}
+        rec["returncode"] = rc
+        if f is None:
+            rec["ok"] = rc == 0
+        res[which] = rec
+    return res
+
+
+def lookback_main(args):
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    reps = 3 if args.dry else 30
+    bench = Bench(args.commit)
+    meta = {"started": records.now(), "gpu": records.facts.gpu(), "versions": records.facts.versions(),
+            "commit": bench.commit, "notes": {}, "variants": {lb_label(o): o for o in LB_VARIANTS}}
+
+    def say(msg):
+        print(f"[{time.time() - t_start:5.0f}s] {msg}", flush=True)
+
+    probes = lb_children(out_dir, args.lb_timeout, args.dry)
+    meta["probes"] = probes
+    for which, r in probes.items():
+        say(f"probe {which}: " + json.dumps({k: (round(v, 9) if isinstance(v, float) else v)
+                                              for k, v in r.items()})[:400])
+    ok = [o for i, o in enumerate(LB_VARIANTS) if probes.get(str(i), {}).get("ok")]
+    bw = copy_bandwidth(bench)
+    meta["copy_bytes_per_s"] = bw
+    say(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+
+    def timed(cid, fn, shapes, variant, extra):
+        if DEVICE == "cuda":
+            try:
+                g = graph_of(fn)
+                return bench.timed(cid, g.replay, shapes, "samu", "chunk", reps=reps,
+                                   extra={"timing": "cuda_graph", "variant": variant, **extra})
+            except Exception as e:  # noqa: BLE001
+                meta["notes"][cid] = f"{type(e).__name__}: {e}"[:300]
+                return None
+        return bench.timed(cid, fn, shapes, "samu", "chunk", reps=reps,
+                           extra={"timing": "eager", "variant": variant, **extra})
+
+    table = {}
+    for T in LB_TS:
+        if time.time() - t_start > args.budget_s:
+            meta["notes"][f"skipped-T{T}"] = "time budget spent"
+            continue
+        q = samu_inputs(FLOOR_B, T, FLOOR_D)
+        seg = documents(FLOOR_B, T)
+        floor_bytes = 2 * FLOOR_B * T * FLOOR_D * 2
+        for opts in [None] + ok:
+            o = {} if opts is None else {"fwd": "lookback", **opts}
+            variant = "chunk-16" if opts is None else lb_label(opts)
+            rec = timed(f"fwd-samu-{variant}-T{T}-graph", forward_fn("samu", "chunk", 16, q, seg, o),
+                        {"B": FLOOR_B, "T": T, "D": FLOOR_D, "dtype": "bfloat16"}, variant,
+                        {"kind": "forward", "chunk_size": 16, "options": o, "floor_bytes": floor_bytes})
+            if rec and rec["status"] == "ok":
+                rec["floor_ms"] = floor_bytes / bw * 1e3
+                rec["fraction_of_floor"] = rec["floor_ms"] / rec["stats"]["median_ms"]
+                table.setdefault(variant, {})[T] = (rec["stats"]["median_ms"], rec["fraction_of_floor"])
+        del q
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        say(f"forward T={T} done")
+    train = {}
+    train_ok = probes.get("train", {}).get("variants", {})
+    p_s = samu_inputs(**TRAIN, grad=True)
+    seg = documents(TRAIN["B"], TRAIN["T"])
+    dy = torch.randn(TRAIN["B"], TRAIN["T"], TRAIN["D"], **cuda()).to(BF16)
+    for opts in [None] + [o for o in LB_TRAIN_VARIANTS if train_ok.get(lb_label(o), {}).get("ok")]:
+        o = {} if opts is None else {"fwd": "lookback", **opts}
+        variant = "chunk-16" if opts is None else lb_label(opts)
+        rec = timed(f"train-samu-{variant}-graph", train_step_fn("samu", "chunk", 16, p_s, seg, dy, o),
+                    {**TRAIN, "dtype": "bfloat16"}, variant, {"kind": "fwd+bwd", "chunk_size": 16, "options": o})
+        if rec and rec["status"] == "ok":
+            train[variant] = rec["stats"]["median_ms"]
+        try:
+            meta.setdefault("kernel_profile_train", {})[variant] = kernel_profile(
+                train_step_fn("samu", "chunk", 16, p_s, seg, dy, o))
+        except Exception as e:  # noqa: BLE001
+            meta["notes"][f"profile-{variant}"] = f"{type(e).__name__}: {e}"[:300]
+    say("fwd+bwd done")
+    meta["finished"] = records.now()
+    meta["wall_s"] = time.time() - t_start
+    (out_dir / "samu_lookback.json").write_text(json.dumps({"meta": meta, "records": bench.records}, indent=1,
+                                                           default=str))
+    g = meta["gpu"] or {}
+    print(f"\nGPU {g.get('name')}  torch {meta['versions'].get('torch')}  triton {meta['versions'].get('triton')}  "
+          f"copy {bw / 1e12:.2f} TB/s; forward B={FLOOR_B} D={FLOOR_D} bf16, device ms (CUDA graph) and % of floor")
+    print(f"{'variant':44s}" + "".join(f"{'T=' + str(T):>20s}" for T in LB_TS))
+    for variant, row in table.items():
+        print(f"{variant:44s}" + "".join(f"{row[T][0]:11.4f} ({100 * row[T][1]:3.0f}%) " if T in row else
+                                          f"{'-':>20s}" for T in LB_TS))
+    for variant, ms in train.items():
+        print(f"fwd+bwd B={TRAIN['B']} T={TRAIN['T']} D={TRAIN['D']} {variant:30s} {ms:.4f} ms")
+    if meta["notes"]:
+        print("notes:", json.dumps(meta["notes"])[:1500])
 
 
 if __name__ == "__main__":
