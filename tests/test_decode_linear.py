@@ -129,3 +129,16 @@ def test_split_plan_and_bad_config():
         dk.linear(torch.zeros(2, 16), torch.zeros(16, 16), config={"BLOCK": 16})
     with pytest.raises(ValueError, match="BN and BK"):
         dk.linear(torch.zeros(2, 16), torch.zeros(16, 16), config={"BN": 8})
+
+
+def test_default_tiles():
+    # the tuned 1.3b entries (any rows up to 16 share one entry) and, elsewhere, a few
+    # hundred programs each streaming at least 512 of K
+    assert dk.default_config(5120, 2048, 1) == dict(dk.default_config(5120, 2048, 16))
+    assert dk.default_config(5120, 2048, 16)["SPLIT"] == dk.TUNED[(5120, 2048, 16)]["SPLIT"]
+    for cols, K in ((4096, 3072), (24576, 4096), (11264, 4096), (300, 40)):
+        c = dk.default_config(cols, K, 16)
+        ks, split = dk.split_plan(K, c["BK"], c["SPLIT"])
+        programs = -(-cols // c["BN"]) * split
+        assert split == 1 or ks >= 512, (cols, K, c)
+        assert programs <= 600 and (programs >= 100 or split == -(-K // 512)), (cols, K, c)

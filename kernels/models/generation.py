@@ -28,11 +28,12 @@ Step kernels (`kernels=`):
              step op); any device and dtype;
     "fused"  library matmuls plus fused row kernels (kernels.ops.decode): RMSNorm with
              the residual add, the conv step, GeLU gating; the mixer's step op;
-    "gemm"   weight-streaming linears with the row work fused into their prologues and
-             epilogues (four launches and the mixer step per layer), for B <= 64;
-             larger batches use "fused";
-    "auto"   "fused" on CUDA for bf16/fp16/fp32 models (the fastest on the H200 at
-             preset 1.3b, B = 16: results/generation/), "model" otherwise.
+    "gemm"   weight-streaming split-K linears with the row work fused into their
+             prologues and epilogues (four launches and the mixer step per layer), for
+             B <= 64; larger batches use "fused";
+    "auto"   on CUDA "gemm" for bf16/fp16 models (the fastest on the H200 at preset
+             1.3b, B = 16: results/generation/summary.md) and "fused" for fp32 ones;
+             "model" otherwise.
 All of them compute HawkLM.step's function with its roundings (FP32 summation order
 may differ; "gemm" rounds the normalised matmul input before the 1 / rms factor, see
 kernels.ops.decode). A graph holds the parameter and cache storage it was captured with: build a
@@ -131,7 +132,8 @@ class Engine:
         if graphs and not cuda:
             raise ValueError(f"expected graphs=False on {self.device} (CUDA graphs need a CUDA model)")
         if kernels == "auto":
-            kernels = "fused" if cuda and self.dtype in (torch.bfloat16, torch.float16, torch.float32) else "model"
+            kernels = ("model" if not cuda else "gemm" if self.dtype in (torch.bfloat16, torch.float16)
+                       else "fused" if self.dtype == torch.float32 else "model")
         if kernels != "model" and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"expected a bf16, fp16 or fp32 model for kernels={kernels!r}, got {self.dtype} "
                              f"(use kernels='model')")

@@ -79,6 +79,17 @@ def _pdl_launch(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def _prefetch_l2(wp, o_n, m_n, k_lo, k_hi, K, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask for the weight rows o_n, columns [k_lo, k_hi) in L2 (one prefetch per 128-byte
+    line; out-of-range lines are clamped onto valid ones). Does not wait."""
+    o_k = tl.minimum(k_lo + tl.arange(0, LINES) * LINE, k_hi - 1)
+    rows = tl.where(m_n, o_n, 0).to(tl.int64)
+    ptr = wp + rows[:, None] * K + o_k[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 # ----------------------------------------------------------------------------- row kernels
 
 
@@ -272,7 +283,8 @@ def linear_kernel(
     M, N, K, eps,
     PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr, CW: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, RG: tl.constexpr,
-    SWAP: tl.constexpr, PRE: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
+    SWAP: tl.constexpr, PRE: tl.constexpr, PF: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
+    EARLY: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = epilogue(sum_k prologue(a)[m, k] * w[n, k] + bias[n]) for all M <= BM
     rows; w is [N, K] (nn.Linear layout; [2N, K] gate rows first for EPI_GATED). EPI_XY
@@ -281,11 +293,15 @@ def linear_kernel(
     out = round(v + res), and out may be res (each column block is written by one program).
 
     Program (n, s) streams w[n-block, s*KS : (s+1)*KS] once, in BK slices (with PRE the
-    first slice into registers before the PDL wait, the rest software-pipelined). With SPLIT > 1
+    first slice into registers before the PDL wait, the rest software-pipelined; with PF
+    the whole slice is first requested into L2, before the wait). With PDL the next
+    kernel may launch once every program has passed its K loop, or at once with EARLY. With SPLIT > 1
     it stores its FP32 partial sums (and partial sums of squares) in the workspace `ws`
     and counts itself in counts[n]; the last of the SPLIT programs of a column block to
     arrive adds the partials (RG at a time, in a fixed order: deterministic), runs the epilogue and sets
     the count back to 0 (ready for the next launch or graph replay)."""
+    if EARLY:
+        _pdl_launch(PDL)
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     TY: tl.constexpr = out.dtype.element_ty
     o_m = tl.arange(0, BM)
@@ -309,6 +325,11 @@ def linear_kernel(
         acc = tl.zeros([BM, BN], tl.float32)
         acc2 = tl.zeros([BM, BN], tl.float32)
     sq = tl.zeros([BM, BK], tl.float32)
+    if PF:
+        # The program's whole weight slice towards L2 before waiting on the previous kernel.
+        _prefetch_l2(wp, o_n, m_n, k_lo, k_hi, K, LINES, LINE)
+        if EPI == 3:
+            _prefetch_l2(wp + N * K, o_n, m_n, k_lo, k_hi, K, LINES, LINE)
     if PRE:
         # The first weight slice does not depend on the previous kernel: with PDL it is
         # loaded (into registers) while that kernel finishes.
@@ -334,7 +355,8 @@ def linear_kernel(
         acc = _mma(acc, at, _w_tile(wp, o_n, m_n, o_k, m_k, K), DOT, SWAP)
         if EPI == 3:
             acc2 = _mma(acc2, at, _w_tile(wp + N * K, o_n, m_n, o_k, m_k, K), DOT, SWAP)
-    _pdl_launch(PDL)
+    if not EARLY:
+        _pdl_launch(PDL)
     if SWAP:
         acc = tl.trans(acc)
         acc2 = tl.trans(acc2)
@@ -479,24 +501,41 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
 
 
-# Programs a split-K launch aims for: several per SM (132 on the H200), so that enough
-# weight bytes are in flight to stream at the memory's rate.
-TARGET_PROGRAMS = 528
+# Fastest tiles of the H200 sweep (results/generation/linear_sweep_h200.json) for the five
+# linears of preset 1.3b, keyed by (columns, K, row block).
+TUNED = {
+    (5120, 2048, 16): {"BN": 64, "BK": 128, "SPLIT": 4, "SWAP": 1, "num_warps": 8},     # xy
+    (2048, 2560, 16): {"BN": 32, "BK": 128, "SPLIT": 3, "SWAP": 0, "num_warps": 4},     # out
+    (6144, 2048, 16): {"BN": 64, "BK": 128, "SPLIT": 2, "SWAP": 1, "num_warps": 8},     # up (gated)
+    (2048, 6144, 16): {"BN": 32, "BK": 256, "SPLIT": 6, "SWAP": 0, "num_warps": 4},     # down
+    (32000, 2048, 16): {"BN": 128, "BK": 128, "SPLIT": 1, "SWAP": 1, "num_warps": 8},   # logits
+    (5120, 2048, 64): {"BN": 64, "BK": 128, "SPLIT": 4, "SWAP": 1, "num_warps": 8},
+    (2048, 2560, 64): {"BN": 32, "BK": 128, "SPLIT": 3, "SWAP": 0, "num_warps": 4},
+    (6144, 2048, 64): {"BN": 64, "BK": 128, "SPLIT": 2, "SWAP": 1, "num_warps": 8},
+    (2048, 6144, 64): {"BN": 32, "BK": 128, "SPLIT": 6, "SWAP": 0, "num_warps": 4},
+    (32000, 2048, 64): {"BN": 128, "BK": 128, "SPLIT": 1, "SWAP": 1, "num_warps": 8},
+}
 
 
 def default_config(cols: int, K: int, rows: int = 16) -> dict:
     """Tiles of `linear` for `cols` output columns per row (both halves of EPI_XY, the
-    gate half of EPI_GATED), reduction length K and `rows` rows: column blocks of BN,
-    and K split so that about TARGET_PROGRAMS programs stream the weight.
+    gate half of EPI_GATED), reduction length K and `rows` rows: the TUNED entry, else
+    what the sweep favoured: a few hundred programs (column blocks of BN times K
+    splits), each streaming at least ~512 of K through a software pipeline.
     Keys: BN, BK (slice of K per iteration), SPLIT (requested K splits; the launch
     uses cdiv(K, KS) with KS = cdiv(K, SPLIT) rounded up to a multiple of BK), SWAP
     (weight tile as the dot's M operand), PRE (first weight slice loaded before the
-    PDL wait, outside the pipelined loop), num_warps, num_stages."""
-    bn = 64
-    bk = min(128, max(16, triton.next_power_of_2(K)))
-    blocks = triton.cdiv(cols, bn)
-    split = max(1, min(triton.cdiv(K, bk), round(TARGET_PROGRAMS / blocks)))
-    return {"BN": bn, "BK": bk, "SPLIT": split, "SWAP": 0, "PRE": 1, "num_warps": 4, "num_stages": 3}
+    PDL wait, outside the pipelined loop), PF (L2 prefetch of the program's weights
+    before the PDL wait; not in the interpreter), EARLY (with PDL, let the next kernel
+    launch at this one's start rather than after the K loops), num_warps, num_stages."""
+    base = {"PRE": 0, "PF": 0, "EARLY": 0, "num_stages": 3}
+    tuned = TUNED.get((cols, K, _rows_block(rows)))
+    if tuned is not None:
+        return dict(base, **tuned)
+    bn = 128 if cols >= 128 * 200 else 64 if cols >= 64 * 80 else 32
+    split = max(1, min(triton.cdiv(K, 512), round(256 / triton.cdiv(cols, bn))))
+    return dict(base, BN=bn, BK=min(128, max(16, triton.next_power_of_2(K))), SPLIT=split, SWAP=int(bn >= 64),
+                num_warps=8 if bn >= 64 else 4)
 
 
 SMEM_BUDGET = 160 * 1024
@@ -566,7 +605,7 @@ def _dot_mode(dtype):
     raise ValueError(f"expected a bf16, fp16 or fp32 model for the fused linear, got {dtype}")
 
 
-CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "PRE", "num_warps", "num_stages")
+CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "PRE", "PF", "EARLY", "num_warps", "num_stages")
 
 
 def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, norm_scale=None, eps=1e-6,
@@ -645,7 +684,9 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         rst if rst is not None else dummy, ws, counts, M, N, K, eps,
         PRO=prologue, EPI=epilogue, HAS_BIAS=bias is not None, HAS_RESET=rst is not None, CW=CW,
         BM=BM, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, KS=KS, RG=_reduce_group(split, BM, cfg["BN"]),
-        SWAP=int(bool(cfg["SWAP"])), PRE=int(bool(cfg["PRE"])), DOT=_dot_mode(dt),
+        SWAP=int(bool(cfg["SWAP"])), PRE=int(bool(cfg["PRE"])), PF=int(bool(cfg["PF"]) and not INTERPRET),
+        LINES=triton.next_power_of_2(triton.cdiv(KS, 128 // w.element_size())), LINE=128 // w.element_size(),
+        EARLY=int(bool(cfg["EARLY"])), DOT=_dot_mode(dt),
         RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_option(pdl),
     )
@@ -659,4 +700,4 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
 
 __all__ = ["embed_rmsnorm", "add_rmsnorm", "conv_step", "gelu_mul", "advance", "linear", "default_config",
            "PRO_PLAIN", "PRO_NORM", "PRO_MUL", "EPI_BIAS", "EPI_RESIDUAL", "EPI_XY", "EPI_GATED",
-           "MAX_STOP_TOKENS", "LINEAR_MAX_ROWS", "Workspace", "split_plan", "CONFIG_KEYS", "TARGET_PROGRAMS"]
+           "MAX_STOP_TOKENS", "LINEAR_MAX_ROWS", "Workspace", "split_plan", "CONFIG_KEYS", "TUNED"]

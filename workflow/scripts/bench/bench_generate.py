@@ -65,30 +65,20 @@ def role_shapes(cfg) -> dict:
     return {"xy": (2 * E, D), "out": (D, E), "up": (F, D), "down": (D, F), "logits": (V, D)}
 
 
-def deep_configs(cfg) -> dict:
-    """Alternative tiles: twice the weight bytes in flight per program (BK doubled)
-    where the default tiles are narrow."""
-    from kernels.ops import decode as dk
-
-    out = {}
-    for role, (cols, K) in role_shapes(cfg).items():
-        c = dk.default_config(cols, K)
-        if c["BN"] <= 32:
-            c = dict(c, BK=min(2 * c["BK"], 512), num_stages=4)
-        out[role] = c
-    return out
-
-
 def variants_for(cfg) -> dict:
-    """Step-kernel variants (kernels.models.generation.Engine options)."""
-    deep = deep_configs(cfg)
+    """Step-kernel variants (kernels.models.generation.Engine options). The gemm
+    variants use the split-K linear's default (tuned) tiles; "pf" adds the L2 prefetch
+    of each program's weights before the PDL wait, "early" lets the next kernel launch
+    at the start of the previous one."""
+    pf = {r: {"PF": 1} for r in ROLES}
+    pf_early = {r: {"PF": 1, "EARLY": 1} for r in ROLES}
     return {
         "model+graph": dict(kernels="model"),
         "fused+graph": dict(kernels="fused"),
         "gemm+graph": dict(kernels="gemm"),
         "gemm+graph+pdl": dict(kernels="gemm", pdl=True),
-        "gemm+graph+deep": dict(kernels="gemm", linear_configs=deep),
-        "gemm+graph+pdl+deep": dict(kernels="gemm", pdl=True, linear_configs=deep),
+        "gemm+graph+pdl+pf": dict(kernels="gemm", pdl=True, linear_configs=pf),
+        "gemm+graph+pdl+pf+early": dict(kernels="gemm", pdl=True, linear_configs=pf_early),
     }
 
 
@@ -354,40 +344,27 @@ def profile_step(model, opts, B, device, steps=3) -> dict:
 
 
 def profile_main(a, S, out_dir, device):
-    """Second call: where the decode step's time goes (kernel durations by category
-    and per linear role, against the graph-replayed step), and the fresh SAMU
-    throughput trajectory the first call's budget cut."""
+    """Where the decode step's time goes: kernel durations of eager steps by category
+    and per linear role (torch.profiler), against the graph-replayed step. PDL variants
+    are left out: a kernel launched early would count its wait for the previous one."""
     res = {"schema": "generation-profile/1", "env": env_facts(a.commit), "profiles": [], "step": [],
            "throughput": [], "errors": []}
-    path = out_dir / "generation_h200_profile.json"
+    path = out_dir / f"generation_h200{a.tag}_profile.json"
 
     def save():
         path.write_text(json.dumps(json.loads(json.dumps(res, default=lambda o: None)), indent=1))
 
-    cfg = HawkConfig.preset(S["preset"])
-    deep = deep_configs(cfg)
-    from kernels.ops import decode as dk
-
-    s6 = {r: dict(dk.default_config(cols, K), num_stages=6) for r, (cols, K) in role_shapes(cfg).items()}
-    w8 = {r: dict(c, num_warps=8) for r, c in deep.items()}
-    variants = {"fused+graph": dict(kernels="fused"), "gemm+graph+deep": dict(kernels="gemm", linear_configs=deep),
-                "gemm+graph+deep+s6": dict(kernels="gemm", linear_configs=s6),
-                "gemm+graph+deep+w8": dict(kernels="gemm", linear_configs=w8)}
+    all_variants = variants_for(HawkConfig.preset(S["preset"]))
+    variants = {k: all_variants[k] for k in ("fused+graph", "gemm+graph")}
     res["variants"] = variants
     import multiprocessing as mp
 
-    tasks = compile_tasks({k: v for k, v in variants.items() if k != "gemm+graph+deep"}, [S["B"]])
-    tasks += compile_tasks({"d": variants["gemm+graph+deep"]}, [S["B"]])
+    tasks = compile_tasks(variants, [S["B"]])
     pool = mp.get_context("spawn").Pool(min(12, len(tasks)))
     pool_res = pool.map_async(compile_worker, [(S["preset"], tasks[i::12], "cuda") for i in range(12)])
-    models = {mx: build(S["preset"], mx, device) for mx in MIXERS}
-    # fused-path kernels compile here while the pool compiles the linears
-    thr = Engine(models["samu"], kernels="fused")
-    thr.start(batch_size=max(S["batches"]))
-    thr.step()
+    models = {"rglru": build(S["preset"], "rglru", device)}
     res["compile"] = [list(x) for x in pool_res.get(timeout=120)]
     pool.terminate()
-    budget = Budget(a.budget_s)
     for v, opts in variants.items():
         try:
             eng = Engine(models["rglru"], **opts)
@@ -406,19 +383,6 @@ def profile_main(a, S, out_dir, device):
             res["errors"].append({"variant": v, "error": traceback.format_exc()})
             log(f"{v}: ERROR {e!r}")
         save()
-    B = max(S["batches"])
-    need = 3.4 * max(S["thr_lengths"]) / 1e3 + 2
-    if budget.left() > need:
-        tr = timing.time_trajectory(lambda i: thr.step(), S["thr_lengths"], device,
-                                    before=lambda: thr.start(batch_size=B))
-        res["throughput"].append({"mixer": "samu", "B": B, "order": "AB (second call)", "trajectory": tr,
-                                  "kernels": thr.describe(B)["kernels"],
-                                  "tokens_per_s": [B * n / (c * 1e-3) for c, n in zip(tr["cumulative_ms"],
-                                                                                      tr["checkpoints"])]})
-        log("throughput samu B=%d: " % B + ", ".join(f"{n}: {t:.0f} tok/s" for n, t in
-                                                  zip(tr["checkpoints"], res["throughput"][-1]["tokens_per_s"])))
-    else:
-        res["cut"] = {"throughput": f"budget: {budget.left():.0f} s left, {need:.0f} s needed"}
     save()
     log(f"wrote {path}")
 
@@ -906,6 +870,7 @@ def main(argv=None):
     ap.add_argument("--official", action="store_true", help="time the official sampler step (needs recurrentgemma)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of the step (second call)")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names (e.g. _run2)")
     ap.add_argument("--sweep", action="store_true", help="microbenchmark of the split-K linear's tiles")
     ap.add_argument("--report", action="store_true", help="write summary.md from the result files in --out")
     a = ap.parse_args(argv)
@@ -922,11 +887,11 @@ def main(argv=None):
         return sweep_main(a, S, out_dir, device)
     cuda = device.type == "cuda"
     VARIANTS.update(variants_for(HawkConfig.preset(S["preset"])))
-    variants = list(VARIANTS) if cuda else ["model+graph", "gemm+graph+deep"]
+    variants = list(VARIANTS) if cuda else ["model+graph", "gemm+graph"]
     res = {"schema": "generation-bench/1", "env": env_facts(a.commit), "settings": S, "variants": VARIANTS,
            "gate": {}, "step": [], "selected": {}, "latency": [], "throughput_probe": [], "throughput": [],
            "cut": [], "errors": []}
-    path = out_dir / f"generation_{'smoke' if a.smoke else 'h200'}.json"
+    path = out_dir / f"generation_{'smoke' if a.smoke else 'h200'}{a.tag}.json"
 
     def save():
         clean = json.loads(json.dumps(res, default=lambda o: None))
@@ -938,7 +903,7 @@ def main(argv=None):
     if a.tests:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         tests = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rA", "-s", "tests/test_generation_gpu.py"],
-                                 cwd=REPO, stdout=open(out_dir / "gpu_tests.log", "w"), stderr=subprocess.STDOUT,
+                                 cwd=REPO, stdout=open(out_dir / f"gpu_tests{a.tag}.log", "w"), stderr=subprocess.STDOUT,
                                  env=env)
         log("GPU tests started")
 
@@ -1032,7 +997,7 @@ def main(argv=None):
         except subprocess.TimeoutExpired:
             tests.kill()
             rc = "timeout"
-        tail = (out_dir / "gpu_tests.log").read_text().strip().splitlines()[-3:]
+        tail = (out_dir / f"gpu_tests{a.tag}.log").read_text().strip().splitlines()[-3:]
         res["tests"] = {"returncode": rc, "summary": tail}
         log(f"GPU tests: rc={rc}: {tail[-1] if tail else ''}")
         save()
