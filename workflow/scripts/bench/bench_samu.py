@@ -593,11 +593,13 @@ def write_summary(path, recs, meta):
 
 # sm_90 registers per thread (CPU compile, no spills unless said): defaults (L 64, LS 8,
 # 8 warps, prefetch) 219, without prefetch 154; LS 4 window 2: 128 (two programs per SM);
-# L = LS = 16 (maps kept in registers): 253
+# L = LS = 16 (maps kept in registers): 253; 4 warps (4 modes per thread) LS 4: 244 (two
+# programs per SM), LS 2 window 4: 160 (three)
 LB_VARIANTS = [{}, {"lb_prefetch": False}, {"lb_chunk": 128}, {"lb_chunk": 256}, {"lb_rows": 4, "lb_window": 2},
                {"lb_rows": 4, "lb_window": 2, "lb_prefetch": False}, {"lb_chunk": 128, "lb_rows": 4, "lb_window": 4},
                {"lb_chunk": 16, "lb_rows": 16}, {"lb_chunk": 32, "lb_window": 4},
-               {"lb_chunk": 128, "lb_prefetch": False}]
+               {"lb_chunk": 128, "lb_prefetch": False}, {"lb_warps": 4, "lb_rows": 4},
+               {"lb_warps": 4, "lb_rows": 2, "lb_window": 4}]
 LB_TS = (2048, 4096, 16384)
 LB_PROBE_T = 4096
 LB_TRAIN_VARIANTS = [{}, {"lb_prefetch": False}, {"lb_chunk": 128}]
