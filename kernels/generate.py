@@ -67,7 +67,8 @@ def main(argv=None) -> dict:
     p.add_argument("--kernels", default="auto", choices=list(KERNELS))
     p.add_argument("--backend", default="auto", help="mixer backend of the model (prefill and step)")
     p.add_argument("--no-graphs", action="store_true", help="run the step eagerly on CUDA")
-    p.add_argument("--pdl", action="store_true", help="programmatic dependent launch between linears (Hopper)")
+    p.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
+                   help="programmatic dependent launch between linears (auto: on Hopper and newer)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
@@ -88,7 +89,8 @@ def main(argv=None) -> dict:
                        dtype=dtype).eval()
     model.requires_grad_(False)
     cfg = model.config
-    engine = Engine(model, kernels=a.kernels, graphs=False if a.no_graphs else None, pdl=a.pdl)
+    engine = Engine(model, kernels=a.kernels, graphs=False if a.no_graphs else None,
+                    pdl={"auto": None, "on": True, "off": False}[a.pdl])
     bos = engine.bos_id
     g = torch.Generator().manual_seed(a.seed)
     prompts = None

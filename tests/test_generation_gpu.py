@@ -111,3 +111,17 @@ def test_rows_with_different_prompt_lengths_are_independent(mixer):
         t1, l1 = _decode(eng, [p], 10)
         assert torch.equal(t1[0], toks[b])
         _same(f"{mixer} row {b} alone vs in the batch", l1[0], logits[b])
+
+
+def test_auto_step_kernels():
+    from kernels.models.generation import AUTO_GEMM_MAX_ROWS
+
+    eng = Engine(_model("rglru"))
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    small, large = eng.describe(AUTO_GEMM_MAX_ROWS), eng.describe(AUTO_GEMM_MAX_ROWS + 1)
+    assert small["kernels"] == "gemm" and small["pdl"] == hopper
+    assert large["kernels"] == "fused" and not large["pdl"]
+    # PDL on and off decode the same tokens, bit for bit equal logits
+    t_on, l_on = _decode(Engine(_model("samu"), kernels="gemm", pdl=True), _prompts(), 6)
+    t_off, l_off = _decode(Engine(_model("samu"), kernels="gemm", pdl=False), _prompts(), 6)
+    assert torch.equal(t_on, t_off) and torch.equal(l_on, l_off)

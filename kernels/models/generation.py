@@ -31,9 +31,10 @@ Step kernels (`kernels=`):
     "gemm"   weight-streaming split-K linears with the row work fused into their
              prologues and epilogues (four launches and the mixer step per layer), for
              B <= 64; larger batches use "fused";
-    "auto"   on CUDA "gemm" for bf16/fp16 models (the fastest on the H200 at preset
-             1.3b, B = 16: results/generation/summary.md) and "fused" for fp32 ones;
-             "model" otherwise.
+    "auto"   on CUDA for bf16/fp16 models "gemm" up to AUTO_GEMM_MAX_ROWS rows and
+             "fused" above (the faster of the two on the H200 at preset 1.3b:
+             results/generation/summary.md), "fused" for fp32 models; "model" otherwise.
+PDL (`pdl=None`) is on for "gemm" on Hopper and newer GPUs (measured faster there).
 All of them compute HawkLM.step's function with its roundings (FP32 summation order
 may differ; "gemm" rounds the normalised matmul input before the 1 / rms factor, see
 kernels.ops.decode). A graph holds the parameter and cache storage it was captured with: build a
@@ -54,6 +55,9 @@ from ..ops._checks import shape_str
 from .hawk import HawkCache, HawkLM
 
 KERNELS = ("auto", "model", "fused", "gemm")
+# "auto" uses the weight-streaming linears up to this batch (H200, preset 1.3b: 1.39 ms
+# per step against 1.68 for "fused" at B = 16; at B = 32 and 64 "fused" was faster).
+AUTO_GEMM_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,11 @@ def _is_int(t: torch.Tensor) -> bool:
 class Engine:
     """Generation for one HawkLM. `kernels`: see the module docstring; `graphs`:
     capture and replay the step (default: on CUDA); `pdl`: programmatic dependent
-    launch between the weight-streaming linears (Hopper); `linear_configs`: tile
-    options of those linears by role ("xy", "out", "up", "down", "logits")."""
+    launch between the weight-streaming linears (None: on compute capability >= 9);
+    `linear_configs`: tile options of those linears by role ("xy", "out", "up",
+    "down", "logits"; see kernels.ops.decode.default_config)."""
 
-    def __init__(self, model: HawkLM, *, kernels: str = "auto", graphs: bool | None = None, pdl: bool = False,
+    def __init__(self, model: HawkLM, *, kernels: str = "auto", graphs: bool | None = None, pdl: bool | None = None,
                  prefill_chunk: int = 1024, bos_id: int = 2, pad_id: int = 0,
                  linear_configs: dict | None = None):
         if not isinstance(model, HawkLM):
@@ -131,12 +136,15 @@ class Engine:
             graphs = cuda
         if graphs and not cuda:
             raise ValueError(f"expected graphs=False on {self.device} (CUDA graphs need a CUDA model)")
-        if kernels == "auto":
-            kernels = ("model" if not cuda else "gemm" if self.dtype in (torch.bfloat16, torch.float16)
-                       else "fused" if self.dtype == torch.float32 else "model")
+        if kernels == "auto" and not (cuda and self.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+            kernels = "model"
+        elif kernels == "auto" and self.dtype == torch.float32:
+            kernels = "fused"
         if kernels != "model" and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"expected a bf16, fp16 or fp32 model for kernels={kernels!r}, got {self.dtype} "
                              f"(use kernels='model')")
+        if pdl is None:
+            pdl = cuda and torch.cuda.get_device_capability(self.device)[0] >= 9
         self.kernels, self.graphs, self.pdl = kernels, bool(graphs), bool(pdl)
         self.prefill_chunk, self.bos_id, self.pad_id = prefill_chunk, bos_id, pad_id
         self.linear_configs = dict(linear_configs or {})
@@ -147,11 +155,17 @@ class Engine:
 
     # ------------------------------------------------------------------ state
 
+    def _kernels_for(self, B: int) -> str:
+        """The step kernels of batch size B ("auto" here means a bf16/fp16 CUDA model)."""
+        if self.kernels == "auto":
+            return "gemm" if B <= AUTO_GEMM_MAX_ROWS else "fused"
+        return "fused" if self.kernels == "gemm" and B > dk.LINEAR_MAX_ROWS else self.kernels
+
     def _slot(self, B: int) -> _Slot:
         s = self._slots.get(B)
         if s is None:
             dev = self.device
-            kernels = "fused" if self.kernels == "gemm" and B > dk.LINEAR_MAX_ROWS else self.kernels
+            kernels = self._kernels_for(B)
             s = _Slot(B=B, kernels=kernels, cache=self.model.init_cache(B),
                       tokens=torch.zeros(B, dtype=torch.int64, device=dev),
                       pos=torch.zeros(B, dtype=torch.int64, device=dev),
@@ -181,7 +195,7 @@ class Engine:
     def describe(self, batch_size: int | None = None) -> dict:
         """What the engine runs: step kernels, mixer step backend, graphs, PDL."""
         B = batch_size or (self._cur.B if self._cur else 1)
-        kernels = "fused" if self.kernels == "gemm" and B > dk.LINEAR_MAX_ROWS else self.kernels
+        kernels = self._kernels_for(B)
         mixer = self.model.blocks[0].recurrent_block.mixer
         x = torch.empty(B, self.model.config.lru_width, dtype=self.dtype, device=self.device)
         from .. import ops
@@ -498,4 +512,4 @@ class Decoder:
         return self.engine.cache
 
 
-__all__ = ["Engine", "Decoder", "Sampling", "KERNELS"]
+__all__ = ["Engine", "Decoder", "Sampling", "KERNELS", "AUTO_GEMM_MAX_ROWS"]
