@@ -490,8 +490,8 @@ def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None
     prefix group), inner ("scan": the chunk's steps combined by an associative scan over
     a [K, BD] tile; "loop": each thread walks the chunk's steps in registers), fast_math
     (approximate ex2/rcp/sqrt in FP32 on the GPU), fwd ("replay", the default: summary,
-    prefix, replay; "lookback": one pass with decoupled look-back, lookback.py, untimed
-    and never run on a GPU, opt-in only; chunk_size is then its chunk L, a power of two
+    prefix, replay; "lookback": one pass with decoupled look-back, lookback.py, correct
+    on the H200 but slower than serial there, opt-in only; chunk_size is then its chunk L, a power of two
     in [16, 256], default 16; block_d, num_warps and the options vec and window configure
     its kernel (lookback.lookback_config), and the backward runs with its defaults on
     sub-chunks of min(L, 32) steps, min(L, 16) with inner="loop"), bwd ("replay", the

@@ -1,10 +1,13 @@
-"""Single-pass chained forward (decoupled look-back) for the bare scan and the RG-LRU.
+"""Single-pass chained forward and backward (decoupled look-back) for the bare scan and
+the RG-LRU.
 
-UNTIMED AND NEVER RUN ON A GPU. Opt-in only, as options of the chunk backend:
-fwd="lookback", chunk_size = L (a power of two in [16, 256]), vec, window, block_d,
-num_warps (lookback_config). It is not a default, a tuning-grid entry or an audit
-backend. Tested on the CPU interpreter only (tests/test_lookback_triton.py); what a GPU
-session must check is listed at the end.
+Opt-in only, as options of the chunk backend: fwd="lookback", chunk_size = L (a power of
+two in [16, 256]), vec, window, block_d, num_warps (lookback_config); bwd="lookback" with
+bwd_chunk, bwd_vec, bwd_warps, bwd_block_d (lookback_backward). Neither is a default, a
+tuning-grid entry or an audit backend: on the H200 both ran correctly (no hang) but
+slower than the serial kernels (results/kernels/rglru/README.md, third session: scan
+forward 27-33% of the memory floor against 41-45% for serial; the one-pass backward
+1.0-11 ms against 0.34 ms). Tested on the CPU interpreter (tests/test_lookback_triton.py).
 
 Why: the chunk backend's forward reads its inputs twice (summary pass, then replay), so
 the bare scan moves 10 bytes per element against a 6-byte floor (BF16 a, b, y). Here
@@ -75,12 +78,15 @@ INCLUSIVE_EVERY = k (launcher argument inclusive_every, tests only) lets only ev
 chunk publish an inclusive prefix, the others aggregates only, so the composition of
 several aggregates over several windows runs on the CPU too.
 
-What the next GPU session must check (none of it has run): that no launch hangs (run
-it first in a subprocess under a timeout: bench_rglru.py --lookback does); correctness
-at real shapes against the float64 reference and PyTorch at BF16 (scan and RG-LRU,
-resets, initial and final state; gradients through the chunk backward); and the
-fraction of the memory floor of the bare forward scan at B = 8, D = 1024,
-T = 2048 .. 16384 (workflow/scripts/bench/bench_rglru.py --lookback).
+Checked on the H200 (third session): no launch hung in three runs; outputs, final states
+and gradients matched the reference at B = 4, T = 2048, D = 2560 and B = 8, D = 1024,
+T = 16384; speed above.
+
+The backward (lookback_bwd_kernel) mirrors the forward: tickets give chunks last first,
+a program recomputes its chunk's states from the state the forward saved at its start,
+publishes its reverse adjoint map mu_out = ia mu_in + ib (flag 1), looks back over the
+chunks after it (look_back with REVERSE) for mu_in, publishes mu_out (flag 2), stores the
+gradients and writes its a_param partial (reduced in a fixed order by reduce_dap).
 """
 
 from __future__ import annotations

@@ -463,9 +463,9 @@ def phase_vec(S, dev, reps, warmup, res, rglru_variants=None, scan_variants=None
     return out
 
 
-# Run 3 (not yet run): the chunk backend's single-pass forward with decoupled look-back
-# (fwd="lookback", kernels/ops/rglru_triton/lookback.py), never run on a GPU before. The
-# defaults are chunk 16, vec 4, 2 warps, window 8 (static sm_90 counts only).
+# Run 3 (results/kernels/rglru/run3_lookback): the chunk backend's single-pass forward with
+# decoupled look-back (fwd="lookback", kernels/ops/rglru_triton/lookback.py). The defaults
+# are chunk 16, vec 4, 2 warps, window 8. bench_lookback.py times the later variants.
 LOOKBACK_RGLRU = [("serial", {}), ("serial", {"fast_math": True}),
                   ("chunk", dict(fwd="lookback")), ("chunk", dict(fwd="lookback", fast_math=True)),
                   ("chunk", dict(fwd="lookback", chunk_size=32, num_warps=1, fast_math=True)),
