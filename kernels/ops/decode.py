@@ -20,10 +20,17 @@ FP32 summation order (and, in `linear`'s RMSNorm prologue, the place of one roun
   per-row factor, so it is applied to the FP32 sums (after the one pass over the row)
   rather than to the inputs: the matmul reads round(x * (1 + scale)) where the model
   reads round(x / rms * (1 + scale)), one rounding of the same size at another place.
+  The K reduction is split over SPLIT programs per column block (a few hundred
+  programs in all, so that enough weight bytes are in flight): each writes its FP32
+  partial sums (and partial sums of squares for the RMSNorm prologue) to a workspace
+  and counts itself; the last to arrive adds the partials in a fixed order
+  (deterministic, bit for bit), runs the epilogue and resets the count for the next
+  launch or graph replay.
 
 `advance` updates the decoding state after the next-token choice (stop tokens, done
-flags, positions, resets) in one launch. Nothing here synchronises with the host or
-allocates besides its outputs, so every launcher can run under CUDA-graph capture.
+flags, positions, resets) in one launch. Nothing here synchronises with the host, and
+the launchers allocate only their outputs (and, without a `Workspace`, the split-K
+scratch), so every launcher can run under CUDA-graph capture.
 With `pdl=True` the weight-streaming kernels use programmatic dependent launch (Hopper):
 a kernel is scheduled while its predecessor finishes and waits (griddepcontrol.wait)
 before touching anything its predecessors write.
