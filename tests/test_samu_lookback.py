@@ -37,6 +37,10 @@ CONFIGS = {
     "w1-L8": (8, {"lb_chunk": 8, "lb_rows": 8, "lb_window": 1, "inclusive_every": 2}),
     # no prefetch of the next sub-tile; an inclusive prefix every other chunk
     "noprefetch-L16": (8, {"lb_chunk": 16, "lb_rows": 4, "lb_prefetch": False, "inclusive_every": 2}),
+    # fixed composition order: 10 chunks of 4, anchors 0, 4, 8 (window 4); and window 1
+    # (every chunk an anchor: a serial chain)
+    "fixed-L4": (16, {"lb_chunk": 4, "lb_rows": 2, "lb_window": 4, "lb_order": "fixed"}),
+    "fixed-w1-L8": (8, {"lb_chunk": 8, "lb_rows": 4, "lb_window": 1, "lb_order": "fixed"}),
     # defaults (L = 64: one partial chunk), backward K = 16
     "defaults": (16, {}),
 }
@@ -63,20 +67,21 @@ def test_float64_matches_reference(name, ref64):
 
 
 def test_float32_and_composition_order():
-    """FP32 against float64 (2e-5) with several losses; publishing fewer inclusive
-    prefixes changes only the composition order (agreement to FP32 rounding), and each
-    order is bitwise reproducible."""
+    """FP32 against float64 (2e-5); publishing fewer inclusive prefixes, or the fixed
+    (anchored) order, changes only the composition order (agreement to FP32 rounding),
+    and each order is bitwise reproducible."""
     inputs = make_inputs(torch.float32, t=26, d=10, seed=3)
     seg = segment_positions(26, [{9, 16}, {0, 4}])
     want = run(reference.samu, leaves(inputs, torch.float64), loss="square", segment_pos=seg)
     opts = {"lb_chunk": 4, "lb_rows": 2, "lb_window": 2}
     with poisoned():
-        a, b, a2 = (run(CHUNK, leaves(inputs), loss="square", segment_pos=seg, chunk_size=8, **lb(**opts, **o))
-                    for o in ({}, {"inclusive_every": 5}, {}))
+        a, b, a2, fx = (run(CHUNK, leaves(inputs), loss="square", segment_pos=seg, chunk_size=8, **lb(**opts, **o))
+                        for o in ({}, {"inclusive_every": 5}, {}, {"lb_order": "fixed"}))
     assert a[0].dtype == torch.float32 and a[1].dtype == torch.complex64
     assert_close_all(a, want, 2e-5)
     assert_close_all(b, want, 2e-5)
-    assert rel(a[0], b[0]) < 1e-6 and rel(a[1], b[1]) < 1e-6
+    assert_close_all(fx, want, 2e-5)
+    assert rel(a[0], b[0]) < 1e-6 and rel(a[1], b[1]) < 1e-6 and rel(a[1], fx[1]) < 1e-6
     assert torch.equal(a[0], a2[0]) and torch.equal(a[1], a2[1])
     for k in GRAD_NAMES:
         assert torch.equal(a[2][k], a2[2][k]), k
@@ -148,7 +153,8 @@ def test_bad_options():
     args = [inputs[k] for k in GRAD_NAMES[:7]]
     bad = [({"fwd": "scan"}, "fwd"), (lb(lb_chunk=3), "lb_chunk"), (lb(lb_chunk=2048), "lb_chunk"),
            (lb(lb_rows=128), "lb_rows"), (lb(lb_chunk=8, lb_rows=16), "lb_rows"), (lb(lb_warps=3), "lb_warps"),
-           (lb(lb_window=0), "lb_window"), (lb(lb_prefetch="yes"), "lb_prefetch"), (lb(fuse_controls=True), "fuse_controls"),
+           (lb(lb_window=0), "lb_window"), (lb(lb_prefetch="yes"), "lb_prefetch"),
+           (lb(lb_order="any"), "lb_order"), (lb(fuse_controls=True), "fuse_controls"),
            ({"lb_chunk": 64}, "lb_"), (lb(inclusive_every=0), "inclusive_every")]
     for opts, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -157,7 +163,8 @@ def test_bad_options():
 
 def test_config_defaults():
     cfg = lbmod.lookback_config(512)
-    assert cfg == {"L": 64, "LS": 8, "BM": 512, "num_warps": 8, "VEC": 2, "W": 8, "prefetch": True}
+    assert cfg == {"L": 64, "LS": 4, "BM": 512, "num_warps": 4, "VEC": 4, "W": 8, "prefetch": True,
+                   "order": "decoupled"}
     assert lbmod.lookback_config(1280)["LS"] == 4 and lbmod.lookback_config(1280)["num_warps"] == 16
     assert lbmod.lookback_config(M)["BM"] == 16
 

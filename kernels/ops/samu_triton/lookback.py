@@ -2,8 +2,14 @@
 
 Opt-in option of the chunk backend (chunk.py): fwd="lookback" with lb_chunk = L (steps
 per program, a power of two in [2, 1024]), lb_rows = LS (rows per sub-tile, a power of
-two dividing L, at most 64), lb_warps, lb_window (lookback_config). The chunk backward
-runs unchanged after it (chunk_size K of the backward; the forward saves what it reads).
+two dividing L, at most 64), lb_warps, lb_window, lb_prefetch, lb_order (lookback_config).
+The chunk backward runs unchanged after it (chunk_size K of the backward; the forward
+saves what it reads).
+
+Measured on the H200 (run 4, results/kernels/samu/README.md): correct at the benchmark
+shapes (prefill and every gradient through the chunk backward), 1.2-1.6x faster than the
+two-level chunk forward, but only 16-24 % of the prefill's memory floor (target 80 %):
+the programs are latency-bound (see the README), not bandwidth-bound. Not the default.
 
 Why: the two-level chunk forward reads x three times (controller, chunk summaries,
 replay) and runs six launches, so it cannot pass ~50 % of the memory floor of the
@@ -28,6 +34,13 @@ One launch. A program owns (chunk c of L steps, batch row b) with ALL M = D / 2 
    look-back (rglru_triton/lookback.py: an inclusive prefix counts as the constant map
    z -> 0 z + s and ends the look-back; before chunk 0 the initial state or zero);
 4. publishes its inclusive prefix P h_in + Q with flag 2 (chunk 0 always does);
+   lb_order="fixed" (not yet run on a GPU) instead: only anchors (chunks W k) publish an
+   inclusive prefix and only the others an aggregate; chunk c composes the inclusive
+   prefix of the last anchor before it with the aggregates in between, one window. The
+   composition then depends on c alone, so the result is bitwise reproducible (the
+   decoupled order is not: which inclusive prefix a look-back meets depends on timing,
+   which changes the FP32 rounding of h_in, and so the saved states and gradients, in the
+   last bits). The anchors form a chain of NC / W dependent hops;
 5. (phase C) y = relu(Re h) | relu(Im h): with one sub-tile (L == LS) from the scanned
    maps still in registers (h_t = A_t h_in + B_t); with several, each sub-tile is
    loaded again (the program read it moments before: L2, not DRAM, for
@@ -76,8 +89,9 @@ from .common import alloc, mode_consts, next_pow2, tanh, tl_dtype
 
 L_RANGE = (2, 1024)
 LS_RANGE = (2, 64)
-# Defaults: chunks of 64 steps walked in sub-tiles of 8 rows, two modes per thread
-# (num_warps = BM / 64, at most 16), look-back window 8.
+# Defaults: chunks of 64 steps walked in sub-tiles of 16 / VEC rows, four modes per thread
+# (num_warps = BM / 128, at most 16), look-back window 8: at M = 512 the fastest variant of
+# run 4 (results/kernels/samu/README.md; 4 warps, 4 rows: 244 registers, two programs per SM).
 DEFAULT_L, DEFAULT_LS, DEFAULT_WINDOW = 64, 8, 8
 
 
@@ -189,13 +203,33 @@ def _phase_a_tile(xr, xi, aux, ctrl, seg, i_b, t0, T, rows, wpr, wpi, wrr, wri, 
     return tl.associative_scan((ar, ai, b_r, b_i), 0, caffine)
 
 
+@triton.jit
+def _window(agg, incl, cw, m_c, incl_row, B, i_b, M, o_m, m_m, wv, W: tl.constexpr):
+    """The composition of the W published maps of chunks cw (oldest first; rows not m_c
+    are identity maps): an inclusive prefix (rows incl_row) is the constant map
+    z -> 0 z + s_c, which, composed after older maps, discards them exactly."""
+    o = (cw[:, None] * B + i_b) * 4 * M + o_m[None, :]
+    oi = (cw[:, None] * B + i_b) * 2 * M + o_m[None, :]
+    mm = m_c[:, None] & m_m[None, :]
+    is_incl = incl_row[:, None]
+    war = tl.load(agg + o, mask=mm & ~is_incl, other=1.0, cache_modifier=".cg")
+    wai = tl.load(agg + o + M, mask=mm & ~is_incl, other=0.0, cache_modifier=".cg")
+    war = tl.where(is_incl, 0.0, war)
+    wai = tl.where(is_incl, 0.0, wai)
+    wbr = tl.load(tl.where(is_incl, incl + oi, agg + o + 2 * M), mask=mm, other=0.0, cache_modifier=".cg")
+    wbi = tl.load(tl.where(is_incl, incl + oi + M, agg + o + 3 * M), mask=mm, other=0.0, cache_modifier=".cg")
+    WAr, WAi, WBr, WBi = tl.associative_scan((war, wai, wbr, wbi), 0, caffine)
+    return last_row(WAr, wv, W), last_row(WAi, wv, W), last_row(WBr, wv, W), last_row(WBi, wv, W)
+
+
 @triton.jit(do_not_specialize=["T", "NC", "NCB"])
 def samu_lookback_kernel(
     x, pd, rd, pa, ra, seg, modes, h0, flags, agg, incl, ctrl, aux, y, hN, S,
     B, T, D, M, NC, NCB, scale,
     HAS_SEG: tl.constexpr, HAS_H0: tl.constexpr, STORE_HN: tl.constexpr, SAVE: tl.constexpr,
     L: tl.constexpr, LS: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr,
-    W: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr,
+    W: tl.constexpr, PREFETCH: tl.constexpr, FIXED: tl.constexpr, ACC: tl.constexpr,
+    INCLUSIVE_EVERY: tl.constexpr,
 ):
     # The ticket counter sits after the NC * B flags.
     ticket = tl.atomic_add(flags + NC * B, 1, sem="relaxed")
@@ -255,7 +289,14 @@ def samu_lookback_kernel(
     # ---- publish the aggregate, look back, publish the inclusive prefix
     my_flag = flags + i_c * B + i_b
     my = (i_c * B + i_b) * 4 * M + o_m
-    if i_c > 0:
+    if FIXED:
+        # anchors (chunks W k) publish only their inclusive prefix; nobody reads their aggregate
+        publish_agg = (i_c > 0) & (i_c % W != 0)
+        publish_incl = i_c % W == 0
+    else:
+        publish_agg = i_c > 0
+        publish_incl = i_c % INCLUSIVE_EVERY == 0
+    if publish_agg:
         tl.store(agg + my, pr, mask=m_m)
         tl.store(agg + my + M, pi, mask=m_m)
         tl.store(agg + my + 2 * M, qr, mask=m_m)
@@ -274,38 +315,43 @@ def samu_lookback_kernel(
     else:
         sr = tl.zeros([BM], ACC)
         si = tl.zeros([BM], ACC)
-    j = i_c - 1
     wv = tl.arange(0, W)
-    while j >= 0:
-        # [W] predecessors j - W + 1 .. j, oldest first; before chunk 0 identity maps, ready
-        cw = j - (W - 1) + wv
-        m_c = cw >= 0
-        f_ptr = flags + cw * B + i_b
-        f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
-        while tl.min(f, axis=0) == 0:
+    if FIXED:
+        # one window from the last anchor j0 before c: its inclusive prefix, then the
+        # aggregates of j0 + 1 .. c - 1 in order (a composition fixed by c alone). Anchors
+        # only ever publish flag 2 and the others flag 1, so "every flag non-zero" is the
+        # wait, and flag 2 marks the anchor; rows after c - 1 are identity maps. Written as
+        # a loop of one trip (none for chunk 0), as the decoupled look-back below.
+        j = i_c - 1
+        while j >= 0:
+            cw = (j // W) * W + wv
+            m_c = cw <= j
+            f_ptr = flags + cw * B + i_b
             f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
-        # [W, BM] an inclusive prefix is the constant map z -> 0 z + s_c: composed after
-        # older maps it discards them exactly
-        o = (cw[:, None] * B + i_b) * 4 * M + o_m[None, :]
-        oi = (cw[:, None] * B + i_b) * 2 * M + o_m[None, :]
-        mm = m_c[:, None] & m_m[None, :]
-        is_incl = (f == 2)[:, None]
-        war = tl.load(agg + o, mask=mm & ~is_incl, other=1.0, cache_modifier=".cg")
-        wai = tl.load(agg + o + M, mask=mm & ~is_incl, other=0.0, cache_modifier=".cg")
-        war = tl.where(is_incl, 0.0, war)
-        wai = tl.where(is_incl, 0.0, wai)
-        wbr = tl.load(tl.where(is_incl, incl + oi, agg + o + 2 * M), mask=mm, other=0.0, cache_modifier=".cg")
-        wbi = tl.load(tl.where(is_incl, incl + oi + M, agg + o + 3 * M), mask=mm, other=0.0, cache_modifier=".cg")
-        WAr, WAi, WBr, WBi = tl.associative_scan((war, wai, wbr, wbi), 0, caffine)
-        # the window's maps come before the gathered ones
-        car, cai, cbr, cbi = caffine(last_row(WAr, wv, W), last_row(WAi, wv, W), last_row(WBr, wv, W),
-                                     last_row(WBi, wv, W), car, cai, cbr, cbi)
-        j = tl.where(tl.max(f, axis=0) == 2, -1, j - W)
+            while tl.min(f, axis=0) == 0:
+                f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+            war, wai, wbr, wbi = _window(agg, incl, cw, m_c, f == 2, B, i_b, M, o_m, m_m, wv, W)
+            car, cai, cbr, cbi = caffine(war, wai, wbr, wbi, car, cai, cbr, cbi)
+            j = -1
+    else:
+        j = i_c - 1
+        while j >= 0:
+            # [W] predecessors j - W + 1 .. j, oldest first; before chunk 0 identity maps, ready
+            cw = j - (W - 1) + wv
+            m_c = cw >= 0
+            f_ptr = flags + cw * B + i_b
+            f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+            while tl.min(f, axis=0) == 0:
+                f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+            war, wai, wbr, wbi = _window(agg, incl, cw, m_c, f == 2, B, i_b, M, o_m, m_m, wv, W)
+            # the window's maps come before the gathered ones
+            car, cai, cbr, cbi = caffine(war, wai, wbr, wbi, car, cai, cbr, cbi)
+            j = tl.where(tl.max(f, axis=0) == 2, -1, j - W)
     hr = car * sr - cai * si + cbr
     hi = car * si + cai * sr + cbi
     outr = pr * hr - pi * hi + qr
     outi = pr * hi + pi * hr + qi
-    if i_c % INCLUSIVE_EVERY == 0:
+    if publish_incl:
         mi = (i_c * B + i_b) * 2 * M + o_m
         tl.store(incl + mi, outr, mask=m_m)
         tl.store(incl + mi + M, outi, mask=m_m)
@@ -371,28 +417,33 @@ def _pow2(name, value, lo, hi):
     return value
 
 
-def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None, prefetch=None) -> dict:
+def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None, prefetch=None, order=None) -> dict:
     """Launch configuration: L = chunk steps per program (power of two in [2, 1024],
-    default 64); num_warps (power of two in [1, 16], default BM / 64 clamped to [1, 16]:
-    two modes per thread); LS = rows per sub-tile (power of two in [2, 64] dividing L,
-    default min(L, max(2, 16 / VEC)): 8 at M = 512); window W (predecessors per look-back
+    default 64); num_warps (power of two in [1, 16], default BM / 128 clamped to [1, 16]:
+    four modes per thread); LS = rows per sub-tile (power of two in [2, 64] dividing L,
+    default min(L, max(2, 16 / VEC)): 4 at M = 512 and M = 1280); window W (predecessors per look-back
     step, power of two in [1, 64], default 8). BM = next_pow2(M); VEC = BM / (32 num_warps)
     modes per thread (0, no layout hint, when the warps outnumber the modes); prefetch
     (default True): each sub-tile's x (and in phase C its controls) loaded while the
-    previous one is processed."""
+    previous one is processed); order "decoupled" (default: look back until any inclusive
+    prefix, the composition order depends on timing) or "fixed" (anchors every W chunks:
+    bitwise reproducible, see the module docstring)."""
     L = _pow2("lb_chunk", DEFAULT_L if chunk is None else chunk, *L_RANGE)
     BM = next_pow2(max(M, 1))
-    nw = (min(16, max(1, BM // 64)) if num_warps is None else _pow2("lb_warps", num_warps, 1, 16))
+    nw = (min(16, max(1, BM // 128)) if num_warps is None else _pow2("lb_warps", num_warps, 1, 16))
     vec = BM // (32 * nw)
-    # default: LS * VEC = 16 complex elements per thread (sm_90 compile: 154 registers at
-    # M = 512, LS 8, 8 warps; 16 warps cap registers at 128 and spill a little at M = 1280)
+    # default: LS * VEC = 16 complex elements per thread (sm_90 compile: 244 registers at
+    # M = 512, LS 4, 4 warps; 16 warps cap registers at 128 and spill a little at M = 1280)
     LS = _pow2("lb_rows", min(L, max(2, DEFAULT_LS * 2 // max(vec, 1))) if rows is None else rows, *LS_RANGE)
     if LS > L:
         raise ValueError(f"expected lb_rows <= lb_chunk = {L}, got {rows!r}")
     W = _pow2("lb_window", DEFAULT_WINDOW if window is None else window, 1, 64)
     if prefetch not in (None, True, False):
         raise ValueError(f"expected lb_prefetch True, False or None, got {prefetch!r}")
-    return {"L": L, "LS": LS, "BM": BM, "num_warps": nw, "VEC": vec, "W": W, "prefetch": prefetch is not False}
+    if order not in (None, "decoupled", "fixed"):
+        raise ValueError(f"expected lb_order 'decoupled', 'fixed' or None, got {order!r}")
+    return {"L": L, "LS": LS, "BM": BM, "num_warps": nw, "VEC": vec, "W": W, "prefetch": prefetch is not False,
+            "order": order or "decoupled"}
 
 
 def workspace_flags(n: int, device) -> torch.Tensor:
@@ -428,7 +479,8 @@ def lookback_forward(x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, n
         h0 if h0 is not None else hN, flags, agg, incl, ctrl, aux, y, hN, S if S is not None else hN,
         B, T, D, M, NC, NCB, 1.0 / math.sqrt(M),
         HAS_SEG=segment_pos is not None, HAS_H0=h0 is not None, STORE_HN=True, SAVE=need_states,
-        L=L, LS=LS, KB=K, BM=cfg["BM"], VEC=cfg["VEC"], W=cfg["W"], PREFETCH=cfg["prefetch"], ACC=tl_dtype(acc),
+        L=L, LS=LS, KB=K, BM=cfg["BM"], VEC=cfg["VEC"], W=cfg["W"], PREFETCH=cfg["prefetch"],
+        FIXED=cfg["order"] == "fixed", ACC=tl_dtype(acc),
         INCLUSIVE_EVERY=inclusive_every, num_warps=cfg["num_warps"],
     )
     # x once; per chunk one aggregate / inclusive prefix written and at least one read;
