@@ -35,8 +35,8 @@ CONFIGS = {
     "windows-L4": (16, {"lb_chunk": 4, "lb_rows": 2, "lb_window": 2, "inclusive_every": 4}),
     # LS = L = K, window 1, an inclusive prefix every other chunk
     "w1-L8": (8, {"lb_chunk": 8, "lb_rows": 8, "lb_window": 1, "inclusive_every": 2}),
-    # no prefetch of the next sub-tile; an inclusive prefix every other chunk
-    "noprefetch-L16": (8, {"lb_chunk": 16, "lb_rows": 4, "lb_prefetch": False, "inclusive_every": 2}),
+    # two sub-tiles per chunk, LS = K; an inclusive prefix every other chunk
+    "two-subtiles-L16": (8, {"lb_chunk": 16, "lb_rows": 8, "inclusive_every": 2}),
     # fixed composition order: 10 chunks of 4, anchors 0, 4, 8 (window 4); and window 1
     # (every chunk an anchor: a serial chain)
     "fixed-L4": (16, {"lb_chunk": 4, "lb_rows": 2, "lb_window": 4, "lb_order": "fixed"}),
@@ -153,7 +153,7 @@ def test_bad_options():
     args = [inputs[k] for k in GRAD_NAMES[:7]]
     bad = [({"fwd": "scan"}, "fwd"), (lb(lb_chunk=3), "lb_chunk"), (lb(lb_chunk=2048), "lb_chunk"),
            (lb(lb_rows=128), "lb_rows"), (lb(lb_chunk=8, lb_rows=16), "lb_rows"), (lb(lb_warps=3), "lb_warps"),
-           (lb(lb_window=0), "lb_window"), (lb(lb_prefetch="yes"), "lb_prefetch"),
+           (lb(lb_window=0), "lb_window"),
            (lb(lb_order="any"), "lb_order"), (lb(fuse_controls=True), "fuse_controls"),
            ({"lb_chunk": 64}, "lb_"), (lb(inclusive_every=0), "inclusive_every")]
     for opts, match in bad:
@@ -163,8 +163,7 @@ def test_bad_options():
 
 def test_config_defaults():
     cfg = lbmod.lookback_config(512)
-    assert cfg == {"L": 64, "LS": 4, "BM": 512, "num_warps": 4, "VEC": 4, "W": 8, "prefetch": True,
-                   "order": "decoupled"}
+    assert cfg == {"L": 64, "LS": 4, "BM": 512, "num_warps": 4, "VEC": 4, "W": 8, "order": "decoupled"}
     assert lbmod.lookback_config(1280)["LS"] == 4 and lbmod.lookback_config(1280)["num_warps"] == 16
     assert lbmod.lookback_config(M)["BM"] == 16
 

@@ -8,7 +8,9 @@ Backends (the reference signature of kernels.ops.samu):
   with a linear-work grouped prefix over the chunk summaries. Launcher options (exact,
   for tuning; results/kernels/samu/README.md has their H200 times): block_m, num_warps
   (modes per thread), fuse_controls (controller inside the summary), prefix "group" /
-  "fill" (chunk states composed in the replay / written by one more prefix pass).
+  "fill" (chunk states composed in the replay / written by one more prefix pass);
+  fwd="lookback" (lookback.py, opt-in): a single-pass forward with decoupled look-back
+  (x read from DRAM once, one launch) under the unchanged chunk backward.
 Shared (common.py): the per-token controller (one pass over x: both projections,
 norms, tanh, exp(eta), cos/sin(delta), resets), its backward and the deterministic
 parameter reductions; function.py: the autograd operator around a plan.

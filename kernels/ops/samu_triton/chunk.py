@@ -301,7 +301,7 @@ class ChunkPlan:
 
     def __init__(self, chunk_size: int = 16, block_m: int = 32, num_warps=None, fuse_controls=False,
                  prefix="group", fwd="chunk", lb_chunk=None, lb_rows=None, lb_warps=None, lb_window=None,
-                 lb_prefetch=None, lb_order=None, inclusive_every=1):
+                 lb_order=None, inclusive_every=1):
         self.K = check_chunk_size(chunk_size)
         self.BM = check_block_m(block_m)
         self.NW = check_num_warps(num_warps, self.BM)
@@ -314,7 +314,7 @@ class ChunkPlan:
         if fwd not in ("chunk", "lookback"):
             raise ValueError(f"expected fwd 'chunk' or 'lookback', got {fwd!r}")
         lb_opts = {"lb_chunk": lb_chunk, "lb_rows": lb_rows, "lb_warps": lb_warps, "lb_window": lb_window,
-                   "lb_prefetch": lb_prefetch, "lb_order": lb_order}
+                   "lb_order": lb_order}
         if fwd == "chunk" and any(v is not None for v in lb_opts.values()):
             raise ValueError(f"expected no lb_* options with fwd='chunk', got {lb_opts}")
         if fwd == "lookback" and fuse_controls:
@@ -449,7 +449,7 @@ class ChunkPlan:
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                initial_state=None, output_final_state=False, chunk_size=16, block_m=32, num_warps=None,
                fuse_controls=False, prefix="group", fwd="chunk", lb_chunk=None, lb_rows=None, lb_warps=None,
-               lb_window=None, lb_prefetch=None, lb_order=None, inclusive_every=1):
+               lb_window=None, lb_order=None, inclusive_every=1):
     """Two-level chunked SAMU (reference signature). x: [B, T, D], D = 2M; returns
     (y [B, T, D], final state [B, M] complex or None). chunk_size K in 8, 16, 32, 64;
     block_m modes per program; num_warps per program (None: block_m // 32, one mode per
@@ -458,11 +458,11 @@ def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_lo
     (each replay composes the earlier chunks of its group itself) or "fill" (one more pass
     over the chunk summaries writes every chunk's incoming state; the replays load it).
     fwd="lookback": the single-pass forward with decoupled look-back (lookback.py; options
-    lb_chunk, lb_rows, lb_warps, lb_window, lb_prefetch, lb_order, see lookback_config; inclusive_every is a test
+    lb_chunk, lb_rows, lb_warps, lb_window, lb_order, see lookback_config; inclusive_every is a test
     knob); the backward (chunk_size K) is unchanged."""
     plan = ChunkPlan(chunk_size, block_m, num_warps, fuse_controls, prefix, fwd, lb_chunk, lb_rows, lb_warps,
-                     lb_window, lb_prefetch, lb_order, inclusive_every)
+                     lb_window, lb_order, inclusive_every)
     if fwd == "lookback":
-        lookback_config(x.shape[-1] // 2, lb_chunk, lb_rows, lb_warps, lb_window, lb_prefetch, lb_order)
+        lookback_config(x.shape[-1] // 2, lb_chunk, lb_rows, lb_warps, lb_window, lb_order)
     return samu_apply(plan, x, phase_dir, radial_dir,
                       phase_amp, radial_amp, nu_log, theta_log, segment_pos, initial_state, output_final_state)

@@ -2,7 +2,7 @@
 
 Opt-in option of the chunk backend (chunk.py): fwd="lookback" with lb_chunk = L (steps
 per program, a power of two in [2, 1024]), lb_rows = LS (rows per sub-tile, a power of
-two dividing L, at most 64), lb_warps, lb_window, lb_prefetch, lb_order (lookback_config).
+two dividing L, at most 64), lb_warps, lb_window, lb_order (lookback_config).
 The chunk backward runs unchanged after it (chunk_size K of the backward; the forward
 saves what it reads).
 
@@ -228,7 +228,7 @@ def samu_lookback_kernel(
     B, T, D, M, NC, NCB, scale,
     HAS_SEG: tl.constexpr, HAS_H0: tl.constexpr, STORE_HN: tl.constexpr, SAVE: tl.constexpr,
     L: tl.constexpr, LS: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr,
-    W: tl.constexpr, PREFETCH: tl.constexpr, FIXED: tl.constexpr, ACC: tl.constexpr,
+    W: tl.constexpr, FIXED: tl.constexpr, ACC: tl.constexpr,
     INCLUSIVE_EVERY: tl.constexpr,
 ):
     # The ticket counter sits after the NC * B flags.
@@ -270,16 +270,13 @@ def samu_lookback_kernel(
         qr = last_row(Br, rows, LS)
         qi = last_row(Bi, rows, LS)
     else:
-        # sub-tile s + 1 is loaded while sub-tile s is processed (registers: 2 LS VEC raw values)
-        if PREFETCH:
-            xr_n, xi_n = _load_x(x_b, i_c * L, T, D, M, o_m, m_m, rows, True)
+        # sub-tile s + 1 is loaded while sub-tile s is processed (registers: 2 LS VEC raw
+        # values; run 4: 7-10 % faster than loading each sub-tile when it is needed)
+        xr_n, xi_n = _load_x(x_b, i_c * L, T, D, M, o_m, m_m, rows, True)
         for s in range(NSUB):
-            if PREFETCH:
-                xr = xr_n
-                xi = xi_n
-                xr_n, xi_n = _load_x(x_b, i_c * L + (s + 1) * LS, T, D, M, o_m, m_m, rows, s + 1 < NSUB)
-            else:
-                xr, xi = _load_x(x_b, i_c * L + s * LS, T, D, M, o_m, m_m, rows, True)
+            xr = xr_n
+            xi = xi_n
+            xr_n, xi_n = _load_x(x_b, i_c * L + (s + 1) * LS, T, D, M, o_m, m_m, rows, s + 1 < NSUB)
             Ar, Ai, Br, Bi = _phase_a_tile(xr, xi, aux, ctrl, seg, i_b, i_c * L + s * LS, T, rows, wpr, wpi, wrr,
                                            wri, bp, br, nrm_p, nrm_r, tpa, tra, scale, nu, ct, st, gam, lnr, HAS_SEG,
                                            LS, ACC)
@@ -375,28 +372,23 @@ def samu_lookback_kernel(
         if SAVE:
             _save_states(S, Hr, Hi, hr, hi, rows, t0, i_b, NCB, M, o_m, m_m, LS, KB)
     else:
-        if PREFETCH:
-            xr_n, xi_n = _load_x(x_b, i_c * L, T, D, M, o_m, m_m, rows, True)
-            t = i_c * L + rows
-            E_n, ck_n, sk_n = _load_ctrl(ctrl, i_b * T + t, t < T)
+        xr_n, xi_n = _load_x(x_b, i_c * L, T, D, M, o_m, m_m, rows, True)
+        t = i_c * L + rows
+        E_n, ck_n, sk_n = _load_ctrl(ctrl, i_b * T + t, t < T)
         for s in range(NSUB):
             t0 = i_c * L + s * LS
             t = t0 + rows
             valid = t < T
             off = t[:, None].to(tl.int64) * D + o_m[None, :]
             m2 = valid[:, None] & m_m[None, :]
-            if PREFETCH:
-                xr = xr_n
-                xi = xi_n
-                E = E_n
-                ck = ck_n
-                sk = sk_n
-                nxt = s + 1 < NSUB
-                xr_n, xi_n = _load_x(x_b, t0 + LS, T, D, M, o_m, m_m, rows, nxt)
-                E_n, ck_n, sk_n = _load_ctrl(ctrl, i_b * T + t + LS, (t + LS < T) & nxt)
-            else:
-                xr, xi = _load_x(x_b, t0, T, D, M, o_m, m_m, rows, True)
-                E, ck, sk = _load_ctrl(ctrl, i_b * T + t, valid)
+            xr = xr_n
+            xi = xi_n
+            E = E_n
+            ck = ck_n
+            sk = sk_n
+            nxt = s + 1 < NSUB
+            xr_n, xi_n = _load_x(x_b, t0 + LS, T, D, M, o_m, m_m, rows, nxt)
+            E_n, ck_n, sk_n = _load_ctrl(ctrl, i_b * T + t + LS, (t + LS < T) & nxt)
             ar, ai, b_r, b_i = _tile_coeffs(xr, xi, E, ck, sk, valid, nu, ct, st, gam, lnr, ACC)
             # the incoming state folded into the first write: the scanned writes are the states
             first = rows[:, None] == 0
@@ -417,15 +409,13 @@ def _pow2(name, value, lo, hi):
     return value
 
 
-def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None, prefetch=None, order=None) -> dict:
+def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None, order=None) -> dict:
     """Launch configuration: L = chunk steps per program (power of two in [2, 1024],
     default 64); num_warps (power of two in [1, 16], default BM / 128 clamped to [1, 16]:
     four modes per thread); LS = rows per sub-tile (power of two in [2, 64] dividing L,
     default min(L, max(2, 16 / VEC)): 4 at M = 512 and M = 1280); window W (predecessors per look-back
     step, power of two in [1, 64], default 8). BM = next_pow2(M); VEC = BM / (32 num_warps)
-    modes per thread (0, no layout hint, when the warps outnumber the modes); prefetch
-    (default True): each sub-tile's x (and in phase C its controls) loaded while the
-    previous one is processed); order "decoupled" (default: look back until any inclusive
+    modes per thread (0, no layout hint, when the warps outnumber the modes); order "decoupled" (default: look back until any inclusive
     prefix, the composition order depends on timing) or "fixed" (anchors every W chunks:
     bitwise reproducible, see the module docstring)."""
     L = _pow2("lb_chunk", DEFAULT_L if chunk is None else chunk, *L_RANGE)
@@ -438,12 +428,9 @@ def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None, 
     if LS > L:
         raise ValueError(f"expected lb_rows <= lb_chunk = {L}, got {rows!r}")
     W = _pow2("lb_window", DEFAULT_WINDOW if window is None else window, 1, 64)
-    if prefetch not in (None, True, False):
-        raise ValueError(f"expected lb_prefetch True, False or None, got {prefetch!r}")
     if order not in (None, "decoupled", "fixed"):
         raise ValueError(f"expected lb_order 'decoupled', 'fixed' or None, got {order!r}")
-    return {"L": L, "LS": LS, "BM": BM, "num_warps": nw, "VEC": vec, "W": W, "prefetch": prefetch is not False,
-            "order": order or "decoupled"}
+    return {"L": L, "LS": LS, "BM": BM, "num_warps": nw, "VEC": vec, "W": W, "order": order or "decoupled"}
 
 
 def workspace_flags(n: int, device) -> torch.Tensor:
@@ -479,8 +466,8 @@ def lookback_forward(x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, n
         h0 if h0 is not None else hN, flags, agg, incl, ctrl, aux, y, hN, S if S is not None else hN,
         B, T, D, M, NC, NCB, 1.0 / math.sqrt(M),
         HAS_SEG=segment_pos is not None, HAS_H0=h0 is not None, STORE_HN=True, SAVE=need_states,
-        L=L, LS=LS, KB=K, BM=cfg["BM"], VEC=cfg["VEC"], W=cfg["W"], PREFETCH=cfg["prefetch"],
-        FIXED=cfg["order"] == "fixed", ACC=tl_dtype(acc),
+        L=L, LS=LS, KB=K, BM=cfg["BM"], VEC=cfg["VEC"], W=cfg["W"], FIXED=cfg["order"] == "fixed",
+        ACC=tl_dtype(acc),
         INCLUSIVE_EVERY=inclusive_every, num_warps=cfg["num_warps"],
     )
     # x once; per chunk one aggregate / inclusive prefix written and at least one read;

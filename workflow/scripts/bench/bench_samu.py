@@ -592,7 +592,7 @@ def write_summary(path, recs, meta):
 # device times from CUDA-graph replay for the variants that passed.
 
 # sm_90 registers per thread (CPU compile, no spills): defaults (L 64, LS 4, 4 warps with
-# four modes per thread, window 8, prefetch; run 4's fastest) 244, two programs per SM;
+# four modes per thread, window 8; run 4's fastest) 244, two programs per SM;
 # 8 warps LS 8 (run 4's first default) 219; 8 warps LS 4 window 2: 128; 4 warps LS 2: 160.
 # Run 4 (results/kernels/samu/README.md) timed twelve variants; lb_order "fixed" is new.
 LB_VARIANTS = [{}, {"lb_order": "fixed"}, {"lb_warps": 8, "lb_rows": 8}, {"lb_warps": 8, "lb_rows": 4, "lb_window": 2},
