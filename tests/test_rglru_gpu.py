@@ -21,11 +21,16 @@ VARIANTS = [("serial", {}), ("chunk", {"chunk_size": 8}), ("chunk", {"chunk_size
             ("chunk", {"chunk_size": 32, "inner": "loop", "block_d": 128, "num_warps": 1}),
             ("chunk", {"chunk_size": 16, "inner": "loop", "fast_math": True}), ("serial", {"fast_math": True}),
             ("serial", {"vec": 2, "block_t": 16, "num_warps": 2}),
-            ("serial", {"vec": 2, "block_t": 8, "num_warps": 2, "fast_math": True})]
+            ("serial", {"vec": 2, "block_t": 8, "num_warps": 2, "fast_math": True}),
+            ("chunk", {"fwd": "lookback", "chunk_size": 16, "vec": 8, "num_warps": 1}),
+            ("chunk", {"fwd": "lookback", "chunk_size": 64, "vec": 2, "num_warps": 2, "block_d": 64,
+                       "bwd": "lookback", "bwd_chunk": 32, "bwd_vec": 2, "bwd_warps": 2, "bwd_block_d": 64})]
 IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_noprefetch", "serial_stages3", "chunk8loop",
-       "chunk16loop", "chunk32loop", "chunk16loop_fast", "serial_fast", "serial_vec2", "serial_vec2_fast"]
-# Subsets for the slower checks: run 1's default, chunk 32, chunk 16 loop, the time-in-thread serial.
-SUBSET = [0, 3, 8, 12]
+       "chunk16loop", "chunk32loop", "chunk16loop_fast", "serial_fast", "serial_vec2", "serial_vec2_fast",
+       "lookback_fwd", "lookback_fwd_bwd"]
+# Subsets for the slower checks: run 1's default, chunk 32, chunk 16 loop, the time-in-thread serial, the
+# one-pass look-back forward and backward.
+SUBSET = [0, 3, 8, 12, 15]
 NAMES = ["output", "final_state", "grad_x", "grad_gate_x", "grad_gate_a", "grad_a_param", "grad_initial_state"]
 
 
