@@ -16,7 +16,7 @@ from kernels.ops import accounting, reference
 from kernels.ops.samu_triton import BACKENDS, poisoned
 from kernels.ops.samu_triton import lookback as lbmod
 
-from test_samu_triton import (B, D, GRAD_NAMES, LOSSES, M, T, assert_close_all, call, leaves, make_inputs, rel, run,
+from test_samu_triton import (GRAD_NAMES, LOSSES, M, T, assert_close_all, call, leaves, make_inputs, rel, run,
                               segment_positions)
 
 CHUNK = BACKENDS["samu"]["chunk"]
@@ -29,14 +29,16 @@ CONFIGS = {
     "regs-L16": (8, {"lb_chunk": 16, "lb_rows": 16}),
     # four sub-tiles per chunk (phase C re-reads x), LS = 4 < K = 8; aggregates of two
     # chunks composed in one window before the inclusive prefix of chunk 0
-    "subtiles-L16": (8, {"lb_chunk": 16, "lb_rows": 4, "lb_window": 2, "inclusive_every": 3}),
+    "subtiles-L16": (8, {"lb_chunk": 16, "lb_rows": 4, "lb_window": 2, "inclusive_every": 3,
+                         "lb_order": "decoupled"}),
     # 10 chunks of 4, window 2, an inclusive prefix every 4th chunk: look-backs compose
     # aggregates over two windows; LS = 2 < K = 16
-    "windows-L4": (16, {"lb_chunk": 4, "lb_rows": 2, "lb_window": 2, "inclusive_every": 4}),
+    "windows-L4": (16, {"lb_chunk": 4, "lb_rows": 2, "lb_window": 2, "inclusive_every": 4,
+                        "lb_order": "decoupled"}),
     # LS = L = K, window 1, an inclusive prefix every other chunk
-    "w1-L8": (8, {"lb_chunk": 8, "lb_rows": 8, "lb_window": 1, "inclusive_every": 2}),
+    "w1-L8": (8, {"lb_chunk": 8, "lb_rows": 8, "lb_window": 1, "inclusive_every": 2, "lb_order": "decoupled"}),
     # two sub-tiles per chunk, LS = K; an inclusive prefix every other chunk
-    "two-subtiles-L16": (8, {"lb_chunk": 16, "lb_rows": 8, "inclusive_every": 2}),
+    "two-subtiles-L16": (8, {"lb_chunk": 16, "lb_rows": 8, "inclusive_every": 2, "lb_order": "decoupled"}),
     # fixed composition order: 10 chunks of 4, anchors 0, 4, 8 (window 4); and window 1
     # (every chunk an anchor: a serial chain)
     "fixed-L4": (16, {"lb_chunk": 4, "lb_rows": 2, "lb_window": 4, "lb_order": "fixed"}),
@@ -76,7 +78,8 @@ def test_float32_and_composition_order():
     opts = {"lb_chunk": 4, "lb_rows": 2, "lb_window": 2}
     with poisoned():
         a, b, a2, fx = (run(CHUNK, leaves(inputs), loss="square", segment_pos=seg, chunk_size=8, **lb(**opts, **o))
-                        for o in ({}, {"inclusive_every": 5}, {}, {"lb_order": "fixed"}))
+                        for o in ({"lb_order": "decoupled"}, {"lb_order": "decoupled", "inclusive_every": 5},
+                                  {"lb_order": "decoupled"}, {}))
     assert a[0].dtype == torch.float32 and a[1].dtype == torch.complex64
     assert_close_all(a, want, 2e-5)
     assert_close_all(b, want, 2e-5)
@@ -144,7 +147,7 @@ def test_reset_every_step_and_runs():
     want = run(reference.samu, p, segment_pos=seg)
     with poisoned():
         got = run(CHUNK, q, segment_pos=seg, chunk_size=8, **lb(lb_chunk=4, lb_rows=2, lb_window=2,
-                                                                 inclusive_every=3))
+                                                                 inclusive_every=3, lb_order="decoupled"))
     assert_close_all(got, want, 1e-11)
 
 
@@ -163,7 +166,7 @@ def test_bad_options():
 
 def test_config_defaults():
     cfg = lbmod.lookback_config(512)
-    assert cfg == {"L": 64, "LS": 4, "BM": 512, "num_warps": 4, "VEC": 4, "W": 8, "order": "decoupled"}
+    assert cfg == {"L": 64, "LS": 4, "BM": 512, "num_warps": 4, "VEC": 4, "W": 8, "order": "fixed"}
     assert lbmod.lookback_config(1280)["LS"] == 4 and lbmod.lookback_config(1280)["num_warps"] == 16
     assert lbmod.lookback_config(M)["BM"] == 16
 

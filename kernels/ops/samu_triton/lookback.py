@@ -34,7 +34,8 @@ One launch. A program owns (chunk c of L steps, batch row b) with ALL M = D / 2 
    look-back (rglru_triton/lookback.py: an inclusive prefix counts as the constant map
    z -> 0 z + s and ends the look-back; before chunk 0 the initial state or zero);
 4. publishes its inclusive prefix P h_in + Q with flag 2 (chunk 0 always does);
-   lb_order="fixed" (not yet run on a GPU) instead: only anchors (chunks W k) publish an
+   lb_order="fixed" (the default since run 5, where on the H200 it repeated bitwise and
+   ran as fast as "decoupled", results/kernels/samu/run5_lookback) instead: only anchors (chunks W k) publish an
    inclusive prefix and only the others an aggregate; chunk c composes the inclusive
    prefix of the last anchor before it with the aggregates in between, one window. The
    composition then depends on c alone, so the result is bitwise reproducible (the
@@ -415,9 +416,10 @@ def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None, 
     four modes per thread); LS = rows per sub-tile (power of two in [2, 64] dividing L,
     default min(L, max(2, 16 / VEC)): 4 at M = 512 and M = 1280); window W (predecessors per look-back
     step, power of two in [1, 64], default 8). BM = next_pow2(M); VEC = BM / (32 num_warps)
-    modes per thread (0, no layout hint, when the warps outnumber the modes); order "decoupled" (default: look back until any inclusive
-    prefix, the composition order depends on timing) or "fixed" (anchors every W chunks:
-    bitwise reproducible, see the module docstring)."""
+    modes per thread (0, no layout hint, when the warps outnumber the modes); order "fixed"
+    (default: anchors every W chunks, bitwise reproducible, see the module docstring) or
+    "decoupled" (look back until any inclusive prefix; the composition order, and so the
+    last bits, depend on timing)."""
     L = _pow2("lb_chunk", DEFAULT_L if chunk is None else chunk, *L_RANGE)
     BM = next_pow2(max(M, 1))
     nw = (min(16, max(1, BM // 128)) if num_warps is None else _pow2("lb_warps", num_warps, 1, 16))
@@ -430,7 +432,7 @@ def lookback_config(M: int, chunk=None, rows=None, num_warps=None, window=None, 
     W = _pow2("lb_window", DEFAULT_WINDOW if window is None else window, 1, 64)
     if order not in (None, "decoupled", "fixed"):
         raise ValueError(f"expected lb_order 'decoupled', 'fixed' or None, got {order!r}")
-    return {"L": L, "LS": LS, "BM": BM, "num_warps": nw, "VEC": vec, "W": W, "order": order or "decoupled"}
+    return {"L": L, "LS": LS, "BM": BM, "num_warps": nw, "VEC": vec, "W": W, "order": order or "fixed"}
 
 
 def workspace_flags(n: int, device) -> torch.Tensor:
