@@ -267,6 +267,21 @@ def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
 
 
 @triton.jit
+def tile_states(a, b, hin, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
+    """(h_t, h_{t-1}) of a tile from the state entering it; the RG-LRU's adjoint needs h_t
+    only (a h_{t-1} = h_t - b_t), so there both are h_t; the scan's needs h_{t-1} itself
+    (da = lam h_{t-1}), the exclusive prefix, and both are that."""
+    if IS_SCAN:
+        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
+                                             0, affine_excl)
+        h = ea * hin[None, :] + eb
+    else:
+        A, Bs = tl.associative_scan((a, b), 0, affine)
+        h = A * hin[None, :] + Bs
+    return h, h
+
+
+@triton.jit
 def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
                h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
                FAST: tl.constexpr, FLIP: tl.constexpr = False):

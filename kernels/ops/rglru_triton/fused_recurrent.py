@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (recurrence_function, INTERPRET, acc_dtype, fast, affine, affine_excl, blocks_for, check_pow2, coeffs, empty, last_row,
-                     load_raw, out, softplus, tile_grads, tile_offsets, tl_acc)
+from .common import (recurrence_function, INTERPRET, acc_dtype, fast, affine, blocks_for, check_pow2, coeffs, empty,
+                     last_row, load_raw, out, softplus, tile_grads, tile_offsets, tile_states, tl_acc)
 
 
 @triton.jit
@@ -136,16 +136,7 @@ def serial_bwd_kernel(
             dyr = tl.load(dy + off, mask=m, other=0.0)
             hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
         valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC, FAST)
-        if IS_SCAN:
-            # h_{t-1} itself is needed (da = lam h_{t-1}): the exclusive prefix.
-            ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
-                                                 0, affine_excl)
-            hprev = ea * hin[None, :] + eb
-            h = hprev
-        else:
-            A, Bs = tl.associative_scan((a, b), 0, affine)
-            h = A * hin[None, :] + Bs
-            hprev = h
+        h, hprev = tile_states(a, b, hin, IS_SCAN, ACC)
         r, dsp_t = tile_grads(dyr, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
                               h, hprev, r, sp, rows, IS_SCAN, ACC, RNE, FAST, VEC > 0)
         dsp += dsp_t

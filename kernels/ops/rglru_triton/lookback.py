@@ -97,8 +97,8 @@ import triton.language as tl
 
 from .. import accounting
 from .fused_recurrent import channels
-from .common import (INTERPRET, acc_dtype, adjoint_scans, affine, affine_excl, check_pow2, empty, fast, first_row,
-                     last_row, load_tile, out, softplus, tile_grads_given, tl_acc)
+from .common import (INTERPRET, acc_dtype, adjoint_scans, affine, check_pow2, empty, fast, first_row, last_row,
+                     load_tile, out, softplus, tile_grads_given, tile_states, tl_acc)
 
 L_RANGE = (16, 256)
 VECS = (0, 2, 4, 8)
@@ -113,19 +113,8 @@ def lookback_fwd_kernel(
     SAVE: tl.constexpr, L: tl.constexpr, KB: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr, W: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr,
 ):
-    ND = tl.cdiv(D, BD)
-    # The ticket counter sits after the NC * ND * B flags.
-    ticket = tl.atomic_add(flags + NC * ND * B, 1, sem="relaxed")
-    i_c = ticket // (B * ND)
-    i_b = ((ticket // ND) % B).to(tl.int64)
-    i_d = ticket % ND
-    o_d = channels(i_d, BD, VEC)
-    m_d = o_d < D
+    ND, i_c, i_b, i_d, o_d, m_d, sp = take_ticket(flags, ap, B, D, NC, BD, VEC, False, IS_SCAN, ACC)
     rows = tl.arange(0, L)
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
     off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
         x, gx, ga, sp, pos, i_b, i_c * L, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC, FAST)
     # [L, BD]: the tile's maps composed from its first row, from a zero state
@@ -135,10 +124,7 @@ def lookback_fwd_kernel(
     my_flag = flags + (i_c * ND + i_d) * B + i_b
     my = (i_c * B + i_b) * D + o_d
     if i_c > 0:
-        tl.store(agg_a + my, a_tot, mask=m_d)
-        tl.store(agg_b + my, b_tot, mask=m_d)
-        tl.debug_barrier()
-        tl.atomic_xchg(my_flag, 1, sem="release")
+        publish(agg_a, agg_b, my, a_tot, b_tot, m_d, my_flag, 1, True)
     if HAS_H0:
         s = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
     else:
@@ -147,9 +133,7 @@ def lookback_fwd_kernel(
     hin = ca * s + cb
     hout = a_tot * hin + b_tot
     if i_c % INCLUSIVE_EVERY == 0:
-        tl.store(incl + my, hout, mask=m_d)
-        tl.debug_barrier()
-        tl.atomic_xchg(my_flag, 2, sem="release")
+        publish(incl, incl, my, hout, hout, m_d, my_flag, 2, False)
     h = A * hin[None, :] + Bs
     tl.store(y + off, out(h, y, RNE), mask=m)
     if STORE_HN:
@@ -180,42 +164,20 @@ def lookback_bwd_kernel(
     publishes it (flag 1), looks back for mu_in, publishes mu_out (flag 2) and stores
     every gradient, its a_param partial (row i_c * B + i_b of part) and, for chunk 0,
     dL/dh0 = mu_out."""
-    ND = tl.cdiv(D, BD)
-    ticket = tl.atomic_add(flags + NC * ND * B, 1, sem="relaxed")
-    i_c = NC - 1 - ticket // (B * ND)
-    i_b = ((ticket // ND) % B).to(tl.int64)
-    i_d = ticket % ND
-    o_d = channels(i_d, BD, VEC)
-    m_d = o_d < D
+    ND, i_c, i_b, i_d, o_d, m_d, sp = take_ticket(flags, ap, B, D, NC, BD, VEC, True, IS_SCAN, ACC)
     rows = tl.arange(0, L)
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
     off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
         x, gx, ga, sp, pos, i_b, i_c * L, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC, FAST)
     dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
     hin = tl.load(S + (i_b * NCB + i_c * (L // KB)) * D + o_d, mask=m_d, other=0.0).to(ACC)
-    if IS_SCAN:
-        # h_{t-1} itself is needed (da = lam h_{t-1}): the exclusive prefix.
-        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
-                                             0, affine_excl)
-        hprev = ea * hin[None, :] + eb
-        h = hprev
-    else:
-        A, Bs = tl.associative_scan((a, b), 0, affine)
-        h = A * hin[None, :] + Bs
-        hprev = h
+    h, hprev = tile_states(a, b, hin, IS_SCAN, ACC)
     ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, FLIP)
     ra = first_row(ia, rows)
     rb = first_row(ib, rows)
     my_flag = flags + (i_c * ND + i_d) * B + i_b
     my = (i_c * B + i_b) * D + o_d
     if i_c < NC - 1:
-        tl.store(agg_a + my, ra, mask=m_d)
-        tl.store(agg_b + my, rb, mask=m_d)
-        tl.debug_barrier()
-        tl.atomic_xchg(my_flag, 1, sem="release")
+        publish(agg_a, agg_b, my, ra, rb, m_d, my_flag, 1, True)
     if HAS_DHT:
         s = tl.load(dht + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
     else:
@@ -224,9 +186,7 @@ def lookback_bwd_kernel(
     r = ca * s + cb
     r_out = ra * r + rb
     if (NC - 1 - i_c) % INCLUSIVE_EVERY == 0:
-        tl.store(incl + my, r_out, mask=m_d)
-        tl.debug_barrier()
-        tl.atomic_xchg(my_flag, 2, sem="release")
+        publish(incl, incl, my, r_out, r_out, m_d, my_flag, 2, False)
     r_new, dsp = tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
                                   ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE, FAST)
     if STORE_DH0:
@@ -234,6 +194,40 @@ def lookback_bwd_kernel(
             tl.store(dh0 + i_b * D + o_d, r_new, mask=m_d)
     if not IS_SCAN:
         tl.store(part + my, dsp, mask=m_d)
+
+
+@triton.jit
+def take_ticket(flags, ap, B, D, NC, BD: tl.constexpr, VEC: tl.constexpr, REVERSE: tl.constexpr,
+                IS_SCAN: tl.constexpr, ACC: tl.constexpr):
+    """The program's place from its ticket (an atomic counter after the NC * ND * B
+    flags; see the module docstring): (ND, chunk, batch row, channel block, channels,
+    their mask, softplus(a_param) or zeros). Chunks are taken first to last, or last
+    first when REVERSE, the chunk slowest-varying."""
+    ND = tl.cdiv(D, BD)
+    ticket = tl.atomic_add(flags + NC * ND * B, 1, sem="relaxed")
+    i_c = ticket // (B * ND)
+    if REVERSE:
+        i_c = NC - 1 - i_c
+    i_b = ((ticket // ND) % B).to(tl.int64)
+    i_d = ticket % ND
+    o_d = channels(i_d, BD, VEC)
+    m_d = o_d < D
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    return ND, i_c, i_b, i_d, o_d, m_d, sp
+
+
+@triton.jit
+def publish(pa, pb, my, va, vb, m_d, flag, value: tl.constexpr, PAIR: tl.constexpr):
+    """Stores va (and vb when PAIR) at my, then releases flag = value: the barrier orders
+    every thread's stores before the one release (see the module docstring)."""
+    tl.store(pa + my, va, mask=m_d)
+    if PAIR:
+        tl.store(pb + my, vb, mask=m_d)
+    tl.debug_barrier()
+    tl.atomic_xchg(flag, value, sem="release")
 
 
 @triton.jit
