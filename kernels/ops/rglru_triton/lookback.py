@@ -321,6 +321,15 @@ def workspace_flags(n: int, device) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int32, device=device)
 
 
+def _workspaces(kind: str, NC: int, B: int, D: int, BD: int, acc, device):
+    """One launch's zeroed flags (one per program, then the ticket counter) and its
+    aggregate and inclusive-prefix buffers [NC, B, D]; the flags' memset is counted as
+    launch chunk_<kind>_lookback_flags."""
+    flags = workspace_flags(NC * triton.cdiv(D, BD) * B + 1, device)
+    accounting.record(f"chunk_{kind}_lookback_flags", 0, accounting.nbytes(flags))
+    return flags, empty((NC, B, D), acc, device), empty((NC, B, D), acc, device), empty((NC, B, D), acc, device)
+
+
 def lookback_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg, inclusive_every=1):
     """Launcher. Scan mode: x = b, ga = a. cfg: the chunk backend's, with "lookback"
     (lookback_config), "K" (sub-chunk of the saved states) and "FAST". Returns (y, final state or None,
@@ -329,17 +338,13 @@ def lookback_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_s
     B, T, D = x.shape
     lb = cfg["lookback"]
     L, KB, BD = lb["L"], cfg["K"], lb["BD"]
-    NC, ND, NCB = triton.cdiv(T, L), triton.cdiv(D, BD), triton.cdiv(T, KB)
+    NC, NCB = triton.cdiv(T, L), triton.cdiv(T, KB)
     acc = acc_dtype(x.dtype)
-    flags = workspace_flags(NC * ND * B + 1, x.device)
-    accounting.record("chunk_fwd_lookback_flags", 0, accounting.nbytes(flags))
-    agg_a = empty((NC, B, D), acc, x.device)
-    agg_b = empty((NC, B, D), acc, x.device)
-    incl = empty((NC, B, D), acc, x.device)
+    flags, agg_a, agg_b, incl = _workspaces("fwd", NC, B, D, BD, acc, x.device)
     y = empty((B, T, D), x.dtype, x.device)
     hN = empty((B, D), acc, x.device) if output_final_state else None
     S = empty((B, NCB, D), acc, x.device) if save else None
-    lookback_fwd_kernel[(NC * ND * B,)](
+    lookback_fwd_kernel[(flags.numel() - 1,)](
         x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
         h0 if h0 is not None else x, flags, agg_a, agg_b, incl, y, hN if hN is not None else y,
         S if S is not None else y, B, T, D, NC, NCB,
@@ -364,19 +369,15 @@ def lookback_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cf
     B, T, D = x.shape
     lb = cfg["lookback_bwd"]
     L, KB, BD = lb["L"], cfg["K"], lb["BD"]
-    NC, ND, NCB = triton.cdiv(T, L), triton.cdiv(D, BD), triton.cdiv(T, KB)
+    NC, NCB = triton.cdiv(T, L), triton.cdiv(T, KB)
     acc = acc_dtype(x.dtype)
-    flags = workspace_flags(NC * ND * B + 1, x.device)
-    accounting.record("chunk_bwd_lookback_flags", 0, accounting.nbytes(flags))
-    agg_a = empty((NC, B, D), acc, x.device)
-    agg_b = empty((NC, B, D), acc, x.device)
-    incl = empty((NC, B, D), acc, x.device)
+    flags, agg_a, agg_b, incl = _workspaces("bwd", NC, B, D, BD, acc, x.device)
     dx = empty((B, T, D), x.dtype, x.device)
     dga = empty((B, T, D), ga.dtype, x.device)
     dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
     part = None if is_scan else empty((NC * B, D), acc, x.device)
     dh0 = empty((B, D), acc, x.device) if need_dh0 else None
-    lookback_bwd_kernel[(NC * ND * B,)](
+    lookback_bwd_kernel[(flags.numel() - 1,)](
         x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, S, dy,
         dht if dht is not None else S, flags, agg_a, agg_b, incl, dx, dgx if dgx is not None else dx, dga,
         dh0 if dh0 is not None else S, part if part is not None else S, B, T, D, NC, NCB,
