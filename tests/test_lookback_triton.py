@@ -227,7 +227,7 @@ def grads_of(fn, args, h0, pos, **kw):
 @pytest.mark.parametrize("op,T,opts,dtype", [
     ("scan", 70, BWD_TILE, torch.float64),
     ("rglru", 70, BWD_TILE, torch.float32),
-    ("rglru", 70, BWD_VEC, torch.float64),
+    ("rglru", 37, BWD_VEC, torch.float64),
     ("rglru", 1, BWD_VEC, torch.float32),
 ], ids=["scan-tile-fp64", "rglru-tile-fp32", "rglru-vec2-fp64", "rglru-T1"])
 def test_lookback_backward_against_float64_reference(op, T, opts, dtype):
