@@ -6,9 +6,11 @@ Backends (the reference signatures of kernels.ops):
   block) walking time in tiles; one launch forward, one (+ the a_param reduction)
   backward; reads every input once per pass.
 - "chunk" (chunk.py): exact two-level chunked algorithm, chunk_size K in 8, 16, 32, 64;
-  parallel over chunks as well as channels. Opt-in option fwd="lookback" (lookback.py):
-  a single-pass forward with decoupled look-back (inputs read once); untimed and never
-  run on a GPU, so never a default, a tuning entry or an audit backend.
+  parallel over chunks as well as channels. Opt-in options fwd="lookback" and
+  bwd="lookback" (lookback.py): single-pass forward and backward with decoupled
+  look-back (inputs read once); correct on the H200 but slower than serial there
+  (results/kernels/rglru/README.md), so neither a default, a tuning entry nor an audit
+  backend.
 Inside both, the gate activations, log a, a, the clipped-sqrt multiplier and the write
 exist only in registers; forward keeps for backward nothing of shape [B, T, D] besides
 the inputs (FP32 states at tile or chunk boundaries only). BF16/FP16 tensors at the
