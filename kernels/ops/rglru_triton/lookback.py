@@ -121,19 +121,8 @@ def lookback_fwd_kernel(
     A, Bs = tl.associative_scan((a, b), 0, affine)
     a_tot = last_row(A, rows, L)
     b_tot = last_row(Bs, rows, L)
-    my_flag = flags + (i_c * ND + i_d) * B + i_b
-    my = (i_c * B + i_b) * D + o_d
-    if i_c > 0:
-        publish(agg_a, agg_b, my, a_tot, b_tot, m_d, my_flag, 1, True)
-    if HAS_H0:
-        s = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
-    else:
-        s = tl.zeros([BD], ACC)
-    ca, cb = look_back(flags, agg_a, agg_b, incl, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND, BD, W, False, ACC)
-    hin = ca * s + cb
-    hout = a_tot * hin + b_tot
-    if i_c % INCLUSIVE_EVERY == 0:
-        publish(incl, incl, my, hout, hout, m_d, my_flag, 2, False)
+    hin, hout = chain_link(flags, agg_a, agg_b, incl, h0, a_tot, b_tot, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND,
+                           BD, W, False, HAS_H0, INCLUSIVE_EVERY, ACC)
     h = A * hin[None, :] + Bs
     tl.store(y + off, out(h, y, RNE), mask=m)
     if STORE_HN:
@@ -174,26 +163,15 @@ def lookback_bwd_kernel(
     ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, FLIP)
     ra = first_row(ia, rows)
     rb = first_row(ib, rows)
-    my_flag = flags + (i_c * ND + i_d) * B + i_b
-    my = (i_c * B + i_b) * D + o_d
-    if i_c < NC - 1:
-        publish(agg_a, agg_b, my, ra, rb, m_d, my_flag, 1, True)
-    if HAS_DHT:
-        s = tl.load(dht + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
-    else:
-        s = tl.zeros([BD], ACC)
-    ca, cb = look_back(flags, agg_a, agg_b, incl, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND, BD, W, True, ACC)
-    r = ca * s + cb
-    r_out = ra * r + rb
-    if (NC - 1 - i_c) % INCLUSIVE_EVERY == 0:
-        publish(incl, incl, my, r_out, r_out, m_d, my_flag, 2, False)
-    r_new, dsp = tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
-                                  ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE, FAST)
+    r, r_out = chain_link(flags, agg_a, agg_b, incl, dht, ra, rb, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND,
+                          BD, W, True, HAS_DHT, INCLUSIVE_EVERY, ACC)
+    _, dsp = tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
+                              ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE, FAST)
     if STORE_DH0:
         if i_c == 0:
-            tl.store(dh0 + i_b * D + o_d, r_new, mask=m_d)
+            tl.store(dh0 + i_b * D + o_d, r_out, mask=m_d)
     if not IS_SCAN:
-        tl.store(part + my, dsp, mask=m_d)
+        tl.store(part + (i_c * B + i_b) * D + o_d, dsp, mask=m_d)
 
 
 @triton.jit
@@ -228,6 +206,36 @@ def publish(pa, pb, my, va, vb, m_d, flag, value: tl.constexpr, PAIR: tl.constex
         tl.store(pb + my, vb, mask=m_d)
     tl.debug_barrier()
     tl.atomic_xchg(flag, value, sem="release")
+
+
+@triton.jit
+def chain_link(flags, agg_a, agg_b, incl, init, ta, tb, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND,
+               BD: tl.constexpr, W: tl.constexpr, REVERSE: tl.constexpr, HAS_INIT: tl.constexpr,
+               INCLUSIVE_EVERY: tl.constexpr, ACC: tl.constexpr):
+    """One chunk's part in the chain, given its own map v -> ta v + tb [BD]: publishes
+    the map (flag 1; the first chunk of the chain has nothing to publish), looks back
+    for the value v entering the chunk (from `init` [B, D] before the first chunk, zero
+    without HAS_INIT), publishes ta v + tb (flag 2; with INCLUSIVE_EVERY = k, a test knob,
+    only every k-th chunk of the chain) and returns (v, ta v + tb). REVERSE: the chain
+    runs from the last chunk (see look_back)."""
+    my_flag = flags + (i_c * ND + i_d) * B + i_b
+    my = (i_c * B + i_b) * D + o_d
+    if REVERSE:
+        place = NC - 1 - i_c
+    else:
+        place = i_c
+    if place > 0:
+        publish(agg_a, agg_b, my, ta, tb, m_d, my_flag, 1, True)
+    if HAS_INIT:
+        s = tl.load(init + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        s = tl.zeros([BD], ACC)
+    ca, cb = look_back(flags, agg_a, agg_b, incl, i_c, i_b, i_d, o_d, m_d, B, D, NC, ND, BD, W, REVERSE, ACC)
+    v = ca * s + cb
+    v_out = ta * v + tb
+    if place % INCLUSIVE_EVERY == 0:
+        publish(incl, incl, my, v_out, v_out, m_d, my_flag, 2, False)
+    return v, v_out
 
 
 @triton.jit

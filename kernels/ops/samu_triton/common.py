@@ -307,6 +307,31 @@ def store_pair(ptr, idx, re, im, mask):
     tl.store(ptr + idx * 2 + 1, im, mask=mask)
 
 
+
+@triton.jit
+def store_token_controls(ctrl, seg, tok, tmask, vp, vr, tpa, tra, scale, HAS_SEG: tl.constexpr,
+                         ACC: tl.constexpr):
+    """The per-token scalars of the normalised projections vp, vr (rows tok, mask tmask)
+    stored to ctrl [N, 4] as (exp(eta), cos delta, sin delta, 0), the transition's phase
+    zeroed at resets; tpa, tra: tanh of the amplitudes (float64). Float64 where FP32
+    would lose digits (tanh near 0, 1 - p^2); cos/sin of the rounded delta are as
+    accurate in FP32 and far cheaper."""
+    p = tanh(vp.to(tl.float64))
+    r = tanh(vr.to(tl.float64))
+    delta = scale * tpa * p
+    eta = scale * tra * r / (1.0 + r * r)
+    c = tl.cos(delta.to(ACC))
+    s = tl.sin(delta.to(ACC))
+    if HAS_SEG:
+        keep = tl.load(seg + tok, mask=tmask, other=1) != 0
+        c = tl.where(keep, c, 0.0)
+        s = tl.where(keep, s, 0.0)
+    tl.store(ctrl + tok * 4, tl.exp(eta).to(ACC), mask=tmask)
+    tl.store(ctrl + tok * 4 + 1, c, mask=tmask)
+    tl.store(ctrl + tok * 4 + 2, s, mask=tmask)
+    tl.store(ctrl + tok * 4 + 3, tl.zeros(c.shape, ACC), mask=tmask)
+
+
 @triton.jit
 def controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tmask, D, scale,
                   HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
@@ -336,22 +361,8 @@ def controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tmask, D, scale,
     br = tl.load(rd + D).to(ACC)
     vp = (zp + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp)
     vr = (zr + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br)
-    # per-token scalars in float64 where FP32 would lose digits (tanh near 0, 1 - p^2);
-    # cos/sin of the rounded delta are as accurate in FP32 and far cheaper
-    p = tanh(vp.to(tl.float64))
-    r = tanh(vr.to(tl.float64))
-    delta = scale * tanh(tl.load(pa).to(tl.float64)) * p
-    eta = scale * tanh(tl.load(ra).to(tl.float64)) * r / (1.0 + r * r)
-    c = tl.cos(delta.to(ACC))
-    s = tl.sin(delta.to(ACC))
-    if HAS_SEG:
-        keep = tl.load(seg + tok, mask=tmask, other=1) != 0
-        c = tl.where(keep, c, 0.0)
-        s = tl.where(keep, s, 0.0)
-    tl.store(ctrl + tok * 4, tl.exp(eta).to(ACC), mask=tmask)
-    tl.store(ctrl + tok * 4 + 1, c, mask=tmask)
-    tl.store(ctrl + tok * 4 + 2, s, mask=tmask)
-    tl.store(ctrl + tok * 4 + 3, tl.zeros([BLOCK_T], ACC), mask=tmask)
+    store_token_controls(ctrl, seg, tok, tmask, vp, vr, tanh(tl.load(pa).to(tl.float64)),
+                         tanh(tl.load(ra).to(tl.float64)), scale, HAS_SEG, ACC)
     tl.store(aux + tok * 2, vp, mask=tmask)
     tl.store(aux + tok * 2 + 1, vr, mask=tmask)
 

@@ -86,7 +86,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import alloc, mode_consts, next_pow2, tanh, tl_dtype
+from .common import alloc, mode_consts, next_pow2, store_token_controls, tanh, tl_dtype
 
 L_RANGE = (2, 1024)
 LS_RANGE = (2, 64)
@@ -183,25 +183,21 @@ def _phase_a_tile(xr, xi, aux, ctrl, seg, i_b, t0, T, rows, wpr, wpi, wrr, wri, 
     tok1 = i_b * T + t1
     vp = tl.load(aux + tok1 * 2, mask=v1, other=0.0)
     vr = tl.load(aux + tok1 * 2 + 1, mask=v1, other=0.0)
-    p = tanh(vp.to(tl.float64))
-    r = tanh(vr.to(tl.float64))
-    delta = scale * tpa * p
-    eta = scale * tra * r / (1.0 + r * r)
-    c = tl.cos(delta.to(ACC))
-    sn = tl.sin(delta.to(ACC))
-    if HAS_SEG:
-        keep = tl.load(seg + tok1, mask=v1, other=1) != 0
-        c = tl.where(keep, c, 0.0)
-        sn = tl.where(keep, sn, 0.0)
-    tl.store(ctrl + tok1 * 4, tl.exp(eta).to(ACC), mask=v1)
-    tl.store(ctrl + tok1 * 4 + 1, c, mask=v1)
-    tl.store(ctrl + tok1 * 4 + 2, sn, mask=v1)
-    tl.store(ctrl + tok1 * 4 + 3, tl.zeros([LS], ACC), mask=v1)
+    store_token_controls(ctrl, seg, tok1, v1, vp, vr, tpa, tra, scale, HAS_SEG, ACC)
     tl.debug_barrier()
     # back in the tile's layout (computing them there would repeat the float64 work in every thread)
     E, ck, sk = _load_ctrl(ctrl, tok, valid)
     ar, ai, b_r, b_i = _tile_coeffs(xr, xi, E, ck, sk, valid, nu, ct, st, gam, lnr, ACC)
     return tl.associative_scan((ar, ai, b_r, b_i), 0, caffine)
+
+
+@triton.jit
+def _wait_flags(f_ptr, m_c):
+    """[W] the window's flags once all are set (acquire reads; 1 where m_c is False)."""
+    f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+    while tl.min(f, axis=0) == 0:
+        f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+    return f
 
 
 @triton.jit
@@ -325,9 +321,7 @@ def samu_lookback_kernel(
             cw = (j // W) * W + wv
             m_c = cw <= j
             f_ptr = flags + cw * B + i_b
-            f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
-            while tl.min(f, axis=0) == 0:
-                f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+            f = _wait_flags(f_ptr, m_c)
             war, wai, wbr, wbi = _window(agg, incl, cw, m_c, f == 2, B, i_b, M, o_m, m_m, wv, W)
             car, cai, cbr, cbi = caffine(war, wai, wbr, wbi, car, cai, cbr, cbi)
             j = -1
@@ -338,9 +332,7 @@ def samu_lookback_kernel(
             cw = j - (W - 1) + wv
             m_c = cw >= 0
             f_ptr = flags + cw * B + i_b
-            f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
-            while tl.min(f, axis=0) == 0:
-                f = tl.where(m_c, tl.atomic_add(f_ptr, 0, mask=m_c, sem="acquire"), 1)
+            f = _wait_flags(f_ptr, m_c)
             war, wai, wbr, wbi = _window(agg, incl, cw, m_c, f == 2, B, i_b, M, o_m, m_m, wv, W)
             # the window's maps come before the gathered ones
             car, cai, cbr, cbi = caffine(war, wai, wbr, wbi, car, cai, cbr, cbi)
