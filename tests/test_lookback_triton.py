@@ -16,6 +16,8 @@ from kernels import parity
 from kernels.ops import accounting, reference
 from kernels.ops.rglru_triton import chunk, common, lookback
 
+from test_rglru_triton import document_positions
+
 B, D = 2, 24
 FP32_TOL = parity.BACKEND_TOL[torch.float32]
 FP64_TOL = 1e-12
@@ -34,13 +36,7 @@ def poison(monkeypatch):
 def positions(T, starts=((5, 16, 20, 21, 22, 32, 48, 69), (0, 1, 13, 31, 33, 34, 35, 64))):
     """Row 0 continues an earlier document; resets at chunk edges of 16 (16, 32, 48, 64),
     inside chunks, in runs (20-22, 33-35, 0-1), at t = 0 (row 1) and at t = 69."""
-    pos = torch.empty(B, T, dtype=torch.int64)
-    for b, s in enumerate(starts):
-        p = 11
-        for t in range(T):
-            p = 0 if t in s else p + 1
-            pos[b, t] = p
-    return pos
+    return document_positions(T, starts)
 
 
 def scan_inputs(T, dtype, seed=0):

@@ -39,8 +39,13 @@ def positions():
     """Row 0 continues an earlier document (no reset at t = 0), then resets inside a
     chunk (5), at chunk edges (8, 16, 32), a run (20, 21, 22) and at t = T - 1.
     Row 1 resets at t = 0 and 1 (a run), inside chunks (13, 27) and at 24."""
-    starts = [(5, 8, 16, 20, 21, 22, 32, 36), (0, 1, 13, 24, 27)]
-    pos = torch.empty(B, T, dtype=torch.int64)
+    return document_positions(T, [(5, 8, 16, 20, 21, 22, 32, 36), (0, 1, 13, 24, 27)])
+
+
+def document_positions(T, starts):
+    """segment_pos [len(starts), T]: row b resets (0) at the steps in starts[b] and
+    otherwise counts on from 11 (a document begun before t = 0)."""
+    pos = torch.empty(len(starts), T, dtype=torch.int64)
     for b, s in enumerate(starts):
         p = 11
         for t in range(T):
