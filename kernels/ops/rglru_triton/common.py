@@ -210,6 +210,15 @@ def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
     u). Rows past T are identity maps (a = 1, b = 0); `keep` is False at resets."""
     valid = ((t0 + rows) < T)[:, None]
     keep = (p != 0)[:, None]
+    a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN, ACC, FAST)
+    return valid, keep, a, b, xv, sx, sa, mult, u
+
+
+@triton.jit
+def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr):
+    """coeffs given the row masks `valid` (inside the sequence) and `keep` (no reset),
+    already shaped to broadcast against the tile (any rank; ap_sp broadcasts from the
+    last axis): (a, b, xv, sx, sa, mult, u)."""
     if IS_SCAN:
         a = r0.to(ACC)
         b = r1.to(ACC)
@@ -224,12 +233,12 @@ def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
         xv = r0.to(ACC)
         sx = g_sigmoid(r1.to(ACC), FAST)
         sa = g_sigmoid(r2.to(ACC), FAST)
-        a = g_exp(-8.0 * sa * ap_sp[None, :], FAST)
+        a = g_exp(-8.0 * sa * ap_sp, FAST)
         u = 1.0 - a * a
         mult = tl.where(keep, g_sqrt(u, FAST), 1.0)
         a = tl.where(keep & valid, a, tl.where(valid, 0.0, 1.0))
         b = xv * sx * mult
-    return valid, keep, a, b, xv, sx, sa, mult, u
+    return a, b, xv, sx, sa, mult, u
 
 
 @triton.jit
@@ -317,26 +326,37 @@ def adjoint_scans(dyv, a, ACC: tl.constexpr, FLIP: tl.constexpr):
 
 
 @triton.jit
+def mem_order(v, SPLIT: tl.constexpr):
+    """A split tile (split.py) between its scan order [TT, W, BD] and its memory order
+    [W, TT, BD] (the same registers relabelled); other tiles unchanged."""
+    if SPLIT:
+        return tl.permute(v, (1, 0, 2))
+    else:
+        return v
+
+
+@triton.jit
 def tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
                      ea, eb, ia, ib, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
-                     FAST: tl.constexpr):
-    """tile_grads once the adjoint scans are known (see adjoint_scans)."""
+                     FAST: tl.constexpr, SPLIT: tl.constexpr = False):
+    """tile_grads once the adjoint scans are known (see adjoint_scans). SPLIT: a split
+    tile (split.py): values in scan order, off and m in memory order, r [W, BD]."""
     lam = dyv + ea * r[None, :] + eb
     r_new = first_row(ia * r[None, :] + ib, rows)
     if IS_SCAN:
-        tl.store(dx + off, out(lam, dx, RNE), mask=m)
+        tl.store(dx + off, out(mem_order(lam, SPLIT), dx, RNE), mask=m)
         da = tl.where(keep, lam * hprev, 0.0)
-        tl.store(dga + off, out(da, dga, RNE), mask=m)
+        tl.store(dga + off, out(mem_order(da, SPLIT), dga, RNE), mask=m)
         dsp = tl.zeros(r.shape, ACC)
     else:
         gxm = lam * mult
-        tl.store(dx + off, out(gxm * sx, dx, RNE), mask=m)
-        tl.store(dgx + off, out(gxm * xv * sx * (1.0 - sx), dgx, RNE), mask=m)
+        tl.store(dx + off, out(mem_order(gxm * sx, SPLIT), dx, RNE), mask=m)
+        tl.store(dgx + off, out(mem_order(gxm * xv * sx * (1.0 - sx), SPLIT), dgx, RNE), mask=m)
         # a h_{t-1} = h_t - b_t; d/dlog_a of a is a, of u = 1 - a^2 is -2 a^2; the
         # sqrt's derivative is clipped as in the official SqrtBoundDerivative.
         du = lam * xv * sx * g_rsqrt(tl.maximum(4.0 * u, 1e-6), FAST)
         dlog = tl.where(keep & valid, lam * (h - b) - 2.0 * a * a * du, 0.0)
-        tl.store(dga + off, out(dlog * (-8.0 * sp[None, :]) * sa * (1.0 - sa), dga, RNE), mask=m)
+        tl.store(dga + off, out(mem_order(dlog * (-8.0 * sp[None, :]) * sa * (1.0 - sa), SPLIT), dga, RNE), mask=m)
         dsp = tl.sum(dlog * (-8.0 * sa), axis=0)
     return r_new, dsp
 

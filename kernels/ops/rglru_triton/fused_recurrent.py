@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
+from . import split
 from .common import (recurrence_function, INTERPRET, acc_dtype, fast, affine, blocks_for, check_pow2, coeffs, empty,
                      last_row, load_raw, out, softplus, tile_grads, tile_offsets, tile_states, tl_acc)
 
@@ -149,18 +150,21 @@ def serial_bwd_kernel(
 
 
 def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_stages=None, prefetch=None,
-            fast_math=None, chunk_size=None, vec=None, **unknown):
+            fast_math=None, chunk_size=None, vec=None, time_warps=None, **unknown):
     # Defaults: the fastest of the probe sweep on an H200 (results/kernels/rglru, run 1):
     # RG-LRU fwd+bwd at B=4, T=2048, D=2560 -> 16 channels x 64 steps, 4 warps, prefetch;
     # the bare scan at B=8, D=1024 -> 32 channels x 128 steps, 4 warps, prefetch.
     if unknown:
         raise ValueError(f"expected serial options among ['block_t', 'chunk_size', 'block_d', 'num_warps', "
-                         f"'num_stages', 'prefetch', 'fast_math', 'vec'], got {sorted(unknown)}")
+                         f"'num_stages', 'prefetch', 'fast_math', 'vec', 'time_warps'], got {sorted(unknown)}")
     if chunk_size is not None:
         if block_t is not None and block_t != chunk_size:
             raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
                              f"{chunk_size}")
         block_t = chunk_size
+    tw = 1 if time_warps is None else check_pow2("time_warps", time_warps, 1, 16)
+    if tw > 1:
+        return _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec)
     v = 0 if vec is None else vec
     if not isinstance(v, int) or isinstance(v, bool) or v not in (0, 2, 4, 8):
         raise ValueError(f"expected vec in [0, 2, 4, 8] (channels per thread, time inside each thread; 0: "
@@ -180,7 +184,28 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
     if not isinstance(ns, int) or not 1 <= ns <= 4:
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
     pf = (not v) if prefetch is None else bool(prefetch)
-    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": pf, "FAST": bool(fast_math), "VEC": v}
+    return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": pf, "FAST": bool(fast_math), "VEC": v,
+            "TW": 1}
+
+
+def _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec):
+    # time_warps = W > 1 (split.py): W warps along time, each TT = block_t steps per tile,
+    # vec channels per thread (default 2), BD = 32 * vec.
+    v = 2 if vec is None else vec
+    if not isinstance(v, int) or isinstance(v, bool) or v not in (2, 4, 8):
+        raise ValueError(f"expected vec in [2, 4, 8] with time_warps > 1, got {vec!r}")
+    if num_warps is not None and num_warps != tw:
+        raise ValueError(f"expected num_warps to be None or time_warps = {tw} (every warp along time), "
+                         f"got {num_warps!r}")
+    bd = 32 * v
+    if block_d is not None and block_d != bd:
+        raise ValueError(f"expected block_d to be None or 32 * vec = {bd} with time_warps > 1, got {block_d!r}")
+    if num_stages not in (None, 1):
+        raise ValueError(f"expected num_stages None or 1 with time_warps > 1, got {num_stages!r}")
+    tt = check_pow2("block_t", 8 if block_t is None else block_t, 1, 64)
+    pf = True if prefetch is None else bool(prefetch)
+    return {"BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": 1, "PREFETCH": pf,
+            "FAST": bool(fast_math), "VEC": v, "TW": tw}
 
 
 def _tile_bytes(is_scan, x, pos):
@@ -197,14 +222,15 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
     NT = triton.cdiv(T, cfg["BT"])
     hs = empty((B, NT, D), acc, x.device) if save else None
     grid = (triton.cdiv(D, cfg["BD"]), B)
-    serial_fwd_kernel[grid](
-        x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
-        h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D,
-        IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        SAVE=save, BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype),
-        RNE=INTERPRET, FAST=fast(cfg, x), VEC=cfg["VEC"],
-        num_warps=cfg["num_warps"],
-    )
+    args = (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
+            h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D)
+    common = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+                  SAVE=save, BD=cfg["BD"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET,
+                  FAST=fast(cfg, x), VEC=cfg["VEC"], num_warps=cfg["num_warps"])
+    if cfg["TW"] > 1:
+        split.split_fwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], **common)
+    else:
+        serial_fwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
                       _tile_bytes(is_scan, x, pos) + accounting.nbytes(h0, None if is_scan else a_param),
                       accounting.nbytes(y, ht, hs))
@@ -221,15 +247,16 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
     dh0 = empty((B, D), acc, x.device) if need_dh0 else None
     part = None if is_scan else empty((B, D), acc, x.device)
     grid = (triton.cdiv(D, cfg["BD"]), B)
-    serial_bwd_kernel[grid](
-        x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, hs, dy,
-        dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
-        dh0 if dh0 is not None else hs, part if part is not None else hs, T, D,
-        IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-        BT=cfg["BT"], BD=cfg["BD"], STAGES=cfg["STAGES"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype),
-        RNE=INTERPRET, FAST=fast(cfg, x), VEC=cfg["VEC"],
-        num_warps=cfg["num_warps"],
-    )
+    args = (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, hs, dy,
+            dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
+            dh0 if dh0 is not None else hs, part if part is not None else hs, T, D)
+    common = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_DHT=dht is not None, STORE_DH0=need_dh0,
+                  BD=cfg["BD"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET, FAST=fast(cfg, x),
+                  VEC=cfg["VEC"], num_warps=cfg["num_warps"])
+    if cfg["TW"] > 1:
+        split.split_bwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], **common)
+    else:
+        serial_bwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
                       _tile_bytes(is_scan, x, pos) + accounting.nbytes(hs, dy, dht, None if is_scan else a_param),
                       accounting.nbytes(dx, dgx, dga, dh0, part))

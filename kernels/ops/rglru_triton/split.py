@@ -1,0 +1,229 @@
+"""Serial kernels with the time axis split across warps (serial backend, option
+time_warps = W > 1).
+
+A program owns BD = 32 * vec channels of one sequence, as with option vec, and walks
+time in tiles of W * TT steps (TT = block_t). The tile is loaded as [TT, W, BD]: warp w
+holds the TT consecutive steps w * TT .. w * TT + TT - 1, each thread vec adjacent
+channels with those TT steps in its registers. Triton's coalescing gives exactly that
+layout (sizePerThread [1, 1, vec], threadsPerWarp [1, 1, 32], warpsPerCTA [1, W, 1]):
+the last axis is contiguous in memory, so lanes go along it; the middle axis holds W
+rows, so the W warps go along it; the first axis is left to each thread's registers.
+
+Per tile, forward:
+1. each warp scans its TT steps in registers (tl.associative_scan along axis 0, a
+   serial loop without shuffles or shared memory) from a zero state;
+2. the W segment maps (their last rows, [W, BD]) are composed across warps by one small
+   associative scan that carries the exclusive and the inclusive composition together
+   (common.affine_excl), in shared memory;
+3. the state entering segment w is its exclusive prefix applied to the carry; the
+   outputs are stored and the carry becomes the inclusive composition of all W
+   segments applied to it.
+The backward walks the tiles in reverse with the same split: the segments' states from
+the saved tile-entry state (forward steps 1-3), then the reverse adjoint in registers
+per warp, the W segments' reverse maps composed across warps by a reverse scan, and
+the gradients as in the other backends (common.tile_grads_given).
+
+Why: option vec alone keeps every thread on a serial chain of T / vec-channel steps
+with B * D / vec threads in all, too few to cover memory latency (run 2); the split
+multiplies the threads by W while each element still costs an in-register scan step,
+and only 1 / TT of the elements take part in the cross-warp composition. Inputs are
+read once per pass, outputs written once (plus the FP32 tile-entry states [B, NT, D],
+NT = ceil(T / (W * TT)), kept for backward).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import adjoint_scans, affine, affine_excl, coeffs_vk, mem_order, out, softplus, tile_grads_given
+
+
+@triton.jit
+def split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr):
+    """[W, TT] time steps t0 + w * TT + i of the tile, [W, TT, BD] element offsets
+    (int64) and mask. Memory order: W first. Triton orders the dims of equal
+    contiguity by position, so this puts the warps on axis 0 and leaves axis 1 to each
+    thread's registers; `tl.permute(v, (1, 0, 2))` then gives the [TT, W, BD] view the
+    scans use, a relabelling of the same registers."""
+    t = t0 + wcol * TT + im
+    off = (i_b * T + t)[:, :, None] * D + o_d[None, None, :]
+    m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
+    return t, off, m
+
+
+@triton.jit
+def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr, IS_SCAN: tl.constexpr,
+               HAS_RESET: tl.constexpr):
+    """The tile's inputs as stored, [TT, W, BD], and its positions [TT, W]; as
+    common.load_raw."""
+    t, off, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT)
+    if HAS_RESET:
+        p = tl.load(pos + i_b * T + t, mask=(t >= 0) & (t < T), other=1)
+    else:
+        p = t * 0 + 1
+    if IS_SCAN:
+        r0 = tl.load(ga + off, mask=m, other=1.0)
+        r1 = tl.load(x + off, mask=m, other=0.0)
+        r2 = r1
+    else:
+        r0 = tl.load(x + off, mask=m, other=0.0)
+        r1 = tl.load(gx + off, mask=m, other=0.0)
+        r2 = tl.load(ga + off, mask=m, other=0.0)
+    return mem_order(r0, True), mem_order(r1, True), mem_order(r2, True), tl.trans(p)
+
+
+@triton.jit
+def row_of(v, idx, k):
+    """v [N, ...] -> v[k] (a sum of one non-zero term, exact); idx = tl.arange(0, N)
+    shaped to broadcast along axis 0."""
+    return tl.sum(tl.where(idx == k, v, 0.0), axis=0)
+
+
+@triton.jit
+def split_states(a, b, hin, ii, wcol, TT: tl.constexpr, W: tl.constexpr, IS_SCAN: tl.constexpr,
+                 ACC: tl.constexpr):
+    """[TT, W, BD] states of a tile from the [BD] state entering it: (h, hprev, hout)
+    with h_t, the state the scan's adjoint needs (h_{t-1} for the bare scan, h_t for the
+    RG-LRU: see common.tile_states) and the [BD] state leaving the tile."""
+    if IS_SCAN:
+        ea, eb, A, Bs = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b), 0,
+                                            affine_excl)
+    else:
+        A, Bs = tl.associative_scan((a, b), 0, affine)
+    last = ii[:, :, None]
+    sa = row_of(A, last, TT - 1)
+    sb = row_of(Bs, last, TT - 1)
+    # [W, BD]: the composition of the segments before w (exclusive) and up to w
+    xa, xb, ia, ib = tl.associative_scan((tl.full(sa.shape, 1.0, ACC), tl.zeros(sa.shape, ACC), sa, sb), 0,
+                                         affine_excl)
+    hw = xa * hin[None, :] + xb
+    h = A * hw[None, :, :] + Bs
+    if IS_SCAN:
+        hprev = ea * hw[None, :, :] + eb
+    else:
+        hprev = h
+    hout = row_of(ia * hin[None, :] + ib, wcol, W - 1)
+    return h, hprev, hout
+
+
+@triton.jit(do_not_specialize=["T"])
+def split_fwd_kernel(
+    x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
+    ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
+):
+    i_d = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    o_d = tl.max_contiguous(o_d, VEC)
+    m_d = o_d < D
+    ii = tl.arange(0, TT)[:, None]
+    wcol = tl.arange(0, W)[:, None]
+    im = tl.arange(0, TT)[None, :]
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    if HAS_H0:
+        h = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        h = tl.zeros([BD], ACC)
+    BT: tl.constexpr = TT * W
+    NT = tl.cdiv(T, BT)
+    if PREFETCH:
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
+    for i_t in range(0, NT):
+        t0 = i_t * BT
+        if SAVE:
+            tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
+        t, off, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT)
+        if PREFETCH:
+            n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 + BT, T, D, o_d, m_d, im, wcol, TT, IS_SCAN,
+                                         HAS_RESET)
+        else:
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
+        valid = tl.trans(t < T)[:, :, None]
+        keep = (p != 0)[:, :, None]
+        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC, FAST)
+        hh, h_prev, h = split_states(a, b, h, ii, wcol, TT, W, False, ACC)
+        tl.store(y + off, out(mem_order(hh, True), y, RNE), mask=m)
+        if PREFETCH:
+            r0, r1, r2, p = n0, n1, n2, n_p
+    if STORE_HT:
+        tl.store(ht + i_b * D + o_d, h, mask=m_d)
+
+
+@triton.jit(do_not_specialize=["T"])
+def split_bwd_kernel(
+    x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
+):
+    i_d = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    o_d = tl.max_contiguous(o_d, VEC)
+    m_d = o_d < D
+    ii = tl.arange(0, TT)[:, None]
+    wcol = tl.arange(0, W)[:, None]
+    im = tl.arange(0, TT)[None, :]
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    if HAS_DHT:
+        r = tl.load(dht + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        r = tl.zeros([BD], ACC)
+    dsp = tl.zeros([BD], ACC)
+    BT: tl.constexpr = TT * W
+    NT = tl.cdiv(T, BT)
+    if PREFETCH:
+        t_last = (NT - 1) * BT
+        t_l, off, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, wcol, TT)
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
+        dyr = mem_order(tl.load(dy + off, mask=m, other=0.0), True)
+        hin = tl.load(hs + (i_b * NT + NT - 1) * D + o_d, mask=m_d, other=0.0)
+    for j in range(0, NT):
+        i_t = NT - 1 - j
+        t0 = i_t * BT
+        t, off, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT)
+        if PREFETCH:
+            t_n, offn, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, wcol, TT)
+            n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, im, wcol, TT, IS_SCAN,
+                                         HAS_RESET)
+            n_dy = mem_order(tl.load(dy + offn, mask=mn, other=0.0), True)
+            n_hin = tl.load(hs + (i_b * NT + i_t - 1) * D + o_d, mask=m_d & (i_t > 0), other=0.0)
+        else:
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
+            dyr = mem_order(tl.load(dy + off, mask=m, other=0.0), True)
+            hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
+        valid = tl.trans(t < T)[:, :, None]
+        keep = (p != 0)[:, :, None]
+        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC, FAST)
+        h, hprev, h_out = split_states(a, b, hin, ii, wcol, TT, W, IS_SCAN, ACC)
+        dyv = dyr.to(ACC)
+        # per warp: the reverse adjoint maps from the segment's end (time in registers)
+        ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, True)
+        first = ii[:, :, None]
+        ga_w = row_of(ia, first, 0)
+        gb_w = row_of(ib, first, 0)
+        # [W, BD] across warps, from the tile's end: the carry entering segment w from
+        # after it (exclusive) and leaving segment w at its first row (inclusive)
+        xa, xb, ja, jb = tl.associative_scan((tl.full(ga_w.shape, 1.0, ACC), tl.zeros(ga_w.shape, ACC), ga_w, gb_w),
+                                             0, affine_excl, reverse=True)
+        rw = xa * r[None, :] + xb
+        r_first, dsp_t = tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, rw,
+                                    ea, eb, ia, ib, sp, ii, IS_SCAN, ACC, RNE, FAST, True)
+        r = row_of(ja * r[None, :] + jb, wcol, 0)
+        if not IS_SCAN:
+            dsp += tl.sum(dsp_t, axis=0)
+        if PREFETCH:
+            r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
+    if STORE_DH0:
+        tl.store(dh0 + i_b * D + o_d, r, mask=m_d)
+    if not IS_SCAN:
+        tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
