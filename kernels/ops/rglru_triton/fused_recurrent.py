@@ -200,11 +200,12 @@ def _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_ma
     bd = 32 * v
     if block_d is not None and block_d != bd:
         raise ValueError(f"expected block_d to be None or 32 * vec = {bd} with time_warps > 1, got {block_d!r}")
-    if num_stages not in (None, 1):
-        raise ValueError(f"expected num_stages None or 1 with time_warps > 1, got {num_stages!r}")
+    ns = 1 if num_stages is None else num_stages
+    if not isinstance(ns, int) or isinstance(ns, bool) or not 1 <= ns <= 4:
+        raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
     tt = check_pow2("block_t", 8 if block_t is None else block_t, 1, 64)
-    pf = True if prefetch is None else bool(prefetch)
-    return {"BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": 1, "PREFETCH": pf,
+    pf = (ns == 1) if prefetch is None else bool(prefetch)
+    return {"BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": ns, "PREFETCH": pf,
             "FAST": bool(fast_math), "VEC": v, "TW": tw}
 
 
@@ -228,7 +229,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
                   SAVE=save, BD=cfg["BD"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET,
                   FAST=fast(cfg, x), VEC=cfg["VEC"], num_warps=cfg["num_warps"])
     if cfg["TW"] > 1:
-        split.split_fwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], **common)
+        split.split_fwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"], **common)
     else:
         serial_fwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
@@ -254,7 +255,7 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
                   BD=cfg["BD"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET, FAST=fast(cfg, x),
                   VEC=cfg["VEC"], num_warps=cfg["num_warps"])
     if cfg["TW"] > 1:
-        split.split_bwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], **common)
+        split.split_bwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"], **common)
     else:
         serial_bwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",

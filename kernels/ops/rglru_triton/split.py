@@ -112,6 +112,7 @@ def split_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr,
     ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
 ):
     i_d = tl.program_id(0)
@@ -134,7 +135,7 @@ def split_fwd_kernel(
     NT = tl.cdiv(T, BT)
     if PREFETCH:
         r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
-    for i_t in range(0, NT):
+    for i_t in tl.range(0, NT, num_stages=STAGES):
         t0 = i_t * BT
         if SAVE:
             tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
@@ -159,8 +160,8 @@ def split_fwd_kernel(
 def split_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
+    TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+    ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
@@ -187,7 +188,7 @@ def split_bwd_kernel(
         r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
         dyr = mem_order(tl.load(dy + off, mask=m, other=0.0), True)
         hin = tl.load(hs + (i_b * NT + NT - 1) * D + o_d, mask=m_d, other=0.0)
-    for j in range(0, NT):
+    for j in tl.range(0, NT, num_stages=STAGES):
         i_t = NT - 1 - j
         t0 = i_t * BT
         t, off, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT)
