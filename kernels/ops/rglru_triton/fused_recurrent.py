@@ -229,7 +229,8 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
                   SAVE=save, BD=cfg["BD"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET,
                   FAST=fast(cfg, x), VEC=cfg["VEC"], num_warps=cfg["num_warps"])
     if cfg["TW"] > 1:
-        split.split_fwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"], **common)
+        split.split_fwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"],
+                                     EVEN=split.even(T, D, cfg), **common)
     else:
         serial_fwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
@@ -255,7 +256,8 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
                   BD=cfg["BD"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET, FAST=fast(cfg, x),
                   VEC=cfg["VEC"], num_warps=cfg["num_warps"])
     if cfg["TW"] > 1:
-        split.split_bwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"], **common)
+        split.split_bwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"],
+                                     EVEN=split.even(T, D, cfg), **common)
     else:
         serial_bwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",

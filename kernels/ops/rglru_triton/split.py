@@ -39,37 +39,54 @@ import triton.language as tl
 from .common import adjoint_scans, affine, affine_excl, coeffs_vk, mem_order, out, softplus, tile_grads_given
 
 
+def even(T: int, D: int, cfg: dict) -> bool:
+    """Whether T and D are multiples of the tile (no element masks), after checking that a
+    tile's int32 offsets cannot overflow."""
+    if (cfg["BT"] + 1) * D >= 2 ** 31:
+        raise ValueError(f"expected (time_warps * block_t + 1) * D < 2**31 for the split kernels' int32 tile "
+                         f"offsets, got D = {D} with a tile of {cfg['BT']} steps")
+    return T % cfg["BT"] == 0 and D % cfg["BD"] == 0
+
+
 @triton.jit
-def split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr):
-    """[W, TT] time steps t0 + w * TT + i of the tile, [W, TT, BD] element offsets
-    (int64) and mask. Memory order: W first. Triton orders the dims of equal
+def split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr, EVEN: tl.constexpr):
+    """The tile of steps t0 .. t0 + W * TT - 1: [W, TT] time steps t0 + w * TT + i, the
+    tile's first element (int64 scalar), [W, TT, BD] element offsets from it (int32: one
+    wide multiply-add per address) and the mask (EVEN: T and D are multiples of the tile,
+    so only whole tiles outside [0, T), which the prefetch reaches, are masked, by one
+    uniform predicate). Memory order: W first. Triton orders the dims of equal
     contiguity by position, so this puts the warps on axis 0 and leaves axis 1 to each
-    thread's registers; `tl.permute(v, (1, 0, 2))` then gives the [TT, W, BD] view the
-    scans use, a relabelling of the same registers."""
-    t = t0 + wcol * TT + im
-    off = (i_b * T + t)[:, :, None] * D + o_d[None, None, :]
-    m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
-    return t, off, m
+    thread's registers; `tl.permute(v, (1, 0, 2))` (common.mem_order) then gives the
+    [TT, W, BD] view the scans use, a relabelling of the same registers."""
+    rt = wcol * TT + im
+    t = t0 + rt
+    base = (i_b * T + t0) * D
+    rel = (rt * D)[:, :, None] + o_d[None, None, :]
+    if EVEN:
+        m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
+    else:
+        m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
+    return t, base, rel, m
 
 
 @triton.jit
 def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr, IS_SCAN: tl.constexpr,
-               HAS_RESET: tl.constexpr):
+               HAS_RESET: tl.constexpr, EVEN: tl.constexpr):
     """The tile's inputs as stored, [TT, W, BD], and its positions [TT, W]; as
     common.load_raw."""
-    t, off, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT)
+    t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN)
     if HAS_RESET:
         p = tl.load(pos + i_b * T + t, mask=(t >= 0) & (t < T), other=1)
     else:
         p = t * 0 + 1
     if IS_SCAN:
-        r0 = tl.load(ga + off, mask=m, other=1.0)
-        r1 = tl.load(x + off, mask=m, other=0.0)
+        r0 = tl.load(ga + base + rel, mask=m, other=1.0)
+        r1 = tl.load(x + base + rel, mask=m, other=0.0)
         r2 = r1
     else:
-        r0 = tl.load(x + off, mask=m, other=0.0)
-        r1 = tl.load(gx + off, mask=m, other=0.0)
-        r2 = tl.load(ga + off, mask=m, other=0.0)
+        r0 = tl.load(x + base + rel, mask=m, other=0.0)
+        r1 = tl.load(gx + base + rel, mask=m, other=0.0)
+        r2 = tl.load(ga + base + rel, mask=m, other=0.0)
     return mem_order(r0, True), mem_order(r1, True), mem_order(r2, True), tl.trans(p)
 
 
@@ -112,7 +129,7 @@ def split_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, EVEN: tl.constexpr,
     ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
 ):
     i_d = tl.program_id(0)
@@ -134,22 +151,22 @@ def split_fwd_kernel(
     BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
     if PREFETCH:
-        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
     for i_t in tl.range(0, NT, num_stages=STAGES):
         t0 = i_t * BT
         if SAVE:
             tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
-        t, off, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT)
+        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN)
         if PREFETCH:
             n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 + BT, T, D, o_d, m_d, im, wcol, TT, IS_SCAN,
-                                         HAS_RESET)
+                                         HAS_RESET, EVEN)
         else:
-            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
         valid = tl.trans(t < T)[:, :, None]
         keep = (p != 0)[:, :, None]
         a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC, FAST)
         hh, h_prev, h = split_states(a, b, h, ii, wcol, TT, W, False, ACC)
-        tl.store(y + off, out(mem_order(hh, True), y, RNE), mask=m)
+        tl.store(y + base + rel, out(mem_order(hh, True), y, RNE), mask=m)
         if PREFETCH:
             r0, r1, r2, p = n0, n1, n2, n_p
     if STORE_HT:
@@ -161,7 +178,7 @@ def split_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-    ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
+    EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
@@ -184,23 +201,23 @@ def split_bwd_kernel(
     NT = tl.cdiv(T, BT)
     if PREFETCH:
         t_last = (NT - 1) * BT
-        t_l, off, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, wcol, TT)
-        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
-        dyr = mem_order(tl.load(dy + off, mask=m, other=0.0), True)
+        t_l, base_l, rel, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, wcol, TT, EVEN)
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
+        dyr = mem_order(tl.load(dy + base_l + rel, mask=m, other=0.0), True)
         hin = tl.load(hs + (i_b * NT + NT - 1) * D + o_d, mask=m_d, other=0.0)
     for j in tl.range(0, NT, num_stages=STAGES):
         i_t = NT - 1 - j
         t0 = i_t * BT
-        t, off, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT)
+        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN)
         if PREFETCH:
-            t_n, offn, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, wcol, TT)
+            t_n, base_n, reln, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, wcol, TT, EVEN)
             n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, im, wcol, TT, IS_SCAN,
-                                         HAS_RESET)
-            n_dy = mem_order(tl.load(dy + offn, mask=mn, other=0.0), True)
+                                         HAS_RESET, EVEN)
+            n_dy = mem_order(tl.load(dy + base_n + reln, mask=mn, other=0.0), True)
             n_hin = tl.load(hs + (i_b * NT + i_t - 1) * D + o_d, mask=m_d & (i_t > 0), other=0.0)
         else:
-            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET)
-            dyr = mem_order(tl.load(dy + off, mask=m, other=0.0), True)
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
+            dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), True)
             hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
         valid = tl.trans(t < T)[:, :, None]
         keep = (p != 0)[:, :, None]
@@ -217,7 +234,7 @@ def split_bwd_kernel(
         xa, xb, ja, jb = tl.associative_scan((tl.full(ga_w.shape, 1.0, ACC), tl.zeros(ga_w.shape, ACC), ga_w, gb_w),
                                              0, affine_excl, reverse=True)
         rw = xa * r[None, :] + xb
-        r_first, dsp_t = tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, rw,
+        r_first, dsp_t = tile_grads_given(dyv, dx + base, dgx + base, dga + base, rel, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, rw,
                                     ea, eb, ia, ib, sp, ii, IS_SCAN, ACC, RNE, FAST, True)
         r = row_of(ja * r[None, :] + jb, wcol, 0)
         if not IS_SCAN:
