@@ -1,6 +1,12 @@
 """Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
 sequence and walks time in tiles of BT steps, carrying the FP32 state in registers.
 
+The default kernels split each tile's time axis across the program's warps (option
+time_warps, split.py; on the H200 the bare scan went from 41-45% to 70-81% of the memory
+floor and the RG-LRU fwd+bwd from 0.45 to 0.30 ms, results/kernels/rglru/run5_split).
+The tile kernels of this module run with time_warps = 1 or when a tile layout (vec,
+block_d, num_warps) is asked for; what follows describes them.
+
 Forward: per tile, load [BT, BD] inputs, form a_t and b_t in registers, one associative
 scan, store y, carry the last row. The state entering every tile ([B, NT, D] FP32,
 NT = ceil(T / BT), 4 / BT bytes per element) is the only thing kept for backward.
@@ -149,11 +155,19 @@ def serial_bwd_kernel(
         tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
 
 
+# Defaults of the split kernels: the fastest exact configurations of the sweep on an H200
+# (results/kernels/rglru/run5_split): the RG-LRU at B=4, T=2048, D=2560 (fwd+bwd) and the
+# bare scan at B=8, D=1024, T=2048..16384; block_t 8 and vec 2 for both.
+SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_warps": 8, "num_stages": 4}}
+
+
 def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_stages=None, prefetch=None,
             fast_math=None, chunk_size=None, vec=None, time_warps=None, **unknown):
-    # Defaults: the fastest of the probe sweep on an H200 (results/kernels/rglru, run 1):
-    # RG-LRU fwd+bwd at B=4, T=2048, D=2560 -> 16 channels x 64 steps, 4 warps, prefetch;
-    # the bare scan at B=8, D=1024 -> 32 channels x 128 steps, 4 warps, prefetch.
+    # Default: the split kernels (SPLIT_DEFAULT). With time_warps = 1 or a tile layout
+    # asked for (vec, block_d or num_warps): the tile kernels, whose defaults were the
+    # fastest of the probe sweep on an H200 (results/kernels/rglru, run 1): RG-LRU
+    # fwd+bwd at B=4, T=2048, D=2560 -> 16 channels x 64 steps, 4 warps, prefetch; the
+    # bare scan at B=8, D=1024 -> 32 channels x 128 steps, 4 warps, prefetch.
     if unknown:
         raise ValueError(f"expected serial options among ['block_t', 'chunk_size', 'block_d', 'num_warps', "
                          f"'num_stages', 'prefetch', 'fast_math', 'vec', 'time_warps'], got {sorted(unknown)}")
@@ -162,7 +176,13 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
             raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
                              f"{chunk_size}")
         block_t = chunk_size
-    tw = 1 if time_warps is None else check_pow2("time_warps", time_warps, 1, 16)
+    if time_warps is None:
+        # The split kernels (time_warps > 1) unless a tile layout of the others is asked for.
+        legacy = vec is not None or block_d is not None or num_warps is not None
+        time_warps = 1 if legacy else SPLIT_DEFAULT["scan" if is_scan else "rglru"]["time_warps"]
+        if not legacy and num_stages is None and prefetch is None:
+            num_stages = SPLIT_DEFAULT["scan" if is_scan else "rglru"]["num_stages"]
+    tw = check_pow2("time_warps", time_warps, 1, 16)
     if tw > 1:
         return _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec)
     v = 0 if vec is None else vec
@@ -274,12 +294,18 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
                           output_final_state=False, **opts):
     """RG-LRU from gate logits through the serial kernels; the reference signature.
     x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
-    [B, D] FP32. Options: block_t (time tile; chunk_size is accepted as its alias),
-    block_d, num_warps, num_stages, prefetch (load the next tile before scanning this
-    one; default on, off with vec), fast_math (approximate ex2/rcp/sqrt in FP32 on the
-    GPU), vec (0: Triton's tile layout; 2, 4, 8: channels per thread with the time axis
-    inside each thread, BD = 32 * num_warps * vec, default block_t 16 and 2 warps; see
-    the module docstring). Returns (y [B, T, D], final state [B, D] or None)."""
+    [B, D] FP32. Options: time_warps (W > 1: the split kernels of split.py, W warps
+    along time, each warp block_t steps per tile, vec channels per thread (2, 4, 8;
+    default 2), num_warps = W; default W = 4, block_t 8, num_stages 3 for the RG-LRU and
+    W = 8, block_t 8, num_stages 4 for the bare scan (SPLIT_DEFAULT); 1: the tile
+    kernels below, also chosen when vec, block_d or num_warps is given), block_t (time
+    tile; chunk_size is accepted as its alias), block_d, num_warps, num_stages
+    (software-pipelined loads), prefetch (load the next tile into registers before
+    scanning this one; default on with one stage, off with vec), fast_math
+    (approximate ex2/rcp/sqrt in FP32 on the GPU), vec (tile kernels: 0 is Triton's tile
+    layout; 2, 4, 8: channels per thread with the time axis inside each thread, BD =
+    32 * num_warps * vec, default block_t 16 and 2 warps; see the module docstring).
+    Returns (y [B, T, D], final state [B, D] or None)."""
     B, T, D = x.shape
     cfg = _config(B, T, D, False, **opts)
     if T == 0:
@@ -291,7 +317,7 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
 def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
     """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets) through the serial kernels, real
     inputs; complex inputs go to the PyTorch reference. Options as fused_recurrent_rglru
-    (vec included)."""
+    (time_warps and vec included)."""
     if b.is_complex():
         from .. import reference
 

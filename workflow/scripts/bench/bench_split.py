@@ -45,11 +45,9 @@ def graph_ms(fn, reps, warm):
 
 # (time_warps, block_t, vec, num_stages); num_stages 1 runs with register prefetch of the
 # next tile, more stages with Triton's pipelined (cp.async) loads
-SCAN_GRID = [(8, 16, 2, 1), (8, 8, 2, 1), (8, 8, 2, 3), (8, 8, 2, 4), (8, 16, 2, 3), (4, 16, 2, 1), (4, 16, 2, 3),
-             (4, 32, 2, 1), (4, 32, 2, 3), (16, 8, 2, 1), (16, 8, 2, 3), (16, 4, 2, 4), (8, 8, 4, 3), (8, 4, 4, 4),
-             (2, 32, 2, 3), (2, 16, 2, 4)]
-RGLRU_GRID = [(8, 8, 2, 1), (8, 8, 2, 3), (4, 8, 2, 1), (4, 8, 2, 3), (4, 16, 2, 2), (4, 16, 2, 3), (8, 4, 4, 3),
-              (2, 16, 2, 3), (8, 8, 2, 2), (16, 4, 2, 3)]
+SCAN_GRID = [(8, 16, 2, 1), (8, 8, 2, 3), (4, 16, 2, 3), (4, 16, 2, 4), (8, 16, 2, 4), (4, 32, 2, 4), (2, 32, 2, 4),
+             (16, 8, 2, 4)]
+RGLRU_GRID = [(4, 8, 2, 4), (4, 4, 2, 3), (2, 8, 2, 3), (4, 8, 2, 2), (8, 8, 2, 4), (2, 16, 2, 4), (4, 16, 2, 4)]
 
 
 def opts_of(tw, tt, vec, st, **extra):
@@ -57,14 +55,15 @@ def opts_of(tw, tt, vec, st, **extra):
 
 
 def scan_variants(smoke):
+    """The tile kernels (time_warps 1), the default (split) and the grid."""
     grid = [(2, 4, 2, 1), (2, 4, 2, 2)] if smoke else SCAN_GRID
-    return [("serial", {})] + [("serial", opts_of(*g)) for g in grid]
+    return [("serial", {"time_warps": 1}), ("serial", {})] + [("serial", opts_of(*g)) for g in grid]
 
 
 def rglru_variants(smoke):
     grid = [(2, 4, 2, 1)] if smoke else RGLRU_GRID
-    return [("serial", {}), ("serial", {"fast_math": True})] + [("serial", opts_of(*g, fast_math=True))
-                                                                  for g in grid]
+    return ([("serial", {"time_warps": 1}), ("serial", {"time_warps": 1, "fast_math": True}), ("serial", {}),
+             ("serial", {"fast_math": True})] + [("serial", opts_of(*g, fast_math=True)) for g in grid])
 
 
 def grad_check(backend, opts, args, pos, dy, ref_grads, base_grads):

@@ -1,0 +1,152 @@
+"""The serial backend's split kernels (time across warps, option time_warps,
+kernels/ops/rglru_triton/split.py; the serial default) against the float64 reference,
+on the CPU interpreter; outputs poisoned with NaN.
+
+Two layouts: W = 2 warps of 4 steps (tiles of 8) with register prefetch at T = 37, D = 24
+(partial last tile, one partial channel block: element masks), and W = 4 warps of 2
+steps with pipelined loads at T = 32, D = 64 (whole tiles: the unmasked EVEN path).
+"""
+
+import pytest
+import torch
+
+import kernels
+from kernels import parity
+from kernels.ops import accounting, reference
+from kernels.ops.rglru_triton import common, fused_recurrent
+
+from test_rglru_triton import document_positions
+
+B = 2
+FP32_TOL = parity.BACKEND_TOL[torch.float32]
+FP64_TOL = 1e-12
+ODD = {"T": 37, "D": 24, "opts": {"time_warps": 2, "block_t": 4}}
+EVEN = {"T": 32, "D": 64, "opts": {"time_warps": 4, "block_t": 2, "num_stages": 2, "vec": 2}}
+# Resets at tile edges (8, 16, 24, 32), inside tiles and warp segments (5, 13, 27), at a
+# warp edge inside a tile (2, 10 for W = 4 x 2), in runs (20-22), at t = 0 (row 1) and
+# at the last step of the odd shape (36); row 0 continues an earlier document.
+STARTS = ((2, 5, 8, 16, 20, 21, 22, 32, 36), (0, 1, 10, 13, 24, 27))
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(common, "POISON", True)
+
+
+def make(op, T, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    h0 = torch.randn(B, D, generator=g, dtype=torch.float64).to(pdt)
+    if op == "scan":
+        a = torch.rand(B, T, D, generator=g, dtype=torch.float64) * 0.2 + 0.79
+        b = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+        return [a.to(dtype), b.to(dtype)], h0
+    x, gx, ga = (torch.randn(B, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    torch.manual_seed(seed)
+    ap = kernels.layers.rnn_param_init(torch.empty(D, dtype=torch.float64))
+    return [x.to(dtype), gx.to(dtype), (2.0 * ga).to(dtype), ap.to(pdt)], h0
+
+
+def run(op, fn, args, h0, pos, final=True, **opts):
+    """Output, final state and the gradient of every input (h0 last) under fixed random
+    cotangents of the output and the final state."""
+    leaves = [t.detach().clone().requires_grad_() for t in args]
+    hl = None if h0 is None else h0.detach().clone().requires_grad_()
+    y, h = fn(*leaves, pos, hl, final, **opts)
+    g = torch.Generator().manual_seed(7)
+    loss = (y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64)).sum()
+    if final:
+        loss = loss + (h.double() * torch.randn(h.shape, generator=g, dtype=torch.float64)).sum()
+    grads = torch.autograd.grad(loss, leaves + ([] if hl is None else [hl]))
+    return [y, h, *grads]
+
+
+def compare(op, shape, dtype, seed=0, h0=True, resets=True, final=True):
+    args, init = make(op, shape["T"], shape["D"], dtype, seed)
+    init = init if h0 else None
+    pos = document_positions(shape["T"], STARTS) if resets else None
+    ref = reference.scan if op == "scan" else reference.rglru
+    want = run(op, ref, [a.double() for a in args], None if init is None else init.double(), pos, final)
+    got = run(op, kernels.backends(op)["serial"], args, init, pos, final, **shape["opts"])
+    return got, want
+
+
+@pytest.mark.parametrize("shape", [ODD, EVEN], ids=["odd", "even"])
+@pytest.mark.parametrize("op", ["scan", "rglru"])
+def test_fp32_against_float64_reference(op, shape):
+    got, want = compare(op, shape, torch.float32)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert parity.rel_err(g, w) <= FP32_TOL, i
+
+
+@pytest.mark.parametrize("op,shape", [("rglru", ODD), ("scan", EVEN)], ids=["rglru-odd", "scan-even"])
+def test_float64_is_exact(op, shape):
+    # Any slip in the cross-warp composition, the tile carry, resets or the adjoint
+    # would show far above rounding.
+    got, want = compare(op, shape, torch.float64, seed=1)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert parity.rel_err(g, w) <= FP64_TOL, i
+
+
+def test_no_resets_no_state():
+    got, want = compare("rglru", EVEN, torch.float64, seed=2, h0=False, resets=False, final=False)
+    assert got[1] is None
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is not None:
+            assert parity.rel_err(g, w) <= FP64_TOL, i
+
+
+def test_bf16_against_pytorch_at_bf16():
+    args, h0 = make("rglru", ODD["T"], ODD["D"], torch.bfloat16, 3)
+    pos = document_positions(ODD["T"], STARTS)
+    exact = run("rglru", reference.rglru, [a.double() for a in args], h0.double(), pos)
+    yard = run("rglru", reference.rglru, args, h0, pos)
+    got = run("rglru", kernels.backends("rglru")["serial"], args, h0, pos, **ODD["opts"])
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
+    for i, (g, y, w) in enumerate(zip(got, yard, exact)):
+        assert parity.rel_err(g, w) <= max(parity.LOWP_FACTOR * parity.rel_err(y, w), 1e-6), i
+
+
+def test_gradients_are_bitwise_reproducible():
+    first, _ = compare("rglru", ODD, torch.float32, seed=4)
+    second, _ = compare("rglru", ODD, torch.float32, seed=4)
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.equal(a, b), i
+
+
+def test_default_is_split_and_launches():
+    # The serial default runs the split kernels; a tile layout asked for runs the tile
+    # kernels. One launch forward, one backward plus the a_param reduction.
+    cfg = fused_recurrent._config(B, 37, 24, False)
+    assert cfg["TW"] == fused_recurrent.SPLIT_DEFAULT["rglru"]["time_warps"] > 1 and cfg["TT"] == 8
+    assert fused_recurrent._config(B, 37, 24, True)["TW"] == fused_recurrent.SPLIT_DEFAULT["scan"]["time_warps"]
+    assert fused_recurrent._config(B, 37, 24, False, block_d=32)["TW"] == 1
+    assert fused_recurrent._config(B, 37, 24, False, time_warps=1)["TW"] == 1
+    args, h0 = make("rglru", ODD["T"], ODD["D"], torch.float32, 5)
+    leaves = [a.clone().requires_grad_() for a in args]
+    with accounting.counting() as c:
+        y, _ = kernels.backends("rglru")["serial"](*leaves, None, h0, False, **ODD["opts"])
+    assert c.launches == 1 and set(c.by_kernel) == {"rglru_serial_fwd"}
+    with accounting.counting() as c:
+        y.sum().backward()
+    assert c.launches == 2 and set(c.by_kernel) == {"rglru_serial_bwd", "rglru_reduce_dap"}
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"time_warps": 3}, "time_warps"),
+    ({"time_warps": 32}, "time_warps"),
+    ({"time_warps": 2, "vec": 0}, "vec"),
+    ({"time_warps": 2, "vec": 3}, "vec"),
+    ({"time_warps": 2, "num_warps": 4}, "num_warps"),
+    ({"time_warps": 2, "vec": 2, "block_d": 32}, "block_d"),
+    ({"time_warps": 2, "block_t": 6}, "block_t"),
+    ({"time_warps": 2, "block_t": 128}, "block_t"),
+    ({"time_warps": 2, "num_stages": 5}, "num_stages"),
+])
+def test_bad_options(opts, match):
+    args, _ = make("scan", 5, 24, torch.float32, 0)
+    with pytest.raises(ValueError, match=match):
+        kernels.backends("scan")["serial"](*args, **opts)
+    with pytest.raises(ValueError, match=match):
+        kernels.backends("rglru")["serial"](*make("rglru", 5, 24, torch.float32, 0)[0], **opts)
