@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cuda
 B, T, D, H = 4, 2048, 2560, 16
 VARIANTS = [("serial", {}), ("chunk", {"chunk_size": 8}), ("chunk", {"chunk_size": 16}),
             ("chunk", {"chunk_size": 32}), ("chunk", {"chunk_size": 64}),
-            ("serial", {"prefetch": False, "block_d": 32}), ("serial", {"num_stages": 3, "block_t": 32}),
+            ("serial", {"prefetch": False, "block_d": 32}), ("serial", {"num_stages": 3, "block_t": 16}),
             ("chunk", {"chunk_size": 8, "inner": "loop"}), ("chunk", {"chunk_size": 16, "inner": "loop"}),
             ("chunk", {"chunk_size": 32, "inner": "loop", "block_d": 128, "num_warps": 1}),
             ("chunk", {"chunk_size": 16, "inner": "loop", "fast_math": True}), ("serial", {"fast_math": True}),

@@ -133,6 +133,21 @@ def test_default_is_split_and_launches():
     assert c.launches == 2 and set(c.by_kernel) == {"rglru_serial_bwd", "rglru_reduce_dap"}
 
 
+def test_pipeline_stages_fit_shared_memory():
+    # 232448 bytes (an H100 / H200): the RG-LRU backward at W = 4, block_t 32 holds 4 FP32
+    # tiles of 32 KiB per stage; three stages do not fit, two do.
+    cfg = fused_recurrent._config(B, 64, 256, False, block_t=32)
+    fit = fused_recurrent._fit_stages(cfg, 4, 4, True, 232448)
+    assert cfg["STAGES"] == 3 and fit["STAGES"] == 2 and not fit["PREFETCH"]
+    assert fused_recurrent._fit_stages(cfg, 2, 4, True, 232448) is cfg
+    low = fused_recurrent._fit_stages(cfg, 8, 4, True, 100_000)          # float64: register prefetch
+    assert low["STAGES"] == 1 and low["PREFETCH"]
+    assert fused_recurrent._fit_stages(cfg, 4, 4, True, None) is cfg     # no device limit (CPU)
+    explicit = fused_recurrent._config(B, 64, 256, False, block_t=32, num_stages=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        fused_recurrent._fit_stages(explicit, 4, 4, True, 232448)
+
+
 @pytest.mark.parametrize("opts,match", [
     ({"time_warps": 3}, "time_warps"),
     ({"time_warps": 32}, "time_warps"),

@@ -176,6 +176,7 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
             raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
                              f"{chunk_size}")
         block_t = chunk_size
+    stages_set = num_stages is not None
     if time_warps is None:
         # The split kernels (time_warps > 1) unless a tile layout of the others is asked for.
         legacy = vec is not None or block_d is not None or num_warps is not None
@@ -184,7 +185,10 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
             num_stages = SPLIT_DEFAULT["scan" if is_scan else "rglru"]["num_stages"]
     tw = check_pow2("time_warps", time_warps, 1, 16)
     if tw > 1:
-        return _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec)
+        cfg = _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec)
+        cfg["STAGES_SET"] = stages_set
+        cfg["PREFETCH_SET"] = prefetch is not None
+        return cfg
     v = 0 if vec is None else vec
     if not isinstance(v, int) or isinstance(v, bool) or v not in (0, 2, 4, 8):
         raise ValueError(f"expected vec in [0, 2, 4, 8] (channels per thread, time inside each thread; 0: "
@@ -229,6 +233,34 @@ def _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_ma
             "FAST": bool(fast_math), "VEC": v, "TW": tw}
 
 
+def smem_limit(device: torch.device):
+    """Shared memory one program may use on a CUDA device (None elsewhere: no limit)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> dict:
+    """The split kernels' pipelined loads hold num_stages - 1 tiles of each of the n_tiles
+    inputs in shared memory. A default num_stages that would not fit `limit` bytes (FP32
+    or float64 tiles) is lowered, down to register prefetch; one asked for explicitly
+    that does not fit is an error."""
+    if cfg["TW"] == 1 or cfg["STAGES"] == 1 or limit is None:
+        return cfg
+    tile = cfg["BT"] * cfg["BD"] * elsize * n_tiles + (cfg["BT"] * 8 if has_pos else 0)
+    scratch = 8 * cfg["TW"] * cfg["BD"] * 4 + 4096       # the cross-warp scans and layout changes
+    stages = cfg["STAGES"]
+    while stages > 1 and (stages - 1) * tile + scratch > limit:
+        if cfg.get("STAGES_SET"):
+            raise ValueError(f"expected num_stages with (num_stages - 1) x {tile} bytes of tiles within the "
+                             f"device's {limit} bytes of shared memory (time_warps {cfg['TW']}, block_t "
+                             f"{cfg['TT']}, {elsize}-byte elements), got {cfg['STAGES']}; lower num_stages or block_t")
+        stages -= 1
+    if stages == cfg["STAGES"]:
+        return cfg
+    return {**cfg, "STAGES": stages, "PREFETCH": cfg["PREFETCH"] if cfg.get("PREFETCH_SET") else stages == 1}
+
+
 def _tile_bytes(is_scan, x, pos):
     n = x.numel() * x.element_size()
     return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
@@ -237,6 +269,7 @@ def _tile_bytes(is_scan, x, pos):
 def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
     """Launcher. Scan mode: x = b, ga = a (gx, a_param unused). Returns (y, ht, hs)."""
     B, T, D = x.shape
+    cfg = _fit_stages(cfg, x.element_size(), 2 if is_scan else 3, pos is not None, smem_limit(x.device))
     acc = acc_dtype(x.dtype)
     y = empty((B, T, D), x.dtype, x.device)
     ht = empty((B, D), acc, x.device) if output_final_state else None
@@ -262,6 +295,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
 def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
     """Launcher. Returns (dx, dgx, dga, dh0, dsp_part); scan mode: dx = db, dga = da."""
     B, T, D = x.shape
+    cfg = _fit_stages(cfg, x.element_size(), 3 if is_scan else 4, pos is not None, smem_limit(x.device))
     acc = acc_dtype(x.dtype)
     dx = empty((B, T, D), x.dtype, x.device)
     dga = empty((B, T, D), ga.dtype, x.device)
