@@ -2,9 +2,11 @@
 kernels/ops/rglru_triton/split.py; the serial default) against the float64 reference,
 on the CPU interpreter; outputs poisoned with NaN.
 
-Two layouts: W = 2 warps of 4 steps (tiles of 8) with register prefetch at T = 37, D = 24
-(partial last tile, one partial channel block: element masks), and W = 4 warps of 2
-steps with pipelined loads at T = 32, D = 64 (whole tiles: the unmasked EVEN path).
+Two layouts: W = 2 warps of 8 steps (tiles of 16) with register prefetch at T = 37,
+D = 24 (partial last tile, one partial channel block: element masks; segments of 8
+steps, so the forward saves every warp's entry state and the backward starts from
+them), and W = 4 warps of 2 steps with pipelined loads at T = 32, D = 64 (whole tiles:
+the unmasked EVEN path; tile entry states, the backward's cross-warp recomputation).
 """
 
 import pytest
@@ -20,11 +22,11 @@ from test_rglru_triton import document_positions
 B = 2
 FP32_TOL = parity.BACKEND_TOL[torch.float32]
 FP64_TOL = 1e-12
-ODD = {"T": 37, "D": 24, "opts": {"time_warps": 2, "block_t": 4}}
+ODD = {"T": 37, "D": 24, "opts": {"time_warps": 2, "block_t": 8}}
 EVEN = {"T": 32, "D": 64, "opts": {"time_warps": 4, "block_t": 2, "num_stages": 2, "vec": 2}}
-# Resets at tile edges (8, 16, 24, 32), inside tiles and warp segments (5, 13, 27), at a
-# warp edge inside a tile (2, 10 for W = 4 x 2), in runs (20-22), at t = 0 (row 1) and
-# at the last step of the odd shape (36); row 0 continues an earlier document.
+# Resets at tile and warp edges (8, 16, 24, 32), inside segments (5, 13, 27), at a warp
+# edge inside a tile (2, 10 for W = 4 x 2), in runs (20-22), at t = 0 (row 1) and at the
+# last step of the odd shape (36); row 0 continues an earlier document.
 STARTS = ((2, 5, 8, 16, 20, 21, 22, 32, 36), (0, 1, 10, 13, 24, 27))
 
 
@@ -119,7 +121,8 @@ def test_default_is_split_and_launches():
     # The serial default runs the split kernels; a tile layout asked for runs the tile
     # kernels. One launch forward, one backward plus the a_param reduction.
     cfg = fused_recurrent._config(B, 37, 24, False)
-    assert cfg["TW"] == fused_recurrent.SPLIT_DEFAULT["rglru"]["time_warps"] > 1 and cfg["TT"] == 8
+    assert cfg["TW"] == fused_recurrent.SPLIT_DEFAULT["rglru"]["time_warps"] > 1 and cfg["TT"] == 8 and cfg["WS"]
+    assert not fused_recurrent._config(B, 37, 24, False, block_t=4)["WS"]
     assert fused_recurrent._config(B, 37, 24, True)["TW"] == fused_recurrent.SPLIT_DEFAULT["scan"]["time_warps"]
     assert fused_recurrent._config(B, 37, 24, False, block_d=32)["TW"] == 1
     assert fused_recurrent._config(B, 37, 24, False, time_warps=1)["TW"] == 1
@@ -128,6 +131,8 @@ def test_default_is_split_and_launches():
     with accounting.counting() as c:
         y, _ = kernels.backends("rglru")["serial"](*leaves, None, h0, False, **ODD["opts"])
     assert c.launches == 1 and set(c.by_kernel) == {"rglru_serial_fwd"}
+    # saved for backward: one FP32 state per warp segment of 8 steps (3 tiles x 2 warps)
+    assert c.by_kernel["rglru_serial_fwd"]["bytes_written"] == (B * 37 * 24 + B * 6 * 24) * 4
     with accounting.counting() as c:
         y.sum().backward()
     assert c.launches == 2 and set(c.by_kernel) == {"rglru_serial_bwd", "rglru_reduce_dap"}

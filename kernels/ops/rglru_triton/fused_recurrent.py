@@ -229,7 +229,10 @@ def _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_ma
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
     tt = check_pow2("block_t", 8 if block_t is None else block_t, 1, 64)
     pf = (ns == 1) if prefetch is None else bool(prefetch)
-    return {"BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": ns, "PREFETCH": pf,
+    # WS: the forward saves the state entering every warp's segment ([B, T / TT, D] FP32,
+    # at most 1/8 of an FP32 activation for TT >= 8), so the backward recomputes states
+    # per warp without the cross-warp step; shorter segments save per tile.
+    return {"BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": ns, "PREFETCH": pf, "WS": tt >= 8,
             "FAST": bool(fast_math), "VEC": v, "TW": tw}
 
 
@@ -273,7 +276,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
     acc = acc_dtype(x.dtype)
     y = empty((B, T, D), x.dtype, x.device)
     ht = empty((B, D), acc, x.device) if output_final_state else None
-    NT = triton.cdiv(T, cfg["BT"])
+    NT = triton.cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg.get("WS") else 1)
     hs = empty((B, NT, D), acc, x.device) if save else None
     grid = (triton.cdiv(D, cfg["BD"]), B)
     args = (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
@@ -283,7 +286,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
                   FAST=fast(cfg, x), VEC=cfg["VEC"], num_warps=cfg["num_warps"])
     if cfg["TW"] > 1:
         split.split_fwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"],
-                                     EVEN=split.even(T, D, cfg), **common)
+                                     EVEN=split.even(T, D, cfg), WS=cfg["WS"], **common)
     else:
         serial_fwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
@@ -311,7 +314,7 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
                   VEC=cfg["VEC"], num_warps=cfg["num_warps"])
     if cfg["TW"] > 1:
         split.split_bwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"],
-                                     EVEN=split.even(T, D, cfg), **common)
+                                     EVEN=split.even(T, D, cfg), WS=cfg["WS"], **common)
     else:
         serial_bwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",

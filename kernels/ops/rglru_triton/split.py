@@ -64,8 +64,9 @@ def even(T: int, D: int, cfg: dict) -> bool:
 
 
 @triton.jit
-def split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr, EVEN: tl.constexpr):
-    """The tile of steps t0 .. t0 + W * TT - 1: [W, TT] time steps t0 + w * TT + i, the
+def split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, EVEN: tl.constexpr):
+    """The tile of steps t0 .. t0 + W * TT - 1, warp row w holding segment seg[w]: [W, TT]
+    time steps t0 + seg[w] * TT + i, the
     tile's first element (int64 scalar), [W, TT, BD] element offsets from it (int32: one
     wide multiply-add per address) and the mask (EVEN: T and D are multiples of the tile,
     so only whole tiles outside [0, T), which the prefetch reaches, are masked, by one
@@ -73,7 +74,7 @@ def split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr, EVEN: tl.
     contiguity by position, so this puts the warps on axis 0 and leaves axis 1 to each
     thread's registers; `tl.permute(v, (1, 0, 2))` (common.mem_order) then gives the
     [TT, W, BD] view the scans use, a relabelling of the same registers."""
-    rt = wcol * TT + im
+    rt = seg * TT + im
     t = t0 + rt
     base = (i_b * T + t0) * D
     rel = (rt * D)[:, :, None] + o_d[None, None, :]
@@ -85,11 +86,11 @@ def split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr, EVEN: tl.
 
 
 @triton.jit
-def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT: tl.constexpr, IS_SCAN: tl.constexpr,
+def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, IS_SCAN: tl.constexpr,
                HAS_RESET: tl.constexpr, EVEN: tl.constexpr):
     """The tile's inputs as stored, [TT, W, BD], and its positions [TT, W]; as
     common.load_raw."""
-    t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN)
+    t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN)
     if HAS_RESET:
         p = tl.load(pos + i_b * T + t, mask=(t >= 0) & (t < T), other=1)
     else:
@@ -136,7 +137,33 @@ def split_states(a, b, hin, ii, wcol, TT: tl.constexpr, W: tl.constexpr, IS_SCAN
     else:
         hprev = h
     hout = row_of(ia * hin[None, :] + ib, wcol, W - 1)
-    return h, hprev, hout
+    return h, hprev, hout, hw
+
+
+@triton.jit
+def warp_states(a, b, hw, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
+    """split_states given hw [W, BD], the state entering every warp's segment (saved by
+    the forward): (h, hprev), each warp on its own, no cross-warp step."""
+    if IS_SCAN:
+        ea, eb, A, Bs = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b), 0,
+                                            affine_excl)
+        h = A * hw[None, :, :] + Bs
+        hprev = ea * hw[None, :, :] + eb
+    else:
+        A, Bs = tl.associative_scan((a, b), 0, affine)
+        h = A * hw[None, :, :] + Bs
+        hprev = h
+    return h, hprev
+
+
+@triton.jit
+def load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W: tl.constexpr, WS: tl.constexpr):
+    """The saved state entering tile i_t: [W, BD] per warp row, the entry of its segment
+    seg[w] (WS), or [BD]."""
+    if WS:
+        return tl.load(hs + ((i_b * NT + i_t) * W + seg) * D + o_d[None, :], mask=m_d[None, :], other=0.0)
+    else:
+        return tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -144,7 +171,7 @@ def split_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
-    STAGES: tl.constexpr, EVEN: tl.constexpr,
+    STAGES: tl.constexpr, EVEN: tl.constexpr, WS: tl.constexpr,
     ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
 ):
     i_d = tl.program_id(0)
@@ -169,7 +196,7 @@ def split_fwd_kernel(
         r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
     for i_t in tl.range(0, NT, num_stages=STAGES):
         t0 = i_t * BT
-        if SAVE:
+        if SAVE and not WS:
             tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
         t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN)
         if PREFETCH:
@@ -180,7 +207,9 @@ def split_fwd_kernel(
         valid = tl.trans(t < T)[:, :, None]
         keep = (p != 0)[:, :, None]
         a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC, FAST)
-        hh, h_prev, h = split_states(a, b, h, ii, wcol, TT, W, False, ACC)
+        hh, h_prev, h, hw = split_states(a, b, h, ii, wcol, TT, W, False, ACC)
+        if SAVE and WS:
+            tl.store(hs + ((i_b * NT + i_t) * W + wcol) * D + o_d[None, :], hw, mask=m_d[None, :])
         tl.store(y + base + rel, out(mem_order(hh, True), y, RNE), mask=m)
         if PREFETCH:
             r0, r1, r2, p = n0, n1, n2, n_p
@@ -193,7 +222,8 @@ def split_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-    EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
+    EVEN: tl.constexpr, WS: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     i_d = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
@@ -203,6 +233,13 @@ def split_bwd_kernel(
     ii = tl.arange(0, TT)[:, None]
     wcol = tl.arange(0, W)[:, None]
     im = tl.arange(0, TT)[None, :]
+    # With saved segment states (WS) warp w holds segment W - 1 - w, so the adjoint's
+    # composition from the tile's end runs forward over the warps (Triton's reverse scan
+    # across warps costs lane shuffles); without, the forward order of split_states.
+    if WS:
+        seg = W - 1 - wcol
+    else:
+        seg = wcol
     if IS_SCAN:
         sp = tl.zeros([BD], ACC)
     else:
@@ -211,33 +248,36 @@ def split_bwd_kernel(
         r = tl.load(dht + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
     else:
         r = tl.zeros([BD], ACC)
-    dsp = tl.zeros([BD], ACC)
+    dsp = tl.zeros([W, BD], ACC)
     BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
     if PREFETCH:
         t_last = (NT - 1) * BT
-        t_l, base_l, rel, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, wcol, TT, EVEN)
-        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
+        t_l, base_l, rel, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, seg, TT, EVEN)
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET, EVEN)
         dyr = mem_order(tl.load(dy + base_l + rel, mask=m, other=0.0), True)
-        hin = tl.load(hs + (i_b * NT + NT - 1) * D + o_d, mask=m_d, other=0.0)
+        hin = load_entry(hs, i_b, NT - 1, NT, D, o_d, m_d, seg, W, WS)
     for j in tl.range(0, NT, num_stages=STAGES):
         i_t = NT - 1 - j
         t0 = i_t * BT
-        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN)
+        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN)
         if PREFETCH:
-            t_n, base_n, reln, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, wcol, TT, EVEN)
-            n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, im, wcol, TT, IS_SCAN,
+            t_n, base_n, reln, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, EVEN)
+            n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, IS_SCAN,
                                          HAS_RESET, EVEN)
             n_dy = mem_order(tl.load(dy + base_n + reln, mask=mn, other=0.0), True)
-            n_hin = tl.load(hs + (i_b * NT + i_t - 1) * D + o_d, mask=m_d & (i_t > 0), other=0.0)
+            n_hin = load_entry(hs, i_b, tl.maximum(i_t - 1, 0), NT, D, o_d, m_d, seg, W, WS)
         else:
-            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET, EVEN)
             dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), True)
-            hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
+            hin = load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W, WS)
         valid = tl.trans(t < T)[:, :, None]
         keep = (p != 0)[:, :, None]
         a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC, FAST)
-        h, hprev, h_out = split_states(a, b, hin, ii, wcol, TT, W, IS_SCAN, ACC)
+        if WS:
+            h, hprev = warp_states(a, b, hin, IS_SCAN, ACC)
+        else:
+            h, hprev, h_out, h_w = split_states(a, b, hin, ii, wcol, TT, W, IS_SCAN, ACC)
         dyv = dyr.to(ACC)
         # per warp: the reverse adjoint maps from the segment's end (time in registers)
         ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, True)
@@ -246,18 +286,23 @@ def split_bwd_kernel(
         gb_w = row_of(ib, first, 0)
         # [W, BD] across warps, from the tile's end: the carry entering segment w from
         # after it (exclusive) and leaving segment w at its first row (inclusive)
-        xa, xb, ja, jb = tl.associative_scan((tl.full(ga_w.shape, 1.0, ACC), tl.zeros(ga_w.shape, ACC), ga_w, gb_w),
-                                             0, affine_excl, reverse=True)
+        if WS:
+            xa, xb, ja, jb = tl.associative_scan((tl.full(ga_w.shape, 1.0, ACC), tl.zeros(ga_w.shape, ACC), ga_w,
+                                                  gb_w), 0, affine_excl)
+        else:
+            xa, xb, ja, jb = tl.associative_scan((tl.full(ga_w.shape, 1.0, ACC), tl.zeros(ga_w.shape, ACC), ga_w,
+                                                  gb_w), 0, affine_excl, reverse=True)
         rw = xa * r[None, :] + xb
         r_first, dsp_t = tile_grads_given(dyv, dx + base, dgx + base, dga + base, rel, m, valid, keep, a, b, xv,
                                           sx, sa, mult, u, h, hprev, rw, ea, eb, ia, ib, sp, ii, IS_SCAN, ACC, RNE,
                                           FAST, True)
-        r = row_of(ja * r[None, :] + jb, wcol, 0)
+        # the carry leaving the tile at its first step: the first segment's
+        r = row_of(ja * r[None, :] + jb, seg, 0)
         if not IS_SCAN:
-            dsp += tl.sum(dsp_t, axis=0)
+            dsp += dsp_t
         if PREFETCH:
             r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
     if STORE_DH0:
         tl.store(dh0 + i_b * D + o_d, r, mask=m_d)
     if not IS_SCAN:
-        tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
+        tl.store(dsp_part + i_b * D + o_d, tl.sum(dsp, axis=0), mask=m_d)
