@@ -126,6 +126,10 @@ def test_default_is_split_and_launches():
     assert fused_recurrent._config(B, 37, 24, True)["TW"] == fused_recurrent.SPLIT_DEFAULT["scan"]["time_warps"]
     assert fused_recurrent._config(B, 37, 24, False, block_d=32)["TW"] == 1
     assert fused_recurrent._config(B, 37, 24, False, time_warps=1)["TW"] == 1
+    # an RG-LRU forward without gradient defaults to the tile kernels (faster there)
+    assert fused_recurrent._config(B, 37, 24, False, grad=False)["TW"] == 1
+    assert fused_recurrent._config(B, 37, 24, False, grad=False, time_warps=2)["TW"] == 2
+    assert fused_recurrent._config(B, 37, 24, True, grad=False)["TW"] > 1
     args, h0 = make("rglru", ODD["T"], ODD["D"], torch.float32, 5)
     leaves = [a.clone().requires_grad_() for a in args]
     with accounting.counting() as c:

@@ -2,9 +2,12 @@
 scan, and the one-launch decode step.
 
 Backends (the reference signatures of kernels.ops):
-- "serial" (fused_recurrent.py): state-stationary, one program per (sequence, channel
-  block) walking time in tiles; one launch forward, one (+ the a_param reduction)
-  backward; reads every input once per pass.
+- "serial" (fused_recurrent.py, split.py): state-stationary, one program per (sequence,
+  channel block) walking time in tiles; one launch forward, one (+ the a_param
+  reduction) backward; reads every input once per pass. By default each tile's time
+  axis is split across the program's warps, each warp's steps in its registers
+  (option time_warps, split.py); time_warps=1 (and, by default, an RG-LRU forward
+  without gradient) runs the tile kernels.
 - "chunk" (chunk.py): exact two-level chunked algorithm, chunk_size K in 8, 16, 32, 64;
   parallel over chunks as well as channels. Opt-in options fwd="lookback" and
   bwd="lookback" (lookback.py): single-pass forward and backward with decoupled

@@ -162,7 +162,7 @@ SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_war
 
 
 def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_stages=None, prefetch=None,
-            fast_math=None, chunk_size=None, vec=None, time_warps=None, **unknown):
+            fast_math=None, chunk_size=None, vec=None, time_warps=None, grad=True, **unknown):
     # Default: the split kernels (SPLIT_DEFAULT). With time_warps = 1 or a tile layout
     # asked for (vec, block_d or num_warps): the tile kernels, whose defaults were the
     # fastest of the probe sweep on an H200 (results/kernels/rglru, run 1): RG-LRU
@@ -179,7 +179,9 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
     stages_set = num_stages is not None
     if time_warps is None:
         # The split kernels (time_warps > 1) unless a tile layout of the others is asked for.
-        legacy = vec is not None or block_d is not None or num_warps is not None
+        # The RG-LRU forward alone (no gradient) defaults to the tile kernels: with exact
+        # gate math they ran it faster (run5_split: 0.117 against 0.154-0.166 ms).
+        legacy = vec is not None or block_d is not None or num_warps is not None or (not is_scan and not grad)
         time_warps = 1 if legacy else SPLIT_DEFAULT["scan" if is_scan else "rglru"]["time_warps"]
         if not legacy and num_stages is None and prefetch is None:
             num_stages = SPLIT_DEFAULT["scan" if is_scan else "rglru"]["num_stages"]
@@ -335,7 +337,8 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
     along time, each warp block_t steps per tile, vec channels per thread (2, 4, 8;
     default 2), num_warps = W; default W = 4, block_t 8, num_stages 3 for the RG-LRU and
     W = 8, block_t 8, num_stages 4 for the bare scan (SPLIT_DEFAULT); 1: the tile
-    kernels below, also chosen when vec, block_d or num_warps is given), block_t (time
+    kernels below, also chosen when vec, block_d or num_warps is given and, by default,
+    for an RG-LRU forward that needs no gradient), block_t (time
     tile; chunk_size is accepted as its alias), block_d, num_warps, num_stages
     (software-pipelined loads), prefetch (load the next tile into registers before
     scanning this one; default on with one stage, off with vec), fast_math
@@ -344,7 +347,9 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
     32 * num_warps * vec, default block_t 16 and 2 warps; see the module docstring).
     Returns (y [B, T, D], final state [B, D] or None)."""
     B, T, D = x.shape
-    cfg = _config(B, T, D, False, **opts)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, gate_x, gate_a, a_param, initial_state))
+    cfg = _config(B, T, D, False, grad=grad, **opts)
     if T == 0:
         return _empty_sequence(x, initial_state, output_final_state)
     return SerialFunction.apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state,
