@@ -3,9 +3,10 @@ sequence and walks time in tiles of BT steps, carrying the FP32 state in registe
 
 The default kernels split each tile's time axis across the program's warps (option
 time_warps, split.py; on the H200 the bare scan went from 41-45% to 70-81% of the memory
-floor and the RG-LRU fwd+bwd from 0.45 to 0.30 ms, results/kernels/rglru/run5_split).
-The tile kernels of this module run with time_warps = 1 or when a tile layout (vec,
-block_d, num_warps) is asked for; what follows describes them.
+floor and the RG-LRU fwd+bwd from 0.53 to 0.37 ms, 0.45 to 0.29 ms with fast_math,
+results/kernels/rglru/README.md run 5). The tile kernels of this module run with
+time_warps = 1, when a tile layout (vec, block_d, num_warps) is asked for, and by
+default for an RG-LRU forward without gradient; what follows describes them.
 
 Forward: per tile, load [BT, BD] inputs, form a_t and b_t in registers, one associative
 scan, store y, carry the last row. The state entering every tile ([B, NT, D] FP32,

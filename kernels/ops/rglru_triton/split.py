@@ -37,13 +37,13 @@ and only 1 / TT of the elements take part in the cross-warp composition. Inputs 
 read once per pass, outputs written once (plus the FP32 tile-entry states [B, NT, D],
 NT = ceil(T / (W * TT)), kept for backward).
 
-Measured on an H200 (results/kernels/rglru/run5_split, device time of graph replay):
-bare scan at B=8, D=1024 with W=8, TT=8, 4 stages: 70/75/79/81% of the memory floor at
-T = 2048/4096/8192/16384 (tile kernels 41-45%, accelerated-scan 77-89%); RG-LRU at
-B=4, T=2048, D=2560 with W=4, TT=8, 3 stages and fast_math: fwd+bwd 0.30 ms (tile
-kernels 0.45 ms). What is left: one program per 64 channels (128 programs at the scan
-shape, 1 per SM) with 11 barriers per tile in the cross-warp composition (sm_90 SASS of
-the loop body).
+Measured on an H200 (results/kernels/rglru/README.md, run 5; device time of graph
+replay): bare scan at B=8, D=1024 with W=8, TT=8, 4 stages: 70/76/79/81% of the memory
+floor at T = 2048/4096/8192/16384 (tile kernels 42-45%, accelerated-scan 77-89%);
+RG-LRU at B=4, T=2048, D=2560 with W=4, TT=8, 3 stages: fwd+bwd 0.374 ms, 0.288 ms with
+fast_math (tile kernels 0.533 / 0.455 ms). What is left: one program per 64 channels
+(128 programs at the scan shape, 1 per SM) and 11 barriers per tile (pipelined loads,
+the cross-warp composition and its layout changes; sm_90 SASS of the loop bodies).
 """
 
 from __future__ import annotations
