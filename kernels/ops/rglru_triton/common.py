@@ -154,6 +154,41 @@ def g_rsqrt(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def channels(i_d, BD: tl.constexpr, VEC: tl.constexpr):
+    # VEC > 0: claim only VEC contiguous channels (true: there are BD). Triton's coalescing
+    # then gives every [BT, BD] tile the layout sizePerThread = [1, VEC], threadsPerWarp =
+    # [1, 32], warpsPerCTA = [1, num_warps] (with BD = 32 * num_warps * VEC): each thread
+    # owns VEC whole time columns, and the associative scan along time is an in-register
+    # serial loop (no shuffles, no shared memory). VEC = 0: the pointer analysis decides
+    # (8 BF16 per thread along D, time across lanes and warps).
+    o_d = i_d * BD + tl.arange(0, BD)
+    if VEC > 0:
+        o_d = tl.max_contiguous(o_d, VEC)
+    return o_d
+
+
+@triton.jit
+def program_start(ap, init, D, BD: tl.constexpr, VEC: tl.constexpr, IS_SCAN: tl.constexpr,
+                  HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+    """A serial program's (sequence, channel block) from its ids: (i_b, channels, their
+    mask, softplus(a_param) or zeros for the bare scan, and the [BD] carry it starts
+    from: `init` [B, D] (the initial state forward, the final state's gradient backward)
+    or zeros)."""
+    i_b = tl.program_id(1).to(tl.int64)
+    o_d = channels(tl.program_id(0), BD, VEC)
+    m_d = o_d < D
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    if HAS_INIT:
+        v = tl.load(init + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        v = tl.zeros([BD], ACC)
+    return i_b, o_d, m_d, sp, v
+
+
+@triton.jit
 def softplus(x):
     # max(x, 0) + log1p(exp(-|x|)); log1p(z) = log(u) * z / (u - 1) with u = 1 + z is
     # accurate for small z (a_param sits near -9 to -4, where log(1 + z) is not).

@@ -39,21 +39,7 @@ import triton.language as tl
 from .. import accounting
 from . import split
 from .common import (recurrence_function, INTERPRET, acc_dtype, fast, affine, blocks_for, check_pow2, coeffs, empty,
-                     last_row, load_raw, out, softplus, tile_grads, tile_offsets, tile_states, tl_acc)
-
-
-@triton.jit
-def channels(i_d, BD: tl.constexpr, VEC: tl.constexpr):
-    # VEC > 0: claim only VEC contiguous channels (true: there are BD). Triton's coalescing
-    # then gives every [BT, BD] tile the layout sizePerThread = [1, VEC], threadsPerWarp =
-    # [1, 32], warpsPerCTA = [1, num_warps] (with BD = 32 * num_warps * VEC): each thread
-    # owns VEC whole time columns, and the associative scan along time is an in-register
-    # serial loop (no shuffles, no shared memory). VEC = 0: the pointer analysis decides
-    # (8 BF16 per thread along D, time across lanes and warps).
-    o_d = i_d * BD + tl.arange(0, BD)
-    if VEC > 0:
-        o_d = tl.max_contiguous(o_d, VEC)
-    return o_d
+                     last_row, load_raw, out, program_start, tile_grads, tile_offsets, tile_states, tl_acc)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -63,19 +49,8 @@ def serial_fwd_kernel(
     SAVE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr = 0,
 ):
-    i_d = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    o_d = channels(i_d, BD, VEC)
-    m_d = o_d < D
+    i_b, o_d, m_d, sp, h = program_start(ap, h0, D, BD, VEC, IS_SCAN, HAS_H0, ACC)
     rows = tl.arange(0, BT)
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
-    if HAS_H0:
-        h = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
-    else:
-        h = tl.zeros([BD], ACC)
     NT = tl.cdiv(T, BT)
     if PREFETCH:
         # The next tile's loads are issued before this tile's scan, so a program keeps
@@ -109,19 +84,8 @@ def serial_bwd_kernel(
     BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr,
     RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr = 0,
 ):
-    i_d = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    o_d = channels(i_d, BD, VEC)
-    m_d = o_d < D
+    i_b, o_d, m_d, sp, r = program_start(ap, dht, D, BD, VEC, IS_SCAN, HAS_DHT, ACC)
     rows = tl.arange(0, BT)
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
-    if HAS_DHT:
-        r = tl.load(dht + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
-    else:
-        r = tl.zeros([BD], ACC)
     dsp = tl.zeros([BD], ACC)
     NT = tl.cdiv(T, BT)
     if PREFETCH:

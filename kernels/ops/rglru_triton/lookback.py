@@ -38,7 +38,7 @@ aggregates and inclusive prefixes FP32 [NC, B, D] (float64 for float64 inputs).
 
 Tile layout (vec): 0 is Triton's default for a [L, BD] tile (time across lanes and warps:
 the chunk's scan costs shuffles and shared memory); 2, 4, 8 give each thread vec whole
-time columns of the chunk (fused_recurrent.channels), so the chunk's scan is a serial
+time columns of the chunk (common.channels), so the chunk's scan is a serial
 loop in registers. For the serial backend this layout left too few threads (run 2);
 here the chunks supply the parallelism (B * D / vec * NC threads).
 
@@ -96,9 +96,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .fused_recurrent import channels
-from .common import (INTERPRET, acc_dtype, adjoint_scans, affine, check_pow2, empty, fast, first_row, last_row,
-                     load_tile, out, softplus, tile_grads_given, tile_states, tl_acc)
+from .common import (INTERPRET, acc_dtype, adjoint_scans, affine, channels, check_pow2, empty, fast, first_row,
+                     last_row, load_tile, out, softplus, tile_grads_given, tile_states, tl_acc)
 
 L_RANGE = (16, 256)
 VECS = (0, 2, 4, 8)

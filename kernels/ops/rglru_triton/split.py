@@ -51,7 +51,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import adjoint_scans, affine, affine_excl, coeffs_vk, mem_order, out, softplus, tile_grads_given
+from .common import adjoint_scans, affine, affine_excl, coeffs_vk, mem_order, out, program_start, tile_grads_given
 
 
 def even(T: int, D: int, cfg: dict) -> bool:
@@ -174,22 +174,10 @@ def split_fwd_kernel(
     STAGES: tl.constexpr, EVEN: tl.constexpr, WS: tl.constexpr,
     ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
 ):
-    i_d = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    o_d = tl.max_contiguous(o_d, VEC)
-    m_d = o_d < D
+    i_b, o_d, m_d, sp, h = program_start(ap, h0, D, BD, VEC, IS_SCAN, HAS_H0, ACC)
     ii = tl.arange(0, TT)[:, None]
     wcol = tl.arange(0, W)[:, None]
     im = tl.arange(0, TT)[None, :]
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
-    if HAS_H0:
-        h = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
-    else:
-        h = tl.zeros([BD], ACC)
     BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
     if PREFETCH:
@@ -225,11 +213,7 @@ def split_bwd_kernel(
     EVEN: tl.constexpr, WS: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr,
     VEC: tl.constexpr,
 ):
-    i_d = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    o_d = tl.max_contiguous(o_d, VEC)
-    m_d = o_d < D
+    i_b, o_d, m_d, sp, r = program_start(ap, dht, D, BD, VEC, IS_SCAN, HAS_DHT, ACC)
     ii = tl.arange(0, TT)[:, None]
     wcol = tl.arange(0, W)[:, None]
     im = tl.arange(0, TT)[None, :]
@@ -240,14 +224,6 @@ def split_bwd_kernel(
         seg = W - 1 - wcol
     else:
         seg = wcol
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
-    if HAS_DHT:
-        r = tl.load(dht + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
-    else:
-        r = tl.zeros([BD], ACC)
     dsp = tl.zeros([W, BD], ACC)
     BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
