@@ -81,7 +81,8 @@ def main(argv=None):
     for label, fn, kw, nw, per in variants():
         regs, stack, ops = loop_mix(S.compile_sm90(fn, kw, nw))
         n = sum(ops.values())
-        lines.append(f"{label:48s} {regs:4d} {stack:5d} {n:5d} {n / per:6.1f} " + " ".join(f"{ops[k]:5d}" for k in KEYS))
+        counts = " ".join(f"{ops[k]:5d}" for k in KEYS)
+        lines.append(f"{label:48s} {regs:4d} {stack:5d} {n:5d} {n / per:6.1f} {counts}")
         print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
