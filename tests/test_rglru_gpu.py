@@ -27,10 +27,12 @@ VARIANTS = [("serial", {}), ("chunk", {"chunk_size": 8}), ("chunk", {"chunk_size
                        "bwd": "lookback", "bwd_chunk": 32, "bwd_vec": 2, "bwd_warps": 2, "bwd_block_d": 64}),
             ("serial", {"time_warps": 1}), ("serial", {"time_warps": 8, "block_t": 8, "num_stages": 1}),
             ("serial", {"fast_math": True, "time_warps": 4, "block_t": 8, "num_stages": 3}),
-            ("serial", {"time_warps": 8, "block_t": 4, "vec": 4, "num_stages": 3})]
+            ("serial", {"time_warps": 8, "block_t": 4, "vec": 4, "num_stages": 3}),
+            ("serial", {"time_warps": 4, "block_t": 8, "vec": 1})]
 IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_noprefetch", "serial_stages3", "chunk8loop",
        "chunk16loop", "chunk32loop", "chunk16loop_fast", "serial_fast", "serial_vec2", "serial_vec2_fast",
-       "lookback_fwd", "lookback_fwd_bwd", "serial_tile", "split_w8_prefetch", "split_w4_fast", "split_w8_vec4"]
+       "lookback_fwd", "lookback_fwd_bwd", "serial_tile", "split_w8_prefetch", "split_w4_fast", "split_w8_vec4",
+       "split_w4_vec1"]
 # Subsets for the slower checks: the default (split kernels), chunk 32, chunk 16 loop, the time-in-thread serial,
 # the one-pass look-back forward and backward, the tile serial (run 1's default), the split with register prefetch.
 SUBSET = [0, 3, 8, 12, 15, 16, 17]
@@ -133,12 +135,13 @@ def test_int64_offsets(backend, opts):
 
 SCAN_VARIANTS = [("serial", {}), ("serial", {"prefetch": False, "block_t": 64}), ("chunk", {"chunk_size": 32}),
                  ("chunk", {"chunk_size": 16, "inner": "loop"}), ("serial", {"vec": 4, "block_t": 32, "num_warps": 2}),
-                 ("serial", {"time_warps": 1}), ("serial", {"time_warps": 4, "block_t": 16, "num_stages": 3})]
+                 ("serial", {"time_warps": 1}), ("serial", {"time_warps": 4, "block_t": 16, "num_stages": 3}),
+                 ("serial", {"time_warps": 8, "block_t": 8, "vec": 1})]
 
 
 @pytest.mark.parametrize("backend,opts", SCAN_VARIANTS,
                          ids=["serial", "serial_noprefetch", "chunk32", "chunk16loop", "serial_vec4", "serial_tile",
-                              "split_w4"])
+                              "split_w4", "split_w8_vec1"])
 def test_scan_track_shape(backend, opts):
     # Section-4 scan shape in BF16 (FP32 accumulation): output, final state, both gradients.
     Bs, Ts, Ds = 8, 4096, 1024

@@ -91,6 +91,16 @@ def test_float64_is_exact(op, shape):
         assert parity.rel_err(g, w) <= FP64_TOL, i
 
 
+@pytest.mark.parametrize("op,shape", [("rglru", {**ODD, "opts": {**ODD["opts"], "vec": 1}}),
+                                      ("scan", {**EVEN, "opts": {"time_warps": 4, "block_t": 2, "vec": 1}})],
+                         ids=["rglru-odd", "scan-even"])
+def test_one_channel_per_lane_is_exact(op, shape):
+    # vec 1: the [BD, W, TT] memory order (32 channels per program, one per lane).
+    got, want = compare(op, shape, torch.float64, seed=6)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert parity.rel_err(g, w) <= FP64_TOL, i
+
+
 def test_no_resets_no_state():
     got, want = compare("rglru", EVEN, torch.float64, seed=2, h0=False, resets=False, final=False)
     assert got[1] is None
@@ -161,6 +171,7 @@ def test_pipeline_stages_fit_shared_memory():
     ({"time_warps": 3}, "time_warps"),
     ({"time_warps": 32}, "time_warps"),
     ({"time_warps": 2, "vec": 0}, "vec"),
+    ({"time_warps": 1, "vec": 1}, "vec"),
     ({"time_warps": 2, "vec": 3}, "vec"),
     ({"time_warps": 2, "num_warps": 4}, "num_warps"),
     ({"time_warps": 2, "vec": 2, "block_d": 32}, "block_d"),

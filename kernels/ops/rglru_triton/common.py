@@ -363,8 +363,11 @@ def adjoint_scans(dyv, a, ACC: tl.constexpr, FLIP: tl.constexpr):
 @triton.jit
 def mem_order(v, SPLIT: tl.constexpr):
     """A split tile (split.py) between its scan order [TT, W, BD] and its memory order
-    [W, TT, BD] (the same registers relabelled); other tiles unchanged."""
-    if SPLIT:
+    (the same registers relabelled): SPLIT 1 [W, TT, BD], SPLIT 2 [BD, W, TT] (one
+    channel per lane); other tiles (SPLIT 0) unchanged."""
+    if SPLIT == 2:
+        return tl.permute(v, (2, 1, 0))
+    elif SPLIT:
         return tl.permute(v, (1, 0, 2))
     else:
         return v
@@ -374,8 +377,9 @@ def mem_order(v, SPLIT: tl.constexpr):
 def tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
                      ea, eb, ia, ib, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
                      FAST: tl.constexpr, SPLIT: tl.constexpr = False):
-    """tile_grads once the adjoint scans are known (see adjoint_scans). SPLIT: a split
-    tile (split.py): values in scan order, off and m in memory order, r [W, BD]."""
+    """tile_grads once the adjoint scans are known (see adjoint_scans). SPLIT (1 or 2, see
+    mem_order): a split tile (split.py): values in scan order, off and m in memory order,
+    r [W, BD]."""
     lam = dyv + ea * r[None, :] + eb
     r_new = first_row(ia * r[None, :] + ib, rows)
     if IS_SCAN:

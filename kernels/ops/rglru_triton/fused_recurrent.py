@@ -183,8 +183,8 @@ def _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_ma
     # time_warps = W > 1 (split.py): W warps along time, each TT = block_t steps per tile,
     # vec channels per thread (default 2), BD = 32 * vec.
     v = 2 if vec is None else vec
-    if not isinstance(v, int) or isinstance(v, bool) or v not in (2, 4, 8):
-        raise ValueError(f"expected vec in [2, 4, 8] with time_warps > 1, got {vec!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or v not in (1, 2, 4, 8):
+        raise ValueError(f"expected vec in [1, 2, 4, 8] with time_warps > 1, got {vec!r}")
     if num_warps is not None and num_warps != tw:
         raise ValueError(f"expected num_warps to be None or time_warps = {tw} (every warp along time), "
                          f"got {num_warps!r}")
@@ -253,7 +253,8 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
                   FAST=fast(cfg, x), VEC=cfg["VEC"], num_warps=cfg["num_warps"])
     if cfg["TW"] > 1:
         split.split_fwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"],
-                                     EVEN=split.even(T, D, cfg), WS=cfg["WS"], **common)
+                                     EVEN=split.even(T, D, cfg), WS=cfg["WS"], MO=2 if cfg["VEC"] == 1 else 1,
+                                     **common)
     else:
         serial_fwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
@@ -281,7 +282,8 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
                   VEC=cfg["VEC"], num_warps=cfg["num_warps"])
     if cfg["TW"] > 1:
         split.split_bwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"],
-                                     EVEN=split.even(T, D, cfg), WS=cfg["WS"], **common)
+                                     EVEN=split.even(T, D, cfg), WS=cfg["WS"], MO=2 if cfg["VEC"] == 1 else 1,
+                                     **common)
     else:
         serial_bwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
     accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
@@ -299,8 +301,8 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
     """RG-LRU from gate logits through the serial kernels; the reference signature.
     x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
     [B, D] FP32. Options: time_warps (W > 1: the split kernels of split.py, W warps
-    along time, each warp block_t steps per tile, vec channels per thread (2, 4, 8;
-    default 2), num_warps = W; default W = 4, block_t 8, num_stages 3 for the RG-LRU and
+    along time, each warp block_t steps per tile, vec channels per thread (1, 2, 4, 8;
+    default 2; 1 is unmeasured on a GPU), num_warps = W; default W = 4, block_t 8, num_stages 3 for the RG-LRU and
     W = 8, block_t 8, num_stages 4 for the bare scan (SPLIT_DEFAULT); 1: the tile
     kernels below, also chosen when vec, block_d or num_warps is given and, by default,
     for an RG-LRU forward that needs no gradient), block_t (time

@@ -4,12 +4,11 @@ time_warps = W > 1).
 A program owns BD = 32 * vec channels of one sequence, as with option vec, and walks
 time in tiles of W * TT steps (TT = block_t). Warp w holds the TT consecutive steps
 w * TT .. w * TT + TT - 1 of a tile, each thread vec adjacent channels with those TT
-steps in its registers. The tile is addressed as [W, TT, BD] (memory order): the last
-axis is contiguous, so Triton's coalescing puts lanes along it; the other two have
-equal contiguity and Triton orders such dims by position, so the warps go along axis 0
-and axis 1 stays in each thread's registers (sizePerThread [1, 1, vec], threadsPerWarp
-[1, 1, 32], warpsPerCTA [W, 1, 1], checked in the sm_90 TTGIR). tl.permute to
-[TT, W, BD] (common.mem_order) relabels the same registers for the scans along axis 0.
+steps in its registers. The tile is addressed in a memory order that makes Triton's
+coalescing choose that layout (split_offsets: [W, TT, BD] for vec >= 2, [BD, W, TT] for
+vec 1, one channel per lane, twice the programs of vec 2; checked in the sm_90 TTGIR),
+and tl.permute relabels the same registers as [TT, W, BD] (common.mem_order) for the
+scans along axis 0.
 Offsets are int32 from one int64 base per tile; when T and D are multiples of the tile
 (EVEN) no element masks are formed (static sm_90 count of the bare-scan forward: 41
 instructions per element against 83 with int64 offsets and masks). num_stages > 1
@@ -44,6 +43,9 @@ RG-LRU at B=4, T=2048, D=2560 with W=4, TT=8, 3 stages: fwd+bwd 0.374 ms, 0.288 
 fast_math (tile kernels 0.533 / 0.455 ms). What is left: one program per 64 channels
 (128 programs at the scan shape, 1 per SM) and 11 barriers per tile (pipelined loads,
 the cross-warp composition and its layout changes; sm_90 SASS of the loop bodies).
+vec 1 (32 channels per program, twice the programs, 5-7 barriers per tile in its sm_90
+loops, two-byte loads, no pipelined stages) is exact on the CPU interpreter but not yet
+measured on a GPU.
 """
 
 from __future__ import annotations
@@ -64,33 +66,44 @@ def even(T: int, D: int, cfg: dict) -> bool:
 
 
 @triton.jit
-def split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, EVEN: tl.constexpr):
+def split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, EVEN: tl.constexpr, MO: tl.constexpr):
     """The tile of steps t0 .. t0 + W * TT - 1, warp row w holding segment seg[w]: [W, TT]
-    time steps t0 + seg[w] * TT + i, the
-    tile's first element (int64 scalar), [W, TT, BD] element offsets from it (int32: one
-    wide multiply-add per address) and the mask (EVEN: T and D are multiples of the tile,
-    so only whole tiles outside [0, T), which the prefetch reaches, are masked, by one
-    uniform predicate). Memory order: W first. Triton orders the dims of equal
-    contiguity by position, so this puts the warps on axis 0 and leaves axis 1 to each
-    thread's registers; `tl.permute(v, (1, 0, 2))` (common.mem_order) then gives the
-    [TT, W, BD] view the scans use, a relabelling of the same registers."""
+    time steps t0 + seg[w] * TT + i, the tile's first element (int64 scalar), element
+    offsets from it in memory order (int32: one wide multiply-add per address) and the
+    mask (EVEN: T and D are multiples of the tile, so only whole tiles outside [0, T),
+    which the prefetch reaches, are masked, by one uniform predicate).
+
+    Memory order MO 1, [W, TT, BD] (vec >= 2): the last axis is contiguous, so Triton's
+    coalescing puts lanes along it; the others have equal contiguity and Triton orders
+    such dims by position, so the warps go along axis 0 and axis 1 stays in each
+    thread's registers. MO 2, [BD, W, TT] (vec 1): every axis has contiguity 1, so the
+    order is by position: lanes along the channels, warps along axis 1, time in
+    registers (checked in the sm_90 TTGIR). common.mem_order relabels either as the
+    [TT, W, BD] view the scans use."""
     rt = seg * TT + im
     t = t0 + rt
     base = (i_b * T + t0) * D
-    rel = (rt * D)[:, :, None] + o_d[None, None, :]
-    if EVEN:
-        m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
+    if MO == 2:
+        rel = (rt * D)[None, :, :] + o_d[:, None, None]
+        if EVEN:
+            m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
+        else:
+            m = ((t >= 0) & (t < T))[None, :, :] & m_d[:, None, None]
     else:
-        m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
+        rel = (rt * D)[:, :, None] + o_d[None, None, :]
+        if EVEN:
+            m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
+        else:
+            m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
     return t, base, rel, m
 
 
 @triton.jit
 def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, IS_SCAN: tl.constexpr,
-               HAS_RESET: tl.constexpr, EVEN: tl.constexpr):
+               HAS_RESET: tl.constexpr, EVEN: tl.constexpr, MO: tl.constexpr):
     """The tile's inputs as stored, [TT, W, BD], and its positions [TT, W]; as
     common.load_raw."""
-    t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN)
+    t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN, MO)
     if HAS_RESET:
         p = tl.load(pos + i_b * T + t, mask=(t >= 0) & (t < T), other=1)
     else:
@@ -103,7 +116,7 @@ def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexp
         r0 = tl.load(x + base + rel, mask=m, other=0.0)
         r1 = tl.load(gx + base + rel, mask=m, other=0.0)
         r2 = tl.load(ga + base + rel, mask=m, other=0.0)
-    return mem_order(r0, True), mem_order(r1, True), mem_order(r2, True), tl.trans(p)
+    return mem_order(r0, MO), mem_order(r1, MO), mem_order(r2, MO), tl.trans(p)
 
 
 @triton.jit
@@ -171,7 +184,7 @@ def split_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
-    STAGES: tl.constexpr, EVEN: tl.constexpr, WS: tl.constexpr,
+    STAGES: tl.constexpr, EVEN: tl.constexpr, WS: tl.constexpr, MO: tl.constexpr,
     ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
 ):
     i_b, o_d, m_d, sp, h = program_start(ap, h0, D, BD, VEC, IS_SCAN, HAS_H0, ACC)
@@ -181,24 +194,26 @@ def split_fwd_kernel(
     BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
     if PREFETCH:
-        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN,
+                                   MO)
     for i_t in tl.range(0, NT, num_stages=STAGES):
         t0 = i_t * BT
         if SAVE and not WS:
             tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
-        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN)
+        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN, MO)
         if PREFETCH:
             n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 + BT, T, D, o_d, m_d, im, wcol, TT, IS_SCAN,
-                                         HAS_RESET, EVEN)
+                                         HAS_RESET, EVEN, MO)
         else:
-            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET,
+                                       EVEN, MO)
         valid = tl.trans(t < T)[:, :, None]
         keep = (p != 0)[:, :, None]
         a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC, FAST)
         hh, h_prev, h, hw = split_states(a, b, h, ii, wcol, TT, W, False, ACC)
         if SAVE and WS:
             tl.store(hs + ((i_b * NT + i_t) * W + wcol) * D + o_d[None, :], hw, mask=m_d[None, :])
-        tl.store(y + base + rel, out(mem_order(hh, True), y, RNE), mask=m)
+        tl.store(y + base + rel, out(mem_order(hh, MO), y, RNE), mask=m)
         if PREFETCH:
             r0, r1, r2, p = n0, n1, n2, n_p
     if STORE_HT:
@@ -210,8 +225,8 @@ def split_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-    EVEN: tl.constexpr, WS: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr,
-    VEC: tl.constexpr,
+    EVEN: tl.constexpr, WS: tl.constexpr, MO: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+    FAST: tl.constexpr, VEC: tl.constexpr,
 ):
     i_b, o_d, m_d, sp, r = program_start(ap, dht, D, BD, VEC, IS_SCAN, HAS_DHT, ACC)
     ii = tl.arange(0, TT)[:, None]
@@ -229,23 +244,25 @@ def split_bwd_kernel(
     NT = tl.cdiv(T, BT)
     if PREFETCH:
         t_last = (NT - 1) * BT
-        t_l, base_l, rel, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, seg, TT, EVEN)
-        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET, EVEN)
-        dyr = mem_order(tl.load(dy + base_l + rel, mask=m, other=0.0), True)
+        t_l, base_l, rel, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, seg, TT, EVEN, MO)
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET,
+                                   EVEN, MO)
+        dyr = mem_order(tl.load(dy + base_l + rel, mask=m, other=0.0), MO)
         hin = load_entry(hs, i_b, NT - 1, NT, D, o_d, m_d, seg, W, WS)
     for j in tl.range(0, NT, num_stages=STAGES):
         i_t = NT - 1 - j
         t0 = i_t * BT
-        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN)
+        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN, MO)
         if PREFETCH:
-            t_n, base_n, reln, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, EVEN)
+            t_n, base_n, reln, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, EVEN, MO)
             n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, IS_SCAN,
-                                         HAS_RESET, EVEN)
-            n_dy = mem_order(tl.load(dy + base_n + reln, mask=mn, other=0.0), True)
+                                         HAS_RESET, EVEN, MO)
+            n_dy = mem_order(tl.load(dy + base_n + reln, mask=mn, other=0.0), MO)
             n_hin = load_entry(hs, i_b, tl.maximum(i_t - 1, 0), NT, D, o_d, m_d, seg, W, WS)
         else:
-            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET, EVEN)
-            dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), True)
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET,
+                                       EVEN, MO)
+            dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), MO)
             hin = load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W, WS)
         valid = tl.trans(t < T)[:, :, None]
         keep = (p != 0)[:, :, None]
@@ -271,7 +288,7 @@ def split_bwd_kernel(
         rw = xa * r[None, :] + xb
         r_first, dsp_t = tile_grads_given(dyv, dx + base, dgx + base, dga + base, rel, m, valid, keep, a, b, xv,
                                           sx, sa, mult, u, h, hprev, rw, ea, eb, ia, ib, sp, ii, IS_SCAN, ACC, RNE,
-                                          FAST, True)
+                                          FAST, MO)
         # the carry leaving the tile at its first step: the first segment's
         r = row_of(ja * r[None, :] + jb, seg, 0)
         if not IS_SCAN:

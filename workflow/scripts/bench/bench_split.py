@@ -45,9 +45,10 @@ def graph_ms(fn, reps, warm):
 
 # (time_warps, block_t, vec, num_stages); num_stages 1 runs with register prefetch of the
 # next tile, more stages with Triton's pipelined (cp.async) loads
-SCAN_GRID = [(4, 16, 2, 4), (8, 16, 2, 4)]
-RGLRU_GRID = [(4, 8, 2, 4), (4, 8, 2, 2), (8, 8, 2, 3), (4, 16, 2, 3), (2, 16, 2, 3), (4, 8, 4, 3), (2, 32, 2, 3),
-              (8, 16, 2, 2)]
+# Sweep 6's grid plus vec 1 (one channel per lane, twice the programs; not yet run on a GPU).
+SCAN_GRID = [(4, 16, 2, 4), (8, 16, 2, 4), (4, 8, 1, 1), (8, 8, 1, 1), (4, 16, 1, 1), (8, 4, 1, 1)]
+RGLRU_GRID = [(4, 8, 2, 4), (4, 8, 2, 2), (8, 8, 2, 3), (4, 16, 2, 3), (2, 16, 2, 3), (4, 8, 4, 3), (4, 8, 1, 1),
+              (8, 8, 1, 1), (2, 8, 1, 1)]
 
 
 def opts_of(tw, tt, vec, st, **extra):

@@ -61,15 +61,18 @@ def variants():
     fwd = dict(x=P, gx=P, ga=P, ap=F, pos=I64, h0=F, y=P, ht=F, hs=F, HAS_H0=False, STORE_HT=False)
     bwd = dict(x=P, gx=P, ga=P, ap=F, pos=I64, hs=F, dy=P, dht=F, dx=P, dgx=P, dga=P, dh0=F, dsp_part=F,
                HAS_DHT=False, STORE_DH0=False)
-    for scan, W, TT, st in ((True, 8, 8, 4), (True, 4, 16, 4), (False, 4, 8, 3)):
-        kw = {**base, **fwd, "IS_SCAN": scan, "HAS_RESET": not scan, "SAVE": not scan, "TT": TT, "W": W, "BD": 64,
-              "PREFETCH": False, "STAGES": st, "VEC": 2, "WS": TT >= 8}
-        yield f"fwd {'scan ' if scan else 'rglru'} W{W} TT{TT} stages{st}", split.split_fwd_kernel, kw, W, TT * 2
-    for W, TT, st, pf, ws in ((4, 8, 3, False, True), (4, 8, 1, True, True), (4, 8, 3, False, False)):
-        kw = {**base, **bwd, "IS_SCAN": False, "HAS_RESET": True, "TT": TT, "W": W, "BD": 64, "PREFETCH": pf,
-              "STAGES": st, "VEC": 2, "WS": ws}
-        tag = f"bwd rglru W{W} TT{TT} stages{st}{' prefetch' if pf else ''}{' segment-states' if ws else ''}"
-        yield tag, split.split_bwd_kernel, kw, W, TT * 2
+    for scan, W, TT, st, vec in ((True, 8, 8, 4, 2), (True, 4, 16, 4, 2), (False, 4, 8, 3, 2), (True, 4, 8, 1, 1),
+                                 (True, 8, 8, 1, 1), (False, 4, 8, 1, 1)):
+        kw = {**base, **fwd, "IS_SCAN": scan, "HAS_RESET": not scan, "SAVE": not scan, "TT": TT, "W": W,
+              "BD": 32 * vec, "PREFETCH": st == 1, "STAGES": st, "VEC": vec, "WS": TT >= 8, "MO": 2 if vec == 1 else 1}
+        yield (f"fwd {'scan ' if scan else 'rglru'} W{W} TT{TT} vec{vec} stages{st}", split.split_fwd_kernel, kw, W,
+               TT * vec)
+    for W, TT, st, pf, ws, vec in ((4, 8, 3, False, True, 2), (4, 8, 1, True, True, 2), (4, 8, 3, False, False, 2),
+                                   (4, 8, 1, True, True, 1)):
+        kw = {**base, **bwd, "IS_SCAN": False, "HAS_RESET": True, "TT": TT, "W": W, "BD": 32 * vec, "PREFETCH": pf,
+              "STAGES": st, "VEC": vec, "WS": ws, "MO": 2 if vec == 1 else 1}
+        tag = f"bwd rglru W{W} TT{TT} vec{vec} stages{st}{' prefetch' if pf else ''}{' segment-states' if ws else ''}"
+        yield tag, split.split_bwd_kernel, kw, W, TT * vec
 
 
 def main(argv=None):
