@@ -79,7 +79,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args(argv)
-    lines = [f"{'kernel (fast_math, EVEN, vec 2)':48s} {'regs':>4s} {'stack':>5s} {'loop':>5s} {'/elem':>6s} "
+    lines = [f"{'kernel (fast_math, EVEN)':48s} {'regs':>4s} {'stack':>5s} {'loop':>5s} {'/elem':>6s} "
              + " ".join(f"{k:>5s}" for k in KEYS) + "   (loop body, per tile per thread)"]
     for label, fn, kw, nw, per in variants():
         regs, stack, ops = loop_mix(S.compile_sm90(fn, kw, nw))
