@@ -24,17 +24,22 @@ Per tile, forward:
 3. the state entering segment w is its exclusive prefix applied to the carry; the
    outputs are stored and the carry becomes the inclusive composition of all W
    segments applied to it.
-The backward walks the tiles in reverse with the same split: the segments' states from
-the saved tile-entry state (forward steps 1-3), then the reverse adjoint in registers
-per warp, the W segments' reverse maps composed across warps by a reverse scan, and
-the gradients as in the other backends (common.tile_grads_given).
+The backward walks the tiles in reverse with the same split. With block_t >= 8 (WS) the
+forward saved the state entering every warp's segment, so each warp recomputes its
+states on its own, and the warps hold the segments last first (seg = W - 1 - w), so the
+segments' reverse adjoint maps compose across warps by a forward scan (Triton's reverse
+scan across warps costs lane shuffles). With shorter segments the forward saved the
+state entering each tile, and the states are recomputed with the forward's steps 1-3
+and the adjoint composed by a reverse scan. Then the gradients as in the other backends
+(common.tile_grads_given); the a_param partials stay per warp until the end.
 
 Why: option vec alone keeps every thread on a serial chain of T / vec-channel steps
 with B * D / vec threads in all, too few to cover memory latency (run 2); the split
 multiplies the threads by W while each element still costs an in-register scan step,
 and only 1 / TT of the elements take part in the cross-warp composition. Inputs are
-read once per pass, outputs written once (plus the FP32 tile-entry states [B, NT, D],
-NT = ceil(T / (W * TT)), kept for backward).
+read once per pass, outputs written once, plus the FP32 states kept for backward:
+[B, NT * W, D] with WS (one per segment, NT = ceil(T / (W * TT)): 1/8 of an FP32
+activation at block_t 8), else [B, NT, D].
 
 Measured on an H200 (results/kernels/rglru/README.md, run 5; device time of graph
 replay): bare scan at B=8, D=1024 with W=8, TT=8, 4 stages: 70/76/79/81% of the memory
@@ -44,8 +49,8 @@ fast_math (tile kernels 0.533 / 0.455 ms). What is left: one program per 64 chan
 (128 programs at the scan shape, 1 per SM) and 11 barriers per tile (pipelined loads,
 the cross-warp composition and its layout changes; sm_90 SASS of the loop bodies).
 vec 1 (32 channels per program, twice the programs, 5-7 barriers per tile in its sm_90
-loops, two-byte loads, no pipelined stages) is exact on the CPU interpreter but not yet
-measured on a GPU.
+loops, two-byte BF16 loads, too narrow for cp.async) is exact on the CPU interpreter but
+not yet measured on a GPU.
 """
 
 from __future__ import annotations
