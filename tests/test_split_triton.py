@@ -17,7 +17,7 @@ from kernels import parity
 from kernels.ops import accounting, reference
 from kernels.ops.rglru_triton import common, fused_recurrent
 
-from test_rglru_triton import document_positions
+from test_rglru_triton import document_positions, run
 
 B = 2
 FP32_TOL = parity.BACKEND_TOL[torch.float32]
@@ -49,27 +49,13 @@ def make(op, T, D, dtype, seed):
     return [x.to(dtype), gx.to(dtype), (2.0 * ga).to(dtype), ap.to(pdt)], h0
 
 
-def run(op, fn, args, h0, pos, final=True, **opts):
-    """Output, final state and the gradient of every input (h0 last) under fixed random
-    cotangents of the output and the final state."""
-    leaves = [t.detach().clone().requires_grad_() for t in args]
-    hl = None if h0 is None else h0.detach().clone().requires_grad_()
-    y, h = fn(*leaves, pos, hl, final, **opts)
-    g = torch.Generator().manual_seed(7)
-    loss = (y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64)).sum()
-    if final:
-        loss = loss + (h.double() * torch.randn(h.shape, generator=g, dtype=torch.float64)).sum()
-    grads = torch.autograd.grad(loss, leaves + ([] if hl is None else [hl]))
-    return [y, h, *grads]
-
-
 def compare(op, shape, dtype, seed=0, h0=True, resets=True, final=True):
     args, init = make(op, shape["T"], shape["D"], dtype, seed)
     init = init if h0 else None
     pos = document_positions(shape["T"], STARTS) if resets else None
     ref = reference.scan if op == "scan" else reference.rglru
-    want = run(op, ref, [a.double() for a in args], None if init is None else init.double(), pos, final)
-    got = run(op, kernels.backends(op)["serial"], args, init, pos, final, **shape["opts"])
+    want = run(ref, [a.double() for a in args], None if init is None else init.double(), pos, final)
+    got = run(kernels.backends(op)["serial"], args, init, pos, final, **shape["opts"])
     return got, want
 
 
@@ -112,9 +98,9 @@ def test_no_resets_no_state():
 def test_bf16_against_pytorch_at_bf16():
     args, h0 = make("rglru", ODD["T"], ODD["D"], torch.bfloat16, 3)
     pos = document_positions(ODD["T"], STARTS)
-    exact = run("rglru", reference.rglru, [a.double() for a in args], h0.double(), pos)
-    yard = run("rglru", reference.rglru, args, h0, pos)
-    got = run("rglru", kernels.backends("rglru")["serial"], args, h0, pos, **ODD["opts"])
+    exact = run(reference.rglru, [a.double() for a in args], h0.double(), pos)
+    yard = run(reference.rglru, args, h0, pos)
+    got = run(kernels.backends("rglru")["serial"], args, h0, pos, **ODD["opts"])
     assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
     for i, (g, y, w) in enumerate(zip(got, yard, exact)):
         assert parity.rel_err(g, w) <= max(parity.LOWP_FACTOR * parity.rel_err(y, w), 1e-6), i

@@ -32,6 +32,8 @@ despite 3x fewer instructions, so vec stays opt-in (large B * D may differ; unme
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -152,10 +154,7 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
             num_stages = SPLIT_DEFAULT["scan" if is_scan else "rglru"]["num_stages"]
     tw = check_pow2("time_warps", time_warps, 1, 16)
     if tw > 1:
-        cfg = _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec)
-        cfg["STAGES_SET"] = stages_set
-        cfg["PREFETCH_SET"] = prefetch is not None
-        return cfg
+        return _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec, stages_set)
     v = 0 if vec is None else vec
     if not isinstance(v, int) or isinstance(v, bool) or v not in (0, 2, 4, 8):
         raise ValueError(f"expected vec in [0, 2, 4, 8] (channels per thread, time inside each thread; 0: "
@@ -176,10 +175,10 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
     pf = (not v) if prefetch is None else bool(prefetch)
     return {"BT": bt, "BD": bd, "num_warps": nw, "STAGES": ns, "PREFETCH": pf, "FAST": bool(fast_math), "VEC": v,
-            "TW": 1}
+            "TW": 1, "WS": False}
 
 
-def _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec):
+def _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_math, vec, stages_set):
     # time_warps = W > 1 (split.py): W warps along time, each TT = block_t steps per tile,
     # vec channels per thread (default 2), BD = 32 * vec.
     v = 2 if vec is None else vec
@@ -200,14 +199,20 @@ def _split_config(tw, block_t, block_d, num_warps, num_stages, prefetch, fast_ma
     # at most 1/8 of an FP32 activation for TT >= 8), so the backward recomputes states
     # per warp without the cross-warp step; shorter segments save per tile.
     return {"BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": ns, "PREFETCH": pf, "WS": tt >= 8,
-            "FAST": bool(fast_math), "VEC": v, "TW": tw}
+            "FAST": bool(fast_math), "VEC": v, "TW": tw, "STAGES_SET": stages_set, "PREFETCH_SET": prefetch is not None}
 
 
 def smem_limit(device: torch.device):
     """Shared memory one program may use on a CUDA device (None elsewhere: no limit)."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return _smem_limit(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(index: int) -> int:
+    # queried once per device: the launchers run on the host's critical path
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> dict:
@@ -221,14 +226,14 @@ def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> d
     scratch = 8 * cfg["TW"] * cfg["BD"] * 4 + 4096       # the cross-warp scans and layout changes
     stages = cfg["STAGES"]
     while stages > 1 and (stages - 1) * tile + scratch > limit:
-        if cfg.get("STAGES_SET"):
+        if cfg["STAGES_SET"]:
             raise ValueError(f"expected num_stages with (num_stages - 1) x {tile} bytes of tiles within the "
                              f"device's {limit} bytes of shared memory (time_warps {cfg['TW']}, block_t "
                              f"{cfg['TT']}, {elsize}-byte elements), got {cfg['STAGES']}; lower num_stages or block_t")
         stages -= 1
     if stages == cfg["STAGES"]:
         return cfg
-    return {**cfg, "STAGES": stages, "PREFETCH": cfg["PREFETCH"] if cfg.get("PREFETCH_SET") else stages == 1}
+    return {**cfg, "STAGES": stages, "PREFETCH": cfg["PREFETCH"] if cfg["PREFETCH_SET"] else stages == 1}
 
 
 def _tile_bytes(is_scan, x, pos):
@@ -243,7 +248,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
     acc = acc_dtype(x.dtype)
     y = empty((B, T, D), x.dtype, x.device)
     ht = empty((B, D), acc, x.device) if output_final_state else None
-    NT = triton.cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg.get("WS") else 1)
+    NT = triton.cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg["WS"] else 1)
     hs = empty((B, NT, D), acc, x.device) if save else None
     grid = (triton.cdiv(D, cfg["BD"]), B)
     args = (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,

@@ -30,10 +30,6 @@ import bench_rglru as br  # noqa: E402
 from kernels.timing import time_fn  # noqa: E402
 
 
-def log(*a):
-    print(*a, flush=True)
-
-
 def graph_ms(fn, reps, warm):
     try:
         fn()
@@ -44,8 +40,8 @@ def graph_ms(fn, reps, warm):
 
 
 # (time_warps, block_t, vec, num_stages); num_stages 1 runs with register prefetch of the
-# next tile, more stages with Triton's pipelined (cp.async) loads
-# Sweep 6's grid plus vec 1 (one channel per lane, twice the programs; not yet run on a GPU).
+# next tile, more stages with Triton's pipelined (cp.async) loads. Sweep 6's grid plus
+# vec 1 (one channel per lane, twice the programs; not yet run on a GPU).
 SCAN_GRID = [(4, 16, 2, 4), (8, 16, 2, 4), (4, 8, 1, 1), (8, 8, 1, 1), (4, 16, 1, 1), (8, 4, 1, 1)]
 RGLRU_GRID = [(4, 8, 2, 4), (4, 8, 2, 2), (8, 8, 2, 3), (4, 16, 2, 3), (2, 16, 2, 3), (4, 8, 4, 3), (4, 8, 1, 1),
               (8, 8, 1, 1), (2, 8, 1, 1)]
@@ -103,7 +99,7 @@ def main():
            "scan": {}, "rglru": {}}
     res["copy"] = br.copy_bandwidth(1 << 30 if not smoke else 1 << 16, dev)
     bw = res["copy"]["bytes_per_s"]
-    log(f"copy {bw / 1e12:.3f} TB/s")
+    br.log(f"copy {bw / 1e12:.3f} TB/s")
 
     def save():
         (out / "bench_split.json").write_text(json.dumps(res, indent=1, default=str))
@@ -123,7 +119,7 @@ def main():
             if rec.get("median_ms"):
                 rec["floor_fraction"] = floor / rec["median_ms"]
             row["variants"][n] = rec
-            log(f"scan T={T:5d} {n:50s} " + (f"{rec['median_ms']:.4f} ms {rec['floor_fraction'] * 100:5.1f}%"
+            br.log(f"scan T={T:5d} {n:50s} " + (f"{rec['median_ms']:.4f} ms {rec['floor_fraction'] * 100:5.1f}%"
                                              if rec.get("median_ms") else f"FAILED {rec.get('error', gate)}"))
         if peers.get("accelerated_scan_scalar") and not smoke:
             at, bt = br.scan_inputs(B, T, D, dev, seed=1, layout="bdt")
@@ -131,7 +127,7 @@ def main():
             if rec.get("median_ms"):
                 rec["floor_fraction"] = floor / rec["median_ms"]
             row["accelerated_scan_scalar"] = rec
-            log(f"scan T={T:5d} {'accelerated_scan_scalar':50s} {rec.get('median_ms', 0):.4f} ms "
+            br.log(f"scan T={T:5d} {'accelerated_scan_scalar':50s} {rec.get('median_ms', 0):.4f} ms "
                 f"{rec.get('floor_fraction', 0) * 100:5.1f}%")
         save()
 
@@ -151,7 +147,7 @@ def main():
             rec["grads"] = grad_check(backend, opts, argsr, pos, dy, ref_grads, base_grads)
         except Exception as e:                          # noqa: BLE001
             rec["grads"] = {"error": f"{type(e).__name__}: {e}"[:600]}
-        log(f"rglru {n:50s} gate {rec['gate']} grads {rec['grads']}")
+        br.log(f"rglru {n:50s} gate {rec['gate']} grads {rec['grads']}")
         if rec["gate"]["passed"] and "error" not in rec["grads"]:
             cands[n] = (backend, opts)
     save()
@@ -170,9 +166,9 @@ def main():
         for mode in ("fwd", "fwdbwd"):
             s = sorted(x for r in rec[mode] if "samples_ms" in r for x in r["samples_ms"])
             rec[mode + "_median_ms"] = s[len(s) // 2] if s else None
-        log(f"rglru {n:50s} fwd {rec['fwd_median_ms']} fwd+bwd {rec['fwdbwd_median_ms']}")
+        br.log(f"rglru {n:50s} fwd {rec['fwd_median_ms']} fwd+bwd {rec['fwdbwd_median_ms']}")
     save()
-    log("done")
+    br.log("done")
 
 
 if __name__ == "__main__":

@@ -55,14 +55,18 @@ def compile_sm90(fn, args, num_warps):
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": 1})
 
 
-def mix(kernel) -> collections.Counter:
+def cuobjdump(kernel, flag="-sass") -> str:
+    """cuobjdump's listing of a compiled kernel's cubin (-sass, -res-usage, ...)."""
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+        return subprocess.run([str(BIN / "cuobjdump"), flag, str(cubin)], capture_output=True, text=True,
                               check=True).stdout
+
+
+def mix(kernel) -> collections.Counter:
     ops = collections.Counter()
-    for line in sass.splitlines():
+    for line in cuobjdump(kernel).splitlines():
         m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
         if m:
             ops[m.group(1)] += 1

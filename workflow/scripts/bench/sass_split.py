@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,20 +29,12 @@ ADDR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 KEYS = ("BAR", "SHFL", "LDS", "STS", "MUFU", "LDL", "STL")
 
 
-def cuobjdump(kernel, flag):
-    with tempfile.TemporaryDirectory() as d:
-        cubin = Path(d) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        return subprocess.run([str(S.BIN / "cuobjdump"), flag, str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
-
-
 def loop_mix(kernel):
     """(registers, stack bytes, instruction counter of the longest loop body)."""
-    res = cuobjdump(kernel, "-res-usage")
+    res = S.cuobjdump(kernel, "-res-usage")
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     stack = int(re.search(r"STACK:(\d+)", res).group(1))
-    ins = [(int(m.group(1), 16), m.group(2), line) for line in cuobjdump(kernel, "-sass").splitlines()
+    ins = [(int(m.group(1), 16), m.group(2), line) for line in S.cuobjdump(kernel).splitlines()
            if (m := ADDR.match(line))]
     loops = []
     for addr, _, line in ins:
