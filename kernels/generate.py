@@ -6,14 +6,21 @@
 Random weights from a preset, or a checkpoint: a state dict in the official
 recurrentgemma PyTorch layout (an all-recurrent Griffin, converted through
 kernels.from_recurrentgemma) or one of ours (HawkLM.state_dict(); the preset and
---mixer must describe it). Prompts are random tokens after a BOS; --prompt-len 0
-starts from BOS alone. Prints the prefill time, ms per decode step and tokens/s; the
-step time is one timed trajectory (CUDA events) after the graph capture and warm-up.
+--mixer must describe it). An official state dict does not record the model's
+embedding scaling or logit soft-cap: it is loaded as the study's Hawk (neither), so a
+checkpoint trained with them gives other logits. The released RecurrentGemma
+checkpoints hold local-attention blocks (Griffin, not Hawk) and are refused.
+Prompts are random tokens after a BOS; --prompt-len 0 starts from BOS alone. Prints
+the prefill time, ms per decode step and tokens/s (with --json also one JSON object
+of the same figures); the step time is one timed trajectory (CUDA events on CUDA)
+after the graph capture and warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import torch
@@ -32,6 +39,11 @@ def load_checkpoint(path: str, *, preset: str, mixer: str, device, dtype, backen
     if not isinstance(state, dict):
         raise ValueError(f"expected {path} to hold a state dict, got {type(state).__name__}")
     if "embedder.input_embedding" in state:
+        attention = sorted({k.split(".")[1] for k in state if ".attention_block." in k and k.startswith("blocks.")},
+                           key=int)
+        if attention:
+            raise ValueError(f"expected an all-recurrent (Hawk) checkpoint, but {path} has local-attention blocks "
+                             f"(Griffin) at layers {attention}; those cannot be converted")
         from . import convert, parity
 
         rg = parity.load_official()
@@ -73,24 +85,47 @@ def main(argv=None) -> dict:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="also print the figures as one JSON object (last line)")
     a = p.parse_args(argv)
     for n in ("batch", "new_tokens"):
         if getattr(a, n) < 1:
             p.error(f"--{n.replace('_', '-')} must be at least 1, got {getattr(a, n)}")
     if a.prompt_len < 0:
         p.error(f"--prompt-len must be >= 0, got {a.prompt_len}")
-    device, dtype = torch.device(a.device), DTYPES[a.dtype]
+    if a.temperature < 0 or a.temperature != a.temperature:
+        p.error(f"--temperature must be >= 0, got {a.temperature}")
+    if a.top_k is not None and a.top_k < 1:
+        p.error(f"--top-k must be at least 1, got {a.top_k}")
+    if a.top_k is not None and a.temperature == 0:
+        p.error("--top-k needs --temperature > 0 (temperature 0 is greedy decoding)")
+    if a.checkpoint and not os.path.isfile(a.checkpoint):
+        p.error(f"--checkpoint {a.checkpoint}: no such file")
+    try:
+        device = torch.device(a.device)
+    except RuntimeError as e:
+        p.error(f"--device {a.device}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    dtype = DTYPES[a.dtype]
     torch.manual_seed(a.seed)
-    if a.checkpoint:
-        model = load_checkpoint(a.checkpoint, preset=a.preset, mixer=a.mixer, device=device, dtype=dtype,
-                                backend=a.backend)
-    else:
-        model = HawkLM(HawkConfig.preset(a.preset, mixer=a.mixer), backend=a.backend, device=device,
-                       dtype=dtype).eval()
+    try:
+        if a.checkpoint:
+            model = load_checkpoint(a.checkpoint, preset=a.preset, mixer=a.mixer, device=device, dtype=dtype,
+                                    backend=a.backend)
+        else:
+            model = HawkLM(HawkConfig.preset(a.preset, mixer=a.mixer), backend=a.backend, device=device,
+                           dtype=dtype).eval()
+    except (ValueError, RuntimeError) as e:      # RuntimeError: load_state_dict's key or shape mismatch
+        p.error(f"cannot build the model: {e}")
     model.requires_grad_(False)
     cfg = model.config
-    engine = Engine(model, kernels=a.kernels, graphs=False if a.no_graphs else None,
-                    pdl={"auto": None, "on": True, "off": False}[a.pdl])
+    if any(not 0 <= t < cfg.vocab_size for t in a.stop):
+        p.error(f"--stop ids must lie in [0, {cfg.vocab_size}), got {a.stop}")
+    try:
+        engine = Engine(model, kernels=a.kernels, graphs=False if a.no_graphs else None,
+                        pdl={"auto": None, "on": True, "off": False}[a.pdl])
+    except ValueError as e:
+        p.error(str(e))
     bos = engine.bos_id
     g = torch.Generator().manual_seed(a.seed)
     prompts = None
@@ -128,12 +163,14 @@ def main(argv=None) -> dict:
     result = {"preset": cfg.name, "mixer": cfg.mixer, "batch": a.batch, "prompt_len": a.prompt_len,
               "new_tokens": a.new_tokens, "dtype": a.dtype, "device": str(device), "prefill_s": prefill_s,
               "ms_per_step": ms_step, "tokens_per_s": a.batch * a.new_tokens / (total_ms * 1e-3), **info}
-    print(f"{cfg.name} / {cfg.mixer} ({cfg.non_embedding_parameters() / 1e6:.0f}M non-embedding parameters, "
+    print(f"{cfg.name} / {cfg.mixer} ({cfg.non_embedding_parameters() / 1e6:.4g}M non-embedding parameters, "
           f"{a.dtype}, {device}): batch {a.batch}, prompt {a.prompt_len}, {a.new_tokens} new tokens")
     print(f"step: kernels={info['kernels']} mixer step={info['mixer_step_backend']} graphs={info['graphs']} "
           f"pdl={info['pdl']}")
     print(f"prefill {prefill_s * 1e3:.1f} ms; decode {ms_step:.3f} ms/step, {result['tokens_per_s']:.0f} tokens/s")
     print(f"row 0: {out[0, :16].tolist()}{' ...' if a.new_tokens > 16 else ''}")
+    if a.json:
+        print(json.dumps(result, sort_keys=True))
     return result
 
 

@@ -4,6 +4,8 @@ affect each other, the fused step kernels (Triton interpreter) equal the layers'
 decode path, stop tokens, sampling, the streaming iterator, the command line and
 bad input. Graph replay is covered by test_generation_gpu.py."""
 
+import json
+
 import pytest
 import torch
 
@@ -56,6 +58,24 @@ def test_prefill_and_decode_equal_full_forward(mixer):
     with torch.no_grad():
         full, _ = m(seq, torch.arange(4).expand(2, 4))
     torch.testing.assert_close(logits0, full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mixer,backend", [("rglru", "chunk"), ("samu", "serial")])
+def test_triton_prefill_and_step_equal_full_forward_fp32(mixer, backend):
+    """The same check in FP32 through the Triton prefill and decode kernels (interpreter):
+    the model's mixers run `backend` for the prompt and the "fused" step kernel."""
+    m = _model(mixer, dtype=torch.float32)
+    prompts = _prompts([5, 1, 3])
+    m.set_backend(backend, step_backend="fused")
+    toks, logits = _decode(Engine(m, kernels="model", prefill_chunk=3), prompts, 3)
+    m.set_backend("reference")
+    for b, p in enumerate(prompts):
+        seq = torch.cat([p, toks[b]])[None]
+        with torch.no_grad():
+            full, _ = m(seq, torch.arange(seq.shape[1])[None])
+        n = len(p)
+        torch.testing.assert_close(logits[b], full[0, n - 1: n - 1 + 3])
+        assert torch.equal(toks[b], full[0, n - 1: n - 1 + 3].argmax(-1))
 
 
 @pytest.mark.parametrize("mixer", ["rglru", "samu"])
@@ -242,6 +262,40 @@ def test_sampling_temperature_top_k():
     assert not torch.equal(toks, logits.argmax(-1))   # at temperature 5 some choice is not the argmax
 
 
+def test_empty_prompts_and_stop_token_containers():
+    m = _model("rglru")
+    eng = Engine(m, kernels="model")
+    p = _prompts([3])[0]
+    # An empty row of a list is the prompt [bos_id]; so is a row of lengths 0.
+    mixed = eng.generate([p, []], 4)
+    assert torch.equal(mixed[0], eng.generate([p], 4)[0])
+    assert torch.equal(mixed[1], eng.generate(batch_size=1, max_new_tokens=4)[0])
+    assert torch.equal(mixed[1], eng.generate([[eng.bos_id]], 4)[0])
+    padded = torch.cat([torch.full((1, 3), 9), p[None]])
+    user = padded.clone()
+    got = eng.generate(padded, 4, lengths=[0, 3])
+    assert torch.equal(got[0], mixed[1]) and torch.equal(got[1], mixed[0])
+    assert torch.equal(padded, user)                   # the caller's tensor is left alone
+    # Stop tokens as a list, a tensor or a numpy array stop the same rows.
+    free = eng.generate([p], 8)
+    stop = int(free[0, 2])
+    want = eng.generate([p], 8, stop_tokens=[stop])
+    for stops in (torch.tensor([stop]), torch.tensor([stop]).numpy(), (stop,)):
+        assert torch.equal(eng.generate([p], 8, stop_tokens=stops), want)
+    assert (want[0, 3:] == eng.pad_id).all() and torch.equal(want[0, :3], free[0, :3])
+
+
+def test_small_temperature_is_greedy():
+    m = _model("samu", dtype=torch.float32)
+    prompts = _prompts([4, 2])
+    eng = Engine(m, kernels="model")
+    greedy = eng.generate(prompts, 5)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(eng.generate(prompts, 5, temperature=1e-6, generator=g), greedy)
+    assert torch.equal(eng.generate(prompts, 5, temperature=0.5, top_k=torch.tensor(1).numpy(), generator=g),
+                       greedy)
+
+
 def test_decoder_interface():
     m = _model("rglru")
     dec = Decoder(m, 2, kernels="model")
@@ -267,6 +321,28 @@ def test_command_line_and_checkpoints(tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("row 0:")]
     assert len(rows) == 3 and rows[0] == rows[1] == rows[2]
     assert r_off["ms_per_step"] > 0 and r_ours["mixer"] == r_rand["mixer"] == "rglru"
+    r_json = generate.main([*args, "--json"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == json.loads(json.dumps(r_json)) and r_json["batch"] == 2
+    # An official checkpoint with local-attention blocks (Griffin) is refused by name.
+    state = torch.load(tmp_path / "official.pt")
+    state["blocks.1.attention_block.proj_q.weight"] = torch.zeros(4, 4)
+    torch.save(state, tmp_path / "griffin.pt")
+    with pytest.raises(ValueError, match=r"local-attention blocks \(Griffin\) at layers \['1'\]"):
+        generate.load_checkpoint(str(tmp_path / "griffin.pt"), preset="tiny", mixer="rglru", device="cpu",
+                                 dtype=torch.float32)
+    # A HawkLM checkpoint read with the wrong mixer, bad flags: argparse errors, exit 2.
+    bad = [["--checkpoint", str(tmp_path / "ours.pt"), "--mixer", "samu", *args],
+           ["--checkpoint", str(tmp_path / "missing.pt"), *args], ["--top-k", "0", *args],
+           ["--top-k", "3", *args], ["--temperature", "-1", *args], ["--stop", "-1", *args]]
+    for argv in bad:
+        with pytest.raises(SystemExit) as e:
+            generate.main(argv)
+        assert e.value.code == 2, argv
+    err = capsys.readouterr().err
+    for what in ("cannot build the model", "no such file", "--top-k must be at least 1", "--top-k needs",
+                 "--temperature must be", "--stop ids"):
+        assert what in err, what
 
 
 def test_bad_input():
@@ -280,9 +356,19 @@ def test_bad_input():
     eng = Engine(m, kernels="model")
     with pytest.raises(ValueError, match="start"):
         eng.step()
-    with pytest.raises(ValueError, match="prompt length"):
-        eng.start([[5, 6], []])
-    with pytest.raises(ValueError, match=r"prompt length in \[1, 3\]"):
+    with pytest.raises(ValueError, match=r"prompt length in \[0, 2\]"):
+        eng.start(torch.ones(2, 2, dtype=torch.int64), lengths=[-1, 2])
+    with pytest.raises(ValueError, match="prompt 1 a sequence of integer"):
+        eng.start([[5, 6], [5.0, 6.5]])
+    with pytest.raises(ValueError, match="prompt 0 a sequence of integer"):
+        eng.start([[[5, 6]], [5]])
+    with pytest.raises(ValueError, match="stop_tokens a sequence of integer"):
+        eng.start(batch_size=1, stop_tokens=[7.5])
+    with pytest.raises(ValueError, match="temperature 0 .greedy. or at least"):
+        eng.start(batch_size=1, temperature=1e-45)
+    with pytest.raises(ValueError, match="top_k"):
+        eng.start(batch_size=1, temperature=1.0, top_k=True)
+    with pytest.raises(ValueError, match=r"prompt length in \[0, 3\]"):
         eng.start(torch.ones(2, 3, dtype=torch.int64), lengths=[3, 4])
     with pytest.raises(ValueError, match="lengths of shape"):
         eng.start(torch.ones(2, 3, dtype=torch.int64), lengths=[3])

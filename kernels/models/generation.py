@@ -12,16 +12,16 @@ reset and done flags, the stop-token list and the temperature. A step feeds `tok
 at `pos` through the embedding, every block, the final norm and the vocabulary
 projection, chooses the next token (greedy, temperature, top-k) and writes it back
 into `tokens`, so a step is a fixed sequence of device work with no host
-synchronisation: on CUDA it is captured once per (B, sampling mode) and replayed.
+synchronisation: on CUDA it is captured once per (B, greedy or sampled, top_k, generator) and replayed.
 
 Prompts are left-padded to a common length P; as recurrentgemma's sampler does, the
 positions are t - (P - length) clipped at -1, so each row's first real token is a
 document start (position 0) that resets the recurrence and masks the convolution, and
-pads never reach a real token. Prefill runs the first P - 1 columns through the
+pads never reach a real token. An empty prompt (a list entry of no tokens, a row of
+`lengths` 0, or prompts=None) is the prompt [bos_id]. Prefill runs the first P - 1 columns through the
 blocks' sequence path (the mixer kernels with final states out, the conv state
 written), in chunks of `prefill_chunk`; the last prompt token is the first step's
-input, so each generated token comes from exactly one step. An empty prompt starts
-from `bos_id` at position 0.
+input, so each generated token comes from exactly one step.
 
 Step kernels (`kernels=`):
     "model"  the layers' own decode path (HawkLM.step: PyTorch ops and the mixer's
@@ -43,6 +43,7 @@ new engine after moving or re-creating the model's parameters.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -58,6 +59,10 @@ KERNELS = ("auto", "model", "fused", "gemm")
 # "auto" uses the weight-streaming linears up to this batch (H200, preset 1.3b: 1.39 ms
 # per step against 1.68 for "fused" at B = 16; at B = 32 and 64 "fused" was faster).
 AUTO_GEMM_MAX_ROWS = 16
+# The beginning-of-sequence id of the recurrentgemma tokenizer (the engine's default).
+BOS_ID = 2
+# Smallest positive temperature: FP32 holds 1 / MIN_TEMPERATURE with room to spare.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -70,10 +75,20 @@ class Sampling:
 
     def __post_init__(self):
         t = self.temperature
-        if not isinstance(t, (int, float)) or t != t or t < 0:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or t < 0:
             raise ValueError(f"expected temperature a float >= 0, got {t!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"expected top_k None or a positive int, got {self.top_k!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"expected temperature 0 (greedy) or at least {MIN_TEMPERATURE:g} (the logits are "
+                             f"divided by it in FP32), got {t!r}")
+        k = self.top_k
+        if k is not None:
+            try:
+                k = operator.index(k) if not isinstance(k, bool) else None
+            except TypeError:
+                k = None
+            if k is None or k < 1:
+                raise ValueError(f"expected top_k None or a positive int, got {self.top_k!r}")
+            object.__setattr__(self, "top_k", int(k))
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +123,16 @@ def _is_int(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
+def _token_list(tokens, name: str) -> list[int]:
+    """Token ids given as a sequence, tensor or array -> a list of ints (no rounding)."""
+    t = torch.as_tensor(tokens)
+    if t.numel() == 0:
+        return []
+    if t.dim() > 1 or not _is_int(t):
+        raise ValueError(f"expected {name} a sequence of integer token ids, got {shape_str(t)} {t.dtype}")
+    return [int(v) for v in t.reshape(-1).tolist()]
+
+
 class Engine:
     """Generation for one HawkLM. `kernels`: see the module docstring; `graphs`:
     capture and replay the step (default: on CUDA); `pdl`: programmatic dependent
@@ -116,7 +141,7 @@ class Engine:
     "down", "logits"; see kernels.ops.decode.default_config)."""
 
     def __init__(self, model: HawkLM, *, kernels: str = "auto", graphs: bool | None = None, pdl: bool | None = None,
-                 prefill_chunk: int = 1024, bos_id: int = 2, pad_id: int = 0,
+                 prefill_chunk: int = 1024, bos_id: int = BOS_ID, pad_id: int = 0,
                  linear_configs: dict | None = None):
         if not isinstance(model, HawkLM):
             raise ValueError(f"expected model to be a HawkLM, got {type(model).__name__}")
@@ -152,6 +177,7 @@ class Engine:
         self._cur: _Slot | None = None
         self._sampling = Sampling()
         self._generator: torch.Generator | None = None
+        self._has_stops = False
 
     # ------------------------------------------------------------------ state
 
@@ -226,7 +252,13 @@ class Engine:
             if lengths is not None:
                 raise ValueError("expected lengths only with a [B, P] prompt tensor (a list of prompts "
                                  "carries its own lengths)")
-            seqs = [torch.as_tensor(p, dtype=torch.int64).reshape(-1) for p in prompts]
+            seqs = []
+            for i, p in enumerate(prompts):
+                q = torch.as_tensor(p)
+                if q.numel() and (q.dim() != 1 or not _is_int(q)):
+                    raise ValueError(f"expected prompt {i} a sequence of integer token ids, got "
+                                     f"{shape_str(q)} {q.dtype}")
+                seqs.append(q.to(torch.int64).reshape(-1))
             if not seqs:
                 raise ValueError("expected at least one prompt, got none")
             P = max(len(q) for q in seqs)
@@ -237,11 +269,15 @@ class Engine:
             lengths = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
             tokens = tokens.to(dev)
             B = len(seqs)
-        if P and (bool((lengths < 1).any()) or bool((lengths > P).any())):
-            raise ValueError(f"expected every prompt length in [1, {P}] (start prompts with a BOS token), "
-                             f"got {lengths.tolist()}")
+        if P and (bool((lengths < 0).any()) or bool((lengths > P).any())):
+            raise ValueError(f"expected every prompt length in [0, {P}], got {lengths.tolist()}")
         if P == 0 and bool((lengths != 0).any()):
             raise ValueError(f"expected lengths 0 for empty prompts, got {lengths.tolist()}")
+        empty = lengths == 0
+        if P and bool(empty.any()):        # an empty row is the prompt [bos_id]
+            tokens = tokens.clone()
+            tokens[empty.to(tokens.device), P - 1] = self.bos_id
+            lengths = torch.where(empty, 1, lengths)
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= V):
             raise ValueError(f"expected prompt tokens in [0, {V}), got values in "
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
@@ -295,7 +331,7 @@ class Engine:
         sampling = Sampling(float(temperature), top_k)
         if sampling.top_k is not None and sampling.top_k > self.model.config.vocab_size:
             raise ValueError(f"expected top_k <= vocab_size = {self.model.config.vocab_size}, got {top_k}")
-        stops = [int(t) for t in stop_tokens]
+        stops = _token_list(stop_tokens, "stop_tokens")
         if len(stops) > dk.MAX_STOP_TOKENS:
             raise ValueError(f"expected at most {dk.MAX_STOP_TOKENS} stop tokens, got {len(stops)}")
         V = self.model.config.vocab_size
@@ -318,6 +354,7 @@ class Engine:
         s.stops.copy_(torch.tensor(stops + [-1] * (dk.MAX_STOP_TOKENS - len(stops)), dtype=torch.int64))
         s.temperature.fill_(sampling.temperature if not sampling.greedy else 1.0)
         self._cur, self._sampling, self._generator = s, sampling, generator
+        self._has_stops = bool(stops)
         return s.B
 
     # ------------------------------------------------------------------ the step
@@ -378,7 +415,10 @@ class Engine:
     def _choose(self, s: _Slot, logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
         if sampling.greedy:
             return logits.argmax(dim=-1)
-        lg = logits.float() / s.temperature
+        # Shifted by the row maximum first: at small temperatures the quotient may
+        # overflow to -inf (probability 0), never to +inf (inf - inf would be NaN).
+        lg = logits.float()
+        lg = (lg - lg.amax(dim=-1, keepdim=True)) / s.temperature
         if sampling.top_k is not None:
             kth = torch.topk(lg, sampling.top_k, dim=-1).values[:, -1:]
             lg = lg.masked_fill(lg < kth, float("-inf"))
@@ -466,7 +506,7 @@ class Engine:
         for i in range(max_new_tokens):
             tok = self.step().clone()
             yield (tok, s.logits.clone()) if with_logits else tok
-            if stop_tokens and (i + 1) % sync_every == 0 and bool(s.done.all()):
+            if self._has_stops and (i + 1) % sync_every == 0 and bool(s.done.all()):
                 return
 
     @torch.no_grad()
@@ -483,7 +523,7 @@ class Engine:
         s = self._cur
         for i in range(max_new_tokens):
             out[:, i].copy_(self.step())
-            if stop_tokens and (i + 1) % 32 == 0 and bool(s.done.all()):
+            if self._has_stops and (i + 1) % 32 == 0 and bool(s.done.all()):
                 break
         return out
 
@@ -512,4 +552,4 @@ class Decoder:
         return self.engine.cache
 
 
-__all__ = ["Engine", "Decoder", "Sampling", "KERNELS", "AUTO_GEMM_MAX_ROWS"]
+__all__ = ["Engine", "Decoder", "Sampling", "KERNELS", "AUTO_GEMM_MAX_ROWS", "BOS_ID", "MIN_TEMPERATURE"]

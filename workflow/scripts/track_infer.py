@@ -84,7 +84,9 @@ class Decoder:
                 del logits
             else:
                 self.cache = self.model.init_cache(self.B)
-                self.tok = torch.zeros(self.B, dtype=torch.int64, device=self.device)   # BOS
+                from kernels.models.generation import BOS_ID
+
+                self.tok = torch.full((self.B,), BOS_ID, dtype=torch.int64, device=self.device)
             self.pos = torch.full((self.B,), self.prompt, dtype=torch.int64, device=self.device)
 
     def step(self, i: int = 0):
