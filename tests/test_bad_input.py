@@ -1,10 +1,13 @@
 """Bad input raises ValueError naming the argument, what was expected and what was received."""
 
+import types
+
 import pytest
 import torch
 
 import kernels
 from kernels import from_recurrentgemma, layers, parity, to_recurrentgemma
+from kernels.ops._checks import cu_seqlens_to_segment_pos
 from kernels.models import HawkConfig, HawkLM
 
 
@@ -114,3 +117,197 @@ def test_generate_arguments(model):
     _raises(lambda: model.generate(torch.zeros(2, 0, dtype=torch.int64), 3), "prompt_tokens", "P >= 1", "[2, 0]")
     _raises(lambda: model.generate(torch.zeros(2, 3, dtype=torch.int64), -1), "max_new_tokens", "-1")
     _raises(lambda: model.generate(torch.zeros(2, 3, dtype=torch.int64), 2, temperature=-1.0), "temperature")
+
+
+# --- Audit fixes: strided parameters, decode-step and scan arguments, chunk_size, cu_seqlens.
+
+
+def _strided(t):
+    """The values of the vector t as a non-contiguous view: every other element of a
+    buffer twice as long, the gaps filled with garbage."""
+    buf = torch.full((2 * t.numel(),), 1e3, dtype=t.dtype)
+    buf[::2] = t
+    v = buf[::2]
+    assert not v.is_contiguous() and torch.equal(v, t)
+    return v
+
+
+def _rglru_small(seed=0, B=2, T=11, D=8):
+    torch.manual_seed(seed)
+    x, gx, ga = (torch.randn(B, T, D) for _ in range(3))
+    ap = layers.rnn_param_init(torch.empty(D))
+    pos = torch.arange(T).repeat(B, 1)
+    pos[-1, 4:] -= 4
+    return x, gx, ga, ap, pos
+
+
+@pytest.mark.parametrize("backend,opts", [("serial", {}), ("chunk", {"chunk_size": 8})])
+def test_strided_a_param_matches_contiguous(backend, opts):
+    x, gx, ga, ap, pos = _rglru_small()
+    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    out = []
+    for strided in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, gx, ga)]
+        a = (_strided(ap) if strided else ap.clone()).requires_grad_()
+        y, h = kernels.rglru(*leaves, a, pos, output_final_state=True, backend=backend, **opts)
+        grads = torch.autograd.grad((y * gy).sum() + h.sum(), [*leaves, a])
+        assert grads[3].shape == a.shape
+        out.append([y, h, *grads])
+    for name, s, c in zip(["y", "h", "dx", "dgate_x", "dgate_a", "da_param"], out[1], out[0]):
+        assert torch.equal(s, c), name
+    # A view of a larger parameter: the gradient lands on the viewed elements only.
+    base = torch.stack([ap, torch.full_like(ap, 1e3)], 1).reshape(-1).requires_grad_()
+    y, h = kernels.rglru(x, gx, ga, base[::2], pos, output_final_state=True, backend=backend, **opts)
+    (g,) = torch.autograd.grad((y * gy).sum() + h.sum(), [base])
+    assert torch.equal(g[::2], out[0][5]) and not g[1::2].any()
+
+
+def test_strided_a_param_and_reset_in_rglru_step():
+    B, D, H = 3, 8, 2
+    torch.manual_seed(2)
+    wx, wa = (torch.randn(H, D // H, D // H) for _ in range(2))
+    bx, ba = (torch.randn(H, D // H) for _ in range(2))
+    ap = layers.rnn_param_init(torch.empty(D))
+    x, state = torch.randn(B, D), torch.randn(B, D)
+    reset = torch.tensor([True, False, False])
+    reset_s = torch.tensor([True, True, False, True, False, True])[::2]
+    assert not reset_s.is_contiguous() and torch.equal(reset_s, reset)
+    s_c, s_s, s_r = state.clone(), state.clone(), state.clone()
+    y_c = kernels.rglru_step(x, wx, bx, wa, ba, ap, s_c, reset, backend="fused")
+    y_s = kernels.rglru_step(x, wx, bx, wa, ba, _strided(ap), s_s, reset_s, backend="fused")
+    y_r = kernels.rglru_step(x, wx, bx, wa, ba, ap, s_r, reset, backend="reference")
+    assert torch.equal(y_s, y_c) and torch.equal(s_s, s_c)
+    assert parity.rel_err(y_c, y_r) <= parity.BACKEND_TOL[torch.float32]
+
+
+def test_strided_samu_parameters_match_contiguous():
+    torch.manual_seed(3)
+    D, M = 8, 4
+    p = [t.detach() for t in layers.SAMU(D)._params()]
+    ps = [_strided(t) if t.dim() == 1 else t for t in p]
+    x = torch.randn(1, 6, D)
+    for backend in ("serial", "chunk"):
+        assert torch.equal(kernels.samu(x, *ps, backend=backend)[0], kernels.samu(x, *p, backend=backend)[0])
+    xs, st = torch.randn(3, D), torch.randn(3, M, dtype=torch.complex64)
+    reset_s = torch.tensor([False, True, True, True, False, False])[::2]
+    s1, s2 = st.clone(), st.clone()
+    y1 = kernels.samu_step(xs, *p, s1, reset_s.contiguous(), backend="fused")
+    y2 = kernels.samu_step(xs, *ps, s2, reset_s, backend="fused")
+    assert torch.equal(y1, y2) and torch.equal(s1, s2)
+
+
+def test_rglru_step_parameters():
+    B, D, H, W = 2, 8, 2, 4
+    x, state = torch.randn(B, D), torch.zeros(B, D)
+    good = dict(gate_x_w=torch.randn(H, W, W), gate_x_b=torch.randn(H, W), gate_a_w=torch.randn(H, W, W),
+                gate_a_b=torch.randn(H, W), a_param=torch.randn(D))
+
+    def step(**kw):
+        return lambda: kernels.rglru_step(x, **{**good, **kw}, state=state, backend="reference")
+
+    step()()
+    _raises(step(gate_x_w=torch.randn(H, W, W + 1)), "gate_x_w", "D = 8", "[2, 4, 5]")
+    _raises(step(gate_x_w=torch.randn(4, W, W)), "gate_x_w", "D = 8", "[4, 4, 4]")
+    _raises(step(gate_a_w=torch.randn(H, W, W + 1)), "gate_a_w", "[2, 4, 4]", "[2, 4, 5]")
+    _raises(step(gate_a_w=torch.randn(4, 2, 2)), "gate_a_w", "[2, 4, 4]", "[4, 2, 2]")
+    _raises(step(gate_x_b=torch.randn(D)), "gate_x_b", "[2, 4]", "[8]")
+    _raises(step(gate_a_b=torch.randn(H, W + 1)), "gate_a_b", "[2, 4]", "[2, 5]")
+    _raises(step(a_param=torch.randn(D + 1)), "a_param", "[8]", "[9]")
+    _raises(step(gate_x_b=torch.zeros(H, W, dtype=torch.int64)), "gate_x_b", "int64")
+    _raises(step(gate_a_w=torch.zeros(H, W, W, dtype=torch.int32)), "gate_a_w", "int32")
+    _raises(step(a_param=torch.zeros(D, dtype=torch.bool)), "a_param", "bool")
+    for n in good:
+        _raises(step(**{n: good[n].to("meta")}), f"{n} on meta", "x on cpu")
+
+
+def test_samu_step_and_samu_parameters():
+    B, D, M = 2, 8, 4
+    x, state = torch.randn(B, D), torch.zeros(B, M, dtype=torch.complex64)
+    names = ["phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log"]
+    good = dict(zip(names, [t.detach() for t in layers.SAMU(D)._params()]))
+
+    def step(**kw):
+        return lambda: kernels.samu_step(x, **{**good, **kw}, state=state, backend="reference")
+
+    def full(**kw):
+        return lambda: kernels.samu(x[:, None], **{**good, **kw}, backend="reference")
+
+    step()()
+    step(phase_amp=0.5, radial_amp=torch.tensor([0.5]))()       # floats and one-element tensors
+    full(phase_amp=0.5)()
+    for call in (step, full):
+        _raises(call(phase_dir=torch.randn(D)), "phase_dir", "[9]", "[8]")
+        _raises(call(radial_dir=torch.randn(D + 2)), "radial_dir", "[9]", "[10]")
+        _raises(call(nu_log=torch.randn(M + 1)), "nu_log", "[4]", "[5]")
+        _raises(call(theta_log=torch.randn(M, 1)), "theta_log", "[4]", "[4, 1]")
+        _raises(call(phase_amp=torch.randn(2)), "phase_amp", "scalar", "[2]")
+        _raises(call(radial_amp="0.5"), "radial_amp", "scalar", "str")
+        _raises(call(radial_amp=torch.tensor(1)), "radial_amp", "int64")
+        _raises(call(nu_log=torch.zeros(M, dtype=torch.int64)), "nu_log", "int64")
+        for n in names:
+            _raises(call(**{n: good[n].to("meta")}), f"{n} on meta", "x on cpu")
+
+
+def test_scan_dtypes():
+    a, b = torch.rand(1, 3, 4), torch.randn(1, 3, 4)
+    for backend in ("reference", "serial"):
+        _raises(lambda: kernels.scan(a, torch.randint(0, 3, (1, 3, 4)), backend=backend), "b", "int64")
+        _raises(lambda: kernels.scan(a.bool(), b, backend=backend), "a", "bool")
+        _raises(lambda: kernels.scan(a.to(torch.complex64), b, backend=backend), "a", "complex64")
+        _raises(lambda: kernels.scan(a, b.to(torch.complex64), backend=backend), "a", "complex", "float32")
+    y, _ = kernels.scan(a.double(), b, backend="serial")              # a in another precision: cast to b's
+    assert y.dtype == torch.float32
+    assert torch.equal(y, kernels.scan(a, b, backend="serial")[0])
+
+
+def test_chunk_size_only_for_backends_that_take_it(monkeypatch):
+    x = torch.randn(1, 3, 4)
+    for backend in ("reference", "assoc"):
+        _raises(lambda: kernels.rglru(x, x, x, torch.zeros(4), backend=backend, chunk_size=16),
+                "chunk_size", "'chunk'", repr(backend))
+        _raises(lambda: kernels.scan(x.abs(), x, backend=backend, chunk_size=8), "chunk_size", repr(backend))
+    assert kernels.ops.resolve("rglru", "chunk", x, 16) == ("chunk", {"chunk_size": 16})
+    assert kernels.ops.resolve("samu", "serial", x, 16) == ("serial", {"chunk_size": 16})
+    # "auto": a preference, dropped where the backend chosen takes none (the CPU: reference).
+    assert kernels.ops.resolve("rglru", "auto", x, 16) == ("reference", {})
+    kernels.rglru(x, x, x, torch.zeros(4), backend="auto", chunk_size=16)
+    monkeypatch.setenv("KERNELS_TUNING_TABLE", "/nonexistent/tuning.json")
+    fake = types.SimpleNamespace(device=torch.device("cuda"), shape=(1, 3, 4), dtype=torch.float32)
+    assert kernels.ops.resolve("samu", "auto", fake, 16) == ("chunk", {"chunk_size": 16})
+
+
+def test_cu_seqlens_against_hand_written_segment_pos():
+    T = 10
+    cu = torch.tensor([0, 3, 3, 7, 10])                    # an empty sequence at 3
+    want = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2]], dtype=torch.int32)
+    got = cu_seqlens_to_segment_pos(cu, 1, T)
+    assert got.dtype == torch.int32 and got.device == cu.device and torch.equal(got, want)
+    assert torch.equal(cu_seqlens_to_segment_pos(torch.tensor([0, 0, T], dtype=torch.int32), 1, T),
+                       torch.arange(T, dtype=torch.int32)[None])
+    assert torch.equal(cu_seqlens_to_segment_pos(torch.tensor([0, 1, 2]), 1, 2), torch.zeros(1, 2, dtype=torch.int32))
+    x, gx, ga, ap, _ = _rglru_small(B=1, T=T)
+    ys = [kernels.rglru(x, gx, ga, ap, cu_seqlens=cu, backend="reference")[0],
+          kernels.rglru(x, gx, ga, ap, cu_seqlens=cu, backend="serial")[0]]
+    y_ref = kernels.rglru(x, gx, ga, ap, want, backend="reference")[0]
+    assert torch.equal(ys[0], y_ref) and parity.rel_err(ys[1], y_ref) <= parity.BACKEND_TOL[torch.float32]
+
+
+def test_cu_seqlens_validation_and_device():
+    x = torch.randn(1, 6, 4)
+    ap = torch.zeros(4)
+
+    def run(cu, xx=x):
+        return lambda: kernels.rglru(xx, xx, xx, ap, cu_seqlens=cu, backend="reference")
+
+    _raises(run(torch.tensor([0, 4, 2, 6])), "cu_seqlens", "increasing", "[0, 4, 2, 6]")
+    _raises(run(torch.tensor([1, 6])), "cu_seqlens", "from 0", "[1, 6]")
+    _raises(run(torch.tensor([0, 5])), "cu_seqlens", "T = 6", "[0, 5]")
+    _raises(run(torch.tensor([0])), "cu_seqlens", "[0]")
+    _raises(run(torch.tensor([0.0, 6.0])), "cu_seqlens", "integer", "float32")
+    _raises(run(torch.tensor([True, False])), "cu_seqlens", "bool")
+    _raises(run(torch.tensor([[0, 6]])), "cu_seqlens", "1 dimensions", "[1, 2]")
+    _raises(run(torch.tensor([0, 6]), torch.randn(2, 6, 4)), "batch size 1", "B = 2")
+    _raises(run(torch.tensor([0, 6], device="meta")), "cu_seqlens on meta", "x on cpu")
+    _raises(lambda: kernels.scan(x, x, cu_seqlens=torch.tensor([0, 6], device="meta")), "cu_seqlens on meta")
+    _raises(lambda: kernels.samu(x, *_samu_params(4), cu_seqlens=torch.tensor([0, 6], device="meta")),
+            "cu_seqlens on meta")

@@ -17,8 +17,10 @@ import torch
 
 from . import reference, tuning
 from ._checks import (
+    COMPLEX_DTYPES,
     FLOAT_DTYPES,
     check_same_device,
+    check_scalar,
     check_segment_pos,
     check_tensor,
     cu_seqlens_to_segment_pos,
@@ -33,6 +35,9 @@ PROVIDERS = ("kernels.ops.rglru_triton", "kernels.ops.samu_triton", "kernels.ops
 
 
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
+# Backends that take `chunk_size`: the chunk length of "chunk", the time tile of "serial"
+# (RG-LRU/scan: an alias of block_t; SAMU: its tile and checkpoint length).
+CHUNK_SIZE_BACKENDS = ("chunk", "serial")
 
 
 def _provider_modules():
@@ -80,13 +85,27 @@ def step_backends(op: str) -> dict:
     return {"reference": ref[op], **_provided("STEPS").get(op, {})}
 
 
+def _chunk_opts(name: str, chunk_size) -> dict:
+    return {} if chunk_size is None or name not in CHUNK_SIZE_BACKENDS else {"chunk_size": chunk_size}
+
+
 def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
-    """(backend name, launcher options) for a call; "auto" consults the tuning table."""
+    """(backend name, launcher options) for a call; "auto" consults the tuning table.
+
+    chunk_size applies only to the backends of CHUNK_SIZE_BACKENDS ("chunk": the chunk
+    length; "serial": its time tile). Naming another backend together with a chunk_size
+    raises ValueError. With "auto" it is a preference: passed on when the backend chosen
+    takes it (it overrides a tuning-table entry's chunk_size), dropped otherwise, as on
+    the CPU, where "auto" is always the reference."""
     avail = backends(op)
     if backend != "auto":
         if backend not in avail:
             raise ValueError(f"expected backend in {['auto', *avail]} for {op}, got {backend!r}")
-        return backend, ({} if chunk_size is None else {"chunk_size": chunk_size})
+        if chunk_size is not None and backend not in CHUNK_SIZE_BACKENDS:
+            raise ValueError(f"expected chunk_size only with backend in {['auto', *CHUNK_SIZE_BACKENDS]} "
+                             f"(it applies to the chunk backend, and to serial as its time tile), "
+                             f"got chunk_size={chunk_size!r} with backend {backend!r}")
+        return backend, _chunk_opts(backend, chunk_size)
     if x.device.type != "cuda":
         return "reference", {}
     B, T, D = x.shape
@@ -95,14 +114,13 @@ def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[st
         opts = dict(entry.get("options", {}))
         if entry.get("chunk_size") is not None:
             opts["chunk_size"] = entry["chunk_size"]
-        if chunk_size is not None:
-            opts["chunk_size"] = chunk_size
+        opts.update(_chunk_opts(entry["backend"], chunk_size))
         return entry["backend"], opts
     # Without a table entry: the backend measured fastest at the training shape on the
     # H200 (results/kernels/: RG-LRU and the bare scan serial, SAMU chunked).
     for name in DEFAULT_ORDER[op]:
         if name in avail:
-            return name, ({} if chunk_size is None else {"chunk_size": chunk_size})
+            return name, _chunk_opts(name, chunk_size)
     return "reference", {}
 
 
@@ -111,7 +129,7 @@ def _positions(x, segment_pos, cu_seqlens):
     if cu_seqlens is not None:
         if segment_pos is not None:
             raise ValueError("expected at most one of segment_pos and cu_seqlens, got both")
-        return cu_seqlens_to_segment_pos(cu_seqlens, B, T)
+        return cu_seqlens_to_segment_pos(cu_seqlens, B, T, device=x.device)
     return check_segment_pos(segment_pos, B, T)
 
 
@@ -133,7 +151,7 @@ def rglru(
     check_tensor("gate_a", gate_a, shape=(B, T, D), dtypes=(x.dtype,))
     check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
     check_same_device(x=x, gate_x=gate_x, gate_a=gate_a, a_param=a_param,
-                      segment_pos=segment_pos, initial_state=initial_state)
+                      segment_pos=segment_pos, cu_seqlens=cu_seqlens, initial_state=initial_state)
     segment_pos = _positions(x, segment_pos, cu_seqlens)
     _check_state(initial_state, B, D, state_dtype(x.dtype))
     name, opts = resolve("rglru", backend, x, chunk_size)
@@ -141,27 +159,37 @@ def rglru(
     return fn(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, **opts)
 
 
+def _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, **others):
+    """SAMU's parameters against x [..., D] (D even, checked by the caller): directions
+    [D + 1], amplitudes python floats or one-element tensors, nu_log / theta_log [M], all
+    floating; every tensor, `others` (None skipped) included, on x's device."""
+    D = x.shape[-1]
+    M = D // 2
+    check_tensor("phase_dir", phase_dir, shape=(D + 1,), dtypes=FLOAT_DTYPES)
+    check_tensor("radial_dir", radial_dir, shape=(D + 1,), dtypes=FLOAT_DTYPES)
+    check_scalar("phase_amp", phase_amp)
+    check_scalar("radial_amp", radial_amp)
+    check_tensor("nu_log", nu_log, shape=(M,), dtypes=FLOAT_DTYPES)
+    check_tensor("theta_log", theta_log, shape=(M,), dtypes=FLOAT_DTYPES)
+    check_same_device(x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
+                      radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, **others)
+
+
 def samu(
     x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
     initial_state=None, output_final_state=False, backend="auto", chunk_size=None, cu_seqlens=None,
 ):
     """SAMU. x: [B, T, D] with D = 2M even; phase_dir, radial_dir: [D + 1];
-    phase_amp, radial_amp: scalar tensors; nu_log, theta_log: [M]; initial_state:
+    phase_amp, radial_amp: python floats or one-element tensors; nu_log, theta_log: [M];
+    every parameter floating, on x's device; initial_state:
     [B, M] complex64 (complex128 for float64 x). Returns (y [B, T, D], h or None)."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     B, T, D = x.shape
     if D % 2:
         raise ValueError(f"expected x of shape [B, T, D] with D even for SAMU, got {shape_str(x)}")
     M = D // 2
-    check_tensor("phase_dir", phase_dir, shape=(D + 1,), dtypes=FLOAT_DTYPES)
-    check_tensor("radial_dir", radial_dir, shape=(D + 1,), dtypes=FLOAT_DTYPES)
-    for n, v in (("phase_amp", phase_amp), ("radial_amp", radial_amp)):
-        if isinstance(v, torch.Tensor) and v.numel() != 1:
-            raise ValueError(f"expected {n} to be a scalar, got shape {shape_str(v)}")
-    check_tensor("nu_log", nu_log, shape=(M,), dtypes=FLOAT_DTYPES)
-    check_tensor("theta_log", theta_log, shape=(M,), dtypes=FLOAT_DTYPES)
-    check_same_device(x=x, phase_dir=phase_dir, radial_dir=radial_dir, nu_log=nu_log,
-                      theta_log=theta_log, segment_pos=segment_pos, initial_state=initial_state)
+    _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
+                       segment_pos=segment_pos, cu_seqlens=cu_seqlens, initial_state=initial_state)
     segment_pos = _positions(x, segment_pos, cu_seqlens)
     _check_state(initial_state, B, M, state_dtype(x.dtype, complex_state=True))
     name, opts = resolve("samu", backend, x, chunk_size)
@@ -173,13 +201,13 @@ def samu(
 def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
          backend="auto", chunk_size=None, cu_seqlens=None):
     """Diagonal affine scan h_t = a_t h_{t-1} + b_t (a_t = 0 at resets), real or complex.
-    a, b: [B, T, D]; initial_state: [B, D] in the state dtype. Returns (y, h or None)."""
-    check_tensor("b", b, ndim=3)
+    a, b: [B, T, D], both floating or both complex (complex64/complex128); a may differ
+    from b in precision (it is converted to b's dtype); initial_state: [B, D] in the
+    state dtype. Returns (y in b's dtype, h or None)."""
+    check_tensor("b", b, ndim=3, dtypes=FLOAT_DTYPES + COMPLEX_DTYPES)
     B, T, D = b.shape
-    check_tensor("a", a, shape=(B, T, D))
-    if a.is_complex() != b.is_complex():
-        raise ValueError(f"expected a and b both real or both complex, got {a.dtype} and {b.dtype}")
-    check_same_device(a=a, b=b, segment_pos=segment_pos, initial_state=initial_state)
+    check_tensor("a", a, shape=(B, T, D), dtypes=COMPLEX_DTYPES if b.is_complex() else FLOAT_DTYPES)
+    check_same_device(a=a, b=b, segment_pos=segment_pos, cu_seqlens=cu_seqlens, initial_state=initial_state)
     segment_pos = _positions(b, segment_pos, cu_seqlens)
     if b.is_complex():
         sd = torch.complex128 if b.dtype == torch.complex128 else torch.complex64
@@ -206,24 +234,30 @@ def _step_backend(op, backend, x):
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
     """One RG-LRU decode step with both block-diagonal gate matvecs.
-    x: [B, D]; gate_*_w: [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D];
-    state: [B, D] FP32, updated in place; reset: [B] bool. Returns y [B, D]."""
+    x: [B, D]; gate_*_w: [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D], all floating
+    and on x's device; state: [B, D] FP32, updated in place; reset: [B] bool.
+    Returns y [B, D]."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     check_tensor("state", state, shape=(B, D), dtypes=(state_dtype(x.dtype),))
-    check_tensor("gate_x_w", gate_x_w, ndim=3)
-    H = gate_x_w.shape[0]
-    if H * gate_x_w.shape[1] != D:
+    check_tensor("gate_x_w", gate_x_w, ndim=3, dtypes=FLOAT_DTYPES)
+    H, W = gate_x_w.shape[:2]
+    if H * W != D or gate_x_w.shape[2] != W:
         raise ValueError(f"expected gate_x_w of shape [H, D/H, D/H] with D = {D}, got {shape_str(gate_x_w)}")
+    check_tensor("gate_a_w", gate_a_w, shape=(H, W, W), dtypes=FLOAT_DTYPES)
+    check_tensor("gate_x_b", gate_x_b, shape=(H, W), dtypes=FLOAT_DTYPES)
+    check_tensor("gate_a_b", gate_a_b, shape=(H, W), dtypes=FLOAT_DTYPES)
+    check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
     if reset is not None:
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
-    check_same_device(x=x, state=state, gate_x_w=gate_x_w, a_param=a_param, reset=reset)
+    check_same_device(x=x, state=state, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w,
+                      gate_a_b=gate_a_b, a_param=a_param, reset=reset)
     return _step_backend("rglru", backend, x)(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset)
 
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto"):
-    """One SAMU decode step. x: [B, D]; state: [B, M] complex64, updated in place;
-    reset: [B] bool. Returns y [B, D]."""
+    """One SAMU decode step. x: [B, D]; parameters as for `samu`; state: [B, M]
+    complex64, updated in place; reset: [B] bool. Returns y [B, D]."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     if D % 2:
@@ -231,7 +265,7 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     check_tensor("state", state, shape=(B, D // 2), dtypes=(state_dtype(x.dtype, complex_state=True),))
     if reset is not None:
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
-    check_same_device(x=x, state=state, phase_dir=phase_dir, nu_log=nu_log, reset=reset)
+    _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state=state, reset=reset)
     return _step_backend("samu", backend, x)(x, phase_dir, radial_dir, phase_amp, radial_amp,
                                              nu_log, theta_log, state, reset)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+COMPLEX_DTYPES = (torch.complex128, torch.complex64)
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -39,29 +40,50 @@ def check_segment_pos(segment_pos, B: int, T: int):
     if segment_pos is None:
         return None
     check_tensor("segment_pos", segment_pos, shape=(B, T))
-    if segment_pos.dtype.is_floating_point or segment_pos.dtype.is_complex or segment_pos.dtype == torch.bool:
+    if not is_integer_dtype(segment_pos.dtype):
         raise ValueError(f"expected segment_pos with an integer dtype, got {segment_pos.dtype}")
     return segment_pos
 
 
-def cu_seqlens_to_segment_pos(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """FlashAttention-style packed boundaries [N+1] (0, ..., T) -> segment_pos [1, T]."""
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def check_scalar(name: str, v, dtypes=FLOAT_DTYPES):
+    """A python real number or a one-element tensor (any shape, e.g. [] or [1]) of a
+    dtype in `dtypes` (the device is checked with the other tensors)."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"expected {name} to be a scalar (a float or a one-element tensor), "
+                             f"got shape {shape_str(v)}")
+        if v.dtype not in dtypes:
+            raise ValueError(f"expected {name} with dtype in {[str(d) for d in dtypes]}, got {v.dtype}")
+    elif isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"expected {name} to be a scalar (a float or a one-element tensor), "
+                         f"got {type(v).__name__}")
+    return v
+
+
+def cu_seqlens_to_segment_pos(cu_seqlens: torch.Tensor, B: int, T: int, device=None) -> torch.Tensor:
+    """FlashAttention-style packed boundaries [N+1] (0, ..., T) -> segment_pos [1, T] int32
+    on `device` (default: cu_seqlens' device), computed there without a loop over the
+    sequences (the validation reads one flag back to the host)."""
     check_tensor("cu_seqlens", cu_seqlens, ndim=1)
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+    if not is_integer_dtype(cu_seqlens.dtype):
         raise ValueError(f"expected cu_seqlens with an integer dtype, got {cu_seqlens.dtype}")
     if B != 1:
         raise ValueError(f"expected batch size 1 with cu_seqlens (packed sequences), got B = {B}")
-    cu = cu_seqlens.to("cpu", torch.int64)
-    if cu.numel() < 2 or cu[0] != 0 or cu[-1] != T or bool((cu[1:] < cu[:-1]).any()):
+    device = cu_seqlens.device if device is None else torch.device(device)
+    cu = cu_seqlens.to(device, torch.int64)
+    if cu.numel() < 2 or bool((cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any()):
         raise ValueError(
             f"expected cu_seqlens increasing from 0 to T = {T}, got {cu.tolist()}"
         )
-    pos = torch.arange(T, dtype=torch.int64)
-    starts = torch.zeros(T, dtype=torch.int64)
-    for s in cu[:-1].tolist():
-        if s < T:
-            starts[s:] = s
-    return (pos - starts).view(1, T).to(cu_seqlens.device, torch.int32)
+    t = torch.arange(T, dtype=torch.int64, device=device)
+    # Sequence of each step: the number of boundaries cu[1:] at or before it (empty
+    # sequences, cu[i] == cu[i + 1], own no step); its start is cu[that index].
+    seq = torch.searchsorted(cu[1:], t, right=True)
+    return (t - cu[seq]).view(1, T).to(torch.int32)
 
 
 def state_dtype(x_dtype: torch.dtype, complex_state: bool = False) -> torch.dtype:

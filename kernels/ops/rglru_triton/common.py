@@ -420,7 +420,9 @@ def reduce_dap_kernel(part, ap, dap, R, D, BR: tl.constexpr, BD: tl.constexpr, A
 
 
 def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
-    """part: [R, D] partial d softplus(a_param) sums -> dL/da_param [D] in a_param's dtype."""
+    """part: [R, D] partial d softplus(a_param) sums -> dL/da_param [D] in a_param's dtype
+    (contiguous, whatever a_param's strides: the kernel indexes both by channel)."""
+    part, a_param = part.contiguous(), a_param.contiguous()
     R, D = part.shape
     dap = empty((D,), a_param.dtype, part.device)
     BD = min(256, triton.next_power_of_2(D))
@@ -448,7 +450,10 @@ def recurrence_function(name: str, forward, backward, doc: str):
     runs the bare scan (x = b, gx = b, ga = a, a_param None)."""
 
     def fwd(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
+        # The kernels index every tensor as contiguous (a_param by channel, pos and h0 by
+        # row): a strided view (a_param = w[::2], an expanded vector) would be misread.
         x, gx, ga = x.contiguous(), gx.contiguous(), ga.contiguous()
+        a_param = None if a_param is None else a_param.contiguous()
         pos = None if pos is None else pos.contiguous()
         h0 = None if h0 is None else h0.contiguous()
         save = any(ctx.needs_input_grad)

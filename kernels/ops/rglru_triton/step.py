@@ -98,12 +98,14 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     x = x.contiguous()
     wx, wa = gate_x_w.contiguous(), gate_a_w.contiguous()
     bx, ba = gate_x_b.contiguous(), gate_a_b.contiguous()
+    # The kernel indexes a_param by channel and reset by row: strided views are copied.
+    a_param = a_param.contiguous()
     mode = _mode(x, wx)
     bb = block_b or min(64, max(16, triton.next_power_of_2(B)))
     if mode == 2:
         bb, block_j, block_k = min(bb, 16), min(block_j, 16), min(block_k, 16)
     y = empty((B, D), x.dtype, x.device)
-    rst = reset.view(torch.uint8) if reset is not None else None
+    rst = reset.contiguous().view(torch.uint8) if reset is not None else None
     grid = (H * triton.cdiv(W, block_j), triton.cdiv(B, bb))
     rglru_step_kernel[grid](
         x, wx, bx, wa, ba, a_param, state, rst if rst is not None else state, y, B, D, W,
