@@ -34,6 +34,16 @@ def test_rglru_official(resets, heads):
     assert all(r["tolerance"] == 1e-5 for r in rows)
 
 
+@pytest.mark.parametrize("backend", ["serial", "chunk"])
+def test_rglru_official_triton_backends(backend):
+    # The same gate with the mixer on a Triton backend at its default options (serial:
+    # the split kernels, time_warps = 4; chunk: K = 32, two chunks of T = 37, the last
+    # partial); every option variant: test_rglru_triton.test_matches_official_rglru.
+    rows = parity.check_rglru_official(B=2, T=37, D=24, heads=4, resets=True, backend=backend)
+    _assert_passed(rows, 6)
+    assert all(r["backend"] == backend and r["tolerance"] == 1e-5 for r in rows)
+
+
 @pytest.mark.parametrize("resets", [True, False], ids=["resets", "no_resets"])
 def test_conv1d_official(resets):
     _assert_passed(parity.check_conv1d_official(B=3, T=37, D=24, resets=resets), 4)

@@ -2,8 +2,8 @@
 reference and the official recurrentgemma RGLRU, on the CPU interpreter.
 
 Shapes are tiny and odd (B = 2, T = 37, D = 24: partial final chunks and channel
-blocks). Outputs are allocated poisoned with NaN, so an element a kernel fails to
-write fails the comparison.
+blocks; T = 150 for chunks of 32 and 64). Outputs are allocated poisoned with NaN, so
+an element a kernel fails to write fails the comparison.
 """
 
 import pytest
@@ -15,19 +15,29 @@ from kernels.ops import accounting, reference
 from kernels.ops.rglru_triton import common
 
 B, T, D = 2, 37, 24
+LONG_T, LONG_D = 150, 12     # K = 32: 5 chunks, K = 64: 3 chunks; the last one partial (22 steps)
 FP32_TOL = parity.BACKEND_TOL[torch.float32]
 FP64_TOL = 1e-12
 
 # (backend, options): serial with two time tiles; chunk 16 with the one-group prefix
-# and chunk 8 with a two-summary group so the outer prefix over groups runs.
+# and chunk 8 with a two-summary group so the outer prefix over groups runs; chunks of
+# 32 (the default K) and 64, inner scan and loop each, at T = LONG_T, D = LONG_D
+# (test_long_chunks_float64_is_exact: two channel blocks of 8, one partial, or one
+# partial block of 32), K = 64 with two-summary groups.
 VARIANTS = [
     ("serial", {"block_t": 16, "block_d": 32}),
     ("serial", {"block_t": 8, "block_d": 16, "prefetch": True}),
     ("chunk", {"chunk_size": 16, "block_d": 16}),
     ("chunk", {"chunk_size": 8, "group": 2, "block_d": 32}),
     ("chunk", {"chunk_size": 8, "group": 2, "block_d": 16, "inner": "loop"}),
+    ("chunk", {"chunk_size": 32, "block_d": 8}),
+    ("chunk", {"chunk_size": 32, "block_d": 32, "inner": "loop"}),
+    ("chunk", {"chunk_size": 64, "group": 2, "block_d": 8}),
+    ("chunk", {"chunk_size": 64, "group": 2, "block_d": 32, "inner": "loop"}),
 ]
-IDS = ["serial16", "serial8", "chunk16", "chunk8g2", "chunk8loop"]
+IDS = ["serial16", "serial8", "chunk16", "chunk8g2", "chunk8loop", "chunk32", "chunk32loop", "chunk64g2",
+       "chunk64g2loop"]
+SHORT, LONG = slice(0, 5), slice(5, None)
 
 
 @pytest.fixture(autouse=True)
@@ -35,11 +45,18 @@ def poison(monkeypatch):
     monkeypatch.setattr(common, "POISON", True)
 
 
-def positions():
+def positions(t=T):
     """Row 0 continues an earlier document (no reset at t = 0), then resets inside a
     chunk (5), at chunk edges (8, 16, 32), a run (20, 21, 22) and at t = T - 1.
-    Row 1 resets at t = 0 and 1 (a run), inside chunks (13, 27) and at 24."""
-    return document_positions(T, [(5, 8, 16, 20, 21, 22, 32, 36), (0, 1, 13, 24, 27)])
+    Row 1 resets at t = 0 and 1 (a run), inside chunks (13, 27) and at 24.
+    t = LONG_T adds, for K = 32 and 64: row 0 resets on the edges 64 and 128, inside
+    chunks (70, 100) and as a run of two across the edge 95 | 96; row 1 inside chunks
+    (45, 140) and as a run of two inside a chunk (80, 81). The last chunk is partial."""
+    if t == T:
+        return document_positions(T, [(5, 8, 16, 20, 21, 22, 32, 36), (0, 1, 13, 24, 27)])
+    assert t == LONG_T
+    return document_positions(t, [(5, 8, 16, 20, 21, 22, 32, 36, 64, 70, 95, 96, 100, 128, 149),
+                                  (0, 1, 13, 24, 27, 45, 80, 81, 140)])
 
 
 def document_positions(T, starts):
@@ -54,12 +71,12 @@ def document_positions(T, starts):
     return pos
 
 
-def inputs(dtype, seed=0):
+def inputs(dtype, seed=0, t=T, d=D):
     torch.manual_seed(seed)
-    x, gx, ga = (torch.randn(B, T, D, dtype=torch.float64) for _ in range(3))
+    x, gx, ga = (torch.randn(B, t, d, dtype=torch.float64) for _ in range(3))
     ga = ga * 2.0
-    a_param = kernels.layers.rnn_param_init(torch.empty(D, dtype=torch.float64))
-    h0 = torch.randn(B, D, dtype=torch.float64)
+    a_param = kernels.layers.rnn_param_init(torch.empty(d, dtype=torch.float64))
+    h0 = torch.randn(B, d, dtype=torch.float64)
     pdt = torch.float64 if dtype == torch.float64 else torch.float32
     return [x.to(dtype), gx.to(dtype), ga.to(dtype), a_param.to(pdt)], h0.to(pdt)
 
@@ -90,7 +107,7 @@ def check(got, want, tol):
         assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
 
 
-@pytest.mark.parametrize("backend,opts", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("backend,opts", VARIANTS[SHORT], ids=IDS[SHORT])
 def test_fp32_against_float64_reference(backend, opts):
     args, h0 = inputs(torch.float32)
     pos = positions()
@@ -106,6 +123,18 @@ def test_float64_is_exact(backend, opts):
     # any slip in chunk composition, reset handling or the adjoint would show far above this.
     args, h0 = inputs(torch.float64, seed=1)
     pos = positions()
+    want = run(reference.rglru, args, h0, pos)
+    got = run(kernels.backends("rglru")[backend], args, h0, pos, **opts)
+    check(got, want, FP64_TOL)
+
+
+@pytest.mark.parametrize("backend,opts", VARIANTS[LONG], ids=IDS[LONG])
+def test_long_chunks_float64_is_exact(backend, opts):
+    # K = 32 and 64 over T = 150 (several chunks, a partial last one), resets at t = 0,
+    # on chunk edges, inside chunks and in runs, an initial state: output, final state
+    # and every gradient (x, gate_x, gate_a, a_param, h0) to rounding.
+    args, h0 = inputs(torch.float64, seed=11, t=LONG_T, d=LONG_D)
+    pos = positions(LONG_T)
     want = run(reference.rglru, args, h0, pos)
     got = run(kernels.backends("rglru")[backend], args, h0, pos, **opts)
     check(got, want, FP64_TOL)
@@ -145,10 +174,11 @@ def test_gradients_are_bitwise_reproducible(backend, opts):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("backend,chunk", [("serial", None), ("chunk", 8)])
-def test_matches_official_rglru(backend, chunk):
+@pytest.mark.parametrize("backend,opts", [("serial", {}), *VARIANTS], ids=["serial_default", *IDS])
+def test_matches_official_rglru(backend, opts):
     # The unmodified official layer (gates from its own block-diagonal projections),
-    # with resets and a cached state: output, state and every gradient, incl. its weights.
+    # with resets and a cached state: output, state and every gradient, incl. its weights,
+    # for the serial default (the split kernels, time_warps = 4) and every variant.
     rg = parity.load_official()
     torch.manual_seed(5)
     m = rg.RGLRU(D, 4)
@@ -158,8 +188,8 @@ def test_matches_official_rglru(backend, chunk):
     xs = [x.clone().requires_grad_() for _ in range(2)]
     hs = [h0.clone().requires_grad_() for _ in range(2)]
     want = m(xs[0], pos, hs[0])
-    got = kernels.rglru(xs[1], m.input_gate(xs[1]), m.a_gate(xs[1]), m.a_param, pos, hs[1], True,
-                        backend=backend, chunk_size=chunk)
+    got = kernels.backends("rglru")[backend](xs[1], m.input_gate(xs[1]), m.a_gate(xs[1]), m.a_param, pos,
+                                             hs[1], True, **opts)
     g = torch.Generator().manual_seed(8)
     gy, gh = torch.randn(B, T, D, generator=g), torch.randn(B, D, generator=g)
     params = list(m.parameters())
@@ -172,8 +202,9 @@ def test_matches_official_rglru(backend, chunk):
 
 
 def test_dispatch_cu_seqlens_and_prefill_state():
-    # Packed sequences through kernels.rglru (cu_seqlens -> resets), prefill returning
-    # the FP32 final state, then decode steps continuing from it equal the forward.
+    # Packed sequences through kernels.rglru (cu_seqlens -> resets) and the prefill's
+    # FP32 final state: output and final state equal the float64 reference (decode
+    # steps from a prefill state: test_decode_steps_equal_forward).
     args, h0 = inputs(torch.float32, seed=6)
     x, gx, ga, ap = (a[:1] if a.dim() == 3 else a for a in args)
     cu = torch.tensor([0, 9, 16, 30, T])
