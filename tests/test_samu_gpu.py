@@ -22,7 +22,7 @@ pytestmark = pytest.mark.cuda
 
 B, T, D = 4, 2048, 2560
 M = D // 2
-# (backend, chunk_size, launcher options); ids backend-K[-fused][-fill][-bm<block_m>w<num_warps>]
+# (backend, chunk_size, launcher options); ids backend-K[-fused][-group][-bm<block_m>w<num_warps>]
 # as bench_samu.label names them (the benchmark times only the variants that pass)
 CONFIGS = [("serial", 32, {}), ("chunk", 8, {}), ("chunk", 16, {}), ("chunk", 32, {}), ("chunk", 64, {}),
            ("chunk", 16, {"block_m": 64, "num_warps": 1}), ("chunk", 16, {"block_m": 128, "num_warps": 1}),
@@ -30,13 +30,13 @@ CONFIGS = [("serial", 32, {}), ("chunk", 8, {}), ("chunk", 16, {}), ("chunk", 32
            ("chunk", 16, {"fuse_controls": True}),
            ("chunk", 16, {"fuse_controls": True, "block_m": 128, "num_warps": 1}),
            ("chunk", 32, {"fuse_controls": True, "block_m": 128, "num_warps": 1}),
-           ("chunk", 16, {"prefix": "fill"}), ("chunk", 32, {"prefix": "fill"})]
+           ("chunk", 16, {"prefix": "group"}), ("chunk", 32, {"prefix": "group"})]
 
 
 def config_id(c):
     name, chunk, opts = c
     out = f"{name}-{chunk}" + ("-fused" if opts.get("fuse_controls") else "")
-    out += f"-{opts['prefix']}" if opts.get("prefix", "group") != "group" else ""
+    out += f"-{opts['prefix']}" if opts.get("prefix", "fill") != "fill" else ""
     return out + (f"-bm{opts['block_m']}w{opts.get('num_warps')}" if "block_m" in opts else "")
 NAMES = ["x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "initial_state"]
 

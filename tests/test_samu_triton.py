@@ -123,6 +123,16 @@ def ref64():
     return run(reference.samu, p)
 
 
+# D = 70: M = 35 modes, odd, in two blocks of 32 (the second one partial).
+WIDE_D = 70
+
+
+@pytest.fixture(scope="module")
+def ref64_wide():
+    p = leaves(make_inputs(torch.float64, d=WIDE_D, seed=13))
+    return run(reference.samu, p)
+
+
 @pytest.mark.parametrize("backend,chunk", CONFIGS)
 def test_float64_matches_reference(backend, chunk, ref64):
     """The kernels in float64 agree with the reference to rounding: exact algorithm."""
@@ -162,7 +172,8 @@ def test_bf16_against_pytorch_bf16():
         assert rel(mine, exact) <= 2 * e_torch + 1e-5, (name, rel(mine, exact), e_torch)
 
 
-def test_hard_mode_several_losses():
+@pytest.mark.parametrize("backend", ["chunk", "serial"])
+def test_hard_mode_several_losses(backend):
     """|a| within ~1e-3 of 1 over 112 steps (memory far longer than the row, so every
     gradient sums long products) and several different losses through one forward:
     FP32 kernels stay far under 1e-3."""
@@ -171,7 +182,7 @@ def test_hard_mode_several_losses():
     p_ref, p = leaves(inputs, torch.float64), leaves(inputs)
     y_ref, h_ref = call(reference.samu, p_ref, seg)
     with poisoned():
-        y, h = call(BACKENDS["samu"]["chunk"], p, seg, chunk_size=16)
+        y, h = call(BACKENDS["samu"][backend], p, seg, chunk_size=16)
     assert (1 - (-torch.exp(inputs["nu_log"]) * 1.2).exp()).max() < 2e-3
     for name in ["mixed", "last_token", "final_state_only"]:
         loss = LOSSES[name]
@@ -312,23 +323,42 @@ def test_fused_controls_match_reference(chunk, ref64):
 
 
 @pytest.mark.parametrize("chunk,opts", [(8, {}), (16, {"fuse_controls": True, "block_m": 64, "num_warps": 1})])
-def test_prefix_fill_matches_reference(chunk, opts, ref64):
-    """prefix="fill" (the chunk states written by one more pass over the summaries):
-    float64 to rounding, every gradient, resets, initial state, two groups of chunks
-    (K = 8: 5 chunks in groups of 4); the prefill; bitwise deterministic in FP32."""
+def test_prefix_group_matches_reference(chunk, opts, ref64):
+    """prefix="group" (each replay composes the earlier chunks of its group itself; the
+    default "fill" runs in every other test): float64 to rounding, every gradient, resets,
+    initial state, two groups of chunks (K = 8: 5 chunks in groups of 4); the prefill
+    without the fill pass (and with it by default); bitwise deterministic in FP32."""
     p = leaves(make_inputs(torch.float64))
     with poisoned():
-        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=chunk, prefix="fill", **opts)
+        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=chunk, prefix="group", **opts)
     assert_close_all(got, ref64, 1e-11)
     inputs = make_inputs(torch.float32, seed=7)
     y_ref, h_ref = call(reference.samu, leaves(inputs, torch.float64))
     with torch.no_grad(), poisoned(), accounting.counting() as c:
-        y, h = call(BACKENDS["samu"]["chunk"], inputs, chunk_size=chunk, prefix="fill", **opts)
-    assert rel(y, y_ref) < 2e-6 and rel(h, h_ref) < 2e-6 and "samu_prefix_fill" in c.by_kernel
-    runs = [run(BACKENDS["samu"]["chunk"], leaves(inputs), chunk_size=chunk, prefix="fill", **opts)
+        y, h = call(BACKENDS["samu"]["chunk"], inputs, chunk_size=chunk, prefix="group", **opts)
+    assert rel(y, y_ref) < 2e-6 and rel(h, h_ref) < 2e-6 and "samu_prefix_fill" not in c.by_kernel
+    with torch.no_grad(), accounting.counting() as c:
+        call(BACKENDS["samu"]["chunk"], inputs, chunk_size=chunk, **opts)
+    assert "samu_prefix_fill" in c.by_kernel
+    runs = [run(BACKENDS["samu"]["chunk"], leaves(inputs), chunk_size=chunk, prefix="group", **opts)
             for _ in range(2)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     for k in GRAD_NAMES:
         assert torch.equal(runs[0][2][k], runs[1][2][k]), k
     with pytest.raises(ValueError, match="prefix"):
         call(BACKENDS["samu"]["chunk"], inputs, prefix="tree")
+
+
+@pytest.mark.parametrize("backend,chunk,opts", [("serial", 16, {}), ("chunk", 8, {}),
+                                                ("chunk", 8, {"fuse_controls": True}),
+                                                ("chunk", 16, {"prefix": "group"})],
+                         ids=["serial16", "chunk8", "chunk8fused", "chunk16group"])
+def test_odd_modes_several_mode_blocks(backend, chunk, opts, ref64_wide):
+    """M = 35 (odd) over two mode blocks of 32, the second partial: float64 to rounding
+    for the output, final state and every gradient, with SEGMENT_POS's resets inside and
+    across chunks and an initial state (row 0 continues a document)."""
+    p = leaves(make_inputs(torch.float64, d=WIDE_D, seed=13))
+    with poisoned():
+        got = run(BACKENDS["samu"][backend], p, chunk_size=chunk, block_m=32, **opts)
+    assert got[1].shape == (B, WIDE_D // 2)
+    assert_close_all(got, ref64_wide, 1e-11)

@@ -4,12 +4,18 @@ Forward, for chunks c of K tokens (the last one may be partial; its missing step
 are identity lanes):
   1. summary   per (chunk, mode block): P_c = prod a_t, Q_c = state from zero, so
                h_out = P_c h_in + Q_c (complex affine map);
-  2. prefix    over the chunk summaries, linear work and order kept: each group of
-               GS chunks is composed serially into one map, an outer serial prefix
-               over the groups gives each group's incoming state (and the final state);
-  3. replay    per (chunk, mode block): the chunk's incoming state is the group's
-               incoming state carried through the earlier chunks of its group (the
-               local correction), then the chunk is replayed writing y = relu(h).
+  2. prefix    over the N chunk summaries, order kept, in groups of GS ~ sqrt(N)
+               chunks: each group is composed serially into one map, an outer serial
+               prefix over the groups gives each group's incoming state (and the final
+               state), and the local correction carries it through the group's chunks.
+               prefix="fill" (the default) does the correction in one more pass that
+               walks every group once and writes the state entering each chunk (linear
+               work: about 2N + N / GS map compositions); prefix="group" leaves it to
+               the replay, each chunk composing the earlier chunks of its group itself
+               (N * GS / 2 compositions, a chain of up to GS - 1 dependent loads on
+               each replay program's critical path, no extra launch);
+  3. replay    per (chunk, mode block): from the chunk's incoming state the chunk is
+               replayed writing y = relu(h).
 Backward runs the same algebra on the adjoint: R_{c-1} = conj(P_c) R_c + Qbar_c with
 Qbar_c = sum_t conj(prod_{u<=t} a_u) g_t (chunk-local), composed right to left, then
 per chunk the adjoint replay that writes every gradient contribution.
@@ -300,7 +306,7 @@ class ChunkPlan:
     (results/kernels/samu/summary_run2.md)."""
 
     def __init__(self, chunk_size: int = 16, block_m: int = 32, num_warps=None, fuse_controls=False,
-                 prefix="group", fwd="chunk", lb_chunk=None, lb_rows=None, lb_warps=None, lb_window=None,
+                 prefix="fill", fwd="chunk", lb_chunk=None, lb_rows=None, lb_warps=None, lb_window=None,
                  lb_order=None, inclusive_every=1):
         self.K = check_chunk_size(chunk_size)
         self.BM = check_block_m(block_m)
@@ -355,9 +361,9 @@ class ChunkPlan:
         return ctrl, aux, self._finish_forward(x, ctrl, modes, h0, need_states, P, Q)
 
     def _prefix(self, A, Bv, init, B, N, M, conj, reverse, fill_into=None):
-        """Grouped linear-work prefix: returns (carry per group [B, NG, M, 2], final map output);
-        with fill_into [B, N, M, 2] (prefix="fill") the state entering every chunk is written
-        there and returned as the carry."""
+        """Grouped prefix: returns (carry per group [B, NG, M, 2], final map output); with
+        fill_into [B, N, M, 2] (prefix="fill") the state entering every chunk is written
+        there and returned as the carry (the local correction done here, linear work)."""
         acc = A.dtype
         gs, ng, ngp = group_sizes(N)
         AG = alloc((B, ng, M, 2), acc, A.device)
@@ -448,15 +454,16 @@ class ChunkPlan:
 
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                initial_state=None, output_final_state=False, chunk_size=16, block_m=32, num_warps=None,
-               fuse_controls=False, prefix="group", fwd="chunk", lb_chunk=None, lb_rows=None, lb_warps=None,
+               fuse_controls=False, prefix="fill", fwd="chunk", lb_chunk=None, lb_rows=None, lb_warps=None,
                lb_window=None, lb_order=None, inclusive_every=1):
     """Two-level chunked SAMU (reference signature). x: [B, T, D], D = 2M; returns
     (y [B, T, D], final state [B, M] complex or None). chunk_size K in 8, 16, 32, 64;
     block_m modes per program; num_warps per program (None: block_m // 32, one mode per
     thread; fewer: several adjacent modes per thread); fuse_controls: the controller
-    inside the chunk summary (one program per chunk owns whole rows); prefix "group"
-    (each replay composes the earlier chunks of its group itself) or "fill" (one more pass
-    over the chunk summaries writes every chunk's incoming state; the replays load it).
+    inside the chunk summary (one program per chunk owns whole rows); prefix "fill"
+    (default; one more pass over the chunk summaries writes every chunk's incoming state,
+    linear work; the replays load it) or "group" (each replay composes the earlier chunks
+    of its group itself: N * GS / 2 compositions for N chunks in groups of GS ~ sqrt(N)).
     fwd="lookback": the single-pass forward with decoupled look-back (lookback.py; options
     lb_chunk, lb_rows, lb_warps, lb_window, lb_order, see lookback_config; inclusive_every is a test
     knob); the backward (chunk_size K) is unchanged."""

@@ -54,16 +54,16 @@ SAMU_CONFIGS = [("serial", 32, {}), ("chunk", 8, {}), ("chunk", 16, {}), ("chunk
                 ("chunk", 16, {"fuse_controls": True}),
                 ("chunk", 16, {"fuse_controls": True, "block_m": 128, "num_warps": 1}),
                 ("chunk", 32, {"fuse_controls": True, "block_m": 128, "num_warps": 1}),
-                ("chunk", 16, {"prefix": "fill"}), ("chunk", 32, {"prefix": "fill"})]
+                ("chunk", 16, {"prefix": "group"}), ("chunk", 32, {"prefix": "group"})]
 
 
 def label(name, chunk, opts=None):
-    """Variant name: backend-K[-fused][-fill][-bm<block_m>w<num_warps>] (the GPU tests' ids)."""
+    """Variant name: backend-K[-fused][-group][-bm<block_m>w<num_warps>] (the GPU tests' ids)."""
     opts = opts or {}
     out = f"{name}-{chunk}" if chunk else name
     if opts.get("fuse_controls"):
         out += "-fused"
-    if opts.get("prefix", "group") != "group":
+    if opts.get("prefix", "fill") != "fill":
         out += f"-{opts['prefix']}"
     if "block_m" in opts:
         out += f"-bm{opts['block_m']}w{opts.get('num_warps')}"
