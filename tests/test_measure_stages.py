@@ -106,6 +106,14 @@ def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):
     if "chunk" in kernels.backends("rglru"):
         assert ops.resolve("rglru", "auto", fake) == ("chunk", {"block_d": 32, "chunk_size": 16})
     assert ops.resolve("rglru", "auto", torch.zeros(1, 2, 8)) == ("reference", {})   # CPU: by design
+    # A table tuned on another GPU is not used, with a warning naming both GPUs.
+    path.write_text(json.dumps({"schema": 1, "gpu": "GPU A", "entries": [serial_entry], "decode": []}))
+    if "chunk" in kernels.backends("rglru"):
+        monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU A")
+        assert ops.resolve("rglru", "auto", fake) == ("chunk", {"block_d": 32, "chunk_size": 16})
+        monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU B")
+        with pytest.warns(RuntimeWarning, match="tuned on 'GPU A', not on this 'GPU B'"):
+            assert ops.resolve("rglru", "auto", fake) == ("serial", {})
 
 
 def test_inexact_and_failing_candidates_are_recorded_and_left_out(tmp_path, monkeypatch):

@@ -89,8 +89,22 @@ def _chunk_opts(name: str, chunk_size) -> dict:
     return {} if chunk_size is None or name not in CHUNK_SIZE_BACKENDS else {"chunk_size": chunk_size}
 
 
+@functools.lru_cache(maxsize=None)
+def _gpu_name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _gpu_name(device: torch.device) -> str | None:
+    """The CUDA device's name, as the tune stage records it (cached: no query per call);
+    None where CUDA is not available."""
+    if not torch.cuda.is_available():
+        return None
+    return _gpu_name_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
-    """(backend name, launcher options) for a call; "auto" consults the tuning table.
+    """(backend name, launcher options) for a call; "auto" consults the tuning table
+    (kernels.ops.tuning; a table tuned on another GPU is not used).
 
     chunk_size applies only to the backends of CHUNK_SIZE_BACKENDS ("chunk": the chunk
     length; "serial": its time tile). Naming another backend together with a chunk_size
@@ -109,7 +123,7 @@ def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[st
     if x.device.type != "cuda":
         return "reference", {}
     B, T, D = x.shape
-    entry = tuning.lookup(op, str(x.dtype).removeprefix("torch."), B, T, D)
+    entry = tuning.lookup(op, str(x.dtype).removeprefix("torch."), B, T, D, gpu=_gpu_name(x.device))
     if entry is not None and entry["backend"] in avail:
         opts = dict(entry.get("options", {}))
         if entry.get("chunk_size") is not None:

@@ -8,7 +8,9 @@ path in the environment variable KERNELS_TUNING_TABLE). Schema version 1:
          "backend": "chunk", "chunk_size": 32, "options": {...launcher keyword arguments...}}]}
 
 Lookup takes the entry of the same op and dtype nearest in log(B*T) and log(D).
-Without a table (or without a matching entry) a fixed default applies.
+A table tuned on another GPU than the caller's (both names known, different) is not
+used: a warning names both, once per pair. Without a table (or without a matching
+entry) a fixed default applies.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,9 +55,23 @@ def load_table(path: Path | None = None) -> dict | None:
     return _load(str(p), p.stat().st_mtime)
 
 
-def lookup(op: str, dtype: str, B: int, T: int, D: int, table: dict | None = None) -> dict | None:
+@lru_cache(maxsize=None)
+def _warn_other_gpu(tuned: str, gpu: str, path: str) -> None:
+    warnings.warn(f"the tuning table {path} was tuned on {tuned!r}, not on this {gpu!r}: backend='auto' uses "
+                  f"its built-in defaults (run the pipeline's tune stage on this GPU, or point "
+                  f"KERNELS_TUNING_TABLE at a table for it)", RuntimeWarning, stacklevel=4)
+
+
+def lookup(op: str, dtype: str, B: int, T: int, D: int, table: dict | None = None,
+           gpu: str | None = None) -> dict | None:
+    """The entry for a call, or None. `gpu`: the caller's GPU name (None: not checked)."""
+    path = "given" if table is not None else str(table_path())
     table = table if table is not None else load_table()
     if not table:
+        return None
+    tuned = table.get("gpu")
+    if gpu and tuned and tuned != gpu:
+        _warn_other_gpu(tuned, gpu, path)
         return None
     cands = [e for e in table.get("entries", []) if e["op"] == op and e["dtype"] == dtype]
     if not cands:
