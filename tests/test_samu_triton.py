@@ -210,7 +210,29 @@ def test_prefill_and_dispatch():
                                 initial_state=inputs["initial_state"], output_final_state=True,
                                 backend=backend, chunk_size=16)
         assert rel(y, y_ref) < 2e-6 and rel(h, h_ref) < 2e-6
-        assert c.launches >= 2 and c.bytes_read >= inputs["x"].numel() * 4 and c.bytes_written >= y.numel() * 4
+        k = c.by_kernel
+        x_bytes, y_bytes = accounting.nbytes(inputs["x"]), accounting.nbytes(y)
+        assert k["samu_controls_fwd"]["bytes_read"] >= x_bytes
+        if backend == "serial":     # the sequence pass writes y and the final state, nothing else
+            assert k["samu_serial_fwd"]["bytes_written"] == y_bytes + accounting.nbytes(h)
+            assert c.launches == 3
+        else:                       # no states kept: the replay writes y alone
+            assert k["samu_chunk_replay"]["bytes_written"] == y_bytes
+            assert k["samu_chunk_summary"]["bytes_read"] >= x_bytes and k["samu_chunk_replay"]["bytes_read"] >= x_bytes
+            assert c.launches == 7 and k["samu_prefix_fill"]["launches"] == 1
+    # "auto" on the CPU is the reference: no kernel launches.
+    with torch.no_grad(), accounting.counting() as c:
+        kernels.samu(*[inputs[k] for k in GRAD_NAMES[:7]], segment_pos=SEGMENT_POS, backend="auto")
+    assert c.launches == 0
+    # The backward counts its checkpoint slots (written, then read back by the same program).
+    p = leaves(inputs)
+    for backend, name in (("serial", "samu_serial_bwd"), ("chunk", "samu_chunk_bwd")):
+        with accounting.counting() as c:
+            y, h = BACKENDS["samu"][backend](*[p[k] for k in GRAD_NAMES[:7]], SEGMENT_POS, p["initial_state"], True,
+                                             chunk_size=16)
+            (y.sum() + h.abs().sum()).backward()
+        dx_bytes = accounting.nbytes(p["x"])       # FP32 x: the write gradient is dx itself
+        assert c.by_kernel[name]["bytes_written"] > dx_bytes and c.by_kernel[name]["bytes_read"] > 2 * dx_bytes
 
 
 def test_no_resets_no_initial_state_and_empty():

@@ -447,8 +447,9 @@ class ChunkPlan:
                           T, N, ng, D, M, nmb, K=K, U=BWD_UNROLL, GS=gs, V=min(gs, PREFIX_UNROLL), BM=BM,
                           FILLED=self.fill, ACC=tl_dtype(acc),
                           num_warps=self.NW)
-        accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, P, Qb, carry),
-                          accounting.nbytes(dxw, dpart, ppart))
+        # ckpt: every U-th state of the chunk, written and read back by the same program
+        accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, P, Qb, carry, ckpt),
+                          accounting.nbytes(dxw, dpart, ppart, ckpt))
         return dxw, dpart, ppart, dh0
 
 

@@ -115,12 +115,14 @@ class SerialPlan:
         ppart = alloc((B, M, 2), acc, x.device)
         dh0 = alloc((B, M, 2), acc, x.device)
         ckpt = alloc((B * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
+        ckpt_bytes = accounting.nbytes(ckpt)
         _serial_bwd_kernel[(nmb, B)](
             x, dy, ctrl, modes, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
             T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc),
             num_warps=self.NW)
-        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh),
-                          accounting.nbytes(dxw, dpart, ppart, dh0))
+        # ckpt: each program's slots, written and read back once per tile (N tiles)
+        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh) + N * ckpt_bytes,
+                          accounting.nbytes(dxw, dpart, ppart, dh0) + N * ckpt_bytes)
         return dxw, dpart, ppart, dh0
 
 
