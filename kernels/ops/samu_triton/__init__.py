@@ -16,7 +16,13 @@ Shared (common.py): the per-token controller (one pass over x: both projections,
 norms, tanh, exp(eta), cos/sin(delta), resets), its backward and the deterministic
 parameter reductions; function.py: the autograd operator around a plan.
 Inside the recurrence the transition, the write and relu exist only in registers;
-forward keeps for backward only [B, T] controls and [B, T/K, M] complex states.
+forward keeps for backward only [B, T] controls and [B, T/K, M] complex states. The
+backward's scratch: the FP32 write gradient [B, T, D] (dx itself when x is FP32; for
+BF16/FP16 x the controller backward adds the control term to it and rounds once), the
+per-token control-gradient partials [B*T, M/block_m, 2], the per-chunk parameter
+partials, and checkpoint slots of every BWD_UNROLL-th state inside a chunk ([B, T/4, M]
+complex in all for the chunk backend, [B, K/4, M] for serial), counted by the
+accounting as written and read.
 BF16/FP16 at the tensor boundaries, FP32 state and accumulation (float64 for float64).
 
 Decode (step.py): STEPS["samu"] = "row" (one program per sequence), "blocked" (one
