@@ -5,6 +5,8 @@ operand (SWAP), results judged against float64 and the same computation in PyTor
 (BF16: at most LOWP_FACTOR times PyTorch's BF16 error), outputs poisoned with NaN,
 deterministic results and arrival counts left at zero in a shared workspace."""
 
+import copy
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ def _setup(M, dtype, D=40, E=36, Fw=28, seed=1):
 
 
 def _eager(mods, d, dt, part, Fw):
-    md = {k: v.to(dt) for k, v in mods.items()}
+    md = {k: copy.deepcopy(v).to(dt) for k, v in mods.items()}   # Module.to works in place
     n = md["norm"](d["x"].to(dt))
     if part == "y":
         return layers.gelu(md["ly"](n))
@@ -187,3 +189,48 @@ def test_split_k_linear_graph_replays_on_gpu(pdl, extra):
     mc = m.cpu()
     for got, part in zip(eager, ("y", "conv", "state", "out", "gated", "down")):
         _judge(got.cpu(), lambda dt: _eager(mc, cpu, dt, part, Fw))
+
+
+def test_linear_refuses_unsafe_buffers_and_copies_strided_vectors():
+    """Buffers the kernel would misread or race on raise ValueError (row-strided out and
+    out2, mixed activation / weight dtypes, a bias of the wrong length, an odd gated
+    weight, out aliasing the input, out= ignored by EPI_RESIDUAL); strided bias,
+    norm_scale and conv parameters (read-only) are copied and give the right result."""
+    M, dtype = 3, torch.float32
+    m, d, (D, E, Fw) = _setup(M, dtype, seed=5)
+    cfg = CONFIGS["split3"]
+    x, w, b = d["x"], m["up"].weight, m["up"].bias
+    bad = [
+        dict(a=x, w=w, bias=b, out=torch.zeros(M, 4 * Fw)[:, :2 * Fw]),                 # row-strided out
+        dict(a=x, w=w.half(), bias=b),                                                 # fp32 a, fp16 w
+        dict(a=x.bfloat16(), w=w, bias=b),                                             # bf16 a, fp32 w
+        dict(a=x, w=w, bias=torch.zeros(Fw)),                                          # bias [N / 2]
+        dict(a=x, w=w[:-1].contiguous(), bias=b[:-1], epilogue=dk.EPI_GATED),          # odd gated rows
+        dict(a=x, w=w, bias=b[:Fw], epilogue=dk.EPI_GATED),                            # gated bias [N]
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            dk.linear(config=cfg, **kw)
+    sq = torch.randn(M, D)
+    with pytest.raises(ValueError, match="overlap a"):
+        dk.linear(sq, torch.randn(D, D), None, out=sq, config=cfg)     # out is a
+    r = d["res"].clone()
+    with pytest.raises(ValueError, match="overlap a"):
+        dk.linear(r, torch.randn(D, D), None, epilogue=dk.EPI_RESIDUAL, residual=r, config=cfg)
+    with pytest.raises(ValueError, match="EPI_RESIDUAL"):
+        dk.linear(d["p"], m["down"].weight, m["down"].bias, epilogue=dk.EPI_RESIDUAL, residual=r,
+                  out=torch.empty(M, D), config=cfg)
+    o = torch.empty(M, E)
+    with pytest.raises(ValueError, match="out2 not to overlap out"):
+        dk.linear(x, m["ly"].weight, m["ly"].bias, epilogue=dk.EPI_XY, w2=m["lx"].weight, bias2=m["lx"].bias,
+                  conv=(d["st"].clone(), m["conv"].w, m["conv"].b), out=o, out2=o, config=cfg)
+    # strided read-only vectors: the same values as contiguous ones
+    sv = lambda t: torch.stack([t.detach(), torch.full_like(t, float("nan"))], -1)[..., 0]  # noqa: E731
+    st = d["st"].clone()
+    with torch.no_grad():
+        gy, xc = dk.linear(x, m["ly"].weight, sv(m["ly"].bias), prologue=dk.PRO_NORM, norm_scale=sv(m["norm"].scale),
+                           eps=m["norm"].eps, epilogue=dk.EPI_XY, w2=m["lx"].weight, bias2=sv(m["lx"].bias),
+                           conv=(st, sv(m["conv"].w), sv(m["conv"].b)), reset=sv(d["reset"]), config=cfg)
+    _judge(gy, lambda dt: _eager(m, d, dt, "y", Fw))
+    _judge(xc, lambda dt: _eager(m, d, dt, "conv", Fw))
+    _judge(st, lambda dt: _eager(m, d, dt, "state", Fw))

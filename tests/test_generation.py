@@ -4,6 +4,7 @@ affect each other, the fused step kernels (Triton interpreter) equal the layers'
 decode path, stop tokens, sampling, the streaming iterator, the command line and
 bad input. Graph replay is covered by test_generation_gpu.py."""
 
+import copy
 import json
 
 import pytest
@@ -177,7 +178,7 @@ def test_weight_streaming_linear(dtype):
     reset = torch.tensor([True, False, False, True, False])
 
     def eager(dt, part):
-        md = {k: v.to(dt) for k, v in mods.items()}
+        md = {k: copy.deepcopy(v).to(dt) for k, v in mods.items()}   # Module.to works in place
         n = md["norm"](x.to(dt))
         if part == "y":
             return layers.gelu(md["ly"](n))
@@ -388,3 +389,88 @@ def test_bad_input():
         eng.generate(batch_size=1, max_new_tokens=-1)
     with pytest.raises(ValueError, match="rows"):
         dk.linear(torch.zeros(65, 8), torch.zeros(16, 8))
+
+
+def test_row_kernels_refuse_unsafe_buffers_and_copy_strided_inputs():
+    """embed_rmsnorm, add_rmsnorm, conv_step, gelu_mul and advance: strided read-only
+    inputs (tokens, scale, conv weights, nxt) are copied and give PyTorch's result;
+    output buffers of the wrong shape, dtype or strides, in-place buffers that are
+    strided views or of the wrong dtype, and outputs aliasing an input raise."""
+    torch.manual_seed(0)
+    M, D, E, Fw, V_ = 3, 24, 20, 30, 16
+    sv = lambda t: torch.stack([t, torch.zeros_like(t)], -1)[..., 0]   # noqa: E731  (a strided copy)
+    norm = layers.RMSNorm(D)
+    norm.scale.data.normal_()
+    table, tok = torch.randn(V_, D), torch.tensor([3, 7, 11])
+    with torch.no_grad():
+        x, xn = dk.embed_rmsnorm(sv(tok), table, sv(norm.scale.detach()), norm.eps)
+        torch.testing.assert_close(x, table[tok])
+        torch.testing.assert_close(xn, norm(table[tok]))
+        buf = torch.empty(M, D)
+        for kw in (dict(x=torch.empty(M, 2 * D)[:, :D]), dict(xn=torch.empty(M, D, dtype=torch.float64)),
+                   dict(x=torch.empty(M + 1, D)), dict(x=buf, xn=buf)):
+            with pytest.raises(ValueError):
+                dk.embed_rmsnorm(tok, table, norm.scale, norm.eps, **kw)
+        for bad_tok, bad_table in ((tok[None], table), (tok.float(), table), (tok, torch.randn(D, V_).T)):
+            with pytest.raises(ValueError):
+                dk.embed_rmsnorm(bad_tok, bad_table, norm.scale, norm.eps)
+        h, x = torch.randn(M, D), torch.randn(M, D)
+        with pytest.raises(ValueError, match="xn not to overlap x"):
+            dk.add_rmsnorm(h, x, norm.scale, norm.eps, xn=x)
+        with pytest.raises(ValueError, match="contiguous xn"):
+            dk.add_rmsnorm(h, x, norm.scale, norm.eps, xn=torch.empty(M, 2 * D)[:, :D])
+        conv = layers.Conv1D(E)
+        conv.b.data.normal_()
+        xe, st = torch.randn(M, E), torch.randn(M, 3, E)
+        st_ref = st.clone()
+        want = conv.step(xe, st_ref)
+        got = dk.conv_step(xe, st, sv(conv.w.detach()), sv(conv.b.detach()))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(st, st_ref)
+        with pytest.raises(ValueError, match="contiguous y"):
+            dk.conv_step(xe, st, conv.w, conv.b, y=torch.empty(M, 2 * E)[:, :E])
+        a, b = torch.randn(M, Fw), torch.randn(M, Fw)
+        for y in (torch.empty(M - 1, Fw), torch.empty(M, 2 * Fw)[:, :Fw], torch.empty(M, Fw, dtype=torch.float64)):
+            with pytest.raises(ValueError):
+                dk.gelu_mul(a, b, y=y)
+    stops = torch.full((dk.MAX_STOP_TOKENS,), -1)
+    stops[0] = 7
+
+    def bufs():
+        return (torch.zeros(4, dtype=torch.int64), torch.tensor([-1, 0, 4, 2]), torch.ones(4, dtype=torch.bool),
+                torch.tensor([False, False, True, False]))
+
+    tokens, pos, reset, done = bufs()
+    dk.advance(sv(torch.tensor([5, 7, 9, 7])), tokens, pos, reset, done, stops, pad_id=1)
+    assert tokens.tolist() == [5, 7, 1, 7] and pos.tolist() == [0, 1, 5, 3]
+    assert done.tolist() == [False, True, True, True] and reset.tolist() == [True, False, False, False]
+    for i, bad in ((0, sv(torch.zeros(4, dtype=torch.int64))), (1, sv(torch.zeros(4, dtype=torch.int64))),
+                   (2, sv(torch.ones(4, dtype=torch.bool))), (2, torch.ones(4, dtype=torch.int64)),
+                   (3, torch.zeros(4, dtype=torch.int32))):
+        args = list(bufs())
+        args[i] = bad
+        with pytest.raises(ValueError):
+            dk.advance(torch.tensor([5, 7, 9, 7]), *args, stops, pad_id=1)
+
+
+def test_engine_refuses_non_integer_lengths_and_fused_steps_take_strided_params():
+    m = _model("rglru", dtype=torch.float32)
+    p = torch.randint(3, V, (2, 4), generator=torch.Generator().manual_seed(0))
+    eng = Engine(m, kernels="model")
+    for lengths in ([3.7, 4.0], torch.tensor([3.7, 4.0]), torch.tensor([True, True])):
+        with pytest.raises(ValueError, match="lengths with an integer dtype"):
+            eng.start(p, lengths=lengths)
+    assert torch.equal(eng.generate(p, 2, lengths=torch.tensor([3, 4], dtype=torch.int32)),
+                       eng.generate(p, 2, lengths=[3, 4]))
+    with pytest.raises(ValueError, match="batch_size"):
+        Decoder(m, 0)
+    # parameters replaced by strided views (conv weights, norm scales): the fused and
+    # gemm steps read them as the layers do
+    with torch.no_grad():
+        for blk in m.blocks:
+            c, n = blk.recurrent_block.conv_1d, blk.channel_pre_norm
+            c.w = torch.nn.Parameter(c.w.detach().T.contiguous().T)
+            n.scale = torch.nn.Parameter(torch.stack([n.scale.detach()] * 2, 1)[:, 0])
+    want = eng.generate(p, 3)
+    for kernels in ("fused", "gemm"):
+        assert torch.equal(Engine(m, kernels=kernels, linear_configs=BIG_TILES).generate(p, 3), want), kernels

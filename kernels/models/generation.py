@@ -245,7 +245,10 @@ class Engine:
             if lengths is None:
                 lengths = torch.full((B,), P, dtype=torch.int64)
             else:
-                lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
+                lengths = torch.as_tensor(lengths)
+                if not _is_int(lengths):    # a float length would be truncated, a bool one read as 0 / 1
+                    raise ValueError(f"expected lengths with an integer dtype, got {lengths.dtype}")
+                lengths = lengths.to("cpu", torch.int64)
                 if lengths.shape != (B,):
                     raise ValueError(f"expected lengths of shape [{B}], got {list(lengths.shape)}")
         else:
@@ -530,9 +533,13 @@ class Engine:
 
 class Decoder:
     """Greedy decoding of one model at a fixed batch size (the inference track's
-    interface): `reset(prompt_tokens or None)` prefills, `step()` advances every row."""
+    interface): `reset(prompt_tokens or None)` prefills, `step()` advances every row and
+    returns the engine's static token buffer [B] (overwritten by the next step: clone
+    it to keep it)."""
 
     def __init__(self, model: HawkLM, batch_size: int, **engine_options):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"expected batch_size a positive int, got {batch_size!r}")
         self.engine = Engine(model, **engine_options)
         self.batch_size = batch_size
 
@@ -540,8 +547,10 @@ class Decoder:
         if prompt_tokens is None:
             self.engine.start(batch_size=self.batch_size)
         else:
-            if prompt_tokens.shape[0] != self.batch_size:
-                raise ValueError(f"expected prompt_tokens with {self.batch_size} rows, got {shape_str(prompt_tokens)}")
+            rows = prompt_tokens.shape[0] if isinstance(prompt_tokens, torch.Tensor) else len(prompt_tokens)
+            if rows != self.batch_size:
+                got = shape_str(prompt_tokens) if isinstance(prompt_tokens, torch.Tensor) else f"{rows} prompts"
+                raise ValueError(f"expected prompt_tokens with {self.batch_size} rows, got {got}")
             self.engine.start(prompt_tokens)
 
     def step(self) -> torch.Tensor:

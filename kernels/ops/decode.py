@@ -418,19 +418,104 @@ def _rows_block(M: int) -> int:
     return min(64, max(16, triton.next_power_of_2(M)))
 
 
-def _check_2d(name, t, M, N, dtype=None):
+def _check_2d(name, t, M, N, dtype=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"expected {name} to be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 2 or t.shape[0] != M or t.shape[1] != N or t.stride(1) != 1:
         raise ValueError(f"expected {name} of shape [{M}, {N}] with unit column stride, got "
                          f"{list(t.shape)} strides {list(t.stride())}")
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"expected {name} with dtype {dtype}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"expected {name} on {device}, got {t.device}")
+
+
+def _check_out(name, t, M, N, dtype, device):
+    """An output buffer: exactly [M, N], contiguous (the kernels write rows at stride N),
+    of the activation dtype, on the inputs' device."""
+    _check_2d(name, t, M, N, dtype, device)
+    if not t.is_contiguous():
+        raise ValueError(f"expected a contiguous {name} (rows are written at stride {N}), got strides "
+                         f"{list(t.stride())}")
+    return t
+
+
+def _vec(name, t, n, device, dtype=None):
+    """A read-only vector [n] (bias, norm or conv parameters): a contiguous copy if it is
+    a strided view (the kernels index it densely)."""
+    if not isinstance(t, torch.Tensor) or t.shape != (n,):
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"expected {name} of shape [{n}], got {got}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"expected {name} with dtype {dtype}, got {t.dtype}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"expected {name} with a floating dtype, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"expected {name} on {device}, got {t.device}")
+    return t.contiguous()
+
+
+def _span(t):
+    """[first, last) byte addresses that tensor t may touch."""
+    if t.numel() == 0:
+        return 0, 0
+    lo = t.data_ptr()
+    return lo, lo + (sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _overlap(a, b) -> bool:
+    if a is None or b is None or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _same_view(a, b) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def _no_alias(out_name, out, strict=(), elementwise=()):
+    """ValueError when `out` shares memory with an input that the kernel still reads after
+    other programs write `out`. `strict`: (name, tensor) pairs that may not overlap at all;
+    `elementwise`: inputs read at the same element that is written (out may be exactly
+    that tensor, element for element, but no other overlapping view of it)."""
+    for name, t in strict:
+        if _overlap(out, t):
+            raise ValueError(f"expected {out_name} not to overlap {name} in memory (it is read while "
+                             f"{out_name} is written); pass a separate buffer")
+    for name, t in elementwise:
+        if _overlap(out, t) and not _same_view(out, t):
+            raise ValueError(f"expected {out_name} to be {name} itself or not to overlap it in memory, "
+                             f"got a partly overlapping view")
+
+
+def _check_tokens(name, t, M=None):
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or (M is not None and t.shape[0] != M):
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"expected {name} of shape [{'M' if M is None else M}], got {got}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"expected {name} with an integer dtype, got {t.dtype}")
 
 
 def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
-    """x = table[tokens] [M, D]; xn = RMSNorm(x) with `scale`. Returns (x, xn)."""
+    """x = table[tokens] [M, D]; xn = RMSNorm(x) with `scale`. Returns (x, xn).
+    tokens: [M] integer ids in [0, V) (not checked: no host synchronisation); table:
+    a contiguous [V, D]."""
+    _check_tokens("tokens", tokens)
+    if table.dim() != 2 or not table.is_contiguous():
+        raise ValueError(f"expected a contiguous embedding table [V, D], got {list(table.shape)} "
+                         f"strides {list(table.stride())}")
     M, D = tokens.shape[0], table.shape[1]
-    x = torch.empty(M, D, dtype=table.dtype, device=table.device) if x is None else x
-    xn = torch.empty_like(x) if xn is None else xn
+    dev = table.device
+    if tokens.device != dev:
+        raise ValueError(f"expected tokens on {dev} (the table's device), got {tokens.device}")
+    tokens = tokens.contiguous()
+    scale = _vec("scale", scale, D, dev)
+    x = torch.empty(M, D, dtype=table.dtype, device=dev) if x is None else _check_out("x", x, M, D, table.dtype, dev)
+    xn = torch.empty_like(x) if xn is None else _check_out("xn", xn, M, D, table.dtype, dev)
+    _no_alias("xn", xn, strict=(("x", x), ("table", table)))
+    _no_alias("x", x, strict=(("table", table),))
     embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=triton.next_power_of_2(D), RNE=INTERPRET)
     accounting.record("embed_rmsnorm", accounting.nbytes(tokens, x, scale), accounting.nbytes(x, xn))
     return x, xn
@@ -439,31 +524,43 @@ def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
 def add_rmsnorm(h, x, scale, eps, xn=None):
     """x <- round(h + x) in place; returns xn = RMSNorm(x) with `scale`."""
     M, D = x.shape
-    _check_2d("h", h, M, D, x.dtype)
+    _check_2d("h", h, M, D, x.dtype, x.device)
     if not x.is_contiguous() or not h.is_contiguous():
         raise ValueError("expected contiguous h and x in add_rmsnorm")
-    xn = torch.empty_like(x) if xn is None else xn
+    scale = _vec("scale", scale, D, x.device)
+    _no_alias("x", x, elementwise=(("h", h),))
+    xn = torch.empty_like(x) if xn is None else _check_out("xn", xn, M, D, x.dtype, x.device)
+    _no_alias("xn", xn, strict=(("x", x),), elementwise=(("h", h),))
     add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=triton.next_power_of_2(D), RNE=INTERPRET)
     accounting.record("add_rmsnorm", accounting.nbytes(h, x, scale), accounting.nbytes(x, xn))
     return xn
 
 
-def _reset_arg(reset, M):
+def _reset_arg(reset, M, device=None):
     if reset is None:
         return None
     if reset.shape != (M,) or reset.dtype not in (torch.bool, torch.uint8, torch.int8):
         raise ValueError(f"expected reset of shape [{M}] and dtype bool, got {list(reset.shape)} {reset.dtype}")
+    if device is not None and reset.device != device:
+        raise ValueError(f"expected reset on {device}, got {reset.device}")
+    reset = reset.contiguous()
     return reset.view(torch.uint8) if reset.dtype == torch.bool else reset
 
 
-def _check_conv(conv_state, conv_w, conv_b, M, E):
-    CW = conv_w.shape[0]
-    if conv_w.shape != (CW, E) or conv_b.shape != (E,):
+def _check_conv(conv_state, conv_w, conv_b, M, E, device=None):
+    """(CW, conv_w, conv_b): the weights as contiguous tensors (copies of strided views);
+    the state, updated in place, must be contiguous."""
+    if conv_w.dim() != 2 or conv_w.shape[1] != E or conv_b.shape != (E,):
         raise ValueError(f"expected conv_w [W, {E}] and conv_b [{E}], got {list(conv_w.shape)}, {list(conv_b.shape)}")
+    CW = conv_w.shape[0]
     if conv_state.shape != (M, CW - 1, E) or not conv_state.is_contiguous():
         raise ValueError(f"expected a contiguous conv_state of shape [{M}, {CW - 1}, {E}], "
-                         f"got {list(conv_state.shape)}")
-    return CW
+                         f"got {list(conv_state.shape)} strides {list(conv_state.stride())}")
+    device = conv_state.device if device is None else device
+    for n, t in (("conv_state", conv_state), ("conv_w", conv_w), ("conv_b", conv_b)):
+        if t.device != device:
+            raise ValueError(f"expected {n} on {device}, got {t.device}")
+    return CW, conv_w.contiguous(), conv_b.contiguous()
 
 
 def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
@@ -472,9 +569,11 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     M, E = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"expected x with unit column stride, got strides {list(x.stride())}")
-    CW = _check_conv(conv_state, conv_w, conv_b, M, E)
-    rst = _reset_arg(reset, M)
-    y = torch.empty(M, E, dtype=x.dtype, device=x.device) if y is None else y
+    CW, conv_w, conv_b = _check_conv(conv_state, conv_w, conv_b, M, E, x.device)
+    _no_alias("conv_state", conv_state, strict=(("x", x),))
+    rst = _reset_arg(reset, M, x.device)
+    y = torch.empty(M, E, dtype=x.dtype, device=x.device) if y is None else _check_out("y", y, M, E, x.dtype, x.device)
+    _no_alias("y", y, strict=(("conv_state", conv_state),), elementwise=(("x", x),))
     BM, BC = 16, 256
     conv_step_kernel[(triton.cdiv(E, BC), triton.cdiv(M, BM))](
         x, x.stride(0), conv_state, conv_w, conv_b, rst if rst is not None else conv_state, y, M, E,
@@ -487,10 +586,11 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
 def gelu_mul(a, b, y=None):
     """round(round(gelu_tanh(a)) * b) for a, b [M, F] (row strides free)."""
     M, F = a.shape
-    _check_2d("b", b, M, F, a.dtype)
+    _check_2d("b", b, M, F, a.dtype, a.device)
     if a.stride(1) != 1:
         raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
-    y = torch.empty(M, F, dtype=a.dtype, device=a.device) if y is None else y
+    y = torch.empty(M, F, dtype=a.dtype, device=a.device) if y is None else _check_out("y", y, M, F, a.dtype, a.device)
+    _no_alias("y", y, elementwise=(("a", a), ("b", b)))
     BM, BF = 16, 512
     gelu_mul_kernel[(triton.cdiv(F, BF), triton.cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F,
                                                               BM=BM, BF=BF, RNE=INTERPRET)
@@ -500,8 +600,33 @@ def gelu_mul(a, b, y=None):
 
 def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     """After choosing `nxt` [M]: tokens <- nxt (pad_id in rows already done), done |=
-    nxt in stops [MAX_STOP_TOKENS] (-1 = unused), pos += 1, reset <- pos == 0."""
+    nxt in stops [MAX_STOP_TOKENS] (-1 = unused), pos += 1, reset <- pos == 0.
+    tokens, pos (integer) and reset, done (bool, int8 or uint8) are [M] contiguous
+    buffers updated in place."""
+    _check_tokens("tokens", tokens)
     M = tokens.shape[0]
+    dev = tokens.device
+    _check_tokens("nxt", nxt, M)
+    _check_tokens("pos", pos, M)
+    _check_tokens("stops", stops)
+    for n, t in (("reset", reset), ("done", done)):
+        if t.shape != (M,) or t.dtype not in (torch.bool, torch.int8, torch.uint8):
+            raise ValueError(f"expected {n} of shape [{M}] and dtype bool, got {list(t.shape)} {t.dtype}")
+    for n, t in (("tokens", tokens), ("pos", pos), ("reset", reset), ("done", done)):
+        if not t.is_contiguous():
+            raise ValueError(f"expected a contiguous {n} (it is updated in place), got strides {list(t.stride())}")
+    for n, t in (("nxt", nxt), ("pos", pos), ("reset", reset), ("done", done), ("stops", stops)):
+        if t.device != dev:
+            raise ValueError(f"expected {n} on {dev} (the tokens' device), got {t.device}")
+    written = (("tokens", tokens), ("pos", pos), ("reset", reset), ("done", done))
+    for i, (n, t) in enumerate(written):
+        for n2, t2 in written[i + 1:]:
+            if _overlap(t, t2):
+                raise ValueError(f"expected {n} and {n2} not to overlap in memory")
+        _no_alias(n, t, strict=(("stops", stops),), elementwise=() if n != "tokens" else (("nxt", nxt),))
+        if n != "tokens":
+            _no_alias(n, t, strict=(("nxt", nxt),))
+    nxt, stops = nxt.contiguous(), stops.contiguous()
     BM = 128
     advance_kernel[(triton.cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
                                           stops, pad_id, M, S=stops.shape[0], BM=BM)
@@ -628,6 +753,10 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     EPI_GATED -> round(gelu(y_gate)) * y_value [M, N] from w's two halves.
     config: tile options overriding `default_config` (keys CONFIG_KEYS). workspace: a
     `Workspace` for split-K partials (default: fresh scratch per call).
+    w, w2, bias (bias2: [N]; bias [2N] with EPI_GATED) and a2 are in a's dtype and on its
+    device (ValueError otherwise); strided vectors (bias, norm_scale, conv_w, conv_b,
+    reset) are copied; out and out2 must be contiguous and, like the in-place residual
+    and conv_state, must not share memory with the inputs a, a2 (nor with each other).
     """
     M, K = a.shape
     if M > LINEAR_MAX_ROWS:
@@ -639,12 +768,27 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     unknown = set(config or {}) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"expected config keys among {list(CONFIG_KEYS)}, got {sorted(unknown)}")
-    dt = a.dtype
+    dt, dev = a.dtype, a.device
+    # The dot reads a and w in one precision: mixed activation / weight dtypes are refused
+    # (nn.functional.linear refuses them too).
+    if w.dtype != dt:
+        raise ValueError(f"expected w with the activation dtype {dt}, got {w.dtype}")
+    if w.device != dev:
+        raise ValueError(f"expected w on {dev}, got {w.device}")
+    if epilogue == EPI_GATED and w.shape[0] % 2:
+        raise ValueError(f"expected w of shape [2N, {K}] (gate rows, then value rows) with EPI_GATED, "
+                         f"got {list(w.shape)}")
     N = w.shape[0] // 2 if epilogue == EPI_GATED else w.shape[0]
+    if bias is not None:
+        bias = _vec("bias", bias, w.shape[0], dev, dt)
     if prologue == PRO_MUL:
-        _check_2d("a2", a2, M, K, dt)
-    if prologue == PRO_NORM and (norm_scale is None or norm_scale.shape != (K,)):
-        raise ValueError(f"expected norm_scale of shape [{K}] with PRO_NORM")
+        if a2 is None:
+            raise ValueError("expected a2 with PRO_MUL")
+        _check_2d("a2", a2, M, K, dt, dev)
+    if prologue == PRO_NORM:
+        if norm_scale is None:
+            raise ValueError(f"expected norm_scale of shape [{K}] with PRO_NORM")
+        norm_scale = _vec("norm_scale", norm_scale, K, dev)
     BM = _rows_block(M)
     cfg = _fit_smem(dict(default_config(2 * N if epilogue == EPI_XY else N, K, M), **(config or {})), BM,
                     epilogue == EPI_GATED, dt.itemsize)
@@ -655,22 +799,33 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     rst = None
     cstate = cw = cb = None
     CW = 1
+    inputs = (("a", a), ("a2", a2))
     if epilogue == EPI_RESIDUAL:
-        _check_2d("residual", residual, M, N, dt)
+        _check_2d("residual", residual, M, N, dt, dev)
         if not residual.is_contiguous():
             raise ValueError("expected a contiguous residual (it is updated in place)")
+        if out is not None and not _same_view(out, residual):
+            raise ValueError("expected out None (or the residual itself) with EPI_RESIDUAL: the result is "
+                             "written into residual")
         out = residual
     else:
-        out = torch.empty(M, N, dtype=dt, device=a.device) if out is None else out
-        _check_2d("out", out, M, N, dt)
+        out = torch.empty(M, N, dtype=dt, device=dev) if out is None else _check_out("out", out, M, N, dt, dev)
+    _no_alias("residual" if epilogue == EPI_RESIDUAL else "out", out, strict=inputs)
     if epilogue == EPI_XY:
         if w2 is None or w2.shape != w.shape or not w2.is_contiguous():
             raise ValueError(f"expected a contiguous w2 of shape {list(w.shape)} with EPI_XY")
+        if w2.dtype != dt or w2.device != dev:
+            raise ValueError(f"expected w2 with dtype {dt} on {dev}, got {w2.dtype} on {w2.device}")
+        if bias2 is not None:
+            bias2 = _vec("bias2", bias2, N, dev, dt)
+        if conv is None or len(conv) != 3:
+            raise ValueError("expected conv = (conv_state, conv_w, conv_b) with EPI_XY")
         cstate, cw, cb = conv
-        CW = _check_conv(cstate, cw, cb, M, N)
-        rst = _reset_arg(reset, M)
-        out2 = torch.empty(M, N, dtype=dt, device=a.device) if out2 is None else out2
-        _check_2d("out2", out2, M, N, dt)
+        CW, cw, cb = _check_conv(cstate, cw, cb, M, N, dev)
+        rst = _reset_arg(reset, M, dev)
+        out2 = torch.empty(M, N, dtype=dt, device=dev) if out2 is None else _check_out("out2", out2, M, N, dt, dev)
+        _no_alias("out2", out2, strict=(*inputs, ("out", out), ("conv_state", cstate)))
+        _no_alias("conv_state", cstate, strict=(*inputs, ("out", out)))
         n_blocks *= 2
     dummy = out
     if split > 1:
