@@ -311,3 +311,57 @@ def test_cu_seqlens_validation_and_device():
     _raises(lambda: kernels.scan(x, x, cu_seqlens=torch.tensor([0, 6], device="meta")), "cu_seqlens on meta")
     _raises(lambda: kernels.samu(x, *_samu_params(4), cu_seqlens=torch.tensor([0, 6], device="meta")),
             "cu_seqlens on meta")
+
+
+# --- Audit 2: double backward, zero width, conjugate complex states.
+
+
+@pytest.mark.parametrize("op,backend", [("rglru", "serial"), ("rglru", "chunk"), ("scan", "serial"),
+                                        ("scan", "chunk"), ("samu", "serial"), ("samu", "chunk")])
+def test_double_backward_raises_instead_of_dropping_terms(op, backend):
+    # The Triton backwards are not differentiable: a second-order term (a gradient
+    # penalty) must raise, not vanish silently from the loss (reference: differentiable).
+    torch.manual_seed(4)
+    x = torch.randn(1, 4, 4, requires_grad=True)
+    if op == "rglru":
+        y, _ = kernels.rglru(x, torch.randn(1, 4, 4), torch.randn(1, 4, 4), torch.zeros(4), backend=backend)
+    elif op == "scan":
+        y, _ = kernels.scan(torch.rand(1, 4, 4), x, backend=backend)
+    else:
+        y, _ = kernels.samu(x, *[t.detach() for t in layers.SAMU(4)._params()], backend=backend)
+    _raises(lambda: torch.autograd.grad((y ** 2).sum(), x, create_graph=True), "create_graph", "reference")
+    _raises(lambda: (y ** 2).sum().backward(create_graph=True), "create_graph")
+    (g,) = torch.autograd.grad((y ** 2).sum(), x)                     # first order: unchanged
+    assert g.shape == x.shape and not g.requires_grad
+
+
+@pytest.mark.parametrize("backend", ["serial", "chunk"])
+def test_zero_width(backend):
+    x = torch.randn(2, 3, 0, requires_grad=True)
+    ap = torch.zeros(0, requires_grad=True)
+    y, h = kernels.rglru(x, x, x, ap, initial_state=torch.zeros(2, 0), output_final_state=True, backend=backend)
+    gx, gap = torch.autograd.grad(y.sum() + h.sum(), [x, ap])
+    assert y.shape == (2, 3, 0) and h.shape == (2, 0) and gx.shape == x.shape and gap.shape == (0,)
+    y, _ = kernels.scan(x, x, backend=backend)
+    assert torch.autograd.grad(y.sum(), x)[0].shape == x.shape
+    empty = torch.zeros(0)
+    _raises(lambda: kernels.samu(torch.randn(2, 3, 0), torch.zeros(1), torch.zeros(1), 0.5, 0.5, empty, empty,
+                                 backend=backend), "x", "D even", "[2, 3, 0]")
+    _raises(lambda: kernels.samu_step(torch.randn(2, 0), torch.zeros(1), torch.zeros(1), 0.5, 0.5, empty, empty,
+                                      torch.zeros(2, 0, dtype=torch.complex64)), "x", "even", "[2, 0]")
+
+
+def test_conjugate_complex_states_for_samu():
+    torch.manual_seed(5)
+    p = [t.detach() for t in layers.SAMU(4)._params()]
+    x = torch.randn(2, 3, 4)
+    h0 = torch.randn(2, 2, dtype=torch.complex64)
+    assert h0.conj().is_conj()
+    for backend in ("reference", "serial", "chunk"):
+        y, h = kernels.samu(x, *p, initial_state=h0.conj(), output_final_state=True, backend=backend)
+        y_c, h_c = kernels.samu(x, *p, initial_state=h0.conj().resolve_conj(), output_final_state=True,
+                                backend=backend)
+        assert torch.equal(y, y_c) and torch.equal(h, h_c), backend
+    # The decode state is updated in place: a conjugate view cannot be, so it is rejected.
+    for backend in ("fused", "row", "blocked"):
+        _raises(lambda: kernels.samu_step(x[:, 0], *p, h0.clone().conj(), backend=backend), "state", "conj")

@@ -157,7 +157,9 @@ def rglru(
     backend="auto", chunk_size=None, cu_seqlens=None,
 ):
     """RG-LRU from gate logits. x, gate_x, gate_a: [B, T, D]; a_param: [D];
-    segment_pos: [B, T] integer (0 = document start) or cu_seqlens [N+1] with B = 1;
+    segment_pos: [B, T] integer (0 = document start; only zero matters: any other value,
+    negative ones included, continues the document, as in the reference) or cu_seqlens
+    [N+1] with B = 1;
     initial_state: [B, D] FP32 (float64 for float64 x). Returns (y [B, T, D], h or None)."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     B, T, D = x.shape
@@ -195,12 +197,13 @@ def samu(
 ):
     """SAMU. x: [B, T, D] with D = 2M even; phase_dir, radial_dir: [D + 1];
     phase_amp, radial_amp: python floats or one-element tensors; nu_log, theta_log: [M];
-    every parameter floating, on x's device; initial_state:
+    every parameter floating, on x's device; segment_pos / cu_seqlens as for `rglru` (a
+    reset where segment_pos == 0, any other value continues); initial_state:
     [B, M] complex64 (complex128 for float64 x). Returns (y [B, T, D], h or None)."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     B, T, D = x.shape
-    if D % 2:
-        raise ValueError(f"expected x of shape [B, T, D] with D even for SAMU, got {shape_str(x)}")
+    if D % 2 or D == 0:
+        raise ValueError(f"expected x of shape [B, T, D] with D even (and > 0) for SAMU, got {shape_str(x)}")
     M = D // 2
     _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
                        segment_pos=segment_pos, cu_seqlens=cu_seqlens, initial_state=initial_state)
@@ -274,8 +277,8 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     complex64, updated in place; reset: [B] bool. Returns y [B, D]."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
-    if D % 2:
-        raise ValueError(f"expected x of shape [B, D] with D even for SAMU, got {shape_str(x)}")
+    if D % 2 or D == 0:
+        raise ValueError(f"expected x of shape [B, D] with D even (and > 0) for SAMU, got {shape_str(x)}")
     check_tensor("state", state, shape=(B, D // 2), dtypes=(state_dtype(x.dtype, complex_state=True),))
     if reset is not None:
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))

@@ -91,3 +91,15 @@ def state_dtype(x_dtype: torch.dtype, complex_state: bool = False) -> torch.dtyp
     if complex_state:
         return torch.complex128 if x_dtype == torch.float64 else torch.complex64
     return torch.float64 if x_dtype == torch.float64 else torch.float32
+
+
+def no_double_backward():
+    """Raise inside an autograd backward run with create_graph=True (grad mode is then on):
+    the Triton backwards are not differentiable, so the gradients they return carry no
+    graph, and a second-order term (a gradient penalty, a Hessian-vector product) would
+    silently drop out of the loss or be zero. (torch's once_differentiable is not enough:
+    torch.autograd.grad(..., inputs) prunes its error node and drops the term silently.)"""
+    if torch.is_grad_enabled():
+        raise ValueError("expected create_graph=False with the Triton backends (their backward is not "
+                         "differentiable: higher-order gradients would silently lose terms; use "
+                         "backend='reference' for them), got create_graph=True")

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
+from .._checks import no_double_backward
 
 # Tests set this to allocate every output with NaN, so an element a kernel fails to
 # write cannot pass a comparison.
@@ -425,7 +426,7 @@ def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
     part, a_param = part.contiguous(), a_param.contiguous()
     R, D = part.shape
     dap = empty((D,), a_param.dtype, part.device)
-    BD = min(256, triton.next_power_of_2(D))
+    BD = min(256, triton.next_power_of_2(max(D, 1)))      # D = 0: one empty program, no division by 0
     reduce_dap_kernel[(triton.cdiv(D, BD),)](part, a_param, dap, R, D, BR=16, BD=BD,
                                              ACC=tl_acc(part.dtype), RNE=INTERPRET, num_warps=4)
     accounting.record("rglru_reduce_dap", accounting.nbytes(part, a_param), accounting.nbytes(dap))
@@ -464,6 +465,7 @@ def recurrence_function(name: str, forward, backward, doc: str):
         return y, ht
 
     def bwd(ctx, dy, dht):
+        no_double_backward()
         x, gx, ga, a_param, pos, saved = ctx.saved_tensors
         dy = dy.contiguous()
         dht = None if dht is None else dht.contiguous()
@@ -476,3 +478,4 @@ def recurrence_function(name: str, forward, backward, doc: str):
 
     return type(name, (torch.autograd.Function,),
                 {"__doc__": doc, "forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+

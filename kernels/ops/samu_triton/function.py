@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import no_double_backward
 from .common import acc_dtype, controls_bwd, controls_fwd, mode_table, scalar_param
 
 
@@ -42,6 +43,7 @@ class SamuFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh):
+        no_double_backward()
         x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
         dy = dy.contiguous()
         gh = None if dh is None else torch.view_as_real(dh.contiguous())
@@ -61,7 +63,8 @@ def samu_apply(plan, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, th
     phase_dir, radial_dir = phase_dir.contiguous(), radial_dir.contiguous()
     nu_log, theta_log = nu_log.contiguous(), theta_log.contiguous()
     if initial_state is not None:
-        initial_state = initial_state.contiguous()
+        # a conjugate view (h.conj()) has no real view for the kernels: materialise it
+        initial_state = initial_state.resolve_conj().contiguous()
     if segment_pos is not None:
         segment_pos = segment_pos.contiguous()
     args = (x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, initial_state)

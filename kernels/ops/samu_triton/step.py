@@ -98,6 +98,9 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
     M = D // 2
     if not state.is_contiguous():
         raise ValueError("expected a contiguous state (it is updated in place), got a strided view")
+    if state.is_conj():
+        raise ValueError("expected a state without a pending conjugation (it is updated in place), got a "
+                         "conjugate view (h.conj()); pass h.conj().resolve_conj() and keep that tensor")
     x = x.contiguous()
     sr = torch.view_as_real(state)
     y = torch.empty_like(x)
