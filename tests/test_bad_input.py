@@ -365,3 +365,21 @@ def test_conjugate_complex_states_for_samu():
     # The decode state is updated in place: a conjugate view cannot be, so it is rejected.
     for backend in ("fused", "row", "blocked"):
         _raises(lambda: kernels.samu_step(x[:, 0], *p, h0.clone().conj(), backend=backend), "state", "conj")
+
+
+def test_python_float_amplitudes_keep_float64():
+    """A python float amplitude is taken in the computation's precision: in float64 the
+    result equals that of the same amplitude as a float64 tensor (0.3 is not a float32)."""
+    torch.manual_seed(6)
+    pd, rd, _, _, nu, th = [t.detach().double() for t in layers.SAMU(6)._params()]
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    amp, amp_t = 0.3, torch.tensor(0.3, dtype=torch.float64)
+    for backend in ("reference", "serial", "chunk"):
+        y, h = kernels.samu(x, pd, rd, amp, amp, nu, th, output_final_state=True, backend=backend)
+        y_t, h_t = kernels.samu(x, pd, rd, amp_t, amp_t, nu, th, output_final_state=True, backend=backend)
+        assert torch.equal(y, y_t) and torch.equal(h, h_t), backend
+    for backend in ("reference", "row", "blocked"):
+        s, s_t = torch.zeros(2, 3, dtype=torch.complex128), torch.zeros(2, 3, dtype=torch.complex128)
+        y = kernels.samu_step(x[:, 0], pd, rd, amp, amp, nu, th, s, backend=backend)
+        y_t = kernels.samu_step(x[:, 0], pd, rd, amp_t, amp_t, nu, th, s_t, backend=backend)
+        assert torch.equal(y, y_t) and torch.equal(s, s_t), backend

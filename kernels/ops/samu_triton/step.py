@@ -87,10 +87,13 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, state, reset, y, D, M, sc
                     tl.program_id(0) * BM, M, BM, ACC)
 
 
-def _amp(v, device):
+def _amp(v, x):
+    """An amplitude as a one-element tensor: a tensor as it is (the kernel converts it),
+    a python float in x's accumulation precision (float64 for float64 x)."""
     if isinstance(v, torch.Tensor):
         return v.reshape(1)
-    return torch.full((1,), float(v), device=device, dtype=torch.float32)
+    return torch.full((1,), float(v), device=x.device,
+                      dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
 def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset):
@@ -106,8 +109,8 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
     y = torch.empty_like(x)
     acc = tl_dtype(sr.dtype)
     rs = reset.contiguous().view(torch.uint8) if reset is not None else sr
-    args = (x, phase_dir.contiguous(), radial_dir.contiguous(), _amp(phase_amp, x.device),
-            _amp(radial_amp, x.device), nu_log.contiguous(), theta_log.contiguous(), sr, rs, y, D, M,
+    args = (x, phase_dir.contiguous(), radial_dir.contiguous(), _amp(phase_amp, x),
+            _amp(radial_amp, x), nu_log.contiguous(), theta_log.contiguous(), sr, rs, y, D, M,
             1.0 / math.sqrt(M))
     if B == 0:
         return y
