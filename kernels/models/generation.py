@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from ..ops import _step_backend
 from ..ops import decode as dk
-from ..ops._checks import shape_str
+from ..ops._checks import is_integer_dtype, shape_str
 from .hawk import HawkCache, HawkLM
 
 KERNELS = ("auto", "model", "fused", "gemm")
@@ -81,14 +81,14 @@ class Sampling:
             raise ValueError(f"expected temperature 0 (greedy) or at least {MIN_TEMPERATURE:g} (the logits are "
                              f"divided by it in FP32), got {t!r}")
         k = self.top_k
-        if k is not None:
+        if k is not None:      # an int of any kind (numpy, a 0-d tensor), not a bool or a float
             try:
-                k = operator.index(k) if not isinstance(k, bool) else None
+                ok = not isinstance(k, bool) and operator.index(k) >= 1
             except TypeError:
-                k = None
-            if k is None or k < 1:
-                raise ValueError(f"expected top_k None or a positive int, got {self.top_k!r}")
-            object.__setattr__(self, "top_k", int(k))
+                ok = False
+            if not ok:
+                raise ValueError(f"expected top_k None or a positive int, got {k!r}")
+            object.__setattr__(self, "top_k", operator.index(k))
 
     @property
     def greedy(self) -> bool:
@@ -120,7 +120,7 @@ class _Slot:
 
 
 def _is_int(t: torch.Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+    return is_integer_dtype(t.dtype)
 
 
 def _token_list(tokens, name: str) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import layers
-from ..ops._checks import check_segment_pos, check_tensor, shape_str
+from ..ops._checks import check_segment_pos, check_tensor, is_integer_dtype, shape_str
 from .config import HawkConfig
 
 
@@ -38,7 +38,7 @@ class HawkCache:
 
 def _check_tokens(name, t, shape):
     check_tensor(name, t, shape=shape)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    if not is_integer_dtype(t.dtype):
         raise ValueError(f"expected {name} with an integer dtype, got {t.dtype}")
 
 

@@ -46,6 +46,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import accounting
+from ._checks import is_integer_dtype
 
 # Triton's CPU interpreter truncates FP32 -> BF16 where the GPU rounds to nearest even;
 # under the interpreter the kernels round by hand (see `_rnd`).
@@ -494,7 +495,7 @@ def _check_tokens(name, t, M=None):
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or (M is not None and t.shape[0] != M):
         got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"expected {name} of shape [{'M' if M is None else M}], got {got}")
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    if not is_integer_dtype(t.dtype):
         raise ValueError(f"expected {name} with an integer dtype, got {t.dtype}")
 
 

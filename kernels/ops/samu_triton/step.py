@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .. import accounting
 from .._checks import check_tensor
-from .common import load_pair, mode_consts64, next_pow2, store_pair, tanh, tl_dtype, transition
+from .common import acc_dtype, load_pair, mode_consts64, next_pow2, store_pair, tanh, tl_dtype, transition
 
 ROW_MIN_BATCH = 64
 
@@ -92,8 +92,7 @@ def _amp(v, x):
     a python float in x's accumulation precision (float64 for float64 x)."""
     if isinstance(v, torch.Tensor):
         return v.reshape(1)
-    return torch.full((1,), float(v), device=x.device,
-                      dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return torch.full((1,), float(v), device=x.device, dtype=acc_dtype(x.dtype))
 
 
 def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset):
