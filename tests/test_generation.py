@@ -40,19 +40,25 @@ def _decode(engine, prompts, n, **kw):
     return torch.stack([t for t, _ in steps], 1), torch.stack([lg for _, lg in steps], 1)
 
 
+def _assert_full_forward(m, prompts, toks, logits, **tol):
+    """Each row's decoded logits and tokens equal the full forward of prompt + tokens."""
+    n_new = toks.shape[1]
+    for b, p in enumerate(prompts):
+        seq = torch.cat([p, toks[b]])[None]
+        with torch.no_grad():
+            full, _ = m(seq, torch.arange(seq.shape[1])[None])
+        n = len(p)
+        torch.testing.assert_close(logits[b], full[0, n - 1: n - 1 + n_new], **tol)
+        assert torch.equal(toks[b], full[0, n - 1: n - 1 + n_new].argmax(-1))
+
+
 @pytest.mark.parametrize("mixer", ["rglru", "samu"])
 def test_prefill_and_decode_equal_full_forward(mixer):
     m = _model(mixer)
     prompts = _prompts([6, 1, 3, 9])
     eng = Engine(m, kernels="model", prefill_chunk=4)     # prefill in chunks, left padding
     toks, logits = _decode(eng, prompts, 5)
-    for b, p in enumerate(prompts):
-        seq = torch.cat([p, toks[b]])[None]
-        with torch.no_grad():
-            full, _ = m(seq, torch.arange(seq.shape[1])[None])
-        n = len(p)
-        torch.testing.assert_close(logits[b], full[0, n - 1: n - 1 + 5], rtol=1e-12, atol=1e-12)
-        assert torch.equal(toks[b], full[0, n - 1: n - 1 + 5].argmax(-1))
+    _assert_full_forward(m, prompts, toks, logits, rtol=1e-12, atol=1e-12)
     # Empty prompts: decoding starts from BOS at position 0.
     toks0, logits0 = _decode(eng, None, 4, batch_size=2)
     seq = torch.cat([torch.full((2, 1), eng.bos_id), toks0[:, :-1]], 1)
@@ -70,13 +76,7 @@ def test_triton_prefill_and_step_equal_full_forward_fp32(mixer, backend):
     m.set_backend(backend, step_backend="fused")
     toks, logits = _decode(Engine(m, kernels="model", prefill_chunk=3), prompts, 3)
     m.set_backend("reference")
-    for b, p in enumerate(prompts):
-        seq = torch.cat([p, toks[b]])[None]
-        with torch.no_grad():
-            full, _ = m(seq, torch.arange(seq.shape[1])[None])
-        n = len(p)
-        torch.testing.assert_close(logits[b], full[0, n - 1: n - 1 + 3])
-        assert torch.equal(toks[b], full[0, n - 1: n - 1 + 3].argmax(-1))
+    _assert_full_forward(m, prompts, toks, logits)
 
 
 @pytest.mark.parametrize("mixer", ["rglru", "samu"])
