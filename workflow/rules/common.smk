@@ -75,7 +75,7 @@ ARTIFACT = "results/artifact-{date}-{commit}{dirty}.tar.gz".format(
     dirty="-dirty" if COMMIT["dirty"] else "",
 )
 COMMAND_LINE = shlex.join(["snakemake", *sys.argv[1:]])
-TRACKS = ("scan", "train", "infer")
+TRACKS = ("ops", "scan", "train", "infer")
 
 
 def log_path(rule):

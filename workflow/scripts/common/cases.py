@@ -118,7 +118,9 @@ def opt_tag(opts: dict) -> str:
 
 
 def rel_err(got, want) -> float:
-    g, w = got.double(), want.double()
+    import torch
+
+    g, w = (torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double() for t in (got, want))
     scale = w.abs().max().item() if w.numel() else 0.0
     err = (g - w).abs().max().item() if w.numel() else 0.0
     return err / scale if scale > 0 else err
@@ -224,8 +226,18 @@ class Peer:
     positions are zero there, where a is unused). Resets become a zero gate or, for
     flash-linear-attention, sequence boundaries (cu_seqlens)."""
 
-    def __init__(self, name: str, a, b, segment_pos, grad: bool = False):
+    CPU_SKIP = {"accelerated_scan_triton": "its Triton scan takes 2048-wide blocks (minutes a call in the "
+                                           "interpreter)", "accelerated_scan_warp": "a CUDA extension",
+                "fla_fused_recurrent_hgrn": "its kernels autotune, which needs a GPU driver",
+                "fla_chunk_hgrn": "its kernels autotune, which needs a GPU driver"}
+
+    def __init__(self, name: str, a, b, segment_pos, grad: bool = False, allow_cpu: bool = False):
         import torch
+
+        if b.device.type != "cuda" and name in self.CPU_SKIP and not allow_cpu:
+            from common.measure import Skip
+
+            raise Skip(f"peer {name} not run on the CPU: {self.CPU_SKIP[name]}")
 
         self.name, self.grad, self.reset = name, grad, segment_pos == 0
         B, T, D = b.shape
@@ -296,8 +308,9 @@ class Peer:
 
 
 def official_rglru(D: int, heads: int, dtype, device, seed: int = 0):
-    """(the official recurrentgemma torch RG-LRU layer, ours with its weights), both
-    in `dtype`; raises measure.Skip when recurrentgemma is not installed."""
+    """(the official recurrentgemma torch RG-LRU layer in `dtype`, ours in `dtype` and
+    ours in float64 with the reference backend), all with the same weights (rounded
+    to `dtype`); raises measure.Skip when recurrentgemma is not installed."""
     import torch
 
     import kernels
@@ -312,5 +325,8 @@ def official_rglru(D: int, heads: int, dtype, device, seed: int = 0):
         raise Skip(f"recurrentgemma not available ({e})") from None
     torch.manual_seed(seed)
     official = rg.RGLRU(D, heads, device=device)
-    ours = kernels.from_recurrentgemma(official)
-    return official.to(dtype), ours.to(dtype)
+    with torch.no_grad():
+        for p in official.parameters():
+            p.copy_(p.to(dtype))
+    ref = kernels.from_recurrentgemma(official, backend="reference").double()
+    return official.to(dtype), kernels.from_recurrentgemma(official).to(dtype), ref
