@@ -68,6 +68,16 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _open_window(dev) -> int | None:
+    """Synchronise and reset the allocator's peak before a timed window; the bytes
+    allocated at its start (None on the CPU)."""
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    return torch.cuda.memory_allocated(dev)
+
+
 # ------------------------------------------------------------------ statistics
 
 
@@ -106,11 +116,7 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         fn()
-    base = peak = None
-    if cuda:
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
+    base, peak = _open_window(dev), None
     marks, stopped, t_start = [], False, time.perf_counter()
     for i in range(reps):
         if cuda:
@@ -202,11 +208,8 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
         _sync(dev)
     if before is not None:
         before()
-    base = peak = None
+    base, peak = _open_window(dev), None
     if cuda:
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
     marks, t0 = [], time.perf_counter()
