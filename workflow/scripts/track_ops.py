@@ -260,7 +260,11 @@ def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     runner = measure.Runner("ops", profile, records_dir, settings.get("budget_s"), device, restart=restart)
     for build in plan(settings, device):
-        outcome = measure.capture(build, device)
+        try:
+            outcome = measure.capture(build, device)
+        except measure.Skip as why:
+            runner.say(f"a case does not apply here: {why}")
+            continue
         if not outcome.ok:
             runner.say(f"a case could not be set up: {measure.error_text(outcome.error)[:300]}")
             continue
