@@ -111,11 +111,23 @@ def comparison(df):
     return pd.DataFrame(rows)
 
 
+MISSING = "-"
+
+
 def md_table(df, cols: list[str]) -> str:
+    """A Markdown table of `cols` (those with any value); an empty cell reads "-"."""
     cols = [c for c in dict.fromkeys(cols) if c in df.columns and df[c].notna().any()]
     if df.empty or not cols:
         return "_none_\n"
-    return df[cols].to_markdown(index=False, floatfmt=".4g") + "\n"
+    table = df[cols].astype(object).where(df[cols].notna(), None)
+    return table.to_markdown(index=False, floatfmt=".4g", missingval=MISSING) + "\n"
+
+
+def _cell(v, fmt: str = "{:.4g}") -> str:
+    """One formatted figure, "-" where there is none."""
+    if v is None or (isinstance(v, float) and v != v):
+        return MISSING
+    return fmt.format(v)
 
 
 def stage_tables(df) -> str:
@@ -256,7 +268,8 @@ def headline_plots(df, folder: Path) -> list[str]:
                     linestyle="-" if order == "AB" else "--", label=f"{mixer} ({order})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size B")
-        ax.set_ylabel("decode tokens/s (64-step probe)")
+        steps = sorted({int(v) for v in probe["generated_tokens"].dropna()}) if "generated_tokens" in probe else []
+        ax.set_ylabel(f"decode tokens/s ({'/'.join(map(str, steps)) or '?'}-step probe)")
         ax.set_title(f"inference throughput probes ({probe['gpu'].iloc[0]})", fontsize=8)
         ax.legend(fontsize=7)
         _save(fig, folder, "infer_throughput.png", made)
@@ -280,8 +293,9 @@ def headline_plots(df, folder: Path) -> list[str]:
 
 def _pair(g, col: str, fmt: str = "{:.4g}") -> str:
     """"AB / BA" figures of one configuration (the orders it has)."""
-    vals = [fmt.format(g[g["order"] == o][col].iloc[0]) for o in ("AB", "BA") if not g[g["order"] == o].empty]
-    return " / ".join(vals) or "-"
+    vals = [_cell(g[g["order"] == o][col].iloc[0] if col in g else None, fmt) for o in ("AB", "BA")
+            if not g[g["order"] == o].empty]
+    return " / ".join(vals) or MISSING
 
 
 def summary_section(df) -> str:
@@ -316,7 +330,7 @@ def summary_section(df) -> str:
             rows.append(row)
         out.append("**Training step** (each mixer's fastest exact backend, fresh runs; `auto` is the tuning "
                    "table's choice where no diagnostics ran at that shape):\n\n"
-                   + pd.DataFrame(rows).fillna("-").to_markdown(index=False) + "\n")
+                   + pd.DataFrame(rows).fillna(MISSING).to_markdown(index=False) + "\n")
 
     inf = ok[ok["stage"] == "infer"]
     lat = inf[inf["role"] == "latency"] if not inf.empty else inf
@@ -328,7 +342,7 @@ def summary_section(df) -> str:
             rows.append({"mixer": m, "B": int(g["shape.B"].iloc[0]), "prompt": int(prompt),
                          "generated tokens": int(n), "ms per step": _pair(gl, "ms_per_step")})
         out.append("**Inference latency** (decode only, prompt excluded):\n\n"
-                   + pd.DataFrame(rows).to_markdown(index=False) + "\n")
+                   + pd.DataFrame(rows).fillna(MISSING).to_markdown(index=False) + "\n")
     thr = inf[inf["role"] == "fresh"] if not inf.empty else inf
     if not thr.empty:
         rows = []
@@ -337,7 +351,7 @@ def summary_section(df) -> str:
             rows.append({"mixer": m, "B": int(B), "steps": int(n),
                          "tokens/s": _pair(g[g["generated_tokens"] == n], "tokens_per_s", "{:.0f}")})
         out.append("**Inference throughput** at the best probed batch size (fresh trajectories):\n\n"
-                   + pd.DataFrame(rows).to_markdown(index=False) + "\n")
+                   + pd.DataFrame(rows).fillna(MISSING).to_markdown(index=False) + "\n")
 
     sc = ok[ok["stage"] == "scan"]
     if not sc.empty and "fraction_of_floor" in sc.columns:
@@ -348,16 +362,16 @@ def summary_section(df) -> str:
         for (op, T), g in own.groupby([op_of, "shape.T"], sort=True):
             best = g.loc[g["median_ms"].idxmin()]
             row = {"op": op, "T": int(T), "fastest exact backend": best["variant"], "order": best["order"],
-                   "median ms": f"{best['median_ms']:.4g}", "of floor": f"{best['fraction_of_floor']:.0%}"}
+                   "median ms": _cell(best["median_ms"]), "of floor": _cell(best["fraction_of_floor"], "{:.0%}")}
             if op == "scan" and not peers.empty:
                 pg = peers[peers["shape.T"] == T]
                 if not pg.empty:
                     pb = pg.loc[pg["median_ms"].idxmin()]
-                    row.update({"fastest peer": pb["variant"], "peer ms": f"{pb['median_ms']:.4g}",
-                                "peer of floor": f"{pb['fraction_of_floor']:.0%}"})
+                    row.update({"fastest peer": pb["variant"], "peer ms": _cell(pb["median_ms"]),
+                                "peer of floor": _cell(pb["fraction_of_floor"], "{:.0%}")})
             rows.append(row)
         out.append("**Scan track** (forward; fastest of either order):\n\n"
-                   + pd.DataFrame(rows).fillna("-").to_markdown(index=False) + "\n")
+                   + pd.DataFrame(rows).fillna(MISSING).to_markdown(index=False) + "\n")
     return "\n".join(out)
 
 
@@ -395,14 +409,54 @@ def probe_section(env: dict) -> str:
     return "\n".join(lines)
 
 
-def audit_section(gates: dict) -> str:
+def timed_implementations(recs: list[dict], table: dict) -> dict[str, set[int | None]]:
+    """"op/backend" of every implementation the run timed (peers aside), with the
+    batch sizes where the tuning table sends decode steps: the records' own
+    backends, and for the `auto` backend the table's op and decode entries."""
+    out: dict[str, set] = {}
+    for r in recs:
+        op = r.get("op") or r["mixer"] or ("scan" if r["stage"] == "scan" else None)
+        backend = r["backend"]
+        if op is None or backend is None or backend == "auto" or backend.startswith("peer:"):
+            continue
+        out.setdefault(f"{op}/{backend}", set()).add(None)
+    for e in [*table.get("entries", []), *table.get("decode", [])]:
+        out.setdefault(f"{e['op']}/{e['backend']}", set()).add(e.get("B") if e["op"].endswith("_step") else None)
+    return out
+
+
+def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
+    """The audit's outcome and, truthfully, which timed implementations a gate
+    covered: a backend is gated when its `backends/<op>/<backend>` checks passed and
+    count (checks recorded as inexact by design are reported, not gated)."""
     checks = gates["checks"]
-    return (
-        "## Correctness audit (results/audit/audit.md)\n\n"
+    per_backend = [c for c in checks if c["check"].startswith("backends/") and c.get("op") and c.get("backend")]
+    gated = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") not in ("inexact-by-design", "yardstick")}
+    inexact = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") == "inexact-by-design"}
+    yardstick = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") == "yardstick"}
+    timed = timed_implementations(recs, table)
+    ungated = []
+    for name in sorted(set(timed) - gated - yardstick):
+        batches = sorted(b for b in timed[name] if b is not None)
+        where = f" (the tuning table uses it at B = {', '.join(map(str, batches))})" if batches else ""
+        why = ("inexact by design: its error is recorded in the audit, it is never selected"
+               if name in inexact else "no gate compares it with the reference")
+        ungated.append(f"`{name}`{where}: {why}")
+    lines = [
+        "## Correctness audit (results/audit/audit.md)\n",
         f"{sum(c['passed'] for c in checks)} of {len(checks)} checks passed "
-        f"({', '.join(sorted({c.get('dtype', '') for c in checks}))}); every timed "
-        "implementation passed its gate before it was timed.\n"
-    )
+        f"({', '.join(sorted({c.get('dtype', '') for c in checks}))}).",
+        "Timed and gated before any timing stage ran: "
+        + (", ".join(f"`{n}`" for n in sorted(set(timed) & gated)) or "none") + ".",
+    ]
+    if set(timed) & yardstick:
+        lines.append("The PyTorch references (" + ", ".join(f"`{n}`" for n in sorted(set(timed) & yardstick))
+                     + ") are the yardstick the gates compare against.")
+    if ungated:
+        lines += ["", "Timed without a gate of their own:", "", *[f"- {u}" for u in ungated]]
+    else:
+        lines.append("Every timed implementation passed its gate.")
+    return "\n".join(lines) + "\n"
 
 
 def main(job):
@@ -410,6 +464,7 @@ def main(job):
     gates = json.loads(Path(job.input.gates).read_text())
     table = json.loads(Path(job.input.table).read_text())
     recs = [r for path in job.input.records for r in records.read_jsonl(path)]
+    tune_recs = records.read_jsonl(job.input.tune_records)
     df = flatten(recs)
     df = add_floor(df, env.get("measured", {}).get("copy_bandwidth_bytes_per_s"))
     cmp_df = comparison(df)
@@ -434,7 +489,7 @@ def main(job):
         "",
         summary_section(df),
         probe_section(env),
-        audit_section(gates),
+        audit_section(gates, recs + tune_recs, table),
         "## Tracks\n",
         "Times are per call, P10 / median / P95 over the raw samples kept in each record; "
         "`floor_ms` is the logical bytes moved over the measured copy bandwidth.\n",
