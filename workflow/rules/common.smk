@@ -17,7 +17,9 @@ configfile: "config.yaml"
 
 
 # Scalars inside a nested --config value arrive as strings; type them as YAML would.
-update_config(config, config_check.typed_overrides(dict(workflow.config_settings.config or {})))
+update_config(
+    config, config_check.typed_overrides(dict(workflow.config_settings.config or {}))
+)
 # One short line per problem (Snakemake's own message prints the whole config).
 _errors = config_check.schema_errors(
     config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml"
@@ -51,8 +53,6 @@ if executes(sys.argv):
             f"removed incomplete outputs {_recovered['outputs']}.",
             file=sys.stderr,
         )
-
-
 
 
 def container_runtime(container):

@@ -214,6 +214,12 @@ def _save(fig, folder: Path, name: str, made: list[str]) -> None:
     made.append(name)
 
 
+def probe_label(probe) -> str:
+    """Axis label of the throughput probes, with their step count read from the records."""
+    steps = sorted({int(v) for v in probe["generated_tokens"].dropna()}) if "generated_tokens" in probe else []
+    return f"decode tokens/s ({'/'.join(map(str, steps)) or 'unknown'}-step probe)"
+
+
 def headline_plots(df, folder: Path) -> list[str]:
     """The study's comparisons, one figure each, from the records that make them:
     training tokens/s of the architecture comparison (fresh runs, both orders), the
@@ -268,8 +274,7 @@ def headline_plots(df, folder: Path) -> list[str]:
                     linestyle="-" if order == "AB" else "--", label=f"{mixer} ({order})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size B")
-        steps = sorted({int(v) for v in probe["generated_tokens"].dropna()}) if "generated_tokens" in probe else []
-        ax.set_ylabel(f"decode tokens/s ({'/'.join(map(str, steps)) or '?'}-step probe)")
+        ax.set_ylabel(probe_label(probe))
         ax.set_title(f"inference throughput probes ({probe['gpu'].iloc[0]})", fontsize=8)
         ax.legend(fontsize=7)
         _save(fig, folder, "infer_throughput.png", made)
