@@ -11,13 +11,14 @@ match an FP32 reference at FP32 tolerance; the GPU run exercises BF16.
 
 import json
 import os
+import re
 import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipeline_util import REPO
+from pipeline_util import REPO, copy_repo, snakemake
 
 from common import fsdp, records  # noqa: E402
 from common.stage import Files, Job  # noqa: E402
@@ -119,7 +120,7 @@ def test_stage_runs_both_orders_under_torchrun(tmp_path):
                 "world_size": WORLD, "fsdp": {"reps": 2, "warmup": 1}}
     single = [records.new_record("train", "cpu-smoke", f"train-arch-tiny-T5-B1-samu-reference-{o}", role="fresh",
                                  shapes={"preset": "tiny", "T": 5, "B": 1, "vocab": 256}, mixer="samu",
-                                 backend="reference", order=o, samples_ms=[1.0], stats={"median_ms": 1.0},
+                                 backend="reference", order=o, samples_ms=[1.0], stats={"p10_ms": 1.0, "median_ms": 1.0, "p95_ms": 1.0},
                                  tokens_per_s=tps) for o, tps in (("AB", 4000.0), ("BA", 6000.0))]
     paths = {"environment": tmp_path / "environment.json", "table": tmp_path / "tuning.json",
              "single": tmp_path / "single.jsonl"}
@@ -158,3 +159,14 @@ def test_world_size_one_is_refused(tmp_path):
               params={"profile": "cpu-smoke", "settings": {"world_size": 1}, "records_dir": str(tmp_path)}, config={})
     with pytest.raises(ValueError, match="world_size"):
         track_train_fsdp.main(job)
+
+
+def test_two_gpu_overlay_adds_the_fsdp_track_after_the_single_gpu_one(tmp_path):
+    repo = copy_repo(tmp_path)
+    dag = snakemake(repo, "--dag", "--cores", "1", "all", "--config", "profile=h200", "--configfile", "two-gpus.yaml")
+    assert dag.returncode == 0, dag.stderr
+    name = {m.group(1): m.group(2) for m in re.finditer(r'^\s*(\d+)\[label = "([a-z_]+)"', dag.stdout, re.M)}
+    named = {(name[a], name[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dag.stdout, re.M)}
+    assert {("track_train", "track_train_fsdp"), ("track_train_fsdp", "aggregate")} <= named, named
+    plain = snakemake(repo, "-n", "--cores", "1", "all", "--config", "profile=h200")
+    assert plain.returncode == 0 and "track_train_fsdp" not in plain.stdout, plain.stderr

@@ -75,7 +75,10 @@ ARTIFACT = "results/artifact-{date}-{commit}{dirty}.tar.gz".format(
     dirty="-dirty" if COMMIT["dirty"] else "",
 )
 COMMAND_LINE = shlex.join(["snakemake", *sys.argv[1:]])
-TRACKS = ("scan", "train", "infer")
+# The FSDP2 training track joins the run when the profile asks for more than one GPU.
+TRACKS = ("scan", "train", "infer") + (
+    ("train_fsdp",) if PROFILE_CONFIG["train"].get("world_size", 1) > 1 else ()
+)
 
 
 def log_path(rule):

@@ -250,6 +250,8 @@ def main(job):
         atomic.write_json(job_file, job.to_json())
         marker = Path(work) / "current.json"
         for launch in range(MAX_LAUNCHES):
+            if all(i["config_id"] in records.done_ids(records_dir, job.profile) for i in items):
+                break
             print(f"[{STAGE}] launch {launch + 1}: {' '.join(cmd)} {job_file}", flush=True)
             rc = subprocess.run([*cmd, str(job_file)]).returncode
             if rc == 0:
