@@ -59,7 +59,9 @@ def optimizer_step(opt, before: dict, grads: dict) -> dict:
     return {k: p.detach() for k, p in ps.items()}
 
 
-def rank_main(rank: int, world: int, port: int, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, out: str, settings: dict, backend: str,
+              param_dtype: str | None) -> None:
+    """One rank: the data-parallel step of each mixer; rank 0 saves what it saw."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -67,8 +69,8 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     result = {}
     for mixer in MIXERS:
         def setup():
-            s = track_train.Setup("tiny", mixer, T, world * B, SETTINGS, device, backend="reference")
-            return fsdp.distribute(s, rank, world)  # param_dtype None: FP32 on the CPU
+            s = track_train.Setup("tiny", mixer, T, world * B, settings, device, backend=backend)
+            return fsdp.distribute(s, rank, world, param_dtype and getattr(torch, param_dtype))
 
         r = reference_step(setup)
         r["loss"] = torch.tensor(fsdp.gather(r["loss"].item()))
@@ -79,11 +81,15 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def run_ranks(out, settings: dict, backend: str, param_dtype: str | None) -> dict:
+    mp.spawn(rank_main, args=(WORLD, free_port(), str(out), settings, backend, param_dtype), nprocs=WORLD, join=True)
+    return torch.load(out, map_location="cpu")
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("fsdp") / "rank0.pt")
-    mp.spawn(rank_main, args=(WORLD, free_port(), out), nprocs=WORLD, join=True)
-    return torch.load(out)
+    # FP32 parameters and compute (param_dtype None) on the CPU.
+    return run_ranks(tmp_path_factory.mktemp("fsdp") / "rank0.pt", SETTINGS, "reference", None)
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
@@ -109,6 +115,39 @@ def test_two_gloo_ranks_match_one_process(sharded, mixer):
     assert not torch.equal(want["embed.weight"], ref["before"]["embed.weight"])
     for k, p in want.items():
         torch.testing.assert_close(got["params"][k], p, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def relative_errors(got: dict, ref: dict) -> tuple[float, float]:
+    """Relative error of the mean loss and of all clipped gradients together."""
+    def flat(r):
+        return torch.cat([r["grads"][k].double().flatten().cpu() for k in sorted(ref["grads"])])
+
+    loss = abs(got["loss"].double().mean().item() - ref["loss"].double().mean().item()) / abs(ref["loss"].item())
+    g, g_ref = flat(got), flat(ref)
+    return loss, (torch.linalg.vector_norm(g - g_ref) / torch.linalg.vector_norm(g_ref)).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_nccl_ranks_in_bf16_err_like_the_single_gpu_bf16_step(tmp_path):
+    """The GPU mode (BF16 parameters gathered for compute, FP32 reduce and master
+    weights, Triton kernels through `auto`) against the single-GPU FP32 step: its
+    loss and gradient errors are at most 3x those of the single-GPU track's own BF16
+    autocast step."""
+    bf16 = {**SETTINGS, "autocast": "bfloat16"}
+    got = run_ranks(tmp_path / "rank0.pt", bf16, "auto", "bfloat16")
+    cuda = torch.device("cuda", 0)
+    for mixer in MIXERS:
+        def single(settings, mixer=mixer):
+            r = reference_step(lambda: track_train.Setup("tiny", mixer, T, WORLD * B, settings, cuda, backend="auto"))
+            r["loss"] = r["loss"].reshape(1)
+            return r
+
+        ref32, ref16 = single(SETTINGS), single(bf16)
+        e_single, e_fsdp = relative_errors(ref16, ref32), relative_errors(got[mixer], ref32)
+        assert e_single[1] > 0, "the BF16 step must differ from the FP32 one"
+        assert e_fsdp[0] <= 3 * e_single[0] + 1e-3, (mixer, e_fsdp, e_single)
+        assert e_fsdp[1] <= 3 * e_single[1], (mixer, e_fsdp, e_single)
 
 
 def test_stage_runs_both_orders_under_torchrun(tmp_path):
