@@ -29,6 +29,7 @@ import track_train_fsdp  # noqa: E402
 WORLD, B, T = 2, 1, 7
 MIXERS = ("samu", "rglru")
 SETTINGS = {"vocab": 256, "lr": 1e-2, "grad_clip": 0.05, "autocast": None}
+BF16 = {**SETTINGS, "autocast": "bfloat16"}
 
 
 def free_port() -> int:
@@ -43,9 +44,21 @@ def reference_step(setup_fn) -> dict:
     s = setup_fn()
     seen = {}
     s.opt.register_step_pre_hook(lambda *_: seen.update(fsdp.full_state(s.model)))
-    loss = s.step()
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recording_clip(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        seen["norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = recording_clip
+    try:
+        loss = s.step()
+    finally:
+        torch.nn.utils.clip_grad_norm_ = clip
     after = {k: v for k, v in fsdp.full_state(s.model).items() if not k.startswith("grad.")}
-    return {"loss": loss.detach(), "grads": {k: v for k, v in seen.items() if k.startswith("grad.")},
+    return {"loss": loss.detach(), "norm": seen.pop("norm"),
+            "grads": {k: v for k, v in seen.items() if k.startswith("grad.")},
             "before": {k: v for k, v in seen.items() if not k.startswith("grad.")}, "params": after, "opt": s.opt}
 
 
@@ -59,51 +72,63 @@ def optimizer_step(opt, before: dict, grads: dict) -> dict:
     return {k: p.detach() for k, p in ps.items()}
 
 
-def rank_main(rank: int, world: int, port: int, out: str, settings: dict, backend: str,
-              param_dtype: str | None) -> None:
-    """One rank: the data-parallel step of each mixer; rank 0 saves what it saw."""
+def rank_main(rank: int, world: int, port: int, out: str, variants: dict) -> None:
+    """One rank: the data-parallel step of each mixer in each variant (name:
+    (settings, backend, param_dtype name or None)); rank 0 saves what it saw,
+    with the dtypes block 0 computed with."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     rank, world, device = fsdp.init_process_group(timeout_s=60)
     result = {}
-    for mixer in MIXERS:
-        def setup():
-            s = track_train.Setup("tiny", mixer, T, world * B, settings, device, backend=backend)
-            return fsdp.distribute(s, rank, world, param_dtype and getattr(torch, param_dtype))
+    for variant, (settings, backend, param_dtype) in variants.items():
+        for mixer in MIXERS:
+            seen = {}
 
-        r = reference_step(setup)
-        r["loss"] = torch.tensor(fsdp.gather(r["loss"].item()))
-        del r["opt"]
-        result[mixer] = r
+            def setup():
+                s = track_train.Setup("tiny", mixer, T, world * B, settings, device, backend=backend)
+                fsdp.distribute(s, rank, world, param_dtype and getattr(torch, param_dtype))
+                block = s.model.blocks[0].recurrent_block
+                block.register_forward_pre_hook(lambda m, a: seen.update(linear=m.linear_x.weight.dtype))
+                block.mixer.register_forward_pre_hook(
+                    lambda m, a: seen.update(mixer={p.dtype for p in m.parameters()}))
+                return s
+
+            r = reference_step(setup)
+            r["loss"] = torch.tensor(fsdp.gather(r["loss"].item()))
+            r["dtypes"] = seen
+            del r["opt"]
+            result[variant, mixer] = r
     if rank == 0:
         torch.save(result, out)
     torch.distributed.destroy_process_group()
 
 
-def run_ranks(out, settings: dict, backend: str, param_dtype: str | None) -> dict:
-    mp.spawn(rank_main, args=(WORLD, free_port(), str(out), settings, backend, param_dtype), nprocs=WORLD, join=True)
-    return torch.load(out, map_location="cpu")
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    # FP32 parameters and compute (param_dtype None) on the CPU.
-    return run_ranks(tmp_path_factory.mktemp("fsdp") / "rank0.pt", SETTINGS, "reference", None)
+    # Both modes on the CPU in one process group: FP32 parameters and compute, and
+    # the GPU profiles' BF16 parameters under BF16 autocast (gloo reduces BF16 too).
+    out = tmp_path_factory.mktemp("fsdp") / "rank0.pt"
+    variants = {"fp32": (SETTINGS, "reference", None), "bf16": (BF16, "reference", "bfloat16")}
+    mp.spawn(rank_main, args=(WORLD, free_port(), str(out), variants), nprocs=WORLD, join=True)
+    return torch.load(out, map_location="cpu")
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_two_gloo_ranks_match_one_process(sharded, mixer):
     cpu = torch.device("cpu")
     ref = reference_step(lambda: track_train.Setup("tiny", mixer, T, WORLD * B, SETTINGS, cpu,
-                                                          backend="reference"))
-    got = sharded[mixer]
+                                                   backend="reference"))
+    got = sharded["fp32", mixer]
+    assert got["dtypes"] == {"linear": torch.float32, "mixer": {torch.float32}}
     # Each rank's loss is the mean over its document; their mean is the global loss.
     assert got["loss"].shape == (WORLD,) and not torch.allclose(got["loss"][0], got["loss"][1])
     torch.testing.assert_close(got["loss"].mean(), ref["loss"], rtol=1e-6, atol=0)
     assert set(got["grads"]) == set(ref["grads"]) and len(ref["grads"]) == len(ref["params"])
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref["grads"].values()]))
-    assert abs(norm.item() - SETTINGS["grad_clip"]) < 1e-4 * SETTINGS["grad_clip"], "the clip must be active"
+    # The gradient norm before clipping (the ranks' gradients averaged, not summed),
+    # large enough for the clip to act.
+    assert ref["norm"] > 2 * SETTINGS["grad_clip"]
+    assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5)
     for k, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][k], g, rtol=1e-5, atol=1e-7 * SETTINGS["grad_clip"], msg=k)
     # AdamW's first step is g / (|g| + eps): gradients of the order of eps (embedding
@@ -127,27 +152,43 @@ def relative_errors(got: dict, ref: dict) -> tuple[float, float]:
     return loss, (torch.linalg.vector_norm(g - g_ref) / torch.linalg.vector_norm(g_ref)).item()
 
 
+def check_bf16(got: dict, mixer: str, device, backend: str) -> None:
+    """The BF16 mode (BF16 parameters gathered for the blocks, FP32 for the mixers,
+    FP32 reduce and master weights) against the single-device FP32 step: its loss
+    and gradient errors are at most 3x those of the single-GPU track's own step
+    under BF16 autocast."""
+    assert got["dtypes"] == {"linear": torch.bfloat16, "mixer": {torch.float32}}
+    assert {g.dtype for g in got["grads"].values()} == {torch.float32}
+
+    def single(settings):
+        r = reference_step(lambda: track_train.Setup("tiny", mixer, T, WORLD * B, settings, device, backend=backend))
+        r["loss"] = r["loss"].reshape(1)
+        return r
+
+    ref32, ref16 = single(SETTINGS), single(BF16)
+    e_single, e_fsdp = relative_errors(ref16, ref32), relative_errors(got, ref32)
+    assert e_single[1] > 0, "the BF16 step must differ from the FP32 one"
+    assert e_fsdp[0] <= 3 * e_single[0] + 1e-3, (e_fsdp, e_single)
+    assert e_fsdp[1] <= 3 * e_single[1], (e_fsdp, e_single)
+    e_norm = [abs(r["norm"] - ref32["norm"]) / ref32["norm"] for r in (got, ref16)]
+    assert e_norm[0] <= 3 * e_norm[1] + 1e-3, e_norm
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_two_gloo_ranks_in_bf16_err_like_the_single_process_bf16_step(sharded, mixer):
+    check_bf16(sharded["bf16", mixer], mixer, torch.device("cpu"), "reference")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_nccl_ranks_in_bf16_err_like_the_single_gpu_bf16_step(tmp_path):
-    """The GPU mode (BF16 parameters gathered for compute, FP32 reduce and master
-    weights, Triton kernels through `auto`) against the single-GPU FP32 step: its
-    loss and gradient errors are at most 3x those of the single-GPU track's own BF16
-    autocast step."""
-    bf16 = {**SETTINGS, "autocast": "bfloat16"}
-    got = run_ranks(tmp_path / "rank0.pt", bf16, "auto", "bfloat16")
-    cuda = torch.device("cuda", 0)
+    """The GPU mode with NCCL and the Triton kernels (`auto`)."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(rank_main, args=(WORLD, free_port(), str(out), {"bf16": (BF16, "auto", "bfloat16")}), nprocs=WORLD,
+             join=True)
+    got = torch.load(out, map_location="cpu")
     for mixer in MIXERS:
-        def single(settings, mixer=mixer):
-            r = reference_step(lambda: track_train.Setup("tiny", mixer, T, WORLD * B, settings, cuda, backend="auto"))
-            r["loss"] = r["loss"].reshape(1)
-            return r
-
-        ref32, ref16 = single(SETTINGS), single(bf16)
-        e_single, e_fsdp = relative_errors(ref16, ref32), relative_errors(got[mixer], ref32)
-        assert e_single[1] > 0, "the BF16 step must differ from the FP32 one"
-        assert e_fsdp[0] <= 3 * e_single[0] + 1e-3, (mixer, e_fsdp, e_single)
-        assert e_fsdp[1] <= 3 * e_single[1], (mixer, e_fsdp, e_single)
+        check_bf16(got["bf16", mixer], mixer, torch.device("cuda", 0), "auto")
 
 
 def test_stage_runs_both_orders_under_torchrun(tmp_path):

@@ -8,12 +8,13 @@ data parallel over documents, in the way torchtitan applies parallelism:
     fsdp.distribute(setup, rank, world, param_dtype=torch.bfloat16)
     setup.step()                                         # this rank's B documents
 
-`shard` wraps every residual block, then the root (the embedding, shared with the
-output projection, and the final norm), with `torch.distributed.fsdp.fully_shard`:
-FP32 parameters, gradients and AdamW moments are kept as shards (1 / world of each
-per rank, the master weights), a block's parameters are all-gathered in
-`param_dtype` (BF16 on the GPU) just before it runs and freed after, and
-gradients are reduce-scattered in FP32. The sequence-mixer ops are unchanged: a
+`shard` wraps every mixer, every residual block, then the root (the embedding,
+shared with the output projection, and the final norm), with
+`torch.distributed.fsdp.fully_shard`: FP32 parameters, gradients and AdamW moments
+are kept as shards (1 / world of each per rank, the master weights), a block's
+parameters are all-gathered in `param_dtype` (BF16 on the GPU; the mixer's in
+FP32, as the single-GPU step hands them to the mixer ops) just before it runs and
+freed after, and gradients are reduce-scattered in FP32. The sequence-mixer ops are unchanged: a
 document never crosses ranks, so each rank scans whole sequences.
 """
 
@@ -62,13 +63,18 @@ _STORED = ".parametrizations."
 
 def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
           reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Apply FSDP2 in place to a HawkLM: one unit per residual block, then the root.
-    `param_dtype`: the dtype parameters are gathered and computed in (None: the
-    stored FP32); `reduce_dtype`: the dtype of the gradient reduce-scatter. Scalar
-    parameters (SAMU's amplitudes) are stored with shape [1] through a
-    parametrization; the module still reads a scalar."""
+    """Apply FSDP2 in place to a HawkLM: one unit per mixer (RG-LRU or SAMU), one per
+    residual block, then the root. `param_dtype`: the dtype the blocks' parameters
+    are gathered and computed in (None: the stored FP32); the mixers' parameters are
+    gathered in FP32 whatever it is, so the mixer ops get the inputs they get in the
+    single-GPU autocast step (FP32 parameters, activations in the autocast dtype).
+    `reduce_dtype`: the dtype of the gradient reduce-scatter. Scalar parameters
+    (SAMU's amplitudes) are stored with shape [1] through a parametrization; the
+    module still reads a scalar."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.utils import parametrize
+
+    from kernels import layers
 
     if not hasattr(model, "blocks"):
         raise ValueError(f"expected a model with residual `blocks` (a HawkLM), got {type(model).__name__}")
@@ -76,6 +82,10 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
         for name, p in list(module.named_parameters(recurse=False)):
             if p.dim() == 0:
                 parametrize.register_parametrization(module, name, _Scalar())
+    stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    for module in list(model.modules()):
+        if isinstance(module, (layers.RGLRU, layers.SAMU)):
+            fully_shard(module, mp_policy=stored)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
