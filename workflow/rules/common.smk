@@ -101,7 +101,10 @@ ARTIFACT = "results/artifact-{commit}{dirty}-{profile}.tar.gz".format(
 # than a rule param, so that `-n` or `--cores 2` does not make the archive stale.
 COMMAND_LINE_ENV = "KERNELS_PIPELINE_COMMAND_LINE"
 os.environ[COMMAND_LINE_ENV] = shlex.join(["snakemake", *sys.argv[1:]])
-TRACKS = ("scan", "train", "infer")
+# The FSDP2 training track joins the run when the profile asks for more than one GPU.
+TRACKS = ("scan", "train", "infer") + (
+    ("train_fsdp",) if PROFILE_CONFIG["train"].get("world_size", 1) > 1 else ()
+)
 
 
 def log_path(rule):
