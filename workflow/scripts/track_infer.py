@@ -203,7 +203,10 @@ def main(job):
     models: dict = {}
 
     def model(mixer):
+        # One model resident at a time, so that a configuration's peak memory is its own model's.
         if mixer not in models:
+            models.clear()
+            measure.release(device)
             models[mixer] = build_model(preset, mixer, settings, device)
         return models[mixer]
 
