@@ -297,3 +297,13 @@ def test_ncu_pass_keeps_the_calls_between_marker_pairs(tmp_path):
     assert [g["dram_bytes_read"] for g in got] == [100.0, 1.0] and [g["kernels"] for g in got] == [1, 1]
     assert measure.ncu_counters(["python", "worker.py"], 3, ncu=str(fake)) is None
     assert measure.ncu_counters(["x"], 1, ncu=str(tmp_path / "missing")) is None
+
+
+def test_runner_leaves_the_clocks_alone_unless_the_profile_asks(tmp_path, monkeypatch):
+    tried = []
+    monkeypatch.setattr(measure.Clocks, "lock", lambda self: tried.append(1) or {"locked": True})
+    runner = measure.Runner("t", "cpu-smoke", tmp_path, None, "cpu")
+    assert tried == [] and runner.clock_lock["locked"] is False
+    assert "lock_clocks" in runner.clock_lock["reason"]
+    assert measure.Runner("t", "cpu-smoke", tmp_path, None, "cpu", lock_clocks=True).clock_lock == {"locked": True}
+    assert tried == [1]

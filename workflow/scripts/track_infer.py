@@ -197,7 +197,7 @@ def main(job):
     os.environ["KERNELS_TUNING_TABLE"] = str(tuned.resolve())
     table = json.loads(tuned.read_text())
     runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     preset, mixers = settings["preset"], settings["mixers"]
     use_engine = settings.get("engine", True)
     models: dict = {}

@@ -254,11 +254,13 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
                        dtype=s["dtype"])
 
 
-def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float | None, restart=None) -> list:
+def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float | None, restart=None,
+          lock_clocks: bool = False) -> list:
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    runner = measure.Runner("ops", profile, records_dir, settings.get("budget_s"), device, restart=restart)
+    runner = measure.Runner("ops", profile, records_dir, settings.get("budget_s"), device, restart=restart,
+                            lock_clocks=lock_clocks)
     for build in plan(settings, device):
         try:
             outcome = measure.capture(build, device)
@@ -279,7 +281,7 @@ def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float
 def main(job):
     env = json.loads(Path(job.input.environment).read_text())
     track(job.params["settings"], job.profile, job.params["records_dir"], job.output.records,
-          measure.copy_bandwidth(env), restart=lambda: measure.reexec(job))
+          measure.copy_bandwidth(env), restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
 
 
 def standalone(argv) -> None:

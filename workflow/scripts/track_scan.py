@@ -178,7 +178,7 @@ def main(job):
     bandwidth = measure.copy_bandwidth(env)
     counters = collect_counters(job, items, env, settings)
     runner = measure.Runner("scan", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     inputs = Inputs(settings, device)
     for T in settings["T"]:
         row = [i for i in items if i["T"] == T]

@@ -160,7 +160,7 @@ def main(job):
     tmp = Path("results/.tmp/train-tables")
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
     runner = measure.Runner("train", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     mixers = settings["mixers"]
     shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
     diag = settings.get("diagnostics", "all")

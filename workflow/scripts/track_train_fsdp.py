@@ -172,7 +172,8 @@ def worker(job_file: str) -> None:
     autocast = settings.get("autocast")
     param_dtype = getattr(torch, autocast) if autocast else None
     items = plan(settings, records.read_jsonl(job.input.single))
-    runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device) if rank == 0 else None
+    runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device,
+                                                lock_clocks=job.lock_clocks) if rank == 0 else None
     budget = measure.Budget(fs["budget_s"])
     tables = work / f"tables-rank{rank}"
 

@@ -323,7 +323,7 @@ def main(job):
     gates = json.loads(open(job.input.gates).read())
     records_dir = job.params.get("records_dir", "results/tune/records.d")
     runner = measure.Runner("tune", job.profile, records_dir, settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
 
     def log(msg):
         measure.log_line(None, f"tune: {msg}")

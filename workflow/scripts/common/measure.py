@@ -699,7 +699,7 @@ class Runner:
     stamps every record with the outcome of the clock lock it tried."""
 
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
-                 log=None, restart: Callable[[], None] | None = None, lock_clocks: bool = True):
+                 log=None, restart: Callable[[], None] | None = None, lock_clocks: bool = False):
         from pathlib import Path
 
         from common import records
@@ -711,7 +711,7 @@ class Runner:
         self.planned: list[str] = []
         self.skipped: list[str] = []
         self.clocks = clocks(self.device)
-        self.clock_lock = self.clocks.lock() if lock_clocks else {"locked": False, "reason": "not requested"}
+        self.clock_lock = self.clocks.lock() if lock_clocks else {"locked": False, "reason": "not requested (profile key probe.lock_clocks)"}
 
     def say(self, msg: str) -> None:
         log_line(self.log, f"{self.stage}: {msg}")
