@@ -34,6 +34,32 @@ def test_sm_clock_span_flags_slowdowns_and_clock_drops():
     assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1980, "reasons": 0x20})["throttled"] is True
 
 
+@pytest.mark.parametrize("eager_ms, device_ms, headline", [
+    (2.3, 0.5, "device"),      # host-heavy: eager over SHORT_MS, device time short
+    (0.3, 0.1, "device"),
+    (30.0, 20.0, "eager"),     # long on the device too: device time kept beside
+    (80.0, None, "eager"),     # over DEVICE_CLOCK_MAX_MS: no device clock
+])
+def test_the_device_time_decides_the_headline(monkeypatch, eager_ms, device_ms, headline):
+    def fake_eager(fn, reps, warmup, dev, **kw):
+        st = measure.summarize([eager_ms] * reps)
+        return {"samples_ms": [eager_ms] * reps, **st, "peak_bytes": 0, "base_bytes": 0, "clock": "cuda_event",
+                "reps_requested": reps, "warmup": warmup, "stopped_early": False}
+
+    def fake_device(fn, reps, calls, dev, graph=True):
+        assert device_ms is not None, "the device clock was tried for work over DEVICE_CLOCK_MAX_MS"
+        return {"samples_ms": [device_ms] * reps, **measure.summarize([device_ms] * reps), "method": "cuda_graph",
+                "calls_per_sample": calls, "graph_error": None}
+
+    monkeypatch.setattr(measure, "time_fn", fake_eager)
+    monkeypatch.setattr(measure, "device_time", fake_device)
+    f = measure.timing_fields(measure.measure(lambda: None, reps=4, warmup=1, device="cuda", count=False))
+    assert f["eager"]["median_ms"] == eager_ms
+    assert (f["device"] or {}).get("median_ms") == device_ms
+    assert f["clock"] == ("device:cuda_graph" if headline == "device" else "eager:cuda_event")
+    assert f["stats"]["median_ms"] == (device_ms if headline == "device" else eager_ms)
+
+
 @pytest.mark.cuda
 def test_short_work_gets_the_device_clock_by_graph_replay_or_back_to_back_launches():
     x = torch.randn(1 << 20, device="cuda")

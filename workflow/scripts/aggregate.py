@@ -513,7 +513,7 @@ def ops_section(recs: list[dict], folder: Path) -> tuple[str, list[str]]:
         return "## Ops\n\n_no ops records_\n", []
     df = pd.DataFrame(rows)
     text = ("## Ops\n\nThe ops as users call them (`backend=\"auto\"`) and their peers, in both run orders; "
-            "medians in ms with P10-P95 of the headline clock (`clock`: the device clock for work under 2 ms, "
+            "medians in ms with P10-P95 of the headline clock (`clock`: the device clock where device time is under 2 ms, "
             "eager otherwise), the eager median beside it; `of floor` is the memory floor over the faster "
             "order's median; every timed variant passed its gate first.\n\n"
             + df[[c for c in df.columns if (df[c] != "").any()]].to_markdown(index=False, disable_numparse=True) + "\n")

@@ -6,12 +6,14 @@ the caller outside every timed window):
    under the launchers' byte accounting and torch.profiler (`logical`, labelled);
 2. eager clock: `reps` calls as a user makes them, each between two CUDA events
    (perf_counter on the CPU), host work included, the allocator's peak reset first;
-3. device clock, on a GPU for work whose eager median is under SHORT_MS: `calls`
-   calls captured in one CUDA graph, each sample one replay (method "cuda_graph"),
-   or where capture fails `calls` back-to-back launches between two events
+3. device clock, on a GPU for work whose eager median is under DEVICE_CLOCK_MAX_MS
+   (host-heavy calls can take far longer eagerly than on the device): `calls` calls
+   captured in one CUDA graph, each sample one replay (method "cuda_graph"), or
+   where capture fails `calls` back-to-back launches between two events
    ("back_to_back"); a sample is the window divided by `calls`;
-4. the headline (`samples_ms`, `stats`, `clock`) is the device clock where there is
-   one, else the eager clock; both keep raw samples and P10 / median / P95;
+4. the headline (`samples_ms`, `stats`, `clock`) is the device clock where its
+   median is under SHORT_MS, else the eager clock; both keep raw samples and
+   P10 / median / P95;
 5. the SM clock (NVML) before and after the configuration, `throttled` when a
    power or thermal slowdown was reported or the clock fell by over 5 %.
 `Runner` runs a stage's configurations: resume, failures as records, time budget,
@@ -45,7 +47,8 @@ from kernels.ops import accounting
 STATUS_OK, STATUS_OOM, STATUS_FAILED = "ok", "oom", "failed"
 # Exit status of a stage worker whose failure left the CUDA context unusable.
 POISONED_EXIT = 75
-SHORT_MS = 2.0          # work under this per call gets the device clock as headline
+SHORT_MS = 2.0              # device time under this per call is the headline
+DEVICE_CLOCK_MAX_MS = 50.0  # the device clock is taken for work whose eager median is under this
 DEVICE_WINDOW_MS = 1.0  # a device-clock sample covers about this much work
 LOGICAL_BASIS = (
     "logical: bytes from the launchers' own accounting of the tensors each kernel reads "
@@ -315,8 +318,8 @@ def clocks(device=None) -> Clocks:
 
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
             min_reps: int = 3, count: bool = True, device_clock: bool | None = None, graph: bool = True) -> dict:
-    """Warm up, count one call, time `reps` eager calls and, for short work on a GPU
-    (or when `device_clock` says so), `reps` device-clock samples. Returns
+    """Warm up, count one call, time `reps` eager calls and, on a GPU for work under
+    DEVICE_CLOCK_MAX_MS (or as `device_clock` says), `reps` device-clock samples. Returns
     {"timing": headline samples and stats with "eager", "device", "sm_clock"},
     "logical": logical_counts or None}."""
     dev = device_of(device)
@@ -331,19 +334,24 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     before = clk.sample()
     eager = time_fn(fn, reps, 0, dev, budget_s=budget_s, min_reps=min(min_reps, reps))
     eager["warmup"] = max(warmup, 1)
-    if device_clock is None:
-        device_clock = eager["median_ms"] < SHORT_MS
     dtime = None
-    if device_clock and dev.type == "cuda":
+    if dev.type == "cuda" and (eager["median_ms"] < DEVICE_CLOCK_MAX_MS if device_clock is None else device_clock):
         calls = max(1, min(200, math.ceil(DEVICE_WINDOW_MS / max(eager["min_ms"], 1e-3))))
         dtime = device_time(fn, eager["n"], calls, dev, graph)
-    head = dtime or eager
+    head = dtime if headline_is_device(dtime) else eager
     t = {**{k: eager[k] for k in ("peak_bytes", "base_bytes", "reps_requested", "warmup", "stopped_early")},
          **{k: head[k] for k in ("samples_ms", "n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
-         "clock": f"device:{dtime['method']}" if dtime else f"eager:{eager['clock']}",
+         "clock": f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}",
          "eager": {"samples_ms": eager["samples_ms"], **summarize(eager["samples_ms"]), "clock": eager["clock"]},
          "device": dtime, "sm_clock": clk.span(before, clk.sample())}
     return {"timing": t, "logical": logical}
+
+
+def headline_is_device(dtime: dict | None) -> bool:
+    """Whether the device clock is the headline: short work (device median under
+    SHORT_MS), decided by the device time, not by the eager time that host work
+    inflates."""
+    return dtime is not None and dtime["median_ms"] < SHORT_MS
 
 
 def timing_fields(m: dict) -> dict:
