@@ -137,6 +137,9 @@ def test_ops_track_gates_then_times_every_variant_in_both_orders(tmp_path):
         assert r["floor_bytes"] > 0 and r["floor_ms"] == pytest.approx(r["floor_bytes"] / 1e9 * 1e3)
         assert r["eager"]["samples_ms"] and r["clock"].startswith("eager:")
     assert any(k.startswith("grad_") for k in layer[0]["gate"]["max_rel_err"])
+    # the layer and the step have the preset's gate blocks (not its attention heads)
+    from kernels.models import HawkConfig
+    assert {r["shapes"]["blocks"] for r in layer + step} == {HawkConfig.preset("tiny").gate_blocks}
     assert "ops-scan-tiny-B2-D96-T9-fwd_bwd-ours-AB" in ids        # peers skipped on the CPU, ours timed
     assert records.read_jsonl(tmp_path / "ops.jsonl") == recs
 
@@ -148,3 +151,32 @@ def test_a_failed_gate_records_no_timing(tmp_path):
     for rec in recs:
         assert rec["status"] == "failed" and "inexact" in rec["error"]
         assert rec["samples_ms"] == [] and rec["stats"] is None and "eager" not in rec
+
+
+def test_peers_are_gated_in_fp32_and_their_track_dtype_error_is_recorded(tmp_path):
+    """The official layer's own BF16 arithmetic is not held to our kernels' tolerance:
+    its gate checks the wiring in FP32, its BF16 error is recorded beside."""
+    s = _settings(ops=["rglru_layer"], dtype="bfloat16", check_tolerance=3e-2)
+    recs = track_ops.track(s, "cpu-smoke", tmp_path / "d", tmp_path / "o.jsonl", None)
+    assert recs and all(r["status"] == "ok" for r in recs), [r["error"] for r in recs if r["status"] != "ok"]
+    for r in recs:
+        g = r["gate"]
+        if r["peer"]:
+            assert (g["dtype"], g["tolerance"], g["timed_dtype"]) == ("float32", track_ops.PEER_GATE_TOL, "bfloat16")
+            assert max(g["max_rel_err"].values()) < 1e-4 < max(g["timed_dtype_rel_err"].values())
+            assert set(g["max_rel_err"]) == set(g["timed_dtype_rel_err"])
+            assert len(g["max_rel_err"]) > (2 if r["op"] == "rglru_layer" else 1)      # gradients gated too
+        else:
+            assert g["dtype"] == "bfloat16" and "timed_dtype_rel_err" not in g
+    assert {r["op"] for r in recs if r["peer"]} == {"rglru_layer", "rglru_step"}
+
+
+def test_a_miswired_peer_fails_its_fp32_gate(tmp_path, monkeypatch):
+    real = cases.Peer.output
+    monkeypatch.setattr(cases.Peer, "CPU_SKIP", {})
+    monkeypatch.setattr(cases.Peer, "output", lambda self: real(self).roll(1, 1))   # off by one step
+    s = _settings(ops=["scan"], modes=["fwd"], decode=None, dtype="bfloat16", check_tolerance=3e-2,
+                  scan_peers=["recurrentgemma"])
+    recs = {r["variant"]: r for r in track_ops.track(s, "cpu-smoke", tmp_path / "d", tmp_path / "o.jsonl", None)}
+    assert recs["ours"]["status"] == "ok"
+    assert recs["peer:recurrentgemma"]["status"] == "failed" and "tolerance 1.0e-04" in recs["peer:recurrentgemma"]["error"]

@@ -126,13 +126,19 @@ def rel_err(got, want) -> float:
     return err / scale if scale > 0 else err
 
 
+def checked(errs: dict, tol: float) -> dict:
+    """`errs` ({check: max relative error}), or AssertionError naming the first check
+    over `tol` or not finite."""
+    for name, err in errs.items():
+        if not err <= tol:
+            raise AssertionError(f"inexact: {name} differs from the reference by {err:.3e} (max relative), "
+                                 f"tolerance {tol:.1e}")
+    return errs
+
+
 def check_close(name: str, got, want, tol: float) -> float:
     """The max relative error of `got` against `want`; AssertionError above `tol`."""
-    err = rel_err(got, want)
-    if not math.isfinite(err) or err > tol:
-        raise AssertionError(f"inexact: {name} differs from the reference by {err:.3e} (max relative), "
-                             f"tolerance {tol:.1e}")
-    return err
+    return checked({name: rel_err(got, want)}, tol)[name]
 
 
 def grad_targets(args: list) -> list:
@@ -307,10 +313,10 @@ class Peer:
         return ga.masked_fill(self.reset[..., None], 0), self.to_btd(gb)
 
 
-def official_rglru(D: int, heads: int, dtype, device, seed: int = 0):
-    """(the official recurrentgemma torch RG-LRU layer in `dtype`, ours in `dtype` and
-    ours in float64 with the reference backend), all with the same weights (rounded
-    to `dtype`); raises measure.Skip when recurrentgemma is not installed."""
+def official_rglru(D: int, blocks: int, dtype, device, seed: int = 0):
+    """(the official recurrentgemma torch RG-LRU layer in FP32 with its weights
+    rounded to `dtype`, our layer in float64 with the reference backend and the same
+    weights); raises measure.Skip when recurrentgemma is not installed."""
     import torch
 
     import kernels
@@ -324,9 +330,8 @@ def official_rglru(D: int, heads: int, dtype, device, seed: int = 0):
 
         raise Skip(f"recurrentgemma not available ({e})") from None
     torch.manual_seed(seed)
-    official = rg.RGLRU(D, heads, device=device)
+    official = rg.RGLRU(D, blocks, device=device)
     with torch.no_grad():
         for p in official.parameters():
             p.copy_(p.to(dtype))
-    ref = kernels.from_recurrentgemma(official, backend="reference").double()
-    return official.to(dtype), kernels.from_recurrentgemma(official).to(dtype), ref
+    return official, kernels.from_recurrentgemma(official, backend="reference").double()
