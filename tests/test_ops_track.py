@@ -93,14 +93,18 @@ def _fake_accelerated(forget, inputs):
     return torch.stack(ys, -1)
 
 
-@pytest.mark.parametrize("name", ["fla_fused_recurrent_hgrn", "accelerated_scan_triton"])
-def test_peer_layouts_resets_and_gradients_match_the_reference(monkeypatch, name):
+def _fake_peers(monkeypatch):
     fla, ops, hgrn = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.hgrn"))
-    hgrn.fused_recurrent_hgrn = hgrn.chunk_hgrn = _fake_fla
+    hgrn.fused_recurrent_hgrn = _fake_fla
     fla.ops, ops.hgrn = ops, hgrn
     for mod in (fla, ops, hgrn):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setitem(sys.modules, "accelerated_scan.scalar", types.SimpleNamespace(scan=_fake_accelerated))
+
+
+@pytest.mark.parametrize("name", ["fla_fused_recurrent_hgrn", "accelerated_scan_triton"])
+def test_peer_layouts_resets_and_gradients_match_the_reference(monkeypatch, name):
+    _fake_peers(monkeypatch)
     a, b, pos = cases.op_inputs("scan", 4, 21, 6, torch.float64, "cpu", requires_grad=True, resets=True)[:3]
     assert bool((pos[:, 1:] == 0).any()) and not bool((pos[:, 0] == 0).all())   # mid-row resets, continuations
     with pytest.raises(measure.Skip, match="CPU"):
@@ -172,11 +176,13 @@ def test_peers_are_gated_in_fp32_and_their_track_dtype_error_is_recorded(tmp_pat
 
 
 def test_a_miswired_peer_fails_its_fp32_gate(tmp_path, monkeypatch):
+    _fake_peers(monkeypatch)
     real = cases.Peer.output
     monkeypatch.setattr(cases.Peer, "CPU_SKIP", {})
     monkeypatch.setattr(cases.Peer, "output", lambda self: real(self).roll(1, 1))   # off by one step
     s = _settings(ops=["scan"], modes=["fwd"], decode=None, dtype="bfloat16", check_tolerance=3e-2,
-                  scan_peers=["recurrentgemma"])
+                  scan_peers=["accelerated_scan_triton"])
     recs = {r["variant"]: r for r in track_ops.track(s, "cpu-smoke", tmp_path / "d", tmp_path / "o.jsonl", None)}
     assert recs["ours"]["status"] == "ok"
-    assert recs["peer:recurrentgemma"]["status"] == "failed" and "tolerance 1.0e-04" in recs["peer:recurrentgemma"]["error"]
+    err = recs["peer:accelerated_scan_triton"]["error"]
+    assert recs["peer:accelerated_scan_triton"]["status"] == "failed" and "tolerance 1.0e-04" in err

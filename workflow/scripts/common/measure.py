@@ -528,14 +528,16 @@ def summarize_counters(rows: list[dict]) -> dict:
             "achieved_occupancy_pct_mean": (sum(occ) / len(occ)) if occ else None}
 
 
-def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, ncu: str = "ncu") -> list[dict] | None:
+def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, ncu: str = "ncu",
+                 env: dict | None = None) -> list[dict] | None:
     """Run `argv` (a worker running n_configs configurations once each, each call
-    between two mark_boundary() calls, set-up outside them) under Nsight Compute;
-    one counter summary per configuration, or None when it fails."""
+    between two mark_boundary() calls, set-up outside them; `env` added to its
+    environment) under Nsight Compute; one counter summary per configuration, or
+    None when it fails."""
     ncu = shutil.which(ncu) or ("/usr/local/cuda/bin/ncu" if os.path.isfile("/usr/local/cuda/bin/ncu") else ncu)
     cmd = [ncu, "--csv", "--page", "raw", "--metrics", ",".join(NCU_METRICS.values()), *argv]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
     except (OSError, subprocess.SubprocessError):
         return None
     # Groups after each marker alternate: a call, then the next configuration's set-up.
