@@ -61,15 +61,14 @@ def test_option_grids_follow_what_launchers_accept():
         pass
 
     grids = {"chunk": {"chunk_size": [16, 32], "block_d": [64]}, "*": {"num_warps": [2, 4]}}
-    assert tune.option_grid(explicit, "chunk", grids, None) == [{"chunk_size": 16}, {"chunk_size": 32}]
-    assert tune.option_grid(explicit, "serial", grids, None) == [{"num_warps": 2}, {"num_warps": 4}]
-    assert tune.option_grid(var, "chunk", grids, None) == [{"block_d": 64, "chunk_size": 16},
-                                                         {"block_d": 64, "chunk_size": 32}]
-    assert tune.option_grid(var, "x", grids, {"block_m": [16]}) == [{"block_m": 16}]
-    assert tune.option_grid(explicit, "x", grids, None, fixed={"num_warps"}) == [{}]
+    assert tune.option_grid(explicit, "chunk", grids) == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert tune.option_grid(explicit, "serial", grids) == [{"num_warps": 2}, {"num_warps": 4}]
+    assert tune.option_grid(var, "chunk", grids) == [{"block_d": 64, "chunk_size": 16},
+                                                   {"block_d": 64, "chunk_size": 32}]
+    assert tune.option_grid(explicit, "x", grids, fixed={"num_warps"}) == [{}]
     per_op = {**grids, "samu/chunk": {"chunk_size": [8]}}
-    assert tune.option_grid(explicit, "chunk", per_op, None, op="samu") == [{"chunk_size": 8}]
-    assert tune.option_grid(explicit, "chunk", per_op, None, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert tune.option_grid(explicit, "chunk", per_op, op="samu") == [{"chunk_size": 8}]
+    assert tune.option_grid(explicit, "chunk", per_op, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
     assert cases.chunk_variants("chunk", var, [16, 32]) == [{"chunk_size": 16}, {"chunk_size": 32}]
     assert cases.chunk_variants("serial", var, [16]) == [{}]
     assert cases.chunk_variants("serial", explicit, [16]) == [{}]
