@@ -311,3 +311,21 @@ def test_a_failing_backend_does_not_stop_the_track(tmp_path, monkeypatch):
     assert by["boom"]["status"] == "failed" and "illegal memory access" in by["boom"]["error"]
     assert by["boom"]["samples_ms"] == [] and by["reference"]["status"] == "ok"
     assert restarts == ["track_scan"]            # a poisoning error restarts the process, which resumes
+
+
+@pytest.mark.parametrize("curve, cap, plateau, probed", [
+    ({1: 10, 4: 35, 8: 60, 16: 100, 32: 101}, 8192, "stopped rising: 100 at B=16, 101 at B=32", [1, 4, 8, 16, 32]),
+    ({1: 10, 4: 35, 8: 60, 16: "oom"}, 8192, "out of memory at B=16", [1, 4, 8]),
+    ({1: 10, 4: 35, 8: 60, 16: 100}, 16, "max_batch 16 reached", [1, 4, 8, 16]),
+])
+def test_throughput_grid_extends_until_tokens_per_s_stops_rising_or_memory_runs_out(curve, cap, plateau, probed):
+    asked = []
+
+    def probe_at(B):
+        asked.append(B)
+        v = curve[B]
+        return {"status": v, "shapes": {"B": B}} if v == "oom" else {"status": "ok", "shapes": {"B": B},
+                                                                     "tokens_per_s": float(v)}
+
+    got = track_infer.extend_grid(probe_at, {"batches": [4, 1, 8], "max_batch": cap})
+    assert plateau in got["plateau"] and got["batches"] == probed and asked == sorted(curve)[:len(asked)]

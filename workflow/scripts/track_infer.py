@@ -11,9 +11,10 @@ model's eager `step`.
 - Latency: batch B (16), an empty prompt and a prompt of P tokens (4096), one
   trajectory to the longest length with the time read at every length (128 ..
   4096 generated tokens); SAMU -> RG-LRU and RG-LRU -> SAMU order.
-- Throughput: 64-step probes over the batch sizes of the profile (out-of-memory
-  is recorded, the stage goes on), then each mixer's best batch sizes (by probe
-  tokens/s) through fresh trajectories of 512 .. 4096 steps in both orders.
+- Throughput: 64-step probes over the batch sizes of the profile, extended by
+  doubling B until tokens/s stops rising or memory runs out (`extend_grid`; the
+  records say where and why the grid ended), then each mixer's best batch sizes
+  (by probe tokens/s) through fresh trajectories of 512 .. 4096 steps in both orders.
   Only completed trajectories are reported: a failed or out-of-memory
   trajectory is a record with that status and no figures.
 """
@@ -188,6 +189,35 @@ def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, p
     return out
 
 
+def extend_grid(probe_at, thr: dict) -> dict:
+    """Probe the profile's batch sizes in rising order, then keep doubling B while
+    tokens/s still rises by more than `plateau_rise` (default 2 %) up to `max_batch`;
+    stop at the first failure (out of memory). {"records": the completed probes,
+    "plateau": why the grid ends, with the batch sizes that decide it}."""
+    batches, rise, cap = sorted(thr["batches"]), thr.get("plateau_rise", 0.02), thr.get("max_batch", 8192)
+    done, i, why = [], 0, None
+    while i < len(batches):
+        B, rec = batches[i], probe_at(batches[i])
+        if rec is None:
+            why = f"not probed from B={B} on (the stage's time budget)"
+            break
+        if rec["status"] != "ok":
+            why = f"{'out of memory' if rec['status'] == 'oom' else 'failed'} at B={B}"
+            break
+        done.append(rec)
+        if i == len(batches) - 1:
+            prev = done[-2]["tokens_per_s"] if len(done) > 1 else 0.0
+            if rec["tokens_per_s"] <= prev * (1 + rise):
+                why = (f"tokens/s stopped rising: {prev:.0f} at B={done[-2]['shapes']['B']}, "
+                       f"{rec['tokens_per_s']:.0f} at B={B} (under +{rise:.0%})")
+            elif 2 * B > cap:
+                why = f"max_batch {cap} reached, tokens/s still rising at B={B}"
+            else:
+                batches.append(2 * B)
+        i += 1
+    return {"records": done, "plateau": why, "batches": [r["shapes"]["B"] for r in done]}
+
+
 def main(job):
     import torch
 
@@ -251,16 +281,18 @@ def main(job):
 
     thr = settings.get("throughput") or {}
     if thr:
-        probe = {}
+        probe, grid = {}, {}
         for order, seq in measure.orders(mixers):
             for mixer in seq:
-                for B in thr["batches"]:
-                    n = thr["probe_steps"]
-                    recs = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [n], 1, order,
-                                 {"role": "probe", "sequence": list(seq)})
-                    for rec in recs.values():
-                        if rec is not None and rec["status"] == "ok":
-                            probe.setdefault(mixer, {}).setdefault(B, []).append(rec)
+                def probe_at(B, mixer=mixer, order=order, seq=seq):
+                    got = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [thr["probe_steps"]], 1,
+                                order, {"role": "probe", "sequence": list(seq)})
+                    return next(iter(got.values()), None)
+
+                grid[(mixer, order)] = extend_grid(probe_at, thr)
+                for rec in grid[(mixer, order)]["records"]:
+                    probe.setdefault(mixer, {}).setdefault(rec["shapes"]["B"], []).append(rec)
+                measure.log_line(None, f"infer: {mixer} {order}: {grid[(mixer, order)]['plateau']}")
         best = {}
         for mixer in mixers:
             scores = {B: statistics.median(r["tokens_per_s"] for r in rs) for B, rs in probe.get(mixer, {}).items()}
@@ -268,12 +300,13 @@ def main(job):
             measure.log_line(None, f"infer: {mixer} best batch sizes by probe tokens/s: {best[mixer]}")
         for order, seq in measure.orders(mixers):
             for mixer in seq:
+                plateau = {o: grid[(mixer, o)]["plateau"] for m, o in grid if m == mixer}
                 for B in best.get(mixer, []):
                     sel = sorted(r["config_id"] for r in probe[mixer][B])
                     group(f"infer-throughput-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, sorted(thr["lengths"]),
                           thr.get("reps", 1), order,
                           {"role": "fresh", "sequence": list(seq), "selected_from": sel,
-                           "selected_by": "highest probe tokens/s"})
+                           "selected_by": "highest probe tokens/s", "throughput_grid": plateau})
     recs = runner.finish(job.output.records)
     print(f"track_infer: {len(recs)} records", flush=True)
 
