@@ -172,7 +172,7 @@ def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, p
     out = {}
     for k, n in enumerate(runs[0]["checkpoints"]):
         samples = [r["cumulative_ms"][k] for r in runs]
-        st = measure.stats_of(samples)
+        st = measure.summarize(samples)
         out[n] = {
             "samples_ms": samples,
             "stats": st,

@@ -99,7 +99,7 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
     first = per_rank[0]
     n = min(len(r["timing"]["samples_ms"]) for r in per_rank)
     samples = [max(r["timing"]["samples_ms"][i] for r in per_rank) for i in range(n)]
-    stats = {**first["timing"]["stats"], **measure.stats_of(samples)}
+    stats = {**first["timing"]["stats"], **measure.summarize(samples)}
     step_s = stats["median_ms"] * 1e-3
     params, tokens = first["parameters"], world * B * T
     flops = 6 * params * tokens

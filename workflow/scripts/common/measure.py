@@ -100,8 +100,6 @@ def summarize(samples: list[float]) -> dict:
             "p95_ms": percentile(samples, 95), "mean_ms": statistics.fmean(samples), "min_ms": min(samples)}
 
 
-stats_of = summarize
-
 
 # --------------------------------------------------------------------- clocks
 
@@ -370,18 +368,6 @@ def orders(names: Sequence) -> list[tuple[str, list]]:
     """Both run orders of a comparison: ("AB", names) then ("BA", reversed)."""
     names = list(names)
     return [("AB", names)] if len(names) < 2 else [("AB", names), ("BA", names[::-1])]
-
-
-def select_fastest(results: dict, key: str = "median_ms") -> str | None:
-    """Name of the fastest entry of {name: stats or None}; None entries (failed) are
-    skipped, ties keep the first name."""
-    ranked = rank(results, key)
-    return ranked[0] if ranked else None
-
-
-def rank(results: dict, key: str = "median_ms") -> list[str]:
-    ok = [(n, t[key]) for n, t in results.items() if t is not None]
-    return [n for n, _ in sorted(ok, key=lambda kv: kv[1])]
 
 
 # ------------------------------------------------------------ logical counts
