@@ -269,9 +269,12 @@ def test_infer_track_latency_and_throughput(smoke):
         if r["order"] == "BA":
             assert r["logical"]["counted_in"].endswith("-AB-N2")
     probes = [r for r in recs if r["role"] == "probe"]
-    assert {r["shapes"]["B"] for r in probes} == {1, 2}
+    assert {1, 2} <= {r["shapes"]["B"] for r in probes} <= {1, 2, 4}     # extended to max_batch at most
     thr = [r for r in recs if r["role"] == "fresh"]
     assert thr and all(r["selected_from"] for r in thr)
+    for r in thr:   # where and why the grid ended, per probe order
+        assert set(r["throughput_grid"]) == {"AB", "BA"}
+        assert all(("stopped rising" in w) or ("max_batch 4" in w) for w in r["throughput_grid"].values())
     assert {r["generated_tokens"] for r in thr} == {2, 3}
 
 
