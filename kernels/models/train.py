@@ -65,7 +65,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         raise ValueError(f"expected h [N, D] and weight [V, D], got h {list(h.shape)} and weight {list(weight.shape)}")
     if targets.shape != h.shape[:1] or targets.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"expected targets [N] = [{h.shape[0]}] int64/int32, got {list(targets.shape)} {targets.dtype}")
-    chunk = chunk_size or max(1, LOGITS_PER_CHUNK // weight.shape[0])
+    chunk = max(1, LOGITS_PER_CHUNK // weight.shape[0]) if chunk_size is None else chunk_size
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"expected chunk_size a positive int, got {chunk_size!r}")
     dev = h.device.type
