@@ -77,7 +77,8 @@ class Setup:
         model = HawkLM(self.cfg, backend=backend, device=device, dtype=torch.float32)
         if official:
             model = kernels.to_recurrentgemma(model)
-        elif settings.get("compile"):
+        self.compiled = bool(settings.get("compile")) and not official
+        if self.compiled:
             compile_blocks(model)
         self.model, self.official = model, official
         self.opt = torch.optim.AdamW(model.parameters(), lr=settings.get("lr", 3e-4),
@@ -125,6 +126,7 @@ class Setup:
             "tokens_per_s": tokens / med_s,
             "step_ms": fields["stats"]["median_ms"],
             "parameters": self.params,
+            "compiled": self.compiled,
             "non_embedding_parameters": self.cfg.non_embedding_parameters(),
             "model_flops_per_step": flops,
             "mfu": flops / med_s / matmul_rate if matmul_rate else None,
