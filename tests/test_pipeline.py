@@ -29,7 +29,8 @@ def repo(tmp_path_factory):
 def test_dag_dry_run_orders_the_stages(repo):
     out = snakemake(repo, "-n", "--cores", "1", "all", "--config", "profile=cpu-smoke")
     assert out.returncode == 0, out.stderr
-    for rule in ("probe", "audit", "tune", "track_scan", "track_train", "track_infer", "aggregate", "archive"):
+    for rule in ("probe", "audit", "tune", "track_ops", "track_scan", "track_train", "track_infer", "aggregate",
+                 "archive"):
         assert re.search(rf"^{rule}\s+1$", out.stdout, re.M), f"{rule} missing from the plan:\n{out.stdout}"
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     # named by commit and profile, not by the date: a resume after midnight finishes the same artifact
@@ -41,7 +42,8 @@ def test_dag_dry_run_orders_the_stages(repo):
     named = {(name[a], name[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dag.stdout, re.M)}
     expected = {("probe", "audit"), ("audit", "tune"), ("aggregate", "archive"), ("archive", "all")}
     expected |= {("tune", f"track_{t}") for t in ("scan", "train", "infer")}
-    expected |= {(f"track_{t}", "aggregate") for t in ("scan", "train", "infer")}
+    expected |= {(f"track_{t}", "aggregate") for t in ("ops", "scan", "train", "infer")}
+    expected.add(("probe", "track_ops"))
     assert expected <= named, f"missing edges {expected - named}"
 
 

@@ -102,7 +102,7 @@ ARTIFACT = "results/artifact-{commit}{dirty}-{profile}.tar.gz".format(
 COMMAND_LINE_ENV = "KERNELS_PIPELINE_COMMAND_LINE"
 os.environ[COMMAND_LINE_ENV] = shlex.join(["snakemake", *sys.argv[1:]])
 # The FSDP2 training track joins the run when the profile asks for more than one GPU.
-TRACKS = ("scan", "train", "infer") + (
+TRACKS = ("ops", "scan", "train", "infer") + (
     ("train_fsdp",) if PROFILE_CONFIG["train"].get("world_size", 1) > 1 else ()
 )
 

@@ -76,3 +76,25 @@ rule track_infer:
         records_dir="results/tracks/infer/records.d",
     script:
         "../scripts/track_infer.py"
+
+
+rule track_ops:
+    input:
+        environment=rules.probe.output.environment,
+    output:
+        records=report(
+            "results/tracks/ops/records.jsonl",
+            caption="../report/ops.rst",
+            category="Tracks",
+        ),
+    log:
+        log_path("track_ops"),
+    benchmark:
+        benchmark_path("track_ops")
+    params:
+        profile=PROFILE,
+        section="ops",
+        settings=section("ops"),
+        records_dir="results/tracks/ops/records.d",
+    script:
+        "../scripts/track_ops.py"

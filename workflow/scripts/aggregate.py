@@ -465,6 +465,89 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- ops track
+
+
+def ops_rows(recs: list[dict]) -> list[dict]:
+    """One row per ops case and variant: the device-clock median per run order with
+    P10 / P95, the eager median beside it, the AB / BA gap, the memory floor, the
+    gate's largest error and whether the SM clock throttled; failed gates and
+    failures keep their error and no figures."""
+    by: dict = {}
+    for r in recs:
+        if r["stage"] == "ops":
+            key = (r["op"], r.get("mode"), json.dumps(r["shapes"], sort_keys=True), r.get("variant"))
+            by.setdefault(key, {})[r["order"]] = r
+    rows = []
+    for (op, mode, shapes, var), orders in sorted(by.items()):
+        sh = json.loads(shapes)
+        row = {"op": op, "mode": mode, "shape": " ".join(f"{k}={v}" for k, v in sh.items() if k != "resets"),
+               "variant": var}
+        ok = {o: r for o, r in orders.items() if r["status"] == "ok"}
+        for o in ("AB", "BA"):
+            st = (ok.get(o) or {}).get("stats")
+            row[f"{o} median ms"] = f"{st['median_ms']:.4g} ({st['p10_ms']:.4g}-{st['p95_ms']:.4g})" if st else ""
+            row[f"{o} eager ms"] = f"{ok[o]['eager']['median_ms']:.4g}" if st else ""
+        meds = [r["stats"]["median_ms"] for r in ok.values()]
+        row["AB/BA %"] = f"{100 * (max(meds) / min(meds) - 1):.1f}" if len(meds) == 2 else ""
+        first = next(iter(ok.values()), {})
+        floor = first.get("floor_ms")
+        clocks = [(r.get("sm_clock") or {}).get("throttled") for r in ok.values()]
+        row.update({"clock": first.get("clock", ""), "floor ms": f"{floor:.4g}" if floor else "",
+                    "of floor": f"{floor / min(meds):.2f}" if floor else "",
+                    "gate max err": f"{max(first['gate']['max_rel_err'].values()):.1e}" if first else "",
+                    "throttled": "" if None in clocks or not clocks else "yes" if any(clocks) else "no"})
+        failed = [r for r in orders.values() if r["status"] != "ok"]
+        row["error"] = failed[0]["error"][:120] if failed else ""
+        rows.append(row)
+    return rows
+
+
+def ops_section(recs: list[dict], folder: Path) -> tuple[str, list[str]]:
+    """The ops track's table (device clock headline, eager beside it) and a plot of
+    each case's device medians, ours and peers side by side, with the memory floor."""
+    import pandas as pd
+
+    rows = ops_rows(recs)
+    if not rows:
+        return "## Ops\n\n_no ops records_\n", []
+    df = pd.DataFrame(rows)
+    text = ("## Ops\n\nThe ops as users call them (`backend=\"auto\"`) and their peers, in both run orders; "
+            "medians in ms with P10-P95 of the headline clock (`clock`: the device clock for work under 2 ms, "
+            "eager otherwise), the eager median beside it; `of floor` is the memory floor over the faster "
+            "order's median; every timed variant passed its gate first.\n\n"
+            + df[[c for c in df.columns if (df[c] != "").any()]].to_markdown(index=False, disable_numparse=True) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    okr = [r for r in recs if r["stage"] == "ops" and r["status"] == "ok"]
+    cases = sorted({(r["op"], r.get("mode"), json.dumps(r["shapes"], sort_keys=True)) for r in okr})
+    if not cases:
+        return text, []
+    fig, ax = plt.subplots(figsize=(9, max(3, 0.25 * len(okr) + 1.5)))
+    labels, y = [], 0
+    for op, mode, shapes in cases:
+        sh = json.loads(shapes)
+        group = sorted((r for r in okr if (r["op"], r.get("mode"), json.dumps(r["shapes"], sort_keys=True))
+                        == (op, mode, shapes)), key=lambda r: (r["variant"], r["order"]))
+        for r in group:
+            st = r["stats"]
+            ax.errorbar([st["median_ms"]], [y], xerr=[[st["median_ms"] - st["p10_ms"]], [st["p95_ms"] - st["median_ms"]]],
+                        fmt="o", color="C0" if r["variant"] == "ours" else "C1", capsize=2)
+            if r.get("floor_ms"):
+                ax.plot([r["floor_ms"]], [y], "k|", markersize=10)
+            labels.append(f"{op} {mode} {sh.get('preset', '')} B={sh['B']} D={sh['D']} {r['variant']} {r['order']}")
+            y += 1
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(labels)), labels, fontsize=5)
+    ax.set_xlabel("time per call, median of the headline clock (ms); bars P10-P95; | memory floor")
+    made: list[str] = []
+    _save(fig, folder, "ops.png", made)
+    return text, made
+
+
 def main(job):
     env = json.loads(Path(job.input.environment).read_text())
     gates = json.loads(Path(job.input.gates).read_text())
@@ -482,6 +565,8 @@ def main(job):
     cmp_md = md_table(cmp_df, list(cmp_df.columns)) if not cmp_df.empty else "_no configuration measured both mixers_\n"
     atomic.write_text(out.tables, f"<!-- {GENERATED} -->\n\n## Tracks\n\n{tables}\n## SAMU / RG-LRU\n\n{cmp_md}")
     made = headline_plots(df, Path(out.plots)) + plots(df, Path(out.plots))
+    ops_md, ops_made = ops_section(recs, Path(out.plots))
+    made += ops_made
 
     counts = df.groupby(["stage", "status"]).size().to_dict() if not df.empty else {}
     lines = [
@@ -494,6 +579,7 @@ def main(job):
         + f". Tuning table: {len(table.get('entries', []))} entries.",
         "",
         summary_section(df),
+        ops_md,
         probe_section(env),
         audit_section(gates, recs + tune_recs, table),
         "## Tracks\n",

@@ -64,7 +64,7 @@ def single_gpu(recs: list[dict], preset: str, T: int, B: int, mixer: str) -> lis
 
 def plan(settings: dict, single: list[dict]) -> list[dict]:
     """Every configuration in run order: preset, shape, order, mixer and backend."""
-    from tune import opt_tag
+    from common.cases import opt_tag
 
     world, fs = settings["world_size"], fsdp_settings(settings)
     out = []
@@ -156,7 +156,7 @@ def worker(job_file: str) -> None:
 
     import track_train
     from common import fsdp
-    from tune import opt_tag
+    from common.cases import opt_tag
 
     job = stage.Job.from_json(json.loads(Path(job_file).read_text()))
     work = Path(job_file).parent
@@ -172,7 +172,8 @@ def worker(job_file: str) -> None:
     autocast = settings.get("autocast")
     param_dtype = getattr(torch, autocast) if autocast else None
     items = plan(settings, records.read_jsonl(job.input.single))
-    runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device) if rank == 0 else None
+    runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device,
+                                                lock_clocks=job.lock_clocks) if rank == 0 else None
     budget = measure.Budget(fs["budget_s"])
     tables = work / f"tables-rank{rank}"
 
