@@ -132,7 +132,7 @@ class Conv1D(nn.Module):
         if cache is None and not return_cache and x.is_cuda:
             from .ops.conv import causal_conv1d    # imports triton
 
-            return causal_conv1d(x.contiguous(), self.w, self.b, segment_pos), None
+            return causal_conv1d(x.contiguous(), self.w.contiguous(), self.b.contiguous(), segment_pos), None
         W = self.temporal_width
         acc = torch.promote_types(x.dtype, torch.float32)
         if cache is None:
