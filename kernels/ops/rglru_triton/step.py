@@ -113,6 +113,7 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
         RNE=INTERPRET,
         num_warps=num_warps,
     )
-    accounting.record("rglru_step", accounting.nbytes(x, wx, bx, wa, ba, a_param, state, rst),
-                      accounting.nbytes(state, y))
+    if accounting.on():
+        accounting.record("rglru_step", accounting.nbytes(x, wx, bx, wa, ba, a_param, state, rst),
+                          accounting.nbytes(state, y))
     return y

@@ -5,13 +5,8 @@ Backends (the reference signature of kernels.ops.samu):
 - "serial" (fused_recurrent.py): state-stationary, one program per (sequence, mode
   block) walking time in unrolled tiles; the adjoint walks back over the tiles.
 - "chunk" (chunk.py): exact two-level chunked algorithm, chunk_size K in 8, 16, 32, 64,
-  with a linear-work grouped prefix over the chunk summaries (prefix="fill", the
-  default). Launcher options (exact, for tuning; results/kernels/samu/README.md has
-  their H200 times): block_m, num_warps (modes per thread), fuse_controls (controller
-  inside the summary), prefix "fill" / "group" (chunk states written by one more prefix
-  pass / composed by each replay from its group's earlier chunks, N^1.5 work);
-  fwd="lookback" (lookback.py, opt-in): a single-pass forward with decoupled look-back
-  (x read from DRAM once, one launch) under the unchanged chunk backward.
+  with a linear-work grouped prefix over the chunk summaries. Launcher options (exact,
+  for tuning): chunk_size, block_m, num_warps (modes per thread).
 Shared (common.py): the per-token controller (one pass over x: both projections,
 norms, tanh, exp(eta), cos/sin(delta), resets), its backward and the deterministic
 parameter reductions; function.py: the autograd operator around a plan.

@@ -140,7 +140,8 @@ def mode_table(nu_log, theta_log, acc):
     tab = alloc((M, 8), acc, nu_log.device)
     BM = 128
     _mode_table_kernel[(triton.cdiv(M, BM),)](nu_log, theta_log, tab, M, BM=BM, ACC=tl_dtype(acc), num_warps=4)
-    accounting.record("samu_mode_table", accounting.nbytes(nu_log, theta_log), accounting.nbytes(tab))
+    if accounting.on():
+        accounting.record("samu_mode_table", accounting.nbytes(nu_log, theta_log), accounting.nbytes(tab))
     return tab
 
 
@@ -390,8 +391,9 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos):
     _controls_fwd_kernel[(triton.cdiv(ntok, BLOCK_T),)](
         x, phase_dir, radial_dir, phase_amp, radial_amp, seg, ctrl, aux, ntok, D, 1.0 / math.sqrt(D // 2),
         HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, ACC=tl_dtype(acc), num_warps=4)
-    accounting.record("samu_controls_fwd", accounting.nbytes(x, phase_dir, radial_dir, segment_pos),
-                      accounting.nbytes(ctrl, aux))
+    if accounting.on():
+        accounting.record("samu_controls_fwd", accounting.nbytes(x, phase_dir, radial_dir, segment_pos),
+                          accounting.nbytes(ctrl, aux))
     return ctrl, aux
 
 
@@ -534,8 +536,9 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
         _controls_bwd_kernel[(ntb,)](
             dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,
             BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
-        accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
-                          accounting.nbytes(dx, colpart, scalpart))
+        if accounting.on():
+            accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
+                              accounting.nbytes(dx, colpart, scalpart))
     else:
         colpart.zero_()
         scalpart.zero_()
@@ -548,6 +551,7 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     _finalize_kernel[(ndb + triton.cdiv(2 * M, BLOCK_C),)](
         colpart, scalpart, ppart, phase_dir, radial_dir, pa, ra, dpd, drd, damp, dmode, max(ntb, 1),
         ppart.shape[0], D, M, scale, ndb, BLOCK_R=16, BLOCK_C=BLOCK_C, ACC=tl_dtype(acc), num_warps=4)
-    accounting.record("samu_finalize", accounting.nbytes(colpart, scalpart, ppart, phase_dir, radial_dir),
-                      accounting.nbytes(dpd, drd, damp, dmode))
+    if accounting.on():
+        accounting.record("samu_finalize", accounting.nbytes(colpart, scalpart, ppart, phase_dir, radial_dir),
+                          accounting.nbytes(dpd, drd, damp, dmode))
     return dx, dpd, drd, damp, dmode

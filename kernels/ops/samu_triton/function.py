@@ -4,7 +4,6 @@ A backend is a plan with two launchers (the recurrence's forward and backward); 
 controller's forward/backward and the parameter reductions around them are common:
 
     forward:  controls_fwd, mode_table -> plan.forward (y, final state, states kept);
-              a plan may fuse the controller into its forward (controls_and_forward)
     backward: plan.backward -> controls_bwd/finalize   (every gradient)
 """
 
@@ -17,9 +16,7 @@ from .common import acc_dtype, controls_bwd, controls_fwd, mode_table, scalar_pa
 
 
 def controls_and_forward(plan, x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, need_states):
-    """(ctrl, aux, (y, final state, states)): the plan's own fused path when it has one."""
-    if hasattr(plan, "controls_and_forward"):
-        return plan.controls_and_forward(x, phase_dir, radial_dir, pa, ra, segment_pos, modes, h0, need_states)
+    """(ctrl, aux, (y, final state, states)): the controller, then the plan's forward."""
     ctrl, aux = controls_fwd(x, phase_dir, radial_dir, pa, ra, segment_pos)
     return ctrl, aux, plan.forward(x, ctrl, modes, h0, need_states)
 

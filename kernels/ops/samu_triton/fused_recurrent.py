@@ -100,8 +100,9 @@ class SerialPlan:
             x, ctrl, modes, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
             T, N, D, M, K=K, U=FWD_UNROLL, BM=BM, HAS_H0=h0 is not None, STORE_STATES=need_states, ACC=tl_dtype(acc),
             num_warps=self.NW)
-        accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, modes, h0),
-                          accounting.nbytes(y, hT, states))
+        if accounting.on():
+            accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, modes, h0),
+                              accounting.nbytes(y, hT, states))
         return y, hT, states
 
     def backward(self, x, dy, ctrl, modes, states, gh):
@@ -121,8 +122,9 @@ class SerialPlan:
             T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc),
             num_warps=self.NW)
         # ckpt: each program's slots, written and read back once per tile (N tiles)
-        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh) + N * ckpt_bytes,
-                          accounting.nbytes(dxw, dpart, ppart, dh0) + N * ckpt_bytes)
+        if accounting.on():
+            accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh) + N * ckpt_bytes,
+                              accounting.nbytes(dxw, dpart, ppart, dh0) + N * ckpt_bytes)
         return dxw, dpart, ppart, dh0
 
 

@@ -121,9 +121,10 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
         BM = 128
         _step_kernel[(triton.cdiv(M, BM), B)](*args, HAS_RESET=reset is not None, ROW=False,
                                               BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=4)
-    accounting.record(f"samu_step_{layout}",
-                      accounting.nbytes(x, phase_dir, radial_dir, nu_log, theta_log, sr, reset),
-                      accounting.nbytes(sr, y))
+    if accounting.on():
+        accounting.record(f"samu_step_{layout}",
+                          accounting.nbytes(x, phase_dir, radial_dir, nu_log, theta_log, sr, reset),
+                          accounting.nbytes(sr, y))
     return y
 
 
