@@ -69,9 +69,9 @@ def _recurrent_type(block, where: str) -> None:
         raise ValueError(f"expected {where} with temporal_block_type RECURRENT (Hawk), got {name}")
 
 
-def from_recurrentgemma(module: nn.Module, backend: str = "auto") -> nn.Module:
+def from_recurrentgemma(module: nn.Module, backend="auto") -> nn.Module:
     """Our equivalent of an official recurrentgemma torch module, with the same weights.
-    `backend` is the mixer backend of the result ("auto", "reference", a Triton name)."""
+    `backend` is the mixer backend of the result (a name or a kernels.Backend)."""
     kind = _kind(module)
     if kind is None:
         raise ValueError(

@@ -212,7 +212,6 @@ def main(job):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gates = json.loads(Path(job.input.gates).read_text())
     env = json.loads(Path(job.input.environment).read_text())
-    os.environ["KERNELS_TUNING_TABLE"] = str(Path(job.input.table).resolve())
     items = plan(settings, gates)
     if os.environ.get(COUNTERS_PASS):
         counters_pass(counter_items(items, settings), settings, device)
