@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .ops._checks import check_segment_pos, check_tensor, shape_str, state_dtype
+from .ops.checks import check_segment_pos, check_tensor, shape_str, state_dtype
 
 MIXERS = ("rglru", "samu")
 

@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from kernels import from_recurrentgemma, layers, parity, to_recurrentgemma
-from kernels.ops._checks import cu_seqlens_to_segment_pos
+from kernels.ops.checks import cu_seqlens_to_segment_pos
 from kernels.models import HawkConfig, HawkLM
 
 

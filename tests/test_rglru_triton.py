@@ -12,7 +12,7 @@ import torch
 import kernels
 from kernels import parity
 from kernels.ops import accounting, reference
-from kernels.ops.rglru_triton import common
+from kernels.ops.triton_utils import poisoned
 
 B, T, D = 2, 37, 24
 LONG_T, LONG_D = 150, 12     # K = 32: 5 chunks, K = 64: 3 chunks; the last one partial (22 steps)
@@ -37,8 +37,9 @@ SHORT, LONG = slice(0, 4), slice(4, None)
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON", True)
+def poison():
+    with poisoned():
+        yield
 
 
 def positions(t=T):
@@ -205,7 +206,7 @@ def test_dispatch_cu_seqlens_and_prefill_state():
     x, gx, ga, ap = (a[:1] if a.dim() == 3 else a for a in args)
     cu = torch.tensor([0, 9, 16, 30, T])
     want_y, want_h = reference.rglru(*(a.double() for a in (x, gx, ga, ap)),
-                                     kernels.ops._checks.cu_seqlens_to_segment_pos(cu, 1, T), None, True)
+                                     kernels.ops.checks.cu_seqlens_to_segment_pos(cu, 1, T), None, True)
     y, h = kernels.rglru(x, gx, ga, ap, cu_seqlens=cu, output_final_state=True, backend="chunk", chunk_size=8)
     assert h.dtype == torch.float32
     assert parity.rel_err(y, want_y) <= FP32_TOL and parity.rel_err(h, want_h) <= FP32_TOL

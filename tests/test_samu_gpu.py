@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kernels.ops import reference
-from kernels.ops.samu_triton import BACKENDS, STEPS, poisoned
+from kernels.ops.samu import BACKENDS, STEPS
+from kernels.ops.triton_utils import poisoned
 
 pytestmark = pytest.mark.cuda
 

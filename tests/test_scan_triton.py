@@ -7,7 +7,7 @@ import torch
 import kernels
 from kernels import parity
 from kernels.ops import reference
-from kernels.ops.rglru_triton import common
+from kernels.ops.triton_utils import poisoned
 from test_rglru_triton import B, D, T, positions
 
 VARIANTS = [("serial", {"chunk_size": 16, "block_d": 32}), ("chunk", {"chunk_size": 16, "block_d": 16}),
@@ -16,8 +16,9 @@ IDS = ["serial16", "chunk16", "chunk8g2"]
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON", True)
+def poison():
+    with poisoned():
+        yield
 
 
 def inputs(dtype, seed=0):

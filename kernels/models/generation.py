@@ -26,7 +26,7 @@ input, so each generated token comes from exactly one step.
 Step kernels (`kernels=`):
     "model"  the layers' own decode path (HawkLM.step: PyTorch ops and the mixer's
              step op); any device and dtype;
-    "fused"  library matmuls plus fused row kernels (kernels.ops.decode): RMSNorm with
+    "fused"  library matmuls plus fused row kernels (kernels.models.decode): RMSNorm with
              the residual add, the conv step, GeLU gating; the mixer's step op;
     "gemm"   weight-streaming split-K linears with the row work fused into their
              prologues and epilogues (four launches and the mixer step per layer), for
@@ -37,7 +37,7 @@ Step kernels (`kernels=`):
 PDL (`pdl=None`) is on for "gemm" on Hopper and newer GPUs (measured faster there).
 All of them compute HawkLM.step's function with its roundings (FP32 summation order
 may differ; "gemm" rounds the normalised matmul input before the 1 / rms factor, see
-kernels.ops.decode). A graph holds the parameter and cache storage it was captured with: build a
+kernels.models.decode). A graph holds the parameter and cache storage it was captured with: build a
 new engine after moving or re-creating the model's parameters.
 """
 
@@ -51,8 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import layers, ops
-from ..ops import decode as dk
-from ..ops._checks import is_integer_dtype, shape_str
+from . import decode as dk
+from ..ops.checks import is_integer_dtype, shape_str
 from .hawk import HawkCache, HawkLM
 
 KERNELS = ("auto", "model", "fused", "gemm")
@@ -138,7 +138,7 @@ class Engine:
     capture and replay the step (default: on CUDA); `pdl`: programmatic dependent
     launch between the weight-streaming linears (None: on compute capability >= 9);
     `linear_configs`: tile options of those linears by role ("xy", "out", "up",
-    "down", "logits"; see kernels.ops.decode.default_config); `backend`, `step_backend`:
+    "down", "logits"; see kernels.models.decode.default_config); `backend`, `step_backend`:
     when given, the mixer kernels (names or kernels.Backend values, e.g.
     Backend("auto", table=...)) set on the model's mixers (layers.set_backend) for the
     prefill and the step."""

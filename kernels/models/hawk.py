@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import layers
-from ..ops._checks import check_segment_pos, check_tensor, is_integer_dtype, shape_str
+from ..ops.checks import check_segment_pos, check_tensor, is_integer_dtype, shape_str
 from .config import HawkConfig
 
 

@@ -13,13 +13,11 @@ Every op returns (y, final_state or None).
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 
-from . import reference, tuning
-from .tuning import Backend, TuningTable
-from ._checks import (
+from . import assoc, reference, tuning
+from .checks import (
     COMPLEX_DTYPES,
     FLOAT_DTYPES,
     check_same_device,
@@ -30,34 +28,34 @@ from ._checks import (
     shape_str,
     state_dtype,
 )
+from .tuning import Backend, TuningTable
 
 # Modules that provide backends. Each exposes BACKENDS = {op: {name: fn}}, may expose
 # STEPS = {op: {name: fn}} for decode steps and INEXACT = {names} for backends that are
-# inexact by design (timed as diagnostics, never chosen).
-PROVIDERS = ("kernels.ops.rglru_triton", "kernels.ops.samu_triton", "kernels.ops.assoc")
+# inexact by design (timed as diagnostics, never chosen). The Triton packages are
+# imported here, before the ops of the same names (rglru, samu) are defined below, so
+# that those names stay the functions; without Triton they are left out.
+PROVIDERS = [assoc]
+try:
+    from . import rglru as _rglru_kernels
+    from . import samu as _samu_kernels
+
+    PROVIDERS += [_rglru_kernels, _samu_kernels]
+except ModuleNotFoundError as e:
+    if e.name != "triton":
+        raise
 
 
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
 # Backends that take `chunk_size`: the chunk length of "chunk", the time tile of "serial"
-# (RG-LRU/scan: an alias of block_t; SAMU: its tile and checkpoint length).
+# (RG-LRU/scan: its time tile; SAMU: its tile and checkpoint length).
 CHUNK_SIZE_BACKENDS = ("chunk", "serial")
-
-
-def _provider_modules():
-    """The importable modules of PROVIDERS (a provider that is not installed is skipped;
-    an import error inside one is raised)."""
-    for name in PROVIDERS:
-        try:
-            yield importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
 
 
 @functools.cache
 def _provided(table: str) -> dict[str, dict]:
     out: dict[str, dict] = {}
-    for mod in _provider_modules():
+    for mod in PROVIDERS:
         for op, fns in getattr(mod, table, {}).items():
             out.setdefault(op, {}).update(fns)
     return out
@@ -81,7 +79,7 @@ def inexact_backends() -> frozenset:
     """Backend names that are inexact by design (e.g. BF16 accumulation): the audit
     records their errors without gating them, and nothing selects them."""
     out = set()
-    for mod in _provider_modules():
+    for mod in PROVIDERS:
         out |= set(getattr(mod, "INEXACT", ()))
     return frozenset(out)
 

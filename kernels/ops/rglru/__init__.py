@@ -15,10 +15,12 @@ the inputs (FP32 states at tile or chunk boundaries only). BF16/FP16 tensors at 
 boundary, FP32 accumulation (float64 for float64 inputs). The bare scan takes real
 inputs; complex inputs are passed to the PyTorch reference.
 Decode: STEPS["rglru"]["fused"] (step.py).
+Tiers: Triton kernels and their launchers (fused_recurrent.py, split.py, chunk.py,
+step.py), one autograd.Function and the torch.library custom ops that torch.compile
+traces (function.py; step.py registers the decode step's op).
 """
 
-from .chunk import chunk_rglru, chunk_scan
-from .fused_recurrent import fused_recurrent_rglru, fused_recurrent_scan
+from .function import chunk_rglru, chunk_scan, fused_recurrent_rglru, fused_recurrent_scan
 from .step import rglru_step
 
 BACKENDS = {

@@ -38,19 +38,15 @@ before touching anything its predecessors write.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import accounting
-from ._checks import is_integer_dtype
+from ..ops import accounting
+from ..ops.checks import is_integer_dtype
+from ..ops.triton_utils import INTERPRET, rne_bf16
 
-# Triton's CPU interpreter truncates FP32 -> BF16 where the GPU rounds to nearest even;
-# under the interpreter the kernels round by hand (see `_rnd`).
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_STOP_TOKENS = 8
 LINEAR_MAX_ROWS = 64
 
@@ -61,9 +57,7 @@ def _rnd(v, TY: tl.constexpr, RNE: tl.constexpr):
     if TY == tl.float32:
         return v
     elif RNE and TY == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return rne_bf16(v)
     else:
         return v.to(TY).to(tl.float32)
 

@@ -17,50 +17,12 @@ both the exclusive and the inclusive composition through one associative scan.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import accounting
-from .._checks import no_double_backward
-
-# Tests set this to allocate every output with NaN, so an element a kernel fails to
-# write cannot pass a comparison.
-POISON = os.environ.get("KERNELS_POISON", "") == "1"
-# Triton's CPU interpreter truncates FP32 -> BF16 where the GPU rounds to nearest even;
-# under the interpreter the stores round explicitly (see `out`), so CPU tests judge
-# the same arithmetic as the GPU runs.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-CHUNK_SIZES = (8, 16, 32, 64)
-
-
-def empty(shape, dtype, device):
-    if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def tl_acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def check_pow2(name: str, value, lo: int, hi: int) -> int:
-    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
-        raise ValueError(f"expected {name} to be a power of two in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def check_chunk_size(chunk_size) -> int:
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"expected chunk_size in {list(CHUNK_SIZES)}, got {chunk_size!r}")
-    return chunk_size
+from ..triton_utils import INTERPRET, acc_dtype, empty, out, tl_acc
 
 
 @triton.jit
@@ -75,18 +37,6 @@ def affine_excl(ea1, eb1, ia1, ib1, ea2, eb2, ia2, ib2):
     # segment but its last one, "inclusive" composes all of them. One map alone is
     # (identity, itself). The pair of a concatenation L R is (ex_R o in_L, in_R o in_L).
     return ia1 * ea2, ea2 * ib1 + eb2, ia1 * ia2, ia2 * ib1 + ib2
-
-
-@triton.jit
-def out(v, ptr, RNE: tl.constexpr):
-    """v cast to ptr's element type; RNE: round BF16 to nearest even by hand (the
-    truncating conversion then keeps the already rounded value)."""
-    ty = ptr.dtype.element_ty
-    if RNE and ty == tl.bfloat16:
-        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = bits.to(tl.float32, bitcast=True)
-    return v.to(ty)
 
 
 @triton.jit
@@ -372,44 +322,6 @@ def blocks_for(n_programs_per_block, D: int, lo: int = 16, hi: int = 64, target:
     while bd > lo and n_programs_per_block * triton.cdiv(D, bd) < target:
         bd //= 2
     return max(lo, min(bd, triton.next_power_of_2(D)))
-
-
-def recurrence_function(name: str, forward, backward, doc: str):
-    """The autograd Function shared by the serial and chunked backends.
-
-    forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg) ->
-    (y, final state, saved state tensor); backward(x, gx, ga, a_param, pos, saved, dy,
-    dht, has_h0, is_scan, cfg) -> (dx, dgx, dga, dh0, a_param partials). is_scan True
-    runs the bare scan (x = b, gx = b, ga = a, a_param None)."""
-
-    def fwd(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
-        # The kernels index every tensor as contiguous (a_param by channel, pos and h0 by
-        # row): a strided view (a_param = w[::2], an expanded vector) would be misread.
-        x, gx, ga = x.contiguous(), gx.contiguous(), ga.contiguous()
-        a_param = None if a_param is None else a_param.contiguous()
-        pos = None if pos is None else pos.contiguous()
-        h0 = None if h0 is None else h0.contiguous()
-        save = any(ctx.needs_input_grad)
-        y, ht, saved = forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
-        if save:
-            ctx.save_for_backward(x, gx, ga, a_param, pos, saved)
-            ctx.is_scan, ctx.cfg, ctx.has_h0 = is_scan, cfg, h0 is not None
-        return y, ht
-
-    def bwd(ctx, dy, dht):
-        no_double_backward()
-        x, gx, ga, a_param, pos, saved = ctx.saved_tensors
-        dy = dy.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        dx, dgx, dga, dh0, part = backward(x, gx, ga, a_param, pos, saved, dy, dht, ctx.has_h0,
-                                           ctx.is_scan, ctx.cfg)
-        dap = None
-        if not ctx.is_scan and ctx.needs_input_grad[3]:
-            dap = reduce_dap(part, a_param)
-        return dx, dgx, dga, dap, None, dh0, None, None, None
-
-    return type(name, (torch.autograd.Function,),
-                {"__doc__": doc, "forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
 def empty_sequence(x, h0, output_final_state):

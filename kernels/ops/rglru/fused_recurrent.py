@@ -29,8 +29,8 @@ import triton.language as tl
 
 from .. import accounting
 from . import split
-from .common import (recurrence_function, INTERPRET, acc_dtype, affine, empty_sequence, blocks_for, check_pow2, coeffs, empty,
-                     last_row, load_raw, out, program_start, tile_grads, tile_offsets, tile_states, tl_acc)
+from ..triton_utils import INTERPRET, acc_dtype, check_pow2, empty, out, tl_acc
+from .common import affine, blocks_for, coeffs, last_row, load_raw, program_start, tile_grads, tile_offsets, tile_states
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -119,8 +119,8 @@ SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_war
 OPTIONS = ("chunk_size", "time_warps", "block_d", "num_stages")
 
 
-def _config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num_stages=None, grad=True,
-            **unknown):
+def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num_stages=None, grad=True,
+           **unknown):
     if unknown:
         raise ValueError(f"expected serial options among {list(OPTIONS)}, got {sorted(unknown)}")
     stages_set = num_stages is not None
@@ -141,11 +141,12 @@ def _config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, nu
         # WS: the forward saves the state entering every warp's segment ([B, T / TT, D]
         # FP32, at most 1/8 of an FP32 activation for TT >= 8), so the backward recomputes
         # states per warp without the cross-warp step; shorter segments save per tile.
-        return {"BT": tt * tw, "TT": tt, "BD": 64, "num_warps": tw, "STAGES": ns, "PREFETCH": ns == 1,
-                "WS": tt >= 8, "VEC": 2, "TW": tw, "STAGES_SET": stages_set}
+        return {"backend": "serial", "BT": tt * tw, "TT": tt, "BD": 64, "num_warps": tw, "STAGES": ns,
+                "PREFETCH": ns == 1, "WS": tt >= 8, "VEC": 2, "TW": tw, "STAGES_SET": stages_set}
     bt = check_pow2("chunk_size", (128 if is_scan else 64) if chunk_size is None else chunk_size, 8, 256)
     bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
-    return {"BT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1, "VEC": 0, "TW": 1, "WS": False}
+    return {"backend": "serial", "BT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1, "VEC": 0,
+            "TW": 1, "WS": False}
 
 
 def smem_limit(device: torch.device):
@@ -245,37 +246,7 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
     return dx, dgx, dga, dh0, part
 
 
-SerialFunction = recurrence_function(
-    "SerialFunction", serial_forward, serial_backward,
-    "RG-LRU or the bare scan through the serial kernels (tile-boundary states kept for backward).")
-
-def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,
-                          output_final_state=False, **opts):
-    """RG-LRU from gate logits through the serial kernels; the reference signature.
-    x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
-    [B, D] FP32. Options: see the module docstring (OPTIONS).
-    Returns (y [B, T, D], final state [B, D] or None)."""
-    B, T, D = x.shape
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (x, gate_x, gate_a, a_param, initial_state))
-    cfg = _config(B, T, D, False, grad=grad, **opts)
-    if T == 0:
-        return empty_sequence(x, initial_state, output_final_state)
-    return SerialFunction.apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state,
-                                False, cfg)
-
-
-def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
-    """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets) through the serial kernels, real
-    inputs; complex inputs go to the PyTorch reference. Options as fused_recurrent_rglru
-    ."""
-    if b.is_complex():
-        from .. import reference
-
-        return reference.scan(a, b, segment_pos, initial_state, output_final_state)
-    B, T, D = b.shape
-    cfg = _config(B, T, D, True, **opts)
-    if T == 0:
-        return empty_sequence(b, initial_state, output_final_state)
-    a = a.to(b.dtype) if a.dtype != b.dtype else a
-    return SerialFunction.apply(b, b, a, None, segment_pos, initial_state, output_final_state, True, cfg)
+def saved_shape(cfg: dict, B: int, T: int, D: int) -> tuple:
+    """What the forward keeps for backward: the FP32 state entering every tile (or warp
+    segment, WS) [B, NT, D]."""
+    return (B, triton.cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg["WS"] else 1), D)

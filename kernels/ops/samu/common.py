@@ -14,7 +14,6 @@ Complex FP32 states travel as torch.view_as_real pairs [..., M, 2].
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -22,32 +21,9 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-
-_POISON = [False]
-
-
-@contextlib.contextmanager
-def poisoned():
-    """Allocate every kernel output filled with NaN (tests: an unwritten element fails)."""
-    _POISON.append(True)
-    try:
-        yield
-    finally:
-        _POISON.pop()
-
-
-def alloc(shape, dtype, device):
-    if _POISON[-1]:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def tl_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+from ..triton_utils import acc_dtype, next_pow2
+from ..triton_utils import empty as alloc
+from ..triton_utils import tl_acc as tl_dtype
 
 
 def scalar_param(v, device, dtype) -> torch.Tensor:
@@ -56,19 +32,6 @@ def scalar_param(v, device, dtype) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v.reshape(1).to(device=device, dtype=dtype)
     return torch.full((1,), float(v), device=device, dtype=dtype)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-CHUNK_SIZES = (8, 16, 32, 64)
-
-
-def check_chunk_size(k):
-    if k not in CHUNK_SIZES:
-        raise ValueError(f"expected chunk_size in {list(CHUNK_SIZES)}, got {k!r}")
-    return k
 
 
 def check_block_m(bm):

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, empty_sequence, first_row,
-                     last_row, load_a, load_tile, out, recurrence_function, softplus, tile_grads, tl_acc)
+from ..triton_utils import INTERPRET, acc_dtype, check_chunk_size, check_pow2, empty, out, tl_acc
+from .common import affine, affine_excl, first_row, last_row, load_a, load_tile, softplus, tile_grads
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -173,14 +173,14 @@ def chunk_bwd_replay_kernel(
 OPTIONS = ("chunk_size", "block_d", "num_warps", "group")
 
 
-def _config(B, T, D, chunk_size=None, block_d=None, num_warps=None, group=None, **unknown):
+def config(B, T, D, is_scan, chunk_size=None, block_d=None, num_warps=None, group=None, grad=True, **unknown):
     if unknown:
         raise ValueError(f"expected chunk options among {list(OPTIONS)}, got {sorted(unknown)}")
     K = check_chunk_size(32 if chunk_size is None else chunk_size)
     NC = triton.cdiv(T, K)
     bd = 64 if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
-    return {"K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw,
+    return {"backend": "chunk", "K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw,
             "G": max(2, min(64, triton.next_power_of_2(NC))) if group is None else check_pow2("group", group, 2, 1024)}
 
 
@@ -205,8 +205,9 @@ def _act_bytes(is_scan, x, pos):
     return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
 
 
-def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
-    """Launchers of the forward. Scan mode: x = b, ga = a. Returns (y, ht, S)."""
+def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+    """Launchers of the forward (S is needed by the replay, so kept whatever `save`).
+    Scan mode: x = b, ga = a. Returns (y, ht, S)."""
     B, T, D = x.shape
     K, BD = cfg["K"], cfg["BD"]
     NC = triton.cdiv(T, K)
@@ -265,39 +266,6 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     return dx, dgx, dga, dh0, part
 
 
-def _forward(x, gx, ga, ap, pos, h0, ofs, save, is_scan, cfg):
-    return chunk_forward(x, gx, ga, ap, pos, h0, ofs, is_scan, cfg)
-
-
-ChunkFunction = recurrence_function(
-    "ChunkFunction",
-    _forward,
-    chunk_backward,
-    "RG-LRU or the bare scan through the chunked kernels (chunk states kept for backward).")
-
-def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
-                chunk_size=None, **opts):
-    """RG-LRU from gate logits through the chunked kernels; the reference signature.
-    chunk_size in (8, 16, 32, 64), default 32; options: block_d, num_warps, group (chunk summaries per prefix group).
-    Returns (y [B, T, D], final state [B, D] FP32 or None)."""
-    B, T, D = x.shape
-    cfg = _config(B, T, D, chunk_size, **opts)
-    if T == 0:
-        return empty_sequence(x, initial_state, output_final_state)
-    return ChunkFunction.apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state,
-                               False, cfg)
-
-
-def chunk_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, chunk_size=None, **opts):
-    """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets) through the chunked kernels, real
-    inputs; complex inputs go to the PyTorch reference. Options as chunk_rglru's."""
-    if b.is_complex():
-        from .. import reference
-
-        return reference.scan(a, b, segment_pos, initial_state, output_final_state)
-    B, T, D = b.shape
-    cfg = _config(B, T, D, chunk_size, **opts)
-    if T == 0:
-        return empty_sequence(b, initial_state, output_final_state)
-    a = a.to(b.dtype) if a.dtype != b.dtype else a
-    return ChunkFunction.apply(b, b, a, None, segment_pos, initial_state, output_final_state, True, cfg)
+def saved_shape(cfg: dict, B: int, T: int, D: int) -> tuple:
+    """What the forward keeps for backward: the state entering every chunk [B, NC, D]."""
+    return (B, triton.cdiv(T, cfg["K"]), D)

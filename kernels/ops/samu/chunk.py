@@ -26,10 +26,9 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (alloc, bwd_chunk, check_block_m, check_chunk_size, check_num_warps, fwd_steps, load_pair,
-                     mode_consts, next_pow2, store_pair, store_param_partials, tl_dtype)
-from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, SerialPlan
-from .function import samu_apply
+from .common import (alloc, bwd_chunk, fwd_steps, load_pair, mode_consts, next_pow2, store_pair, store_param_partials,
+                     tl_dtype)
+from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
 
 PREFIX_BM = 128
 PREFIX_UNROLL = 4
@@ -230,102 +229,83 @@ def _bwd_kernel(x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D,
     store_param_partials(ppart, b * N + c, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
 
 
-class ChunkPlan:
-    """Launchers of the two-level chunked algorithm. Default K = 16: fastest forward+backward
-    at B = 4, T = 2048, D = 2560 and forward at T >= 4096 on the H200
-    (results/kernels/samu/summary_run2.md)."""
-
-    def __init__(self, chunk_size: int = 16, block_m: int = 32, num_warps=None):
-        self.K = check_chunk_size(chunk_size)
-        self.BM = check_block_m(block_m)
-        self.NW = check_num_warps(num_warps, self.BM)
-
-    def _prefix(self, A, Bv, init, S, conj, reverse):
-        """Grouped prefix over the chunk maps A, Bv [B, N, M, 2]: writes the state entering
-        every chunk to S (linear work) and returns the final one [B, M, 2]."""
-        B, N, M, _ = A.shape
-        acc = A.dtype
-        gs, ng, ngp = group_sizes(N)
-        AG = alloc((B, ng, M, 2), acc, A.device)
-        BG = alloc((B, ng, M, 2), acc, A.device)
-        carry = alloc((B, ng, M, 2), acc, A.device)
-        final = alloc((B, M, 2), acc, A.device)
-        nmb = triton.cdiv(M, PREFIX_BM)
-        V = min(gs, PREFIX_UNROLL)
-        _group_kernel[(nmb, ng, B)](A, Bv, AG, BG, N, ng, M, GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse,
-                                    ACC=tl_dtype(acc), num_warps=4)
-        if accounting.on():
-            accounting.record("samu_prefix_group", accounting.nbytes(A, Bv), accounting.nbytes(AG, BG))
-        _outer_kernel[(nmb, B)](AG, BG, init if init is not None else final, carry, final, ng, M, NGP=ngp,
-                                V=min(ngp, PREFIX_UNROLL), BM=PREFIX_BM, HAS_INIT=init is not None, REVERSE=reverse,
+def _prefix(A, Bv, init, S, conj, reverse):
+    """Grouped prefix over the chunk maps A, Bv [B, N, M, 2]: writes the state entering
+    every chunk to S (linear work) and returns the final one [B, M, 2]."""
+    B, N, M, _ = A.shape
+    acc = A.dtype
+    gs, ng, ngp = group_sizes(N)
+    AG = alloc((B, ng, M, 2), acc, A.device)
+    BG = alloc((B, ng, M, 2), acc, A.device)
+    carry = alloc((B, ng, M, 2), acc, A.device)
+    final = alloc((B, M, 2), acc, A.device)
+    nmb = triton.cdiv(M, PREFIX_BM)
+    V = min(gs, PREFIX_UNROLL)
+    _group_kernel[(nmb, ng, B)](A, Bv, AG, BG, N, ng, M, GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse,
                                 ACC=tl_dtype(acc), num_warps=4)
-        if accounting.on():
-            accounting.record("samu_prefix_outer", accounting.nbytes(AG, BG, init), accounting.nbytes(carry, final))
-        _fill_kernel[(nmb, ng, B)](A, Bv, carry, S, N, ng, M, GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse,
-                                   num_warps=4)
-        if accounting.on():
-            accounting.record("samu_prefix_fill", accounting.nbytes(A, Bv, carry), accounting.nbytes(S))
-        return final
+    if accounting.on():
+        accounting.record("samu_prefix_group", accounting.nbytes(A, Bv), accounting.nbytes(AG, BG))
+    _outer_kernel[(nmb, B)](AG, BG, init if init is not None else final, carry, final, ng, M, NGP=ngp,
+                            V=min(ngp, PREFIX_UNROLL), BM=PREFIX_BM, HAS_INIT=init is not None, REVERSE=reverse,
+                            ACC=tl_dtype(acc), num_warps=4)
+    if accounting.on():
+        accounting.record("samu_prefix_outer", accounting.nbytes(AG, BG, init), accounting.nbytes(carry, final))
+    _fill_kernel[(nmb, ng, B)](A, Bv, carry, S, N, ng, M, GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse,
+                               num_warps=4)
+    if accounting.on():
+        accounting.record("samu_prefix_fill", accounting.nbytes(A, Bv, carry), accounting.nbytes(S))
+    return final
 
-    def forward(self, x, ctrl, modes, h0, need_states):
-        B, T, D = x.shape
-        if T == 0:
-            return SerialPlan(self.K, self.BM, self.NW).forward(x, ctrl, modes, h0, need_states)
-        M, K, BM = D // 2, self.K, self.BM
-        acc = ctrl.dtype
-        N = triton.cdiv(T, K)
-        grid = (triton.cdiv(M, BM), N, B)
-        P = alloc((B, N, M, 2), acc, x.device)
-        Q = alloc((B, N, M, 2), acc, x.device)
-        _summary_kernel[grid](x, ctrl, modes, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
-                              ACC=tl_dtype(acc), num_warps=self.NW)
-        if accounting.on():
-            accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
-        # the state entering every chunk, kept for the backward
-        states = alloc((B, N, M, 2), acc, x.device)
-        hT = self._prefix(P, Q, h0, states, conj=False, reverse=False)
-        y = alloc(x.shape, x.dtype, x.device)
-        _replay_kernel[grid](x, ctrl, modes, states, y, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
-                             ACC=tl_dtype(acc), num_warps=self.NW)
-        if accounting.on():
-            accounting.record("samu_chunk_replay", accounting.nbytes(x, ctrl, states), accounting.nbytes(y))
-        return y, hT, (states if need_states else None)
+def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
+    """Summary, prefix, replay (module docstring); T = 0 runs the serial launcher."""
+    B, T, D = x.shape
+    if T == 0:
+        return serial_forward(x, ctrl, modes, h0, need_states, cfg)
+    M, K, BM = D // 2, cfg["K"], cfg["BM"]
+    acc = ctrl.dtype
+    N = triton.cdiv(T, K)
+    grid = (triton.cdiv(M, BM), N, B)
+    P = alloc((B, N, M, 2), acc, x.device)
+    Q = alloc((B, N, M, 2), acc, x.device)
+    _summary_kernel[grid](x, ctrl, modes, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
+                          ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    if accounting.on():
+        accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
+    # the state entering every chunk, kept for the backward
+    states = alloc((B, N, M, 2), acc, x.device)
+    hT = _prefix(P, Q, h0, states, conj=False, reverse=False)
+    y = alloc(x.shape, x.dtype, x.device)
+    _replay_kernel[grid](x, ctrl, modes, states, y, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
+                         ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    if accounting.on():
+        accounting.record("samu_chunk_replay", accounting.nbytes(x, ctrl, states), accounting.nbytes(y))
+    return y, hT, (states if need_states else None)
 
-    def backward(self, x, dy, ctrl, modes, states, gh):
-        B, T, D = x.shape
-        if T == 0:
-            return SerialPlan(self.K, self.BM, self.NW).backward(x, dy, ctrl, modes, states, gh)
-        M, K, BM = D // 2, self.K, self.BM
-        acc = ctrl.dtype
-        N = triton.cdiv(T, K)
-        nmb = triton.cdiv(M, BM)
-        grid = (nmb, N, B)
-        P = alloc((B, N, M, 2), acc, x.device)
-        Qb = alloc((B, N, M, 2), acc, x.device)
-        _bwd_summary_kernel[grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
-                                  ACC=tl_dtype(acc), num_warps=self.NW)
-        if accounting.on():
-            accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
-        R = alloc((B, N, M, 2), acc, x.device)
-        dh0 = self._prefix(P, Qb, gh, R, conj=True, reverse=True)
-        dxw = alloc(x.shape, acc, x.device)
-        dpart = alloc((B * T, nmb, 2), acc, x.device)
-        ppart = alloc((B * N, M, 2), acc, x.device)
-        ckpt = alloc((B * N * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
-        _bwd_kernel[grid](x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb, K=K,
-                          U=BWD_UNROLL, BM=BM, ACC=tl_dtype(acc), num_warps=self.NW)
-        # ckpt: every U-th state of the chunk, written and read back by the same program
-        if accounting.on():
-            accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, R, ckpt),
-                              accounting.nbytes(dxw, dpart, ppart, ckpt))
-        return dxw, dpart, ppart, dh0
-
-
-def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
-               initial_state=None, output_final_state=False, chunk_size=16, block_m=32, num_warps=None):
-    """Two-level chunked SAMU (reference signature). x: [B, T, D], D = 2M; returns
-    (y [B, T, D], final state [B, M] complex or None). chunk_size K in 8, 16, 32, 64;
-    block_m modes per program; num_warps per program (None: block_m // 32, one mode per
-    thread; fewer: several adjacent modes per thread)."""
-    return samu_apply(ChunkPlan(chunk_size, block_m, num_warps), x, phase_dir, radial_dir, phase_amp, radial_amp,
-                      nu_log, theta_log, segment_pos, initial_state, output_final_state)
+def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
+    B, T, D = x.shape
+    if T == 0:
+        return serial_backward(x, dy, ctrl, modes, states, gh, cfg)
+    M, K, BM = D // 2, cfg["K"], cfg["BM"]
+    acc = ctrl.dtype
+    N = triton.cdiv(T, K)
+    nmb = triton.cdiv(M, BM)
+    grid = (nmb, N, B)
+    P = alloc((B, N, M, 2), acc, x.device)
+    Qb = alloc((B, N, M, 2), acc, x.device)
+    _bwd_summary_kernel[grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
+                              ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    if accounting.on():
+        accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
+    R = alloc((B, N, M, 2), acc, x.device)
+    dh0 = _prefix(P, Qb, gh, R, conj=True, reverse=True)
+    dxw = alloc(x.shape, acc, x.device)
+    dpart = alloc((B * T, nmb, 2), acc, x.device)
+    ppart = alloc((B * N, M, 2), acc, x.device)
+    ckpt = alloc((B * N * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
+    _bwd_kernel[grid](x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb, K=K,
+                      U=BWD_UNROLL, BM=BM, ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    # ckpt: every U-th state of the chunk, written and read back by the same program
+    if accounting.on():
+        accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, R, ckpt),
+                          accounting.nbytes(dxw, dpart, ppart, ckpt))
+    return dxw, dpart, ppart, dh0
