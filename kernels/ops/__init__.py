@@ -35,7 +35,7 @@ from .tuning import Backend, TuningTable
 # inexact by design (timed as diagnostics, never chosen). The Triton packages are
 # imported here, before the ops of the same names (rglru, samu) are defined below, so
 # that those names stay the functions; without Triton they are left out.
-PROVIDERS = [assoc]
+PROVIDERS = []
 try:
     from . import rglru as _rglru_kernels
     from . import samu as _samu_kernels
@@ -44,6 +44,7 @@ try:
 except ModuleNotFoundError as e:
     if e.name != "triton":
         raise
+PROVIDERS.append(assoc)
 
 
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
@@ -61,17 +62,17 @@ def _provided(table: str) -> dict[str, dict]:
     return out
 
 
+_BACKENDS = {op: {"reference": getattr(reference, op), **_provided("BACKENDS").get(op, {})}
+             for op in ("rglru", "samu", "scan")}
+_STEPS = {op: {"reference": getattr(reference, f"{op}_step"), **_provided("STEPS").get(op, {})}
+          for op in ("rglru", "samu")}
+
+
 def backends(op: str) -> dict:
     """Name -> callable for every backend of `op` ("rglru", "samu", "scan")."""
     if op not in ("rglru", "samu", "scan"):
         raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
-    return _backends(op)
-
-
-@functools.cache
-def _backends(op):
-    ref = {"rglru": reference.rglru, "samu": reference.samu, "scan": reference.scan}
-    return {"reference": ref[op], **_provided("BACKENDS").get(op, {})}
+    return _BACKENDS[op]
 
 
 @functools.cache
@@ -88,13 +89,7 @@ def step_backends(op: str) -> dict:
     """Name -> callable for every decode step backend of `op` ("rglru", "samu")."""
     if op not in ("rglru", "samu"):
         raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
-    return _step_backends(op)
-
-
-@functools.cache
-def _step_backends(op):
-    ref = {"rglru": reference.rglru_step, "samu": reference.samu_step}
-    return {"reference": ref[op], **_provided("STEPS").get(op, {})}
+    return _STEPS[op]
 
 
 @functools.lru_cache(maxsize=None)
