@@ -49,6 +49,8 @@ def _backward(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg):
     """(dx, dgx, dga, da_param, dh0); None where there is none."""
     x, ga = x.contiguous(), ga.contiguous()
     gx = x if gx is None else gx.contiguous()
+    a_param = None if a_param is None else a_param.contiguous()
+    pos = None if pos is None else pos.contiguous()
     dy = dy.contiguous()
     dht = None if dht is None else dht.contiguous()
     fwd = _BACKENDS[cfg["backend"]]
