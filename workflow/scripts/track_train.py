@@ -27,8 +27,8 @@ projection, over the probe's measured BF16 matmul rate) and logical figures.
 import json
 from pathlib import Path
 
-from common import measure, stage
-from tune import chunk_variants, opt_tag
+from common import cases, measure, stage
+from common.cases import chunk_variants, opt_tag
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
@@ -40,7 +40,7 @@ def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> 
     out = []
     # Backends inexact by design (the BF16 associative scan) are diagnostics too; their
     # records say exact=False and the architecture comparison never takes them.
-    for name in measure.diagnostic_backend_names(mixer, fns, gates)[0]:
+    for name in cases.diagnostic_backend_names(mixer, fns, gates)[0]:
         if settings.get("backends") and name not in settings["backends"]:
             continue
         variants = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]
@@ -147,7 +147,7 @@ def main(job):
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
     runner = measure.Runner("train", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     mixers = settings["mixers"]
     shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
     diag = settings.get("diagnostics", "all")
@@ -199,7 +199,7 @@ def main(job):
             return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
 
         runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
-                   role="diagnostic", exact=name in measure.exact_backend_names(
+                   role="diagnostic", exact=name in cases.exact_backend_names(
                        mixer, [name], gates, settings.get("inexact", [])),
                    sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
 
@@ -231,7 +231,7 @@ def main(job):
                 if (rec and rec.get("role") == "diagnostic" and rec["mixer"] == mixer and rec.get("exact")
                         and rec["shapes"].get("preset") == preset and rec["shapes"].get("T") == T
                         and rec["shapes"].get("B") == B
-                        and measure.exact_backend_names(mixer, [rec["backend"]], gates, inexact)):
+                        and cases.exact_backend_names(mixer, [rec["backend"]], gates, inexact)):
                     cands.append(rec)
             if cands:
                 best = min(cands, key=lambda r: r["stats"]["median_ms"])
