@@ -134,7 +134,8 @@ class Backend:
         return isinstance(other, Backend) and self._key == other._key and self.table is other.table
 
     def __hash__(self):
-        return hash(self._key)
+        # a plain name hashes as its string, so that Backend("chunk") == "chunk" in sets too
+        return hash(self.name) if not self.options and self.table is None else hash(self._key)
 
     def __repr__(self):
         opts = "".join(f", {k}={v!r}" for k, v in sorted(self.options.items()))
