@@ -128,6 +128,15 @@ class Backend:
     def __setattr__(self, key, value):
         raise AttributeError("Backend is immutable")
 
+    def __reduce__(self):
+        return _backend, (self.name, self.table, tuple(self.options.items()))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     def __eq__(self, other):
         if isinstance(other, str):
             return not self.options and self.table is None and self.name == other
@@ -150,6 +159,10 @@ class Backend:
         if not isinstance(value, str):
             raise ValueError(f"expected backend to be a name (str) or a kernels.Backend, got {type(value).__name__}")
         return _named(value)
+
+
+def _backend(name, table, options) -> Backend:
+    return Backend(name, table=table, **dict(options))
 
 
 @functools.lru_cache(maxsize=None)
