@@ -18,7 +18,6 @@ Table schema: kernels/ops/tuning.py (version 1), plus a "decode" list.
 
 
 import fnmatch
-import importlib
 import itertools
 import json
 import statistics
@@ -34,11 +33,7 @@ def _provider_attr(op: str, name: str, table: str, attr: str):
     """`attr` of the provider module whose `table` (BACKENDS/STEPS) registers op/name."""
     from kernels import ops
 
-    for mod_name in ops.PROVIDERS:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError:
-            continue
+    for mod in ops.PROVIDERS:
         if name in getattr(mod, table, {}).get(op, {}):
             return getattr(mod, attr, {}).get(op, {}).get(name)
     return None
