@@ -2,9 +2,10 @@
 
 Identical Hawk models with the mixer switched (kernels.HawkLM, presets of the
 profile, 32K vocabulary), random tokens (no quality claims), (T, B) with 8192
-tokens per step. One timed step = forward, cross-entropy, backward, gradient
-clipping and AdamW, with BF16 autocast over FP32 master weights, gradients and
-AdamW moments.
+tokens per step. One timed step = kernels.models.train_step: forward with the
+chunked fused output projection + cross-entropy, backward, gradient clipping and
+fused AdamW, with BF16 autocast over FP32 master weights, gradients and AdamW
+moments (`compile: true` compiles each residual block).
 
 Two parts:
 - implementation diagnostics: every gated backend of each mixer (chunked ones
@@ -56,13 +57,16 @@ class Setup:
         import torch
 
         import kernels
-        from kernels.models import HawkConfig, HawkLM
+        from kernels.models import HawkConfig, HawkLM, compile_blocks
 
         torch.manual_seed(seed)
         self.cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
         model = HawkLM(self.cfg, backend=backend, device=device, dtype=torch.float32)
         if official:
             model = kernels.to_recurrentgemma(model)
+        self.compiled = bool(settings.get("compile")) and not official
+        if self.compiled:
+            compile_blocks(model)
         self.model, self.official = model, official
         self.opt = torch.optim.AdamW(model.parameters(), lr=settings.get("lr", 3e-4),
                                      fused=device.type == "cuda")
@@ -79,12 +83,13 @@ class Setup:
         import torch
         import torch.nn.functional as F
 
+        from kernels.models import train_step
+
         dtype = getattr(torch, self.autocast) if self.autocast else None
+        if not self.official:
+            return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-            if self.official:
-                logits, _ = self.model(self.inp, self.pos, return_logits=True, return_cache=False)
-            else:
-                logits, _ = self.model(self.inp, self.pos, return_cache=False)
+            logits, _ = self.model(self.inp, self.pos, return_logits=True, return_cache=False)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.tgt.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -108,6 +113,7 @@ class Setup:
             "tokens_per_s": tokens / med_s,
             "step_ms": fields["stats"]["median_ms"],
             "parameters": self.params,
+            "compiled": self.compiled,
             "non_embedding_parameters": self.cfg.non_embedding_parameters(),
             "model_flops_per_step": flops,
             "mfu": flops / med_s / matmul_rate if matmul_rate else None,
