@@ -93,26 +93,32 @@ def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):
         # The table's figures come from the fresh runs, not from the probes that chose.
         assert fresh["role"] == "fresh" and e["fresh"]["median_ms"] == fresh["stats"]["median_ms"]
         assert fresh["samples_ms"] != best["samples_ms"]
-        assert tuning.lookup(e["op"], "float32", e["B"], e["T"], e["D"], table) == e
+        assert tuning.TuningTable(table).lookup(e["op"], "float32", e["B"], e["T"], e["D"]) == e
 
-    # backend="auto" on a GPU reads the table: dispatch with a CUDA-looking input.
-    serial_entry = {"op": "rglru", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560, "backend": "chunk",
-                    "chunk_size": 16, "options": {"block_d": 32}}
+    # backend="auto" on a GPU reads the table it is given, or the one $KERNELS_TUNING_TABLE
+    # names: dispatch with a CUDA-looking input.
+    chunk_entry = {"op": "rglru", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560, "backend": "chunk",
+                   "chunk_size": 16, "options": {"block_d": 32}}
     path = tmp_path / "gpu-table.json"
-    path.write_text(json.dumps({"schema": 1, "entries": [serial_entry], "decode": []}))
-    monkeypatch.setenv("KERNELS_TUNING_TABLE", str(path))
+    path.write_text(json.dumps({"schema": 1, "entries": [chunk_entry], "decode": []}))
     fake = types.SimpleNamespace(device=torch.device("cuda"), shape=(2, 4096, 2048), dtype=torch.bfloat16)
-    if "chunk" in kernels.backends("rglru"):
-        assert ops.resolve("rglru", "auto", fake) == ("chunk", {"block_d": 32, "chunk_size": 16})
+    want = ("chunk", {"block_d": 32, "chunk_size": 16})
+    assert ops.resolve("rglru", kernels.Backend("auto", table=tuning.TuningTable.load(path)), fake) == want
+    monkeypatch.setenv("KERNELS_TUNING_TABLE", str(path))
+    tuning.env_table.cache_clear()
+    assert ops.resolve("rglru", "auto", fake) == want
+    monkeypatch.delenv("KERNELS_TUNING_TABLE")
+    tuning.env_table.cache_clear()
+    assert ops.resolve("rglru", "auto", fake) == ("serial", {})
     assert ops.resolve("rglru", "auto", torch.zeros(1, 2, 8)) == ("reference", {})   # CPU: by design
     # A table tuned on another GPU is not used, with a warning naming both GPUs.
-    path.write_text(json.dumps({"schema": 1, "gpu": "GPU A", "entries": [serial_entry], "decode": []}))
-    if "chunk" in kernels.backends("rglru"):
-        monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU A")
-        assert ops.resolve("rglru", "auto", fake) == ("chunk", {"block_d": 32, "chunk_size": 16})
-        monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU B")
-        with pytest.warns(RuntimeWarning, match="tuned on 'GPU A', not on this 'GPU B'"):
-            assert ops.resolve("rglru", "auto", fake) == ("serial", {})
+    path.write_text(json.dumps({"schema": 1, "gpu": "GPU A", "entries": [chunk_entry], "decode": []}))
+    monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU A")
+    assert ops.resolve("rglru", kernels.Backend("auto", table=tuning.TuningTable.load(path)), fake) == want
+    monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU B")
+    with pytest.warns(RuntimeWarning, match="tuned on 'GPU A', not on this 'GPU B'"):
+        assert ops.resolve("rglru", kernels.Backend("auto", table=tuning.TuningTable.load(path)), fake) == \
+            ("serial", {})
 
 
 def test_inexact_and_failing_candidates_are_recorded_and_left_out(tmp_path, monkeypatch):

@@ -21,7 +21,6 @@ model's eager `step`.
 
 
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -108,7 +107,7 @@ class Decoder:
 
 
 def resolved_backends(model, B: int, prompt: int, device) -> dict:
-    """The backends `auto` resolves to for this model: prefill op and decode step."""
+    """The backends the model's mixer backends resolve to: prefill op and decode step."""
     import torch
 
     import kernels
@@ -117,9 +116,10 @@ def resolved_backends(model, B: int, prompt: int, device) -> dict:
     cfg = model.config
     dtype = next(model.parameters()).dtype
     x = torch.empty(B, max(prompt, 1), cfg.lru_width, dtype=dtype, device=device)
-    name, opts = ops.resolve(cfg.mixer, "auto", x)
     mixer = model.blocks[0].recurrent_block.mixer
-    step_fn = ops._step_backend(cfg.mixer, getattr(mixer, "step_backend", "auto"), x[:, 0])
+    name, opts = ops.resolve(cfg.mixer, mixer.backend, x)
+    step_fn = ops.resolve_step(cfg.mixer, mixer.step_backend, x[:, 0])
+    step_fn = getattr(step_fn, "func", step_fn)
     step = next((n for n, f in kernels.step_backends(cfg.mixer).items() if f is step_fn), None)
     return {"prefill": name, "prefill_options": opts, "step": step}
 
@@ -137,7 +137,7 @@ def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
     return min(cands, key=lambda e: abs(math.log(max(e["B"], 1) / max(B, 1))))
 
 
-def build_model(preset: str, mixer: str, settings: dict, device, backend: str = "auto"):
+def build_model(preset: str, mixer: str, settings: dict, device, backend="auto"):
     import torch
 
     from kernels.models import HawkConfig, HawkLM
@@ -223,9 +223,10 @@ def main(job):
 
     settings = job.params["settings"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tuned = Path(job.input.table)
-    os.environ["KERNELS_TUNING_TABLE"] = str(tuned.resolve())
-    table = json.loads(tuned.read_text())
+    import kernels
+
+    table = json.loads(Path(job.input.table).read_text())
+    auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(table))
     runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
                             restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     preset, mixers = settings["preset"], settings["mixers"]
@@ -237,7 +238,7 @@ def main(job):
         if mixer not in models:
             models.clear()
             measure.release(device)
-            models[mixer] = build_model(preset, mixer, settings, device)
+            models[mixer] = build_model(preset, mixer, settings, device, auto)
         return models[mixer]
 
     def base(mixer, B, prompt):
@@ -251,9 +252,9 @@ def main(job):
         def body():
             m = model(mixer)
             choice = decode_choice(table, mixer, B)
-            # The decode table picks the step kernel by batch size (launcher options
-            # such as warps stay at the kernel's defaults: the layers take a name).
-            m.set_backend("auto", step_backend=choice["backend"] if choice else "auto")
+            # The decode table picks the step kernel and its launcher options by batch size.
+            step = kernels.Backend(choice["backend"], **choice.get("options", {})) if choice else "auto"
+            m.set_backend(auto, step_backend=step)
             dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine,
                           graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
             try:
