@@ -1,15 +1,8 @@
-"""Scan track (SPEC 5, track 1) -> results/tracks/scan/records.jsonl.
-
-Griffin section 4, Fig. 8a shape: B = 8 sequences of 1024 real states (RG-LRU and
-the bare scan D = 1024; SAMU M = 512 complex modes), T = 2048 .. 16384, forward
-only, timed after the projections. Every backend of every op (chunked ones once
-per chunk size of the profile; those inexact by design labelled exact=False),
-the whole list in both orders (AB = listed, BA = reversed). Each record carries
-the memory floor: inputs read once and output written once, over the copy
-bandwidth the probe measured in this run. The peers of the bare scan are timed
-in the ops track. Hardware counters come from one Nsight Compute pass when the
-probe found them readable, else stay null.
-"""
+"""Scan track (SPEC 5, track 1) -> results/tracks/scan/records.jsonl: Griffin's Fig. 8a
+shape (B = 8, D = 1024 real states, SAMU 512 complex modes, T = 2048 .. 16384),
+forward only, every backend of every op (chunked ones per chunk size; inexact-by-design
+ones labelled exact=False) in both orders, with the memory floor over the probe's copy
+bandwidth and hardware counters from one Nsight Compute pass where readable."""
 
 
 import json
@@ -76,8 +69,7 @@ class Inputs:
 
 
 def counters_pass(items: list[dict], settings: dict, device) -> None:
-    """Run every item once, bracketed by boundary markers so that set-up kernels
-    (inputs) fall outside the groups: [set-up] M [call] M [set-up] M [call] M ..."""
+    """Run every item once between boundary markers: [set-up] M [call] M [set-up] M ..."""
     import torch
 
     inputs = Inputs(settings, device)
@@ -97,8 +89,7 @@ def counters_pass(items: list[dict], settings: dict, device) -> None:
 
 
 def collect_counters(job, items: list[dict], env: dict, settings: dict) -> dict:
-    """{config_id: counters or None}; cached next to the records so a resumed run
-    does not repeat the pass. Only when the probe found counters readable."""
+    """{config_id: counters or None}, cached beside the records for a resumed run."""
     ok, reason = measure.counters_available(env)
     if not settings.get("counters", False) or not ok:
         return {"_reason": reason if not ok else "counters not requested by the profile"}

@@ -1,28 +1,11 @@
-"""Training-step track -> results/tracks/train/records.jsonl.
-
-Identical Hawk models with the mixer switched (kernels.HawkLM, presets of the
-profile, 32K vocabulary), random tokens (no quality claims), (T, B) with 8192
-tokens per step. One timed step = kernels.models.train_step: forward with the
-chunked fused output projection + cross-entropy, backward, gradient clipping and
-fused AdamW, with BF16 autocast over FP32 master weights, gradients and AdamW
-moments (`compile: true` compiles each residual block).
-
-Two parts:
-- implementation diagnostics: every gated backend of each mixer (chunked ones
-  once per chunk size of the profile; the PyTorch per-step reference only up to
-  the profile's limits since it is slow) and the official recurrentgemma model as
-  a peer with few repetitions;
-- architecture comparison: per preset and shape each mixer's fastest exact
-  backend -- the fastest diagnostics record at that preset and shape, else the
-  tuning table's choice (`auto`) -- re-measured on fresh runs in SAMU -> RG-LRU and
-  RG-LRU -> SAMU order.
-Order of work: Triton diagnostics, the architecture comparison, then the slow
-reference diagnostics and the official peer, so a time budget that runs out cuts
-the slow per-step loops first (their records say so), never the comparison.
-Records carry tokens/s, step time, peak memory, model FLOPs utilisation (model
-FLOPs = 6 x parameters x tokens, the shared embedding counted once as the output
-projection, over the probe's measured BF16 matmul rate) and logical figures.
-"""
+"""Training-step track -> results/tracks/train/records.jsonl. Identical Hawk models with
+the mixer switched, random tokens, 8192 tokens per step; a step is
+kernels.models.train_step (fused loss, backward, clipping, fused AdamW; BF16 autocast
+over FP32 master weights). First the diagnostics (every gated backend, chunked ones per
+chunk size), then the architecture comparison (each mixer's fastest exact diagnostics
+backend, else the tuning table's, on fresh runs in both orders), then the slow PyTorch
+reference and the official recurrentgemma peer, so a spent budget cuts those first.
+MFU: 6 x parameters x tokens over the probe's measured BF16 matmul rate."""
 
 
 import json
@@ -33,14 +16,11 @@ from common.cases import chunk_variants, opt_tag
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
-    """(backend, options) diagnostics of one mixer; chunked backends once per chunk
-    size on a GPU (one option set each on the CPU, where the interpreter is slow)."""
+    """(backend, options) diagnostics of one mixer; chunk sizes only on a GPU."""
     import kernels
 
     fns = kernels.backends(mixer)
     out = []
-    # Backends inexact by design (the BF16 associative scan) are diagnostics too; their
-    # records say exact=False and the architecture comparison never takes them.
     for name in cases.diagnostic_backend_names(mixer, fns, gates)[0]:
         if settings.get("backends") and name not in settings["backends"]:
             continue
@@ -103,30 +83,20 @@ class Setup:
         flops = 6 * self.params * tokens
         lg = fields["logical"]
         if lg is not None:
-            lg["param_bytes"] = 4 * self.params
-            lg["grad_bytes"] = 4 * self.params
-            lg["optimizer_state_bytes"] = 8 * self.params
-            lg["state_bytes"] = self.B * self.cfg.num_layers * self.cfg.lru_width * 4
-            lg["model_flops_per_step"] = flops
-        return {
-            "tokens_per_step": tokens,
-            "tokens_per_s": tokens / med_s,
-            "step_ms": fields["stats"]["median_ms"],
-            "parameters": self.params,
-            "compiled": self.compiled,
-            "non_embedding_parameters": self.cfg.non_embedding_parameters(),
-            "model_flops_per_step": flops,
-            "mfu": flops / med_s / matmul_rate if matmul_rate else None,
-            "mfu_basis": "model FLOPs (6 x parameters x tokens) per second over the probe's measured BF16 "
-                         "matmul rate" if matmul_rate else None,
-            "mfu_of_peak": flops / med_s / peak_rate if peak_rate else None,
-        }
+            lg.update(param_bytes=4 * self.params, grad_bytes=4 * self.params, optimizer_state_bytes=8 * self.params,
+                      state_bytes=self.B * self.cfg.num_layers * self.cfg.lru_width * 4, model_flops_per_step=flops)
+        return {"tokens_per_step": tokens, "tokens_per_s": tokens / med_s, "step_ms": fields["stats"]["median_ms"],
+                "parameters": self.params, "compiled": self.compiled,
+                "non_embedding_parameters": self.cfg.non_embedding_parameters(), "model_flops_per_step": flops,
+                "mfu": flops / med_s / matmul_rate if matmul_rate else None,
+                "mfu_basis": "model FLOPs (6 x parameters x tokens) per second over the probe's measured BF16 "
+                             "matmul rate" if matmul_rate else None,
+                "mfu_of_peak": flops / med_s / peak_rate if peak_rate else None}
 
 
 def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate, peak_rate,
           reuse: dict | None = None) -> dict:
-    """Build, warm up, count (unless `reuse`, the same configuration's record in the
-    other order, already holds the counts) and time the training step."""
+    """Build, warm up, count (unless the other order's record `reuse` has the counts), time."""
     s = setup_fn()
     try:
         logical = measure.reuse_logical(reuse)
@@ -164,19 +134,25 @@ def main(job):
         return {"shapes": {"preset": preset, "T": T, "B": B, "vocab": settings["vocab"]}, "mixer": mixer,
                 "dtype": settings.get("autocast") or "float32"}
 
-    def setup(preset, T, B, mixer, name, opts):
-        """The model with backend `name` and its launcher options ("auto": the tuning table)."""
-        backend = tuned if name == "auto" else kernels.Backend(name, **opts)
-        return Setup(preset, mixer, T, B, settings, device, backend=backend)
+    def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, **fields):
+        """Time the step with backend `name` ("auto": the tuning table), reusing the AB counts in BA."""
+        reuse = runner.ok(cid[:-2] + "AB") if cid.endswith("-BA") else None
+
+        def make():
+            return Setup(preset, mixer, T, B, settings, device,
+                         backend=tuned if name == "auto" else kernels.Backend(name, **opts))
+
+        def body():
+            return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
+
+        runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=cid[-2:], **fields)
 
     # On a GPU the PyTorch per-step reference is the slow one; on the CPU it is what
     # the architecture comparison measures, so it runs first there.
     slow_names = {"reference"} if device.type == "cuda" else set()
 
     def diagnostics(slow: bool):
-        """Diagnostics at every diagnostics shape; `slow` selects the PyTorch per-step
-        reference and the official peer (run after the architecture comparison, so a
-        spent time budget cuts them first), otherwise the Triton backends."""
+        """Diagnostics at every diagnostics shape: the slow PyTorch loops or the others."""
         for preset, T, B in diag_shapes:
             items = [(mx, name, opts) for mx in mixers for name, opts in backend_variants(mx, settings, gates, device)
                      if (name in slow_names) == slow]
@@ -194,20 +170,10 @@ def main(job):
             if T > ref_lim.get("max_T", 0) or preset not in ref_lim.get("presets", []):
                 return
             reps, warmup = ref_lim.get("reps", 1), ref_lim.get("warmup", 1)
-        cid = f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}"
-
-        def make(mixer=mixer, name=name, opts=opts):
-            return setup(preset, T, B, mixer, name, opts)
-
-        reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
-
-        def body(make=make, reps=reps, warmup=warmup, reuse=reuse):
-            return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
-
-        runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
-                   role="diagnostic", exact=name in cases.exact_backend_names(
-                       mixer, [name], gates, settings.get("inexact", [])),
-                   sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
+        measured(f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}", preset, T, B, mixer, name,
+                 opts, reps, warmup, role="diagnostic",
+                 exact=name in cases.exact_backend_names(mixer, [name], gates, settings.get("inexact", [])),
+                 sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
 
     def official_peer(preset, T, B):
         cid = f"train-peer-{preset}-T{T}-B{B}-rglru-official"
@@ -231,14 +197,10 @@ def main(job):
     for preset, T, B in shapes:
         chosen = {}
         for mixer in mixers:
-            cands = []
-            for rid in list(runner.done):
-                rec = runner.ok(rid)
-                if (rec and rec.get("role") == "diagnostic" and rec["mixer"] == mixer and rec.get("exact")
-                        and rec["shapes"].get("preset") == preset and rec["shapes"].get("T") == T
-                        and rec["shapes"].get("B") == B
-                        and cases.exact_backend_names(mixer, [rec["backend"]], gates, inexact)):
-                    cands.append(rec)
+            recs = (runner.ok(rid) for rid in list(runner.done))
+            cands = [r for r in recs if r and r.get("role") == "diagnostic" and r["mixer"] == mixer and r.get("exact")
+                     and (r["shapes"].get("preset"), r["shapes"].get("T"), r["shapes"].get("B")) == (preset, T, B)
+                     and cases.exact_backend_names(mixer, [r["backend"]], gates, inexact)]
             if cands:
                 best = min(cands, key=lambda r: r["stats"]["median_ms"])
                 chosen[mixer] = (best["backend"], best.get("options") or {},
@@ -248,19 +210,9 @@ def main(job):
         for order, seq in measure.orders(mixers):
             for mixer in seq:
                 name, opts, sel, why = chosen[mixer]
-                cid = f"train-arch-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}"
-
-                def make(mixer=mixer, name=name, opts=opts):
-                    return setup(preset, T, B, mixer, name, opts)
-
-                reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
-
-                def body(make=make, reuse=reuse):
-                    return timed(make, settings["fresh_reps"], settings["warmup"], settings, device,
-                                 matmul_rate, peak_rate, reuse)
-
-                runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
-                           role="fresh", exact=True, selected_from=sel, selected_by=why, sequence=list(seq))
+                measured(f"train-arch-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}", preset, T, B, mixer,
+                         name, opts, settings["fresh_reps"], settings["warmup"], role="fresh", exact=True,
+                         selected_from=sel, selected_by=why, sequence=list(seq))
     diagnostics(slow=True)
     recs = runner.finish(job.output.records)
     print(f"track_train: {len(recs)} records", flush=True)

@@ -1,16 +1,9 @@
-"""Kernel tuning -> results/tune/tuning.json (the table `backend="auto"` reads) and
-results/tune/records.jsonl (every measurement behind it).
-
-Per op (rglru, samu, scan) and shape of the profile, every exact candidate (each
-backend of kernels.backends(op), the reference only where the profile asks,
-crossed with the profile's option grid restricted to what the launcher accepts)
-is checked against the reference on the same inputs, then timed on probe runs;
-the fastest by median is re-measured on fresh runs, whose figures the table
-entry carries. Decode steps likewise per op and batch size, timed as three
-trajectories of `steps` steps (each output fed back as the next input; on a GPU
-one CUDA-graph replay per trajectory, as in the inference engine).
-Table schema: kernels/ops/tuning.py (version 1), plus a "decode" list.
-"""
+"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads; schema in
+kernels/ops/tuning.py) and records.jsonl. Per op and shape every exact candidate
+(backend x the profile's option grid, as the launcher accepts) is checked against the
+reference, timed on probe runs, and the fastest re-measured on fresh runs whose
+figures the entry carries; decode steps likewise per batch size, as trajectories of
+`steps` fed-back steps (one CUDA-graph replay each on a GPU)."""
 
 
 import fnmatch
@@ -19,7 +12,7 @@ import json
 import statistics
 
 from common import atomic, cases, facts, measure, records, stage
-from common.cases import OPS, STEP_OPS, check_close, floor_bytes, make_call, op_inputs, opt_tag, step_inputs
+from common.cases import OPS, STEP_OPS, checked, floor_bytes, make_call, op_inputs, opt_tag, rel_err, step_inputs
 
 # Arguments of the decode steps that are not launcher options.
 _STEP_FIXED = {
@@ -29,10 +22,9 @@ _STEP_FIXED = {
 
 
 def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: str | None = None) -> list[dict]:
-    """Every combination of launcher options to try for backend `name` of `op`: the
-    profile's grid for "op/name", else for "name", else for "*", keeping the keys
-    the launcher accepts (its named parameters outside `fixed`, or any key when it
-    takes **options and validates them itself)."""
+    """Every combination of launcher options for backend `name` of `op`: the grid for
+    "op/name", else "name", else "*", keeping the keys the launcher accepts (named
+    parameters outside `fixed`, or any key when it takes **options)."""
     grids = grids or {}
     grid = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
     params, var_kw = cases.signature(fn)
@@ -50,10 +42,9 @@ def candidates(op: str, fns: dict, settings: dict, device, names=None, fixed=fro
     return [(n, o) for n in names for o in option_grid(fns[n], n, settings.get("options", {}), fixed, op)]
 
 
-def select(runner: measure.Runner, tag: str, cands, probe, fresh, fields: dict, log) -> dict | None:
-    """Probe every candidate (`probe(name, opts)` -> record fields), re-measure the
-    fastest by median on fresh runs (`fresh(name, opts)`); the table entry's common
-    part, or None when no candidate finished."""
+def select(runner: measure.Runner, tag: str, cands, probe, fresh, fields: dict) -> dict | None:
+    """Probe every candidate, re-measure the fastest by median on fresh runs; the table
+    entry's common part, or None when no candidate finished."""
     probes = {}
     for name, opts in cands:
         rec = runner.run(f"tune-{tag}-{name}{opt_tag(opts)}-probe", lambda n=name, o=opts: probe(n, o), **fields,
@@ -61,19 +52,19 @@ def select(runner: measure.Runner, tag: str, cands, probe, fresh, fields: dict, 
         if rec is not None and rec["status"] == "ok":
             probes[(name, json.dumps(opts, sort_keys=True))] = rec
     if not probes:
-        log(f"{tag}: no candidate finished; no table entry")
+        runner.say(f"{tag}: no candidate finished; no table entry")
         return None
     (name, opts_s), best = min(probes.items(), key=lambda kv: kv[1]["stats"]["median_ms"])
     opts = json.loads(opts_s)
     fid = f"tune-{tag}-{name}{opt_tag(opts)}-fresh"
     rec = runner.run(fid, lambda: fresh(name, opts), **fields, backend=name, options=opts, role="fresh",
                      selected_from=sorted(r["config_id"] for r in probes.values()))
-    log(f"{tag}: {name}{opt_tag(opts)} (probe median {best['stats']['median_ms']:.4g} ms)")
+    runner.say(f"{tag}: {name}{opt_tag(opts)} (probe median {best['stats']['median_ms']:.4g} ms)")
     return {"backend": name, "options": opts, "best": best, "fresh_config_id": fid, "candidates": len(probes),
             "fresh": rec["stats"] if rec is not None and rec["status"] == "ok" else None}
 
 
-def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device, log) -> list[dict]:
+def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device) -> list[dict]:
     import torch
 
     import kernels
@@ -91,9 +82,7 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device,
             grad_out = torch.randn(B, T, D, device=device, dtype=dtype) if mode == "fwd_bwd" else None
             kinks = None
             if op == "samu" and mode == "fwd_bwd":
-                # The audit's rule: the output cotangent is zeroed where the exact
-                # pre-relu state is ~0 (a state rounding to the other side of relu's
-                # kink cannot decide exactness); the same cotangent is timed.
+                # The audit's rule (cases.samu_kinks); the same cotangent is timed.
                 kinks = cases.samu_kinks(args)
                 grad_out = grad_out.masked_fill(kinks, 0)
             ref = {}
@@ -108,10 +97,10 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device,
                     ref["y"] = fns["reference"](*args)[0].detach()
                     ref["g"] = make_call(fns["reference"], args, {}, mode, grad_out)() if grad_out is not None else ()
                 y = fns[name](*args, **opts)[0]
-                check_close("output", y.detach(), ref["y"], tol)
+                checked({"output": rel_err(y.detach(), ref["y"])}, tol)
                 if grad_out is not None:
-                    for i, (got, want) in enumerate(zip(make_call(fns[name], args, opts, mode, grad_out)(), ref["g"])):
-                        check_close(f"gradient {i}", got, want, tol)
+                    grads = make_call(fns[name], args, opts, mode, grad_out)()
+                    checked({f"gradient {i}": rel_err(g, w) for i, (g, w) in enumerate(zip(grads, ref["g"]))}, tol)
                 f = timed(name, opts, settings["reps"])
                 f["logical"]["floor_bytes"] = floor_bytes(args, y, mode)
                 if kinks is not None:
@@ -122,7 +111,7 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device,
             got = select(runner, tag, candidates(op, fns, settings, device, names)[: settings.get("max_candidates")],
                          probe, lambda n, o: timed(n, o, settings["fresh_reps"]),
                          {"shapes": shape, "mixer": op if op != "scan" else None, "op": op, "mode": mode,
-                          "dtype": settings["dtype"]}, log)
+                          "dtype": settings["dtype"]})
             if got is not None:
                 opts = got.pop("options")
                 entries.append({"op": op, "dtype": settings["dtype"], "B": B, "T": T, "D": D,
@@ -133,10 +122,8 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device,
 
 
 def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool = False) -> list[float]:
-    """Milliseconds of `count` trajectories of n_steps decode steps, each step's
-    output fed back as the next input. With `graph` on a GPU the steps are captured
-    once in a CUDA graph (after one eager call) and each trajectory is one replay:
-    the kernels' time, not the host's launch overhead, as in the inference engine."""
+    """Milliseconds of `count` trajectories of n_steps fed-back decode steps; with `graph`
+    on a GPU each is one replay of the captured steps, as in the inference engine."""
     import torch
 
     if graph and device.type == "cuda":
@@ -165,7 +152,7 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool 
     return out
 
 
-def tune_decode(runner: measure.Runner, settings: dict, device, log) -> list[dict]:
+def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
     import torch
 
     import kernels
@@ -201,7 +188,7 @@ def tune_decode(runner: measure.Runner, settings: dict, device, log) -> list[dic
                 for _ in range(4):
                     xr = fns["reference"](xr, *args[1:], ref_state, None)
                     xg = fns[name](xg, *args[1:], got_state, None, **opts)
-                check_close("decode output after 4 steps", xg, xr, tol)
+                checked({"decode output after 4 steps": rel_err(xg, xr)}, tol)
                 f, step = trajectories(name, opts), make_step(name, opts)
                 logical = measure.logical_counts(lambda: step(args[0]), device)
                 return {**f, "logical": {**logical, "state_bytes": state0.numel() * state0.element_size()}}
@@ -209,7 +196,7 @@ def tune_decode(runner: measure.Runner, settings: dict, device, log) -> list[dic
             tag = f"decode-{op}-{dt_name}-B{B}-D{D}"
             got = select(runner, tag, candidates(op, fns, dec, device, fixed=_STEP_FIXED[op]), probe, trajectories,
                          {"shapes": {"B": B, "D": D, "heads": heads}, "mixer": op, "op": f"{op}_step",
-                          "dtype": dt_name}, log)
+                          "dtype": dt_name})
             if got is not None:
                 entries.append({"op": f"{op}_step", "dtype": dt_name, "B": B, "D": D, "steps": n_steps,
                                 "probe_median_trajectory_ms": statistics.median(got.pop("best")["samples_ms"]), **got})
@@ -228,11 +215,8 @@ def main(job):
                             settings.get("budget_s"), device, restart=lambda: measure.reexec(job),
                             lock_clocks=job.lock_clocks)
 
-    def log(msg):
-        measure.log_line(None, f"tune: {msg}")
-
-    entries = tune_ops(runner, settings, gates, device, log)
-    decode = tune_decode(runner, settings, device, log)
+    entries = tune_ops(runner, settings, gates, device)
+    decode = tune_decode(runner, settings, device)
     gpu = facts.gpu()
     doc = {"schema": 1, "profile": job.profile, "gpu": gpu["name"] if gpu else None, "device": device.type,
            "commit": facts.commit(), "versions": facts.versions(), "timestamp": records.now(),
@@ -240,7 +224,7 @@ def main(job):
     tuning.validate_table(doc)
     runner.finish(job.output.records)
     atomic.write_json(job.output.table, doc)
-    log(f"{len(entries)} op entries, {len(decode)} decode entries -> {job.output.table}")
+    runner.say(f"{len(entries)} op entries, {len(decode)} decode entries -> {job.output.table}")
 
 
 if __name__ == "__main__":

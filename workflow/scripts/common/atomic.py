@@ -1,6 +1,5 @@
-"""Atomic file writes: a temporary file in the destination's folder, fsync, then
-os.replace, so a reader (or a resumed run) sees the old file or the whole new
-one, never a torn write."""
+"""Atomic writes (temporary file, fsync, os.replace): a reader sees the old file or
+the whole new one, never a torn write."""
 
 from __future__ import annotations
 

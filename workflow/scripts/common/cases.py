@@ -1,10 +1,6 @@
-"""What the measuring stages time: inputs of the ops and decode steps at a shape,
-the calls (forward, forward + backward), the gates run before timing, the memory
-floor's byte count, backend variants, and the peers on the bare scan and the
-RG-LRU layer. Stage scripts share these and never import one another.
-
-Legend: B batch, T time, D width (M = D / 2 complex modes for SAMU), H heads.
-"""
+"""What the measuring stages time: op and decode-step inputs, the timed calls, the
+gates before timing, the memory floor's bytes, backend variants and the peers.
+Legend: B batch, T time, D width (M = D / 2 complex modes for SAMU), H heads."""
 
 import inspect
 import math
@@ -15,8 +11,7 @@ SCAN_PEERS = ("fla_fused_recurrent_hgrn", "accelerated_scan_triton", "accelerate
 
 
 def positions(B: int, T: int, device, resets: bool = False):
-    """segment_pos [B, T]: one document per row, or with `resets` the audit's mix
-    of mid-row resets, continuations and rows without a reset."""
+    """segment_pos [B, T]: one document per row, or with `resets` the audit's mix of resets."""
     import torch
 
     if not resets:
@@ -28,9 +23,8 @@ def positions(B: int, T: int, device, resets: bool = False):
 
 def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, requires_grad: bool = False,
               resets: bool = False) -> list:
-    """Positional arguments of `op` after the projections: activations [B, T, D] in
-    `dtype`, parameters in FP32 at the layers' initialisation, segment_pos (see
-    `positions`), no initial state, no final state."""
+    """Positional arguments of `op`: activations [B, T, D] in `dtype`, FP32 parameters at
+    the layers' initialisation, segment_pos, no initial or final state."""
     import torch
 
     from kernels import layers
@@ -55,8 +49,7 @@ def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, req
 
 
 def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 0) -> tuple[list, object]:
-    """(arguments without the state, state) of a decode step at `dtype` weights; the
-    state is FP32 (RG-LRU) or complex64 (SAMU), zero."""
+    """(arguments without the state, zero state) of a decode step at `dtype` weights."""
     import torch
 
     from kernels import layers
@@ -75,8 +68,7 @@ def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 
 
 
 def nbytes(tensors) -> int:
-    """Bytes of the floating-point and complex tensors among `tensors` (integer
-    positions only encode resets, which peers express otherwise)."""
+    """Bytes of the floating-point and complex tensors (integer positions only encode resets)."""
     import torch
 
     return sum(t.numel() * t.element_size() for t in tensors
@@ -84,16 +76,14 @@ def nbytes(tensors) -> int:
 
 
 def floor_bytes(args: list, out, mode: str = "fwd") -> int:
-    """Bytes any implementation must move (the memory floor's numerator): every
-    input read once and the output written once; for "fwd_bwd" also the output's
-    gradient and the inputs read again and one gradient written per input."""
+    """The memory floor's bytes: inputs read and the output written once; for "fwd_bwd"
+    also the output's gradient read, the inputs read again and their gradients written."""
     fwd = nbytes(args) + nbytes([out])
     return fwd if mode == "fwd" else fwd + nbytes([out]) + 2 * nbytes(args)
 
 
 def chunk_variants(name: str, fn, chunk_sizes) -> list[dict]:
-    """One option set per chunk size for a chunked backend (named chunk-something and
-    taking chunk_size, by name or through **options), else one empty option set."""
+    """One option set per chunk size for a chunked backend taking chunk_size, else [{}]."""
     params, var_kw = signature(fn)
     return [{"chunk_size": k} for k in chunk_sizes] if "chunk" in name and ("chunk_size" in params or var_kw) \
         else [{}]
@@ -113,9 +103,6 @@ def opt_tag(opts: dict) -> str:
     return "".join(f"-{short.get(k, k)}{v}" for k, v in sorted(opts.items()))
 
 
-# -------------------------------------------------------------------- gates
-
-
 def rel_err(got, want) -> float:
     import torch
 
@@ -126,18 +113,12 @@ def rel_err(got, want) -> float:
 
 
 def checked(errs: dict, tol: float) -> dict:
-    """`errs` ({check: max relative error}), or AssertionError naming the first check
-    over `tol` or not finite."""
+    """`errs` ({check: max relative error}), or AssertionError naming the first over `tol`."""
     for name, err in errs.items():
         if not err <= tol:
             raise AssertionError(f"inexact: {name} differs from the reference by {err:.3e} (max relative), "
                                  f"tolerance {tol:.1e}")
     return errs
-
-
-def check_close(name: str, got, want, tol: float) -> float:
-    """The max relative error of `got` against `want`; AssertionError above `tol`."""
-    return checked({name: rel_err(got, want)}, tol)[name]
 
 
 def grad_targets(args: list) -> list:
@@ -147,8 +128,8 @@ def grad_targets(args: list) -> list:
 
 
 def make_call(fn, args: list, opts: dict, mode: str, grad_out=None):
-    """A no-argument call: the forward alone without autograd ("fwd"), or the forward
-    and the backward to every input that takes a gradient ("fwd_bwd")."""
+    """A no-argument call: the forward without autograd ("fwd"), or with the backward to
+    every input that takes a gradient ("fwd_bwd")."""
     import torch
 
     if mode == "fwd":
@@ -164,20 +145,16 @@ def make_call(fn, args: list, opts: dict, mode: str, grad_out=None):
 
 
 def samu_kinks(args: list):
-    """Where the exact pre-relu SAMU state is ~0 (the audit's rule,
-    kernels.parity.samu_relu_kinks): a gradient check zeroes the output cotangent
-    there, so a state rounding to the other side of relu's kink cannot decide it."""
+    """Where the exact pre-relu SAMU state is ~0 (the audit's rule): a gradient check zeroes
+    the output cotangent there, so rounding across relu's kink cannot decide it."""
     from kernels import parity
 
     return parity.samu_relu_kinks([a.detach().double() for a in args[:7]], None, args[7])
 
 
-# ----------------------------------------------------------- audit verdicts
-
-
 def gated_backends(gates: dict) -> dict[str, set[str]] | None:
-    """{op: backends with at least one check and no failed check} from the audit's
-    gates.json, or None when its checks do not name backends."""
+    """{op: backends with a check and no failed check} from gates.json, or None when
+    its checks name no backend."""
     checks = gates.get("checks") if isinstance(gates, dict) else None
     if not isinstance(checks, list):
         return None
@@ -195,8 +172,7 @@ def gated_backends(gates: dict) -> dict[str, set[str]] | None:
 
 
 def exact_backend_names(op: str, names, gates: dict | None, inexact=()) -> list[str]:
-    """The backends of `op` that count as exact: not matching an `inexact` pattern
-    (fnmatch) and, when the audit names backends, passing every one of its checks."""
+    """The backends of `op` matching no `inexact` pattern and passing every audit check."""
     import fnmatch
 
     gated = gated_backends(gates) if gates else None
@@ -211,8 +187,7 @@ def exact_backend_names(op: str, names, gates: dict | None, inexact=()) -> list[
 
 
 def diagnostic_backend_names(op: str, names, gates: dict | None) -> tuple[list[str], set[str]]:
-    """(backends a track times, the exact ones among them): the exact backends plus
-    those inexact by design, timed as labelled diagnostics but never selected."""
+    """(backends a track times, the exact ones): inexact-by-design ones are timed, never selected."""
     from kernels import ops
 
     names = list(names)
@@ -220,16 +195,11 @@ def diagnostic_backend_names(op: str, names, gates: dict | None) -> tuple[list[s
     return [n for n in names if n in exact or n in ops.inexact_backends()], exact
 
 
-# -------------------------------------------------------------------- peers
-
-
 class Peer:
-    """A peer implementation of the bare scan h_t = a_t h_{t-1} + b_t in its own
-    layout, prepared outside every timed window: `call()` runs it (forward, or with
-    `grad` the backward to its inputs too); `output()` / `grads()` give the output
-    and the gradients of a and b in [B, T, D] for the gate (gradients of a at reset
-    positions are zero there, where a is unused). Resets become a zero gate
-    (accelerated-scan) or sequence boundaries (flash-linear-attention's cu_seqlens)."""
+    """A peer of the bare scan h_t = a_t h_{t-1} + b_t in its own layout, prepared
+    outside the timed window: `call()` runs it (with `grad` the backward too);
+    `output()` / `grads()` give y and the gradients of a, b in [B, T, D] (a's zero at
+    resets). Resets become a zero gate (accelerated-scan) or cu_seqlens bounds (fla)."""
 
     CPU_SKIP = {"accelerated_scan_triton": "its Triton scan takes 2048-wide blocks (minutes a call in the "
                                            "interpreter)", "accelerated_scan_warp": "a CUDA extension",
@@ -298,9 +268,8 @@ class Peer:
 
 
 def official_rglru(D: int, blocks: int, dtype, device, seed: int = 0):
-    """(the official recurrentgemma torch RG-LRU layer in FP32 with its weights
-    rounded to `dtype`, our layer in float64 with the reference backend and the same
-    weights); raises measure.Skip when recurrentgemma is not installed."""
+    """(the official RG-LRU layer in FP32 with weights rounded to `dtype`, our float64
+    reference layer with the same weights); measure.Skip without recurrentgemma."""
     import torch
 
     import kernels

@@ -1,16 +1,5 @@
-"""Checks of the configuration that run while the Snakefile is parsed, before any job.
-
-- `typed_overrides`: Snakemake parses a nested `--config` value
-  (`--config "profiles={cpu-smoke: {probe: {reps: 5}}}"`) with YAML's base loader,
-  which leaves every scalar a string; the scalars inside such a value are read
-  again as YAML scalars (`5` -> 5, `1.0e-4` -> 0.0001, `true` -> True, `null` ->
-  None, `1.3b` stays a string), so that an override has the type the same text
-  has in config.yaml.
-- `schema_errors`: the schema's complaints, one short line each (the key path and
-  what is wrong), instead of Snakemake's message, which prints the whole config.
-- `require_device`: a profile whose stages run on CUDA is refused on a machine
-  with no visible GPU, at parse time rather than after the probe.
-"""
+"""Checks of the configuration at parse time: nested `--config` overrides typed as YAML
+would type them, schema errors one short line each, a CUDA profile refused without a GPU."""
 
 from __future__ import annotations
 
@@ -36,14 +25,13 @@ def _typed(value):
 
 
 def typed_overrides(overrides: dict) -> dict:
-    """`--config` entries with the scalars inside nested values typed as YAML would
-    type them; top-level values (already parsed by Snakemake) are kept."""
+    """`--config` entries whose nested scalars (strings from Snakemake's base loader) are
+    read again as YAML scalars (`5` -> 5, `null` -> None, `1.3b` stays a string)."""
     return {k: _typed(v) if isinstance(v, (dict, list)) else v for k, v in overrides.items()}
 
 
 def schema_errors(config: dict, schema_path: str | Path) -> list[str]:
-    """One line per schema violation: `profiles.cpu-smoke.probe.reps: 'many' is not
-    of type 'integer'`. An empty list means the config is valid."""
+    """One line per schema violation (`profiles.cpu-smoke.probe.reps: 'many' is not of type 'integer'`)."""
     from jsonschema import Draft202012Validator
     from referencing import Registry, Resource
 
@@ -55,24 +43,15 @@ def schema_errors(config: dict, schema_path: str | Path) -> list[str]:
     out = []
     for err in sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path]):
         where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-        msg = err.message
-        if len(msg) > MAX_MESSAGE:
-            msg = msg[:MAX_MESSAGE] + " ..."
-        out.append(f"{where}: {msg}")
+        out.append(f"{where}: {err.message[:MAX_MESSAGE]}{' ...' if len(err.message) > MAX_MESSAGE else ''}")
     return out
 
 
-def cuda_sections(profile: dict) -> list[str]:
-    """The stages of a profile that need a CUDA GPU (its audit device is cuda)."""
-    return ["audit.device"] if (profile.get("audit") or {}).get("device") == "cuda" else []
-
-
 def require_device(name: str, profile: dict, gpus: list[str]) -> None:
-    """Raise ValueError when profile `name` needs a GPU and `gpus` is empty."""
-    needs = cuda_sections(profile)
-    if needs and not gpus:
+    """Raise ValueError when profile `name` runs on CUDA (audit.device) and `gpus` is empty."""
+    if (profile.get("audit") or {}).get("device") == "cuda" and not gpus:
         raise ValueError(
-            f"profile {name!r} runs on CUDA ({', '.join(needs)}: cuda) but no GPU is visible "
+            f"profile {name!r} runs on CUDA (audit.device: cuda) but no GPU is visible "
             f"(NVML lists none, or CUDA_VISIBLE_DEVICES hides them); on this machine run "
             f"--config profile=cpu-smoke"
         )

@@ -1,5 +1,4 @@
-"""Facts every record carries: git commit (and whether the tree was dirty),
-library versions and the GPU that ran."""
+"""Facts every record carries: git commit and dirty flag, library versions, the GPU."""
 
 from __future__ import annotations
 
@@ -39,36 +38,19 @@ def commit_time() -> int:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    try:
-        import torch
+    import torch
+    import triton
 
-        out["torch"] = torch.__version__
-        out["cuda"] = torch.version.cuda
-    except ImportError:
-        out["torch"] = None
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    return out
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton.__version__}
 
 
 def gpu() -> dict | None:
     """The GPU this process computes on, None on a CPU run."""
-    try:
-        import torch
-    except ImportError:
-        return None
+    import torch
+
     if not torch.cuda.is_available():
         return None
     p = torch.cuda.get_device_properties(0)
-    return {
-        "name": p.name,
-        "capability": f"{p.major}.{p.minor}",
-        "memory_bytes": p.total_memory,
-        "sm_count": p.multi_processor_count,
-        "count": torch.cuda.device_count(),
-    }
+    return {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_bytes": p.total_memory,
+            "sm_count": p.multi_processor_count, "count": torch.cuda.device_count()}

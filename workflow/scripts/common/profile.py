@@ -1,11 +1,6 @@
-"""Which profile of config.yaml a run uses.
-
-`profile: auto` picks by the GPU that NVML reports: a name containing "H200"
-selects `h200`, "H800" selects `h800`; no GPU (or no NVML) selects `cpu-smoke`.
-An explicit name (`--config profile=h800`) is used as given. A GPU with no
-profile of its own is an error that says how to choose one. GPUs hidden by
-CUDA_VISIBLE_DEVICES ("" or "-1") count as absent, as they do for torch.
-"""
+"""Which profile of config.yaml runs: `auto` picks by the first GPU NVML reports
+(H200 -> h200, H800 -> h800, none or all hidden by CUDA_VISIBLE_DEVICES -> cpu-smoke);
+a GPU without a profile is an error saying how to choose one."""
 
 from __future__ import annotations
 
@@ -29,11 +24,9 @@ def gpu_names() -> list[str]:
     except pynvml.NVMLError:
         return []
     try:
-        names = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-            names.append(name.decode() if isinstance(name, bytes) else name)
-        return names
+        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                 for i in range(pynvml.nvmlDeviceGetCount())]
+        return [n.decode() if isinstance(n, bytes) else n for n in names]
     finally:
         pynvml.nvmlShutdown()
 

@@ -1,26 +1,9 @@
-"""The one result schema of the pipeline's measurement stages.
-
-One self-describing JSON object per configuration (schema version 1):
-
-    {"schema": 1, "stage": "scan", "profile": "h200", "config_id": "rglru-chunk32-T2048-AB",
-     "shapes": {"B": 8, "T": 2048, "D": 1024}, "mixer": "rglru", "backend": "chunk",
-     "order": "AB" | "BA" | null, "status": "ok" | "oom" | "failed", "error": null | "<message>",
-     "samples_ms": [...], "stats": {"p10_ms", "median_ms", "p95_ms", ...} | null,
-     "logical": {"bytes_read", "bytes_written", "param_bytes", "state_bytes", "launches"} | null,
-     "counters": {...} | null, "peak_bytes": int | null,
-     "gpu": {...} | null, "versions": {...}, "commit": {"sha", "dirty"}, "timestamp": "<UTC ISO 8601>"}
-
-Extra keys are allowed (a stage adds what it measures: tokens_per_s, mfu, ...).
-`logical` figures come from the launchers' own accounting and are labelled
-logical; `counters` holds hardware counters only when the probe found them
-readable, otherwise null -- never a theoretical figure in their place.
-
-A stage writes each record atomically into `<track>/records.d/<config_id>.json`
-as soon as the configuration finishes (`write_record`); on a restart
-`done_ids` names the configurations to skip (a truncated or invalid file is not
-done, so it is measured again), and `collect` concatenates the records into the
-rule's declared output `records.jsonl`.
-"""
+"""The one result schema (version 1) of the measuring stages: one self-describing JSON
+object per configuration (REQUIRED keys; a stage adds what it measures), written
+atomically to `records.d/<config_id>.json` as soon as it finishes; `done_ids` names
+what a resumed stage skips (a torn file is not done) and `collect` concatenates the
+records into the rule's `records.jsonl`. `logical` figures come from the launchers'
+accounting; `counters` are hardware counters or null, never a theoretical figure."""
 
 from __future__ import annotations
 
@@ -37,15 +20,41 @@ STATUSES = ("ok", "oom", "failed")
 LOGICAL_KEYS = ("bytes_read", "bytes_written", "param_bytes", "state_bytes", "launches")
 STATS_KEYS = ("p10_ms", "median_ms", "p95_ms")
 CONFIG_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
-REQUIRED = (
-    "schema", "stage", "profile", "config_id", "shapes", "mixer", "backend", "order", "status",
-    "error", "samples_ms", "stats", "logical", "counters", "peak_bytes", "gpu", "versions",
-    "commit", "timestamp",
-)
+REQUIRED = ("schema", "stage", "profile", "config_id", "shapes", "mixer", "backend", "order", "status", "error",
+            "samples_ms", "stats", "logical", "counters", "peak_bytes", "gpu", "versions", "commit", "timestamp")
 
 
 def _is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _stats_ok(v, rec) -> bool:
+    if rec["status"] == "ok":
+        return isinstance(v, dict) and all(_is_number(v.get(k)) for k in STATS_KEYS)
+    return v is None or isinstance(v, dict)
+
+
+# (key, test of the value in its record, what is expected), in the order checked
+CHECKS = (
+    ("schema", lambda v, r: v == SCHEMA, f"== {SCHEMA}"),
+    ("config_id", lambda v, r: isinstance(v, str) and bool(CONFIG_ID.match(v)),
+     f"matching {CONFIG_ID.pattern} (it names a file)"),
+    *((k, lambda v, r: isinstance(v, str) and bool(v), "a non-empty string") for k in ("stage", "profile", "timestamp")),
+    *((k, lambda v, r: v is None or isinstance(v, str), "a string or null") for k in ("mixer", "backend", "order")),
+    ("shapes", lambda v, r: isinstance(v, dict), "an object"),
+    ("status", lambda v, r: v in STATUSES, f"in {list(STATUSES)}"),
+    ("error", lambda v, r: r["status"] == "ok" or (isinstance(v, str) and bool(v)), "a message unless status is 'ok'"),
+    ("samples_ms", lambda v, r: isinstance(v, list) and all(map(_is_number, v)) and (bool(v) or r["status"] != "ok"),
+     "a list of numbers, non-empty when status is 'ok'"),
+    ("stats", _stats_ok, f"an object with numbers {list(STATS_KEYS)} when status is 'ok', else an object or null"),
+    ("logical", lambda v, r: v is None or (isinstance(v, dict) and all(
+        k in v and (v[k] is None or _is_number(v[k])) for k in LOGICAL_KEYS)),
+     f"null or an object with numbers (or null for a figure not counted) under {list(LOGICAL_KEYS)}"),
+    *((k, lambda v, r: v is None or isinstance(v, dict), "an object or null") for k in ("counters", "gpu")),
+    ("peak_bytes", lambda v, r: v is None or _is_number(v), "a number or null"),
+    ("versions", lambda v, r: isinstance(v, dict), "an object"),
+    ("commit", lambda v, r: isinstance(v, dict) and "sha" in v, "an object with 'sha' and 'dirty'"),
+)
 
 
 def validate(rec) -> dict:
@@ -55,54 +64,9 @@ def validate(rec) -> dict:
     missing = [k for k in REQUIRED if k not in rec]
     if missing:
         raise ValueError(f"record {rec.get('config_id', '?')!r} lacks keys {missing}")
-    cid = rec["config_id"]
-
-    def bad(key, expected):
-        return ValueError(f"record {cid!r}: expected {key} {expected}, got {rec.get(key)!r:.200}")
-
-    if rec["schema"] != SCHEMA:
-        raise bad("schema", f"== {SCHEMA}")
-    if not isinstance(cid, str) or not CONFIG_ID.match(cid):
-        raise bad("config_id", f"matching {CONFIG_ID.pattern} (it names a file)")
-    for key in ("stage", "profile", "timestamp"):
-        if not isinstance(rec[key], str) or not rec[key]:
-            raise bad(key, "a non-empty string")
-    for key in ("mixer", "backend", "order"):
-        if rec[key] is not None and not isinstance(rec[key], str):
-            raise bad(key, "a string or null")
-    if not isinstance(rec["shapes"], dict):
-        raise bad("shapes", "an object")
-    if rec["status"] not in STATUSES:
-        raise bad("status", f"in {list(STATUSES)}")
-    if rec["status"] != "ok" and not (isinstance(rec["error"], str) and rec["error"]):
-        raise bad("error", f"a message when status is {rec['status']!r}")
-    samples = rec["samples_ms"]
-    if not isinstance(samples, list) or not all(_is_number(s) for s in samples):
-        raise bad("samples_ms", "a list of numbers")
-    if rec["status"] == "ok":
-        if not samples:
-            raise bad("samples_ms", "non-empty when status is 'ok'")
-        stats = rec["stats"]
-        if not isinstance(stats, dict) or not all(_is_number(stats.get(k)) for k in STATS_KEYS):
-            raise bad("stats", f"an object with numbers {list(STATS_KEYS)}")
-    elif rec["stats"] is not None and not isinstance(rec["stats"], dict):
-        raise bad("stats", "an object or null")
-    logical = rec["logical"]
-    if logical is not None:
-        if not isinstance(logical, dict) or any(k not in logical for k in LOGICAL_KEYS):
-            raise bad("logical", f"null or an object with keys {list(LOGICAL_KEYS)}")
-        if any(logical[k] is not None and not _is_number(logical[k]) for k in LOGICAL_KEYS):
-            raise bad("logical", "numbers (or null for a figure not counted)")
-    if rec["counters"] is not None and not isinstance(rec["counters"], dict):
-        raise bad("counters", "an object or null")
-    if rec["peak_bytes"] is not None and not _is_number(rec["peak_bytes"]):
-        raise bad("peak_bytes", "a number or null")
-    if rec["gpu"] is not None and not isinstance(rec["gpu"], dict):
-        raise bad("gpu", "an object or null")
-    if not isinstance(rec["versions"], dict):
-        raise bad("versions", "an object")
-    if not isinstance(rec["commit"], dict) or "sha" not in rec["commit"]:
-        raise bad("commit", "an object with 'sha' and 'dirty'")
+    for key, test, expected in CHECKS:
+        if not test(rec[key], rec):
+            raise ValueError(f"record {rec['config_id']!r}: expected {key} {expected}, got {rec[key]!r:.200}")
     return rec
 
 
@@ -112,37 +76,18 @@ def now() -> str:
 
 def new_record(stage: str, profile: str, config_id: str, **fields) -> dict:
     """A record with the run facts (GPU, versions, commit, time) filled in and the
-    measurement fields defaulted to empty; `fields` override any of them."""
-    rec = {
-        "schema": SCHEMA,
-        "stage": stage,
-        "profile": profile,
-        "config_id": config_id,
-        "shapes": {},
-        "mixer": None,
-        "backend": None,
-        "order": None,
-        "status": "ok",
-        "error": None,
-        "samples_ms": [],
-        "stats": None,
-        "logical": None,
-        "counters": None,
-        "peak_bytes": None,
-        "gpu": facts.gpu(),
-        "versions": facts.versions(),
-        "commit": facts.commit(),
-        "timestamp": now(),
-    }
-    rec.update(fields)
-    return rec
+    measurement fields empty; `fields` override any of them."""
+    return {"schema": SCHEMA, "stage": stage, "profile": profile, "config_id": config_id, "shapes": {},
+            "mixer": None, "backend": None, "order": None, "status": "ok", "error": None, "samples_ms": [],
+            "stats": None, "logical": None, "counters": None, "peak_bytes": None, "gpu": facts.gpu(),
+            "versions": facts.versions(), "commit": facts.commit(), "timestamp": now(), **fields}
 
 
 def classify_error(exc: BaseException) -> tuple[str, str]:
     """("oom" | "failed", message) for an exception raised by one configuration."""
-    msg = f"{type(exc).__name__}: {exc}".strip()
-    oom = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
-    return ("oom" if oom else "failed"), msg[:2000]
+    oom = type(exc).__name__ in ("OutOfMemoryError", "MemoryError") or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+    return ("oom" if oom else "failed"), f"{type(exc).__name__}: {exc}".strip()[:2000]
 
 
 def record_path(directory: str | Path, config_id: str) -> Path:
@@ -175,15 +120,10 @@ def _files(directory: str | Path) -> list[Path]:
 
 
 def done_ids(directory: str | Path, profile: str | None = None) -> set[str]:
-    """config_ids with a valid record (of `profile`, when given) in `directory`.
-    Failed and OOM configurations are finished work too; only missing, truncated
-    or invalid records are not done."""
-    out = set()
-    for path in _files(directory):
-        rec = read_record(path)
-        if rec is not None and (profile is None or rec["profile"] == profile):
-            out.add(rec["config_id"])
-    return out
+    """config_ids with a valid record (of `profile`, when given): failed and OOM ones are
+    finished work too; missing, torn or invalid ones are not."""
+    recs = (read_record(p) for p in _files(directory))
+    return {r["config_id"] for r in recs if r is not None and profile in (None, r["profile"])}
 
 
 def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = None, ids=None) -> list[dict]:
@@ -206,8 +146,7 @@ def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = 
         missing = sorted(wanted - {r["config_id"] for r in recs})
         if missing:
             raise ValueError(f"no record for configurations {missing} in {directory}")
-    text = "".join(atomic.dumps(r, indent=None) + "\n" for r in recs)
-    atomic.write_text(out_jsonl, text)
+    atomic.write_text(out_jsonl, "".join(atomic.dumps(r, indent=None) + "\n" for r in recs))
     return recs
 
 

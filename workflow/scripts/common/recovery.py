@@ -1,17 +1,7 @@
-"""What a killed run leaves behind, cleared so that the same command resumes.
-
-Snakemake releases its directory locks and removes a failed job's outputs on a
-normal exit, on Ctrl-C and on SIGTERM. A run killed outright (SIGKILL, a lost
-node) leaves both behind: the locks make the next `snakemake` refuse to start
-until `--unlock`, and an output that a killed job had already written is only
-marked incomplete, so the next run stops and asks for `--rerun-incomplete`.
-The Snakefile calls `recover` while it is parsed (before Snakemake takes its
-locks): when no other Snakemake process works in the same directory, neither can
-belong to a live run, so the locks are released and the outputs marked
-incomplete are deleted, which makes Snakemake run their jobs again.
-Configurations finished inside a stage live in records.d, which is never a
-declared output, so they survive.
-"""
+"""Clears what a killed run (SIGKILL, a lost node) leaves behind, so the same command
+resumes: its directory locks and the outputs it left marked incomplete are removed
+while the Snakefile is parsed, unless another Snakemake process works in the same
+directory. Finished configurations live in records.d, never a declared output."""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
-"""Entry point shared by every stage script.
-
-A stage script defines `main(job)` and ends with
-
-    if __name__ == "__main__":
-        stage.run(main, globals().get("snakemake"))
-
-(No `from __future__` import in a stage script: Snakemake puts its own preamble
-above the script's first line.) Under Snakemake's `script:` directive `snakemake` is the job; `run` sends the
-script's output to the rule's log, prepares the process (repository on
-sys.path, Triton's interpreter when there is no GPU) and calls `main` with a
-plain `Job`. With `container: {runtime: docker}` it instead writes the job to a
-JSON file and runs the same script inside the image through the docker SDK
-(containers/docker_runner.py), where the script is called as
-`python <script> --job <file>`. With `runtime: apptainer` Snakemake itself has
-already started the script inside the image, and with `none` it runs natively.
-"""
+"""Entry point of every stage script: `main(job)` ends the script with
+`if __name__ == "__main__": stage.run(main, globals().get("snakemake"))` (no
+`from __future__` import: Snakemake puts its preamble above the first line). `run`
+sends the output to the rule's log and calls `main` with a plain `Job`; with
+`container.runtime: docker` it runs the same script inside the image through
+containers/docker_runner.py as `python <script> --job <file>`."""
 
 from __future__ import annotations
 
@@ -26,7 +15,7 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import atomic
@@ -60,8 +49,6 @@ class Job:
     params: dict
     config: dict
     log: str | None = None
-    wildcards: dict = field(default_factory=dict)
-    threads: int = 1
 
     @property
     def profile(self) -> str:
@@ -69,8 +56,7 @@ class Job:
 
     @property
     def lock_clocks(self) -> bool:
-        """Whether the timing stages try to lock the SM clock (the profile's
-        probe.lock_clocks; off unless the GPU's owner allows changing its clocks)."""
+        """The profile's probe.lock_clocks: whether the timing stages try to lock the SM clock."""
         probe = self.config.get("profiles", {}).get(self.profile, {}).get("probe", {})
         return bool(probe.get("lock_clocks", False))
 
@@ -80,18 +66,9 @@ class Job:
             names = {k: str(v) if isinstance(v, str) else [str(p) for p in v] for k, v in nl.items()}
             return Files(list(nl), names)
 
-        params = {k: v for k, v in smk.params.items()}
-        return cls(
-            rule=smk.rule,
-            script=script,
-            input=files(smk.input),
-            output=files(smk.output),
-            params=params,
-            config=dict(smk.config),
-            log=str(smk.log[0]) if len(smk.log) else None,
-            wildcards={k: str(v) for k, v in smk.wildcards.items()},
-            threads=int(smk.threads),
-        )
+        return cls(rule=smk.rule, script=script, input=files(smk.input), output=files(smk.output),
+                   params=dict(smk.params.items()), config=dict(smk.config),
+                   log=str(smk.log[0]) if len(smk.log) else None)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -118,8 +95,7 @@ def _script_path(smk) -> str:
 
 
 def prepare_process() -> None:
-    """Pick Triton's interpreter when there is no GPU (the variable must be set
-    before triton is first imported; `kernels` is importable once `common` is)."""
+    """Pick Triton's interpreter when there is no GPU (set before triton is imported)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -128,8 +104,7 @@ def prepare_process() -> None:
 
 @contextlib.contextmanager
 def log_to(path: str | None):
-    """Send this process's stdout and stderr (file descriptors too, so that
-    subprocesses and C extensions land there as well) to the rule's log."""
+    """Send stdout and stderr (the file descriptors, so subprocesses too) to the rule's log."""
     if path is None:
         yield
         return
@@ -146,10 +121,9 @@ def log_to(path: str | None):
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
+            for fd, target in zip(saved, (1, 2)):
+                os.dup2(fd, target)
+                os.close(fd)
 
 
 def docker_runner():
@@ -169,14 +143,9 @@ def _run_in_docker(job: Job) -> None:
     job_file = results / ".tmp" / "jobs" / f"{job.rule}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
     atomic.write_text(job_file, text)
     print(f"[stage] running {job.rule} in docker image {container['image']}", flush=True)
-    status = docker_runner().run(
-        container["image"],
-        ["python", job.script, "--job", str(job_file)],
-        repo=REPO_ROOT,
-        results=results,
-        env={IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ}},
-        gpus=bool(gpu_names()),
-    )
+    env = {IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ}}
+    status = docker_runner().run(container["image"], ["python", job.script, "--job", str(job_file)], repo=REPO_ROOT,
+                                 results=results, env=env, gpus=bool(gpu_names()))
     job_file.unlink(missing_ok=True)
     if status != 0:
         raise RuntimeError(f"stage {job.rule} exited with status {status} inside {container['image']}")
@@ -187,12 +156,10 @@ def run(main, snakemake=None) -> None:
     if snakemake is None:
         ap = argparse.ArgumentParser(description="Run one pipeline stage from a job file (written by the docker runtime).")
         ap.add_argument("--job", required=True, help="JSON job file")
-        args = ap.parse_args()
-        job = Job.from_json(json.loads(Path(args.job).read_text()))
+        job = Job.from_json(json.loads(Path(ap.parse_args().job).read_text()))
         prepare_process()
-        main(job)
-        return
-    job = Job.from_snakemake(snakemake, _script_path(snakemake))
+        return main(job)
+    job, failed = Job.from_snakemake(snakemake, _script_path(snakemake)), False
     with log_to(job.log):
         try:
             if job.config["container"]["runtime"] == "docker" and not os.environ.get(IN_CONTAINER):
@@ -201,14 +168,12 @@ def run(main, snakemake=None) -> None:
                 prepare_process()
                 main(job)
         except SystemExit as e:
-            if e.code not in (None, 0):
-                print(e.code if isinstance(e.code, str) else f"stage {job.rule} exited with status {e.code}")
             failed = e.code not in (None, 0)
+            if failed:
+                print(e.code if isinstance(e.code, str) else f"stage {job.rule} exited with status {e.code}")
         except BaseException:
             traceback.print_exc()
             failed = True
-        else:
-            failed = False
     if failed:
         print(f"stage {job.rule} failed; see {job.log}", file=sys.stderr)
         sys.exit(1)
