@@ -1,23 +1,10 @@
-"""Inference track (Griffin section 5) -> results/tracks/infer/records.jsonl.
-
-The profile's preset (1.3b) with BF16 random weights, FP32 recurrent caches.
-Every decode step feeds back its own output and runs the embedding, all blocks,
-the final norm, the vocabulary projection and the next-token choice (argmax).
-Prompt processing is excluded: the allocator's peak and the clock start after it.
-The CUDA-graph generation engine (kernels.models.generation) is used when it
-exists -- graphs remove Python overhead, never model work -- otherwise the
-model's eager `step`.
-
-- Latency: batch B (16), an empty prompt and a prompt of P tokens (4096), one
-  trajectory to the longest length with the time read at every length (128 ..
-  4096 generated tokens); SAMU -> RG-LRU and RG-LRU -> SAMU order.
-- Throughput: 64-step probes over the batch sizes of the profile, extended by
-  doubling B until tokens/s stops rising or memory runs out (`extend_grid`; the
-  records say where and why the grid ended), then each mixer's best batch sizes
-  (by probe tokens/s) through fresh trajectories of 512 .. 4096 steps in both orders.
-  Only completed trajectories are reported: a failed or out-of-memory
-  trajectory is a record with that status and no figures.
-"""
+"""Inference track (Griffin section 5) -> results/tracks/infer/records.jsonl: the
+profile's preset with BF16 random weights and FP32 caches, greedy decoding through the
+generation engine (kernels.models.generation.Engine; CUDA graphs on a GPU); prompt
+processing is untimed. Latency: batch B, an empty and a long prompt, one trajectory
+read at every length, both orders. Throughput: probes over the profile's batch sizes,
+extended while tokens/s rises (`extend_grid`, which records where and why it ended),
+then each mixer's best batch sizes on fresh trajectories in both orders."""
 
 
 import json
@@ -27,101 +14,56 @@ from pathlib import Path
 from common import measure, stage
 
 
-def engine_module():
-    try:
-        from kernels.models import generation
-    except ImportError:
-        return None
-    return generation
+def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], reps: int, device, params: int,
+                      reuse: dict | None = None, warmup: int = 2) -> dict:
+    """Per checkpoint, the cumulative ms of `reps` trajectories (after `warmup` untimed
+    steps from a fresh prefill), tokens/s, peak memory and the logical counts of one step
+    (from `reuse`, the other order's record, when it has them)."""
+    from kernels.models.generation import Engine
+
+    def prefill():
+        if prompt_tokens is None:
+            return engine.start(batch_size=B)
+        engine.start(prompt_tokens)
+
+    runs = [measure.time_trajectory(lambda i: engine.step(), checkpoints, device, before=prefill,
+                                   warmup=warmup if k == 0 else 0) for k in range(reps)]
+    logical = measure.reuse_logical(reuse)
+    if logical is None:
+        # A graph replay runs no launcher code: an eager twin launching the same kernels counts them.
+        counted = Engine(engine.model, graphs=False) if engine.graphs else engine
+        if counted is not engine:
+            counted.start(batch_size=B)
+        counted.step()
+        logical = measure.logical_counts(counted.step, device)
+        if counted is not engine:
+            logical["launches_method"] += " (eager twin of the graph-captured step)"
+            del counted
+    logical.update(param_bytes=params * 2, state_bytes=measure.tensor_bytes(engine.cache))
+    kind = "engine+graphs" if engine.graphs else "engine"
+    out = {}
+    for k, n in enumerate(runs[0]["checkpoints"]):
+        samples = [r["cumulative_ms"][k] for r in runs]
+        st = measure.summarize(samples)
+        out[n] = {"samples_ms": samples, "stats": st,
+                  "peak_bytes": max(r["peak_bytes"] or 0 for r in runs) if runs[0]["peak_bytes"] is not None else None,
+                  "generated_tokens": n, "tokens_per_s": B * n / (st["median_ms"] * 1e-3),
+                  "ms_per_step": st["median_ms"] / n, "logical": dict(logical), "decoder": kind,
+                  "decoder_details": {"kind": kind, **engine.describe(B)}, "trajectory_clock": runs[0]["clock"],
+                  "warmup_steps": warmup}
+    return out
 
 
-class Decoder:
-    """Greedy decoding of one model at batch B: `prefill()` (excluded from timing)
-    then `step(i)` advances every row by one token, feeding back its choice."""
-
-    def __init__(self, model, B: int, prompt: int, vocab: int, device, use_engine: bool, seed: int = 0,
-                 graphs: bool = True):
-        import torch
-
-        self.model, self.B, self.prompt, self.device = model, B, prompt, device
-        self.vocab, self.seed = vocab, seed
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.prompt_tokens = torch.randint(1, vocab, (B, max(prompt, 1)), generator=g).to(device)
-        self.engine = None
-        gen = engine_module() if use_engine else None
-        if gen is not None and hasattr(gen, "Decoder"):
-            self.engine = gen.Decoder(model, B, graphs=graphs)
-        self.graphs = self.engine is not None and graphs
-        self.kind = ("engine+graphs" if self.graphs else "engine") if self.engine is not None else "eager"
-
-    def describe(self) -> dict:
-        if self.engine is None:
-            return {"kind": "eager", "step": "HawkLM.step"}
-        return {"kind": self.kind, **self.engine.engine.describe(self.B)}
-
-    def counting_twin(self) -> "Decoder":
-        """The same decoder without CUDA graphs, started on an empty prompt: a graph
-        replay runs no launcher code, so the logical counts of a step come from this
-        twin, which launches the same kernels eagerly."""
-        twin = Decoder(self.model, self.B, 0, self.vocab, self.device, self.engine is not None, self.seed,
-                       graphs=False)
-        twin.prefill()
-        return twin
-
-    def prefill(self):
-        """Prompt processing (or the empty-prompt start); not timed."""
-        import torch
-
-        with torch.no_grad():
-            if self.engine is not None:
-                toks = self.prompt_tokens if self.prompt else None
-                self.engine.reset(toks)
-                return
-            if self.prompt:
-                pos = torch.arange(self.prompt, device=self.device).expand(self.B, self.prompt)
-                logits, self.cache = self.model(self.prompt_tokens, pos)
-                self.tok = logits[:, -1].argmax(-1)
-                del logits
-            else:
-                self.cache = self.model.init_cache(self.B)
-                from kernels.models.generation import BOS_ID
-
-                self.tok = torch.full((self.B,), BOS_ID, dtype=torch.int64, device=self.device)
-            self.pos = torch.full((self.B,), self.prompt, dtype=torch.int64, device=self.device)
-
-    def step(self, i: int = 0):
-        import torch
-
-        if self.engine is not None:
-            return self.engine.step()
-        with torch.no_grad():
-            logits = self.model.step(self.tok, self.pos, self.cache)
-            self.tok = logits.argmax(-1)
-            self.pos.add_(1)
-        return self.tok
-
-    def state_bytes(self) -> int:
-        if self.engine is not None:
-            return measure.tensor_bytes(getattr(self.engine, "cache", None))
-        return measure.tensor_bytes(self.cache)
-
-
-def resolved_backends(model, B: int, prompt: int, device) -> dict:
-    """The backends the model's mixer backends resolve to: prefill op and decode step."""
+def resolved_backends(engine, B: int, prompt: int) -> dict:
+    """What the mixer backends resolve to: the prefill op (with options) and the decode step."""
     import torch
 
-    import kernels
     from kernels import ops
 
-    cfg = model.config
-    dtype = next(model.parameters()).dtype
-    x = torch.empty(B, max(prompt, 1), cfg.lru_width, dtype=dtype, device=device)
-    mixer = model.blocks[0].recurrent_block.mixer
-    name, opts = ops.resolve(cfg.mixer, mixer.backend, x)
-    step_fn = ops.resolve_step(cfg.mixer, mixer.step_backend, x[:, 0])
-    step_fn = getattr(step_fn, "func", step_fn)
-    step = next((n for n, f in kernels.step_backends(cfg.mixer).items() if f is step_fn), None)
-    return {"prefill": name, "prefill_options": opts, "step": step}
+    cfg = engine.model.config
+    x = torch.empty(B, max(prompt, 1), cfg.lru_width, dtype=engine.dtype, device=engine.device)
+    name, opts = ops.resolve(cfg.mixer, engine.model.blocks[0].recurrent_block.mixer.backend, x)
+    return {"prefill": name, "prefill_options": opts, "step": engine.describe(B)["mixer_step_backend"]}
 
 
 def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
@@ -148,45 +90,6 @@ def build_model(preset: str, mixer: str, settings: dict, device, backend="auto")
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, params: int,
-                      reuse: dict | None = None, warmup: int = 2) -> dict:
-    """Run `reps` trajectories to max(checkpoints); per checkpoint, the cumulative
-    milliseconds of every trajectory plus tokens/s, peak memory and logical counts
-    (of one step; taken from `reuse`, the other order's record, when it has them).
-    Before the first timed trajectory, `warmup` untimed steps from a fresh prefill
-    take the one-time work (kernel compilation, CUDA-graph capture) out of it."""
-    runs = [measure.time_trajectory(dec.step, checkpoints, device, before=dec.prefill,
-                                   warmup=warmup if k == 0 else 0) for k in range(reps)]
-    logical = measure.reuse_logical(reuse)
-    if logical is None:
-        counted = dec.counting_twin() if dec.graphs else dec
-        counted.step()
-        logical = measure.logical_counts(counted.step, device)
-        if counted is not dec:
-            logical["launches_method"] += " (eager twin of the graph-captured step)"
-            del counted
-    logical["param_bytes"] = params * 2
-    logical["state_bytes"] = dec.state_bytes()
-    out = {}
-    for k, n in enumerate(runs[0]["checkpoints"]):
-        samples = [r["cumulative_ms"][k] for r in runs]
-        st = measure.summarize(samples)
-        out[n] = {
-            "samples_ms": samples,
-            "stats": st,
-            "peak_bytes": max((r["peak_bytes"] or 0) for r in runs) if runs[0]["peak_bytes"] is not None else None,
-            "generated_tokens": n,
-            "tokens_per_s": dec.B * n / (st["median_ms"] * 1e-3),
-            "ms_per_step": st["median_ms"] / n,
-            "logical": dict(logical),
-            "decoder": dec.kind,
-            "decoder_details": dec.describe(),
-            "trajectory_clock": runs[0]["clock"],
-            "warmup_steps": warmup,
-        }
-    return out
 
 
 def extend_grid(probe_at, thr: dict) -> dict:
@@ -222,15 +125,15 @@ def main(job):
     import torch
 
     settings = job.params["settings"]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import kernels
+    from kernels.models.generation import Engine
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = json.loads(Path(job.input.table).read_text())
     auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(table))
     runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
                             restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     preset, mixers = settings["preset"], settings["mixers"]
-    use_engine = settings.get("engine", True)
     models: dict = {}
 
     def model(mixer):
@@ -255,16 +158,16 @@ def main(job):
             # The decode table picks the step kernel and its launcher options by batch size.
             step = kernels.Backend(choice["backend"], **choice.get("options", {})) if choice else "auto"
             m.set_backend(auto, step_backend=step)
-            dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine,
-                          graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
+            engine = Engine(m, graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
+            g = torch.Generator(device="cpu").manual_seed(0)
+            tokens = torch.randint(1, settings["vocab"], (B, prompt), generator=g).to(device) if prompt else None
             try:
-                per = trajectory_fields(dec, lengths, reps, device, sum(p.numel() for p in m.parameters()), reuse,
-                                        warmup=settings.get("warmup_steps", 2))
+                per = trajectory_fields(engine, B, tokens, lengths, reps, device, sum(p.numel() for p in m.parameters()),
+                                        reuse, warmup=settings.get("warmup_steps", 2))
                 for v in per.values():
-                    v["resolved"] = resolved_backends(m, B, prompt, device)
-                    v["decode_table_entry"] = choice
+                    v.update(resolved=resolved_backends(engine, B, prompt), decode_table_entry=choice)
             finally:
-                del dec
+                del engine
                 measure.release(device)
             return {f"{prefix}-N{n}": per[n] for n in lengths}
 
@@ -293,12 +196,12 @@ def main(job):
                 grid[(mixer, order)] = extend_grid(probe_at, thr)
                 for rec in grid[(mixer, order)]["records"]:
                     probe.setdefault(mixer, {}).setdefault(rec["shapes"]["B"], []).append(rec)
-                measure.log_line(None, f"infer: {mixer} {order}: {grid[(mixer, order)]['plateau']}")
+                runner.say(f"{mixer} {order}: {grid[(mixer, order)]['plateau']}")
         best = {}
         for mixer in mixers:
             scores = {B: statistics.median(r["tokens_per_s"] for r in rs) for B, rs in probe.get(mixer, {}).items()}
             best[mixer] = sorted(scores, key=lambda b: -scores[b])[: thr.get("top", 1)]
-            measure.log_line(None, f"infer: {mixer} best batch sizes by probe tokens/s: {best[mixer]}")
+            runner.say(f"{mixer} best batch sizes by probe tokens/s: {best[mixer]}")
         for order, seq in measure.orders(mixers):
             for mixer in seq:
                 plateau = {o: grid[(mixer, o)]["plateau"] for m, o in grid if m == mixer}
