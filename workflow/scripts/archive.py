@@ -1,17 +1,9 @@
-"""Archive -> results/artifact-<commit>[-dirty]-<profile>.tar.gz, a reproducible paper artifact.
-
-The tarball holds one folder named like the file: MANIFEST.json (sha256 and
-size of every other file, the resolved config, the git commit and dirty flag,
-the probe, the container runtime and image, the command line), this run's
-results (probe, audit, tuning table, track records, report, logs, benchmarks:
-the folders of results/ that the pipeline's rules write, never the runs and
-kernel records committed under results/), the config file used and, for a
-dirty tree, the uncommitted diff. Entries are
-sorted, owners and modes normalised and every mtime fixed (SOURCE_DATE_EPOCH,
-else the commit time), and gzip's header carries no name or time: the same
-results give the same bytes. `verify_archive.py` checks an artifact against
-its manifest; this stage runs it on what it wrote.
-"""
+"""Archive -> results/artifact-<commit>[-dirty]-<profile>.tar.gz: MANIFEST.json (sha256
+and size of every file, resolved config, commit, probe, container, command line), this
+run's results (the folders the rules write, never committed runs), config.yaml and,
+for a dirty tree, the uncommitted diff. Sorted entries, normalised owners, modes and
+mtimes (SOURCE_DATE_EPOCH, else the commit time) and a nameless gzip header make the
+same results give the same bytes; the stage verifies what it wrote."""
 
 import gzip
 import io
@@ -31,20 +23,9 @@ RUN_DIRS = ("probe", "audit", "tune", "tracks", "report", "logs", "benchmarks")
 
 
 def result_files(root: Path, exclude: set[Path]) -> list[Path]:
-    """This run's results files: everything under RUN_DIRS except temporary files,
-    per-configuration record copies (records.jsonl holds them) and this stage's
-    own log and benchmark."""
-    out = []
-    for d in RUN_DIRS:
-        for p in sorted((root / d).rglob("*")):
-            rel = p.relative_to(root)
-            if p.is_file() and not SKIP_PARTS & set(rel.parts) and p.resolve() not in exclude:
-                out.append(p)
-    return sorted(out)
-
-
-def source_date() -> int:
-    return int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())
+    """Files under RUN_DIRS except temporary ones, records.d copies and `exclude`."""
+    return sorted(p for d in RUN_DIRS for p in (root / d).rglob("*") if p.is_file()
+                  and not SKIP_PARTS & set(p.relative_to(root).parts) and p.resolve() not in exclude)
 
 
 def build(entries: dict[str, bytes], prefix: str, mtime: int) -> bytes:
@@ -53,11 +34,8 @@ def build(entries: dict[str, bytes], prefix: str, mtime: int) -> bytes:
         for name in sorted(entries):
             data = entries[name]
             info = tarfile.TarInfo(f"{prefix}/{name}")
-            info.size = len(data)
-            info.mtime = mtime
-            info.mode = 0o644
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
+            info.size, info.mtime, info.mode = len(data), mtime, 0o644
+            info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
             tar.addfile(info, io.BytesIO(data))
     out = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=9) as gz:
@@ -77,20 +55,14 @@ def main(job):
         diff = subprocess.run(["git", "diff", "HEAD", "--", ".", ":(exclude)results"],
                               cwd=facts.REPO_ROOT, capture_output=True, check=False).stdout
         entries["source/uncommitted.diff"] = diff
-    manifest = {
-        "schema": 1,
-        "artifact": artifact.name,
-        "profile": job.profile,
-        "commit": commit,
-        "config": job.config,
-        "container": {"runtime": job.params["runtime"], "image": job.params["image"]},
-        "command_line": os.environ.get(COMMAND_LINE),
-        "probe": json.loads(Path(job.input.environment).read_text()),
-        "files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in sorted(entries.items())},
-    }
+    manifest = {"schema": 1, "artifact": artifact.name, "profile": job.profile, "commit": commit, "config": job.config,
+                "container": {"runtime": job.params["runtime"], "image": job.params["image"]},
+                "command_line": os.environ.get(COMMAND_LINE),
+                "probe": json.loads(Path(job.input.environment).read_text()),
+                "files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in sorted(entries.items())}}
     entries[MANIFEST] = (atomic.dumps(manifest) + "\n").encode()
     prefix = artifact.name.removesuffix(".tar.gz")
-    atomic.write_bytes(artifact, build(entries, prefix, source_date()))
+    atomic.write_bytes(artifact, build(entries, prefix, int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())))
     problems = verify(artifact)
     if problems:
         artifact.unlink()

@@ -1,13 +1,7 @@
-"""Correctness audit -> results/audit/gates.json and results/audit/audit.md.
-
-Runs the gates of SPEC 5 through kernels.parity at the active profile's shapes
-and dtypes: RG-LRU against the official recurrentgemma layer with and without
-resets, the Hawk residual block with copied weights stage by stage, SAMU against
-its float64 reference, and every available backend of every op against its
-reference. Each check is recorded with its error and tolerance. If any check
-fails the stage prints the table to its log and exits non-zero without writing
-its outputs, so no tuning or timing stage runs.
-"""
+"""Correctness audit -> results/audit/gates.json and audit.md: the gates of SPEC 5
+(kernels.parity) at the profile's shapes and dtypes, each check with its error and
+tolerance. Any failure prints the table and exits non-zero without outputs, so no
+timing stage runs."""
 
 import sys
 
@@ -15,9 +9,7 @@ from common import atomic, facts, records, stage
 
 
 def run_checks(settings: dict) -> list[dict]:
-    """Every gate for every dtype; the backend gates (independent of the model's
-    mixer backend) run once per dtype, the official-parity modules once per
-    model backend."""
+    """Every gate per dtype: backend gates once, official-parity modules per model backend."""
     import torch
 
     from kernels import parity
@@ -75,18 +67,10 @@ def markdown(doc: dict) -> str:
 def main(job):
     checks = run_checks(job.params["settings"])
     gpu = facts.gpu()
-    doc = {
-        "schema": 1,
-        "profile": job.profile,
-        "timestamp": records.now(),
-        "commit": facts.commit(),
-        "versions": facts.versions(),
-        "gpu": gpu,
-        "device_name": gpu["name"] if gpu else "CPU",
-        "settings": job.params["settings"],
-        "passed": bool(checks) and all(c["passed"] for c in checks),
-        "checks": checks,
-    }
+    doc = {"schema": 1, "profile": job.profile, "timestamp": records.now(), "commit": facts.commit(),
+           "versions": facts.versions(), "gpu": gpu, "device_name": gpu["name"] if gpu else "CPU",
+           "settings": job.params["settings"], "passed": bool(checks) and all(c["passed"] for c in checks),
+           "checks": checks}
     text = markdown(doc)
     print(text, flush=True)
     if not checks:

@@ -1,13 +1,7 @@
-"""Environment probe -> results/probe/environment.json.
-
-Records the GPU as NVML sees it (name, UUID, driver and CUDA driver versions,
-compute capability, memory, SM and memory clocks current and max, power limit,
-ECC and persistence mode, temperature), the software (Python, torch, triton,
-the CUDA toolkit), the CPU, two measured ceilings -- device copy bandwidth
-(bytes read + written per second) and the BF16 matrix-product rate -- and
-whether Nsight Compute can read hardware counters. Without a GPU the probe says
-so, measures the CPU instead and the pipeline goes on with the CPU profile.
-"""
+"""Environment probe -> results/probe/environment.json: the GPUs as NVML sees them,
+software and CPU, two measured ceilings (device copy bandwidth, bytes read + written
+per second; the BF16 matrix-product rate) and whether Nsight Compute can read hardware
+counters. Without a GPU it says so and measures the CPU."""
 
 import csv
 import os
@@ -84,29 +78,21 @@ def nvml_facts() -> dict:
         pynvml.nvmlShutdown()
 
 
+def _proc(path: str, pattern: str) -> str | None:
+    try:
+        with open(path) as f:
+            m = re.search(pattern, f.read(), re.M)
+    except OSError:
+        return None
+    return m.group(1).strip() if m else None
+
+
 def cpu_facts() -> dict:
-    model = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-            model = m.group(1).strip() if m else model
-    except OSError:
-        pass
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            m = re.search(r"^MemTotal:\s*(\d+) kB", f.read(), re.M)
-            mem = int(m.group(1)) * 1024 if m else None
-    except OSError:
-        pass
-    return {
-        "model": model,
-        "logical_cores": os.cpu_count(),
-        "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_bytes": mem,
-        "machine": platform.machine(),
-        "os": platform.platform(),
-    }
+    mem = _proc("/proc/meminfo", r"^MemTotal:\s*(\d+) kB")
+    return {"model": _proc("/proc/cpuinfo", r"^model name\s*:\s*(.+)$") or platform.processor() or None,
+            "logical_cores": os.cpu_count(),
+            "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "memory_bytes": int(mem) * 1024 if mem else None, "machine": platform.machine(), "os": platform.platform()}
 
 
 def _tool_version(cmd: list[str]) -> str | None:
@@ -123,13 +109,11 @@ def _tool_version(cmd: list[str]) -> str | None:
 def software_facts() -> dict:
     import torch
 
-    out = facts.versions()
-    out.update({
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "nvcc": _tool_version(["nvcc", "--version"]),
-        "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-    })
+    from common.measure import ncu_path
+
+    out = {**facts.versions(), "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+           "nvcc": _tool_version(["nvcc", "--version"]), "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
+           "triton_interpret": os.environ.get("TRITON_INTERPRET")}
     for name in ("numpy", "pandas", "snakemake", "matplotlib"):
         try:
             out[name] = __import__(name).__version__
@@ -140,27 +124,18 @@ def software_facts() -> dict:
 
 
 def measure(device: str, settings: dict) -> dict:
-    """The two ceilings later stages divide by, measured with the project's one
-    timing function. Copy bandwidth counts bytes read plus bytes written."""
+    """The two ceilings later stages divide by (copy bandwidth counts bytes read + written)."""
     import torch
 
     from common.measure import time_fn
 
-    def copy_timing(n_bytes):
-        src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_(0, 255)
-        dst = torch.empty_like(src)
-        return time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
-
-    def matmul_timing(n):
-        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        return time_fn(lambda: a @ b, reps=reps, warmup=3, device=device)
-
-    reps = settings["reps"]
-    n_bytes = settings["copy_bytes"]
-    copy = copy_timing(n_bytes)
-    n = settings["matmul_n"]
-    mm = matmul_timing(n)
+    reps, n_bytes, n = settings["reps"], settings["copy_bytes"], settings["matmul_n"]
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    copy = time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
+    del src, dst
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    mm = time_fn(lambda: a @ b, reps=reps, warmup=3, device=device)
     copy_bps = 2 * n_bytes / (copy["median_ms"] * 1e-3)
     flops = 2 * n**3 / (mm["median_ms"] * 1e-3)
     return {
@@ -173,19 +148,7 @@ def measure(device: str, settings: dict) -> dict:
     }
 
 
-def ncu_path() -> str | None:
-    found = shutil.which("ncu")
-    if found:
-        return found
-    for cand in ("/usr/local/cuda/bin/ncu",):
-        if os.path.isfile(cand):
-            return cand
-    return None
-
-
-TINY_KERNEL = (
-    "import torch; x = torch.ones(1 << 20, device='cuda'); y = x * 2; torch.cuda.synchronize()"
-)
+TINY_KERNEL = "import torch; x = torch.ones(1 << 20, device='cuda'); y = x * 2; torch.cuda.synchronize()"
 
 
 def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
@@ -210,8 +173,7 @@ def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
 
 
 def ncu_metric_values(output: str) -> dict:
-    """Metric name -> value (as printed) from `ncu --csv` output; rows whose value
-    is not a number (n/a) are left out."""
+    """Metric name -> value (as printed) from `ncu --csv` output; non-numbers (n/a) left out."""
     rows = list(csv.reader(ln for ln in output.splitlines() if ln.startswith('"')))
     header = next((r for r in rows if "Metric Name" in r and "Metric Value" in r), None)
     if header is None:
@@ -234,6 +196,8 @@ def counter_check(has_gpu: bool) -> dict:
     base = {"tool": "ncu", "metrics": list(COUNTER_METRICS)}
     if not has_gpu:
         return {**base, "counters_available": False, "reason": "no GPU: hardware counters not applicable"}
+    from common.measure import ncu_path
+
     ncu = ncu_path()
     if ncu is None:
         return {**base, "counters_available": False, "reason": "ncu (Nsight Compute) not found on PATH"}
@@ -256,23 +220,10 @@ def main(job):
 
     has_gpu = torch.cuda.is_available()
     gpu = nvml_facts()
-    env = {
-        "schema": 1,
-        "profile": job.profile,
-        "timestamp": records.now(),
-        "commit": facts.commit(),
-        "has_gpu": has_gpu,
-        "gpu": gpu,
-        "torch_device": facts.gpu(),
-        "software": software_facts(),
-        "cpu": cpu_facts(),
-        "container": {
-            "runtime": job.config["container"]["runtime"],
-            "image": job.config["container"]["image"],
-            "inside_pipeline_container": any(
-                os.environ.get(v) for v in (stage.IN_CONTAINER, "APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")),
-        },
-    }
+    inside = any(os.environ.get(v) for v in (stage.IN_CONTAINER, "APPTAINER_CONTAINER", "SINGULARITY_CONTAINER"))
+    env = {"schema": 1, "profile": job.profile, "timestamp": records.now(), "commit": facts.commit(),
+           "has_gpu": has_gpu, "gpu": gpu, "torch_device": facts.gpu(), "software": software_facts(),
+           "cpu": cpu_facts(), "container": {**job.config["container"], "inside_pipeline_container": inside}}
     print(f"probe: GPU present: {has_gpu}; NVML: {gpu.get('reason') or gpu.get('driver_version')}", flush=True)
     env["measured"] = measure("cuda" if has_gpu else "cpu", job.params["settings"])
     print(f"probe: copy {env['measured']['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "

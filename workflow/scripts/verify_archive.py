@@ -1,12 +1,9 @@
-"""Verify a study artifact against its MANIFEST.json.
+"""Verify a study artifact (.tar.gz or extracted folder) against its MANIFEST.json:
+every listed file present with its size and sha256, nothing else present.
 
-    python workflow/scripts/verify_archive.py results/artifact-<date>-<commit>.tar.gz
-    python workflow/scripts/verify_archive.py <extracted artifact folder>
+    python workflow/scripts/verify_archive.py results/artifact-<commit>-<profile>.tar.gz
 
-Every file listed in the manifest must be present with the recorded size and
-sha256, and nothing else may be present. Exit status 0 when the archive
-verifies, 1 with one line per problem otherwise.
-"""
+Exit status 0 when it verifies, 1 with one line per problem otherwise."""
 
 from __future__ import annotations
 
@@ -65,11 +62,7 @@ def verify_dir(path: Path) -> list[str]:
     mf = path / MANIFEST
     if not mf.is_file():
         return [f"no {MANIFEST} in {path}"]
-    present = {
-        p.relative_to(path).as_posix(): p.read_bytes()
-        for p in sorted(path.rglob("*"))
-        if p.is_file() and p != mf
-    }
+    present = {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and p != mf}
     return _compare(json.loads(mf.read_text()), present, [])
 
 
