@@ -127,16 +127,12 @@ def measure(device: str, settings: dict) -> dict:
     """The two ceilings later stages divide by (copy bandwidth counts bytes read + written)."""
     import torch
 
-    from common.measure import time_fn
+    from common.measure import copy_timing, time_fn
 
     reps, n_bytes, n = settings["reps"], settings["copy_bytes"], settings["matmul_n"]
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    copy = time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
-    del src, dst
+    copy, copy_bps = copy_timing(n_bytes, reps, device)
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     mm = time_fn(lambda: a @ b, reps=reps, warmup=3, device=device)
-    copy_bps = 2 * n_bytes / (copy["median_ms"] * 1e-3)
     flops = 2 * n**3 / (mm["median_ms"] * 1e-3)
     return {
         "device": device,

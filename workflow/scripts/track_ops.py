@@ -1,25 +1,13 @@
-"""Ops track -> results/tracks/ops/records.jsonl (SPEC 5, track 0).
-
-The ops as users call them (`backend="auto"`) beside their peers in the same
-process, at the training shapes of the profile's presets (B, T, D = the preset's
-RG-LRU width, with resets), forward ("fwd", no autograd) and forward + backward
-to every input ("fwd_bwd"): `scan` against accelerated-scan and
-flash-linear-attention's fused recurrent HGRN (resets as sequence bounds),
-`rglru` from gate logits, `rglru_layer` (gates + op) against the official
-recurrentgemma layer with the same weights, `samu`; and the decode steps
-`rglru_step` (against the official layer at T = 1) and `samu_step`. Each case
-runs its variants in both orders. Every variant is gated first, at the real
-shape, outputs and gradients against the float64 reference: ours in the track's
-dtype within the profile's tolerance; a peer in FP32 within PEER_GATE_TOL (the
-gate checks that we call it correctly; its own BF16 arithmetic is not ours to
-judge), its error in the track's dtype recorded beside. A failed gate is a failed
-record without timings. Records carry the harness's clocks, the SM clock and the
-memory floor: logical bytes (cases.floor_bytes) over the probe's copy bandwidth.
-
-    python workflow/scripts/track_ops.py --standalone --profile h200 --out DIR
-
-runs the track outside Snakemake (it measures the copy bandwidth itself).
-"""
+"""Ops track (SPEC 5, track 0) -> results/tracks/ops/records.jsonl: the ops as users
+call them (`backend="auto"`) beside their peers in one process, at the presets'
+training shapes with resets, forward and forward + backward: `scan` (against
+accelerated-scan and fla's fused recurrent HGRN), `rglru`, `rglru_layer` (against the
+official recurrentgemma layer), `samu`, and the decode steps (`rglru_step` against the
+official layer at T = 1), each in both orders. Every variant is gated first against
+the float64 reference (ours in the track's dtype; a peer in FP32 within PEER_GATE_TOL,
+its track-dtype error recorded beside); a failed gate is a failed record.
+`python workflow/scripts/track_ops.py --standalone --profile h200 --out DIR` runs it
+outside Snakemake (measuring the copy bandwidth itself)."""
 
 
 import argparse
@@ -34,10 +22,8 @@ PEER_GATE_DTYPE, PEER_GATE_TOL = "float32", 1e-4
 
 
 class Case:
-    """One comparison: `variants` maps a variant name to `make(dtype)`, which builds
-    (call, errors) in that dtype -- the timed no-argument call and a function giving
-    {check: max relative error against the float64 reference} -- plus the floor's
-    byte count."""
+    """One comparison: `variants` maps a name to `make(dtype)` -> (timed call, errors()
+    giving {check: max relative error against float64}); `floor` is the floor's bytes."""
 
     def __init__(self, name: str, shapes: dict, mode: str, variants: dict, floor: int):
         self.name, self.shapes, self.mode, self.variants, self.floor = name, shapes, mode, variants, floor
@@ -113,8 +99,7 @@ def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype) -> 
 
 
 def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dtype) -> Case:
-    """Our RG-LRU layer against the official one (same weights, rounded to `dtype`),
-    both against our layer's float64 reference run."""
+    """Our RG-LRU layer and the official one (same weights) against our float64 layer."""
     import torch
 
     import kernels
@@ -158,8 +143,7 @@ def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dty
 
 
 def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> Case:
-    """kernels.<op>_step (and for RG-LRU the official layer at T = 1 from a cache),
-    4 steps from a zero state against the float64 reference steps."""
+    """kernels.<op>_step (and the official RG-LRU layer at T = 1): 4 steps against float64."""
     import torch
 
     import kernels
@@ -233,9 +217,8 @@ def plan(s: dict, device):
 
 
 def gated(case: Case, name: str, s: dict):
-    """(timed call, the record's `gate`): ours gated in the track's dtype; a peer in
-    PEER_GATE_DTYPE (in the track's dtype where it does not run in that one), its
-    errors in the track's dtype recorded ungated."""
+    """(timed call, the record's `gate`): ours gated in the track's dtype, a peer in
+    PEER_GATE_DTYPE where it runs in it (its track-dtype errors recorded ungated)."""
     import torch
 
     make, dtype = case.variants[name], getattr(torch, s["dtype"])
@@ -305,34 +288,25 @@ def main(job):
 
 
 def standalone(argv) -> None:
-    """The track outside Snakemake, with the profile's settings from config.yaml."""
+    """The track outside Snakemake, with a profile's settings from config.yaml."""
     import yaml
 
     from common.facts import REPO_ROOT
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--standalone", action="store_true", required=True)
     ap.add_argument("--profile", required=True, help="a profile of config.yaml (h200, h800, cpu-smoke)")
     ap.add_argument("--out", required=True, help="folder for records.d/ and records.jsonl")
     args = ap.parse_args(argv)
     prof = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())["profiles"][args.profile]
     stage.prepare_process()
-    import torch
-
-    dev = measure.device_of()
-    buf = torch.empty(prof["probe"]["copy_bytes"], dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(buf)
-    t = measure.time_fn(lambda: dst.copy_(buf), reps=prof["probe"]["reps"], warmup=3, device=dev)
-    bandwidth = 2 * buf.numel() / (t["median_ms"] * 1e-3)
-    del buf, dst
+    bandwidth = measure.copy_timing(prof["probe"]["copy_bytes"], prof["probe"]["reps"])[1]
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (bytes read + written)", flush=True)
     out = Path(args.out)
     for r in track(prof["ops"], args.profile, out / "records.d", out / "records.jsonl", bandwidth):
-        st, eg = r.get("stats") or {}, r.get("eager") or {}
-        print(f"{r['config_id']:<72} {r['status']:<6} {st.get('median_ms', float('nan')):9.4f} ms "
-              f"({r.get('clock')}; eager {eg.get('median_ms', float('nan')):.4f}; "
-              f"floor x{r.get('fraction_of_floor') or float('nan'):.2f})" if r["status"] == "ok"
-              else f"{r['config_id']:<72} {r['status']}: {r['error'][:150]}")
+        st = r.get("stats") or {}
+        print(f"{r['config_id']:<72} {r['status']:<6} {st.get('median_ms', float('nan')):9.4f} ms ({r.get('clock')})"
+              if r["status"] == "ok" else f"{r['config_id']:<72} {r['status']}: {r['error'][:150]}")
 
 
 if __name__ == "__main__":

@@ -1,36 +1,12 @@
-"""Multi-GPU training track -> results/tracks/train_fsdp/records.jsonl.
-
-The training step of track_train (its Setup: Hawk model, AdamW, cross-entropy,
-gradient clipping, autocast) run data parallel over the `train.world_size` GPUs of
-one node with FSDP2, applied from outside the model by common/fsdp.py: FP32 master
-weights, gradients and AdamW moments sharded over the ranks, parameters gathered in
-the autocast dtype (BF16 on the GPU profiles, FP32 when autocast is null), gradients
-reduce-scattered in FP32. Each rank runs the single-GPU batch of B documents of T
-tokens (weak scaling: world x B x T tokens per step); a document never crosses
-ranks, so the mixer ops are unchanged.
-
-Settings: `train.world_size` (>= 2 here) and `train.fsdp` (all optional: `presets`,
-`shapes`, `reps`, `warmup`, `budget_s`; defaults: the track's presets and shapes,
-`fresh_reps`, `warmup`, no budget). Each mixer runs the backend that track_train's
-architecture comparison chose at the same preset and shape (its fresh records, an
-input of this rule), else `auto`; the mixers run in SAMU -> RG-LRU and RG-LRU -> SAMU
-order in one process group.
-
-Records add to track_train's figures: world_size; tokens/s in total and per GPU;
-MFU per GPU (model FLOPs = 6 x parameters x all ranks' tokens, over world_size x
-the probe's BF16 matmul rate); peak memory of every rank; each rank's median step;
-and the scaling efficiency = per-GPU tokens/s over the single-GPU tokens/s of the
-same preset, shape and mixer (mean of track_train's fresh records in both orders;
-null with the reason when there is none, e.g. a preset whose optimiser state does
-not fit one GPU). A step's time is the slowest rank's (every rank times its own
-steps with CUDA events; the collectives keep them in step).
-
-Process: the stage starts `torchrun --standalone --nproc-per-node world_size` on
-this script with `--worker <job file>`; rank 0 decides which configurations run
-(resume, time budget), broadcasts the decision and writes the records. A
-configuration during which a rank died or a collective timed out is recorded as
-failed by the stage, which then starts torchrun again to resume.
-"""
+"""Multi-GPU training track -> results/tracks/train_fsdp/records.jsonl: track_train's
+step run data parallel over `train.world_size` GPUs of one node with FSDP2
+(common/fsdp.py), B documents of T tokens per rank (weak scaling), each mixer on the
+backend track_train's comparison chose at that shape (else `auto`), both orders. A
+step takes its slowest rank's time; records add tokens/s in total and per GPU, MFU
+per GPU, every rank's peak memory and the scaling efficiency against the single-GPU
+tokens/s. The stage runs torchrun on this script (`--worker`); rank 0 decides what
+runs and writes the records; a configuration during which a rank died is recorded
+as failed and torchrun starts again to resume."""
 
 
 import json
@@ -40,13 +16,14 @@ import tempfile
 from pathlib import Path
 
 from common import atomic, measure, records, stage
+from common.cases import opt_tag
 
 STAGE = "train_fsdp"
 MAX_LAUNCHES = 4
 
 
 def fsdp_settings(settings: dict) -> dict:
-    """The FSDP run's presets, shapes, reps, warmup and budget (see the module docstring)."""
+    """train.fsdp's presets, shapes, reps, warmup, budget (defaults: the track's, no budget)."""
     fs = settings.get("fsdp") or {}
     return {"presets": fs.get("presets", settings["presets"]), "shapes": fs.get("shapes", settings["shapes"]),
             "reps": fs.get("reps", settings["fresh_reps"]), "warmup": fs.get("warmup", settings["warmup"]),
@@ -54,17 +31,14 @@ def fsdp_settings(settings: dict) -> dict:
 
 
 def single_gpu(recs: list[dict], preset: str, T: int, B: int, mixer: str) -> list[dict]:
-    """track_train's successful fresh (architecture comparison) records of one
-    preset, shape and mixer."""
+    """track_train's successful fresh records of one preset, shape and mixer."""
     return [r for r in recs if r.get("stage") == "train" and r.get("role") == "fresh" and r["status"] == "ok"
-            and r["mixer"] == mixer and r["shapes"].get("preset") == preset and r["shapes"].get("T") == T
-            and r["shapes"].get("B") == B]
+            and r["mixer"] == mixer and (r["shapes"].get("preset"), r["shapes"].get("T"), r["shapes"].get("B"))
+            == (preset, T, B)]
 
 
 def plan(settings: dict, single: list[dict]) -> list[dict]:
     """Every configuration in run order: preset, shape, order, mixer and backend."""
-    from common.cases import opt_tag
-
     world, fs = settings["world_size"], fsdp_settings(settings)
     out = []
     for preset in fs["presets"]:
@@ -111,41 +85,23 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
     single = item["single"]
     one = sum(r["tokens_per_s"] for r in single) / len(single) if single else None
     per_gpu = B * T / step_s
-    return {
-        "samples_ms": samples,
-        "samples_basis": "per step, the slowest rank's time (each rank times its own steps)",
-        "stats": stats,
-        "rank_median_ms": [r["timing"]["stats"]["median_ms"] for r in per_rank],
-        "peak_bytes": max(peaks) if None not in peaks else None,
-        "peak_bytes_per_rank": peaks,
-        "base_bytes_per_rank": [r["timing"]["base_bytes"] for r in per_rank],
-        "logical": logical,
-        "world_size": world,
-        "process_group": first["process_group"],
-        "param_dtype": first["param_dtype"],
-        "reduce_dtype": "float32",
-        "tokens_per_step": tokens,
-        "tokens_per_step_per_gpu": B * T,
-        "tokens_per_s": tokens / step_s,
-        "tokens_per_s_per_gpu": per_gpu,
-        "step_ms": stats["median_ms"],
-        "parameters": params,
-        "non_embedding_parameters": first["non_embedding_parameters"],
-        "model_flops_per_step": flops,
-        "mfu": flops / step_s / (world * matmul_rate) if matmul_rate else None,
-        "mfu_basis": "model FLOPs (6 x parameters x tokens of all ranks) per second over world_size x the "
-                     "probe's measured BF16 matmul rate" if matmul_rate else None,
-        "mfu_of_peak": flops / step_s / (world * peak_rate) if peak_rate else None,
-        "single_gpu_tokens_per_s": one,
-        "single_gpu_records": sorted(r["config_id"] for r in single),
-        "scaling_efficiency": per_gpu / one if one else None,
-        "scaling_basis": "tokens/s per GPU over the single-GPU tokens/s of the same preset, shape and mixer "
-                         "(mean of track_train's fresh records in both orders)" if one else
-                         "no single-GPU record of this preset, shape and mixer",
-    }
-
-
-# ------------------------------------------------------------------ worker
+    return {"samples_ms": samples, "samples_basis": "per step, the slowest rank's time (each rank times its own steps)",
+            "stats": stats, "rank_median_ms": [r["timing"]["stats"]["median_ms"] for r in per_rank],
+            "peak_bytes": max(peaks) if None not in peaks else None, "peak_bytes_per_rank": peaks,
+            "base_bytes_per_rank": [r["timing"]["base_bytes"] for r in per_rank], "logical": logical,
+            "world_size": world, "process_group": first["process_group"], "param_dtype": first["param_dtype"],
+            "reduce_dtype": "float32", "tokens_per_step": tokens, "tokens_per_step_per_gpu": B * T,
+            "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": per_gpu, "step_ms": stats["median_ms"],
+            "parameters": params, "non_embedding_parameters": first["non_embedding_parameters"],
+            "model_flops_per_step": flops, "mfu": flops / step_s / (world * matmul_rate) if matmul_rate else None,
+            "mfu_basis": "model FLOPs (6 x parameters x tokens of all ranks) per second over world_size x the "
+                         "probe's measured BF16 matmul rate" if matmul_rate else None,
+            "mfu_of_peak": flops / step_s / (world * peak_rate) if peak_rate else None,
+            "single_gpu_tokens_per_s": one, "single_gpu_records": sorted(r["config_id"] for r in single),
+            "scaling_efficiency": per_gpu / one if one else None,
+            "scaling_basis": "tokens/s per GPU over the single-GPU tokens/s of the same preset, shape and mixer "
+                             "(mean of track_train's fresh records in both orders)" if one else
+                             "no single-GPU record of this preset, shape and mixer"}
 
 
 def worker(job_file: str) -> None:
@@ -223,9 +179,6 @@ def worker(job_file: str) -> None:
     if skipped:
         runner.say(f"time budget spent: {len(skipped)} configurations not run: {skipped}")
     torch.distributed.destroy_process_group()
-
-
-# ------------------------------------------------------------------- stage
 
 
 def main(job):

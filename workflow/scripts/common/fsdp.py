@@ -1,22 +1,8 @@
-"""Fully sharded data parallelism (FSDP2) for the training track, applied from outside.
-
-The Hawk model is single-device code; this module alone makes a training step
-data parallel over documents, in the way torchtitan applies parallelism:
-
-    rank, world, device = fsdp.init_process_group()
-    setup = Setup(preset, mixer, T, world * B, ...)      # the single-GPU step's model, AdamW, batch
-    fsdp.distribute(setup, rank, world, param_dtype=torch.bfloat16)
-    setup.step()                                         # this rank's B documents
-
-`shard` wraps every mixer, every residual block, then the root (the embedding,
-shared with the output projection, and the final norm), with
-`torch.distributed.fsdp.fully_shard`: FP32 parameters, gradients and AdamW moments
-are kept as shards (1 / world of each per rank, the master weights), a block's
-parameters are all-gathered in `param_dtype` (BF16 on the GPU; the mixer's in
-FP32, as the single-GPU step hands them to the mixer ops) just before it runs and
-freed after, and gradients are reduce-scattered in FP32. The sequence-mixer ops are unchanged: a
-document never crosses ranks, so each rank scans whole sequences.
-"""
+"""FSDP2 for the training track, applied from outside the single-device Hawk model (as
+torchtitan does): `distribute(setup, rank, world, param_dtype)` shards every mixer,
+every residual block and the root with `fully_shard` (FP32 master weights, gradients
+and AdamW moments as shards; parameters gathered in `param_dtype`, the mixers' in FP32;
+gradients reduce-scattered in FP32) and gives each rank its B whole documents."""
 
 from __future__ import annotations
 
@@ -29,10 +15,8 @@ import torch.distributed as dist
 
 
 def init_process_group(timeout_s: float = 900) -> tuple[int, int, torch.device]:
-    """Join the process group that torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR/PORT): NCCL with one GPU per rank when CUDA is available, else gloo
-    on the CPU. A collective that waits longer than `timeout_s` (a rank that died or
-    failed alone) raises instead of hanging. Returns (rank, world size, device)."""
+    """Join torchrun's process group (NCCL, one GPU per rank; gloo on the CPU); a collective
+    waiting over `timeout_s` raises instead of hanging. Returns (rank, world size, device)."""
     if not dist.is_initialized():
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             if var not in os.environ:
@@ -48,8 +32,7 @@ def init_process_group(timeout_s: float = 900) -> tuple[int, int, torch.device]:
 
 
 class _Scalar(torch.nn.Module):
-    """Keeps a scalar parameter as a tensor of shape [1] (fully_shard shards
-    dimension 0 and refuses scalars) and hands the module its scalar."""
+    """Stores a scalar parameter with shape [1] (fully_shard refuses scalars)."""
 
     def forward(self, x):
         return x.reshape(())
@@ -63,14 +46,9 @@ _STORED = ".parametrizations."
 
 def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
           reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Apply FSDP2 in place to a HawkLM: one unit per mixer (RG-LRU or SAMU), one per
-    residual block, then the root. `param_dtype`: the dtype the blocks' parameters
-    are gathered and computed in (None: the stored FP32); the mixers' parameters are
-    gathered in FP32 whatever it is, so the mixer ops get the inputs they get in the
-    single-GPU autocast step (FP32 parameters, activations in the autocast dtype).
-    `reduce_dtype`: the dtype of the gradient reduce-scatter. Scalar parameters
-    (SAMU's amplitudes) are stored with shape [1] through a parametrization; the
-    module still reads a scalar."""
+    """Apply FSDP2 in place to a HawkLM: one unit per mixer, per residual block, then the
+    root. Blocks gather in `param_dtype` (None: FP32); mixers always in FP32, as the
+    single-GPU autocast step hands them their parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.nn.utils import parametrize
 
@@ -98,21 +76,15 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
 
 
 def rebuild_optimizer(opt: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and settings as `opt` over `params` (the
-    sharded parameters replace the ones `opt` was built on)."""
+    """A new optimizer of `opt`'s class and settings over `params` (the sharded ones)."""
     accepted = inspect.signature(type(opt)).parameters
     return type(opt)(params, **{k: v for k, v in opt.defaults.items() if k in accepted})
 
 
 def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = None):
-    """Turn a single-GPU training step into this rank's part of a data-parallel one.
-
-    `setup` holds `model`, `opt` and a global batch `inp`, `tgt`, `pos` of
-    world x B documents ([world * B, T]); afterwards the model is sharded, the
-    optimizer rebuilt over the shards and the batch is this rank's B documents
-    (rows rank * B .. rank * B + B - 1). FSDP averages gradients over ranks, so with
-    equal documents per rank the step's gradients are those of the global batch's
-    mean loss."""
+    """Make `setup` (model, opt, a global batch inp/tgt/pos of world x B documents) this
+    rank's part of a data-parallel step: model sharded, optimizer rebuilt, rows
+    rank * B .. rank * B + B - 1 kept (FSDP's mean gradient is the global batch's)."""
     rows = setup.inp.shape[0]
     if rows % world:
         raise ValueError(f"expected a global batch divisible by the world size {world}, got {rows} documents")
@@ -126,9 +98,8 @@ def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = N
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and gradient as a full tensor on every rank (a collective:
-    all ranks call it), keyed by the single-device model's parameter name and
-    `grad.<name>`, in its shapes."""
+    """Every parameter and `grad.<name>` as a full tensor in the single-device names and
+    shapes, on every rank (a collective)."""
     from torch.distributed.tensor import DTensor
 
     def full(t, stored):

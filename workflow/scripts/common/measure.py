@@ -151,6 +151,14 @@ def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) ->
             "calls_per_sample": calls, "graph_error": why}
 
 
+def copy_timing(n_bytes: int, reps: int, device=None) -> tuple[dict, float]:
+    """(time_fn of a device-to-device copy of n_bytes, bandwidth in bytes read + written per s)."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device_of(device)).random_(0, 255)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
+    return t, 2 * n_bytes / (t["median_ms"] * 1e-3)
+
+
 def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], device=None,
                     before: Callable[[], object] | None = None, warmup: int = 0) -> dict:
     """One run of dependent steps step(0) .. step(max(checkpoints) - 1): cumulative ms at
