@@ -8,10 +8,18 @@ then each mixer's best batch sizes on fresh trajectories in both orders."""
 
 
 import json
+import math
 import statistics
 from pathlib import Path
 
+import torch
+
 from common import measure, stage
+
+import kernels
+from kernels import ops
+from kernels.models import HawkConfig, HawkLM
+from kernels.models.generation import Engine
 
 
 def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], reps: int, device, params: int,
@@ -19,7 +27,6 @@ def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], rep
     """Per checkpoint, the cumulative ms of `reps` trajectories (after `warmup` untimed
     steps from a fresh prefill), tokens/s, peak memory and the logical counts of one step
     (from `reuse`, the other order's record, when it has them)."""
-    from kernels.models.generation import Engine
 
     def prefill():
         if prompt_tokens is None:
@@ -56,10 +63,6 @@ def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], rep
 
 def resolved_backends(engine, B: int, prompt: int) -> dict:
     """What the mixer backends resolve to: the prefill op (with options) and the decode step."""
-    import torch
-
-    from kernels import ops
-
     cfg = engine.model.config
     x = torch.empty(B, max(prompt, 1), cfg.lru_width, dtype=engine.dtype, device=engine.device)
     name, opts = ops.resolve(cfg.mixer, engine.model.blocks[0].recurrent_block.mixer.backend, x)
@@ -68,10 +71,6 @@ def resolved_backends(engine, B: int, prompt: int) -> dict:
 
 def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
     """The tuning table's decode entry for this mixer nearest in log(B), if any."""
-    import math
-
-    import kernels
-
     cands = [e for e in table.get("decode", []) if e.get("op") == f"{mixer}_step"
              and e.get("backend") in kernels.step_backends(mixer)]
     if not cands:
@@ -80,10 +79,6 @@ def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
 
 
 def build_model(preset: str, mixer: str, settings: dict, device, backend="auto"):
-    import torch
-
-    from kernels.models import HawkConfig, HawkLM
-
     torch.manual_seed(0)
     cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
     model = HawkLM(cfg, backend=backend, device=device, dtype=getattr(torch, settings["dtype"])).eval()
@@ -122,11 +117,7 @@ def extend_grid(probe_at, thr: dict) -> dict:
 
 
 def main(job):
-    import torch
-
     settings = job.params["settings"]
-    import kernels
-    from kernels.models.generation import Engine
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = json.loads(Path(job.input.table).read_text())

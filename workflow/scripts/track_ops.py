@@ -16,7 +16,13 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from common import cases, measure, stage
+from common.facts import REPO_ROOT
+
+import kernels
+from kernels.models import HawkConfig
 
 PEER_GATE_DTYPE, PEER_GATE_TOL = "float32", 1e-4
 
@@ -36,18 +42,12 @@ class Case:
 
 def cast(args: list, dtype, grad: bool = False) -> list:
     """Fresh leaves of the floating-point tensors among `args` in `dtype`."""
-    import torch
-
     return [a.detach().to(dtype).requires_grad_(grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
             else a for a in args]
 
 
 def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype) -> Case:
     """kernels.<op> (and for scan its peers) against the float64 reference."""
-    import torch
-
-    import kernels
-
     grad = mode == "fwd_bwd"
     B, T = s["B"], s["T"]
     args = cases.op_inputs(op, B, T, D, dtype, device, requires_grad=grad, resets=s.get("resets", True))
@@ -100,10 +100,6 @@ def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype) -> 
 
 def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dtype) -> Case:
     """Our RG-LRU layer and the official one (same weights) against our float64 layer."""
-    import torch
-
-    import kernels
-
     grad = mode == "fwd_bwd"
     B, T = s["B"], s["T"]
     official, ref = cases.official_rglru(D, blocks, dtype, device)
@@ -144,10 +140,6 @@ def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dty
 
 def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> Case:
     """kernels.<op>_step (and the official RG-LRU layer at T = 1): 4 steps against float64."""
-    import torch
-
-    import kernels
-
     fn = getattr(kernels, f"{op}_step")
     args, state0 = cases.step_inputs(op, B, D, blocks, dtype, device)
     ref_args, ref_state = cast(args, torch.float64), state0.to(torch.complex128 if state0.is_complex() else torch.float64)
@@ -193,10 +185,6 @@ def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> C
 
 def plan(s: dict, device):
     """Case builders in running order (built one at a time: inputs are freed between)."""
-    import torch
-
-    from kernels.models import HawkConfig
-
     dtype = getattr(torch, s["dtype"])
     out = []
     for preset in s["presets"]:
@@ -219,8 +207,6 @@ def plan(s: dict, device):
 def gated(case: Case, name: str, s: dict):
     """(timed call, the record's `gate`): ours gated in the track's dtype, a peer in
     PEER_GATE_DTYPE where it runs in it (its track-dtype errors recorded ungated)."""
-    import torch
-
     make, dtype = case.variants[name], getattr(torch, s["dtype"])
     gate = {"passed": True, "against": "float64 reference", "dtype": s["dtype"], "tolerance": s["check_tolerance"]}
     if name != "ours" and s["dtype"] != PEER_GATE_DTYPE:
@@ -291,7 +277,6 @@ def standalone(argv) -> None:
     """The track outside Snakemake, with a profile's settings from config.yaml."""
     import yaml
 
-    from common.facts import REPO_ROOT
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--standalone", action="store_true", required=True)

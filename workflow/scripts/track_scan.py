@@ -10,8 +10,12 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from common import atomic, cases, measure, stage
 from common.cases import chunk_variants, floor_bytes, op_inputs, opt_tag
+
+import kernels
 
 COUNTERS_PASS = "KERNELS_SCAN_COUNTERS_PASS"
 # Left out of the Nsight Compute pass: PyTorch per-step loops and associative scans
@@ -21,8 +25,6 @@ COUNTERS_SKIP = ("reference", "assoc", "assoc_bf16")
 
 def plan(settings: dict, gates: dict | None) -> list[dict]:
     """Every (op, backend, options, T) of the track in listed order, per T."""
-    import kernels
-
     out = []
     for T in settings["T"]:
         for op in settings["ops"]:
@@ -50,10 +52,6 @@ class Inputs:
 
     def call(self, item: dict):
         """(the timed no-grad forward call of `item`, its arguments)."""
-        import torch
-
-        import kernels
-
         if self.key != (item["op"], item["T"]):
             self.args = None
             measure.release(self.device)
@@ -70,8 +68,6 @@ class Inputs:
 
 def counters_pass(items: list[dict], settings: dict, device) -> None:
     """Run every item once between boundary markers: [set-up] M [call] M [set-up] M ..."""
-    import torch
-
     inputs = Inputs(settings, device)
     for item in items:
         call = None
@@ -109,8 +105,6 @@ def collect_counters(job, items: list[dict], env: dict, settings: dict) -> dict:
 
 
 def main(job):
-    import torch
-
     settings = job.params["settings"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gates = json.loads(Path(job.input.gates).read_text())

@@ -11,14 +11,19 @@ MFU: 6 x parameters x tokens over the probe's measured BF16 matmul rate."""
 import json
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 from common import cases, measure, stage
 from common.cases import chunk_variants, opt_tag
+
+import kernels
+from kernels import parity
+from kernels.models import HawkConfig, HawkLM, compile_blocks, train_step
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
     """(backend, options) diagnostics of one mixer; chunk sizes only on a GPU."""
-    import kernels
-
     fns = kernels.backends(mixer)
     out = []
     for name in cases.diagnostic_backend_names(mixer, fns, gates)[0]:
@@ -34,10 +39,7 @@ class Setup:
 
     def __init__(self, preset: str, mixer: str, T: int, B: int, settings: dict, device, backend="auto",
                  official: bool = False, seed: int = 0):
-        import torch
 
-        import kernels
-        from kernels.models import HawkConfig, HawkLM, compile_blocks
 
         torch.manual_seed(seed)
         self.cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
@@ -60,11 +62,6 @@ class Setup:
         self.params = sum(p.numel() for p in model.parameters())
 
     def step(self):
-        import torch
-        import torch.nn.functional as F
-
-        from kernels.models import train_step
-
         dtype = getattr(torch, self.autocast) if self.autocast else None
         if not self.official:
             return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype)
@@ -112,13 +109,10 @@ def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate,
 
 
 def main(job):
-    import torch
-
     settings = job.params["settings"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gates = json.loads(Path(job.input.gates).read_text())
     env = json.loads(Path(job.input.environment).read_text())
-    import kernels
 
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
@@ -180,8 +174,6 @@ def main(job):
 
         def peer_body():
             try:
-                from kernels import parity
-
                 parity.load_official()
             except ImportError as e:
                 raise measure.Skip(f"recurrentgemma not installed ({e})") from None

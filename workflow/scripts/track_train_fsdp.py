@@ -15,8 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import atomic, measure, records, stage
+import torch
+
+from common import atomic, fsdp, measure, records, stage
 from common.cases import opt_tag
+
+import kernels
+import track_train
 
 STAGE = "train_fsdp"
 MAX_LAUNCHES = 4
@@ -107,10 +112,7 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
 def worker(job_file: str) -> None:
     """One rank of the torchrun group: measure every planned configuration."""
     stage.prepare_process()
-    import torch
 
-    import track_train
-    from common import fsdp
 
     job = stage.Job.from_json(json.loads(Path(job_file).read_text()))
     work = Path(job_file).parent
@@ -119,7 +121,6 @@ def worker(job_file: str) -> None:
     if world != settings["world_size"]:
         raise RuntimeError(f"expected {settings['world_size']} ranks (train.world_size), torchrun started {world}")
     fs = fsdp_settings(settings)
-    import kernels
 
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     env = json.loads(Path(job.input.environment).read_text())

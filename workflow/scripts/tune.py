@@ -11,8 +11,13 @@ import itertools
 import json
 import statistics
 
+import torch
+
 from common import atomic, cases, facts, measure, records, stage
 from common.cases import OPS, STEP_OPS, checked, floor_bytes, make_call, op_inputs, opt_tag, rel_err, step_inputs
+
+import kernels
+from kernels.ops import tuning
 
 # Arguments of the decode steps that are not launcher options.
 _STEP_FIXED = {
@@ -65,10 +70,6 @@ def select(runner: measure.Runner, tag: str, cands, probe, fresh, fields: dict) 
 
 
 def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device) -> list[dict]:
-    import torch
-
-    import kernels
-
     dtype = getattr(torch, settings["dtype"])
     tol = settings["check_tolerance"][settings["dtype"]]
     entries = []
@@ -124,8 +125,6 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device)
 def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool = False) -> list[float]:
     """Milliseconds of `count` trajectories of n_steps fed-back decode steps; with `graph`
     on a GPU each is one replay of the captured steps, as in the inference engine."""
-    import torch
-
     if graph and device.type == "cuda":
         xin = x0.clone()
         side = torch.cuda.Stream(device)
@@ -153,10 +152,6 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool 
 
 
 def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
-    import torch
-
-    import kernels
-
     dec = settings.get("decode") or {}
     if not dec:
         return []
@@ -204,10 +199,6 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
 
 
 def main(job):
-    import torch
-
-    from kernels.ops import tuning
-
     settings = job.params["settings"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gates = json.loads(open(job.input.gates).read())

@@ -2,8 +2,15 @@
 gates before timing, the memory floor's bytes, backend variants and the peers.
 Legend: B batch, T time, D width (M = D / 2 complex modes for SAMU), H heads."""
 
+import fnmatch
 import inspect
-import math
+
+import torch
+
+import kernels
+from kernels import layers, ops, parity
+
+from .measure import Skip
 
 OPS = ("rglru", "samu", "scan")
 STEP_OPS = ("rglru", "samu")
@@ -12,11 +19,8 @@ SCAN_PEERS = ("fla_fused_recurrent_hgrn", "accelerated_scan_triton", "accelerate
 
 def positions(B: int, T: int, device, resets: bool = False):
     """segment_pos [B, T]: one document per row, or with `resets` the audit's mix of resets."""
-    import torch
-
     if not resets:
         return torch.arange(T, device=device).expand(B, T).contiguous()
-    from kernels import parity
 
     return parity.make_segment_pos(B, T, resets=True, seed=0, device=device)
 
@@ -25,10 +29,6 @@ def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, req
               resets: bool = False) -> list:
     """Positional arguments of `op`: activations [B, T, D] in `dtype`, FP32 parameters at
     the layers' initialisation, segment_pos, no initial or final state."""
-    import torch
-
-    from kernels import layers
-
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def act():
@@ -50,10 +50,6 @@ def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, req
 
 def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 0) -> tuple[list, object]:
     """(arguments without the state, zero state) of a decode step at `dtype` weights."""
-    import torch
-
-    from kernels import layers
-
     torch.manual_seed(seed)
     x = torch.randn(B, D, device=device, dtype=dtype)
     if op == "rglru":
@@ -69,8 +65,6 @@ def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 
 
 def nbytes(tensors) -> int:
     """Bytes of the floating-point and complex tensors (integer positions only encode resets)."""
-    import torch
-
     return sum(t.numel() * t.element_size() for t in tensors
                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
 
@@ -104,8 +98,6 @@ def opt_tag(opts: dict) -> str:
 
 
 def rel_err(got, want) -> float:
-    import torch
-
     g, w = (torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double() for t in (got, want))
     scale = w.abs().max().item() if w.numel() else 0.0
     err = (g - w).abs().max().item() if w.numel() else 0.0
@@ -122,16 +114,12 @@ def checked(errs: dict, tol: float) -> dict:
 
 
 def grad_targets(args: list) -> list:
-    import torch
-
     return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
 def make_call(fn, args: list, opts: dict, mode: str, grad_out=None):
     """A no-argument call: the forward without autograd ("fwd"), or with the backward to
     every input that takes a gradient ("fwd_bwd")."""
-    import torch
-
     if mode == "fwd":
         def call():
             with torch.no_grad():
@@ -147,8 +135,6 @@ def make_call(fn, args: list, opts: dict, mode: str, grad_out=None):
 def samu_kinks(args: list):
     """Where the exact pre-relu SAMU state is ~0 (the audit's rule): a gradient check zeroes
     the output cotangent there, so rounding across relu's kink cannot decide it."""
-    from kernels import parity
-
     return parity.samu_relu_kinks([a.detach().double() for a in args[:7]], None, args[7])
 
 
@@ -173,8 +159,6 @@ def gated_backends(gates: dict) -> dict[str, set[str]] | None:
 
 def exact_backend_names(op: str, names, gates: dict | None, inexact=()) -> list[str]:
     """The backends of `op` matching no `inexact` pattern and passing every audit check."""
-    import fnmatch
-
     gated = gated_backends(gates) if gates else None
     out = []
     for n in names:
@@ -188,8 +172,6 @@ def exact_backend_names(op: str, names, gates: dict | None, inexact=()) -> list[
 
 def diagnostic_backend_names(op: str, names, gates: dict | None) -> tuple[list[str], set[str]]:
     """(backends a track times, the exact ones): inexact-by-design ones are timed, never selected."""
-    from kernels import ops
-
     names = list(names)
     exact = set(exact_backend_names(op, names, gates))
     return [n for n in names if n in exact or n in ops.inexact_backends()], exact
@@ -206,10 +188,6 @@ class Peer:
                 "fla_fused_recurrent_hgrn": "its kernels autotune, which needs a GPU driver"}
 
     def __init__(self, name: str, a, b, segment_pos, grad: bool = False, allow_cpu: bool = False):
-        import torch
-
-        from common.measure import Skip
-
         if name not in SCAN_PEERS:
             raise ValueError(f"expected a peer in {list(SCAN_PEERS)}, got {name!r}")
         if b.device.type != "cuda" and name in self.CPU_SKIP and not allow_cpu:
@@ -248,16 +226,12 @@ class Peer:
         self.grad_out = self.from_btd(grad_out).contiguous()
 
     def call(self):
-        import torch
-
         if not self.grad:
             with torch.no_grad():
                 return self.fn(*self.inputs)
         return torch.autograd.grad(self.fn(*self.inputs), self.inputs, self.grad_out)
 
     def output(self):
-        import torch
-
         with torch.no_grad():
             return self.to_btd(self.fn(*[t.detach() for t in self.inputs]))
 
@@ -270,17 +244,9 @@ class Peer:
 def official_rglru(D: int, blocks: int, dtype, device, seed: int = 0):
     """(the official RG-LRU layer in FP32 with weights rounded to `dtype`, our float64
     reference layer with the same weights); measure.Skip without recurrentgemma."""
-    import torch
-
-    import kernels
-
     try:
-        from kernels import parity
-
         rg = parity.load_official()
     except ImportError as e:
-        from common.measure import Skip
-
         raise Skip(f"recurrentgemma not available ({e})") from None
     torch.manual_seed(seed)
     official = rg.RGLRU(D, blocks, device=device)

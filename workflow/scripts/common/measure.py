@@ -21,13 +21,15 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from kernels.ops import accounting
 
-from . import records
+from . import atomic, records
+from .facts import REPO_ROOT
 
 STATUS_OK, STATUS_OOM, STATUS_FAILED = "ok", "oom", "failed"
 POISONED_EXIT = 75  # exit status of a stage worker whose failure left the CUDA context unusable
@@ -561,9 +563,6 @@ RESTARTS_ENV = "KERNELS_STAGE_RESTARTS"
 
 def reexec(job, max_restarts: int = 8) -> None:
     """Replace this process by a fresh run of the same stage job, which resumes."""
-    from . import atomic
-    from .facts import REPO_ROOT
-
     n = int(os.environ.get(RESTARTS_ENV, "0")) + 1
     if n > max_restarts:
         raise RuntimeError(f"stage {job.rule}: CUDA context poisoned {n} times; giving up")
@@ -596,7 +595,6 @@ class Runner:
 
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
                  restart: Callable[[], None] | None = None, lock_clocks: bool = False):
-        from pathlib import Path
 
         self.stage, self.profile, self.dir, self.device = stage, profile, Path(records_dir), device_of(device)
         self.budget, self.restart = Budget(budget_s), restart
