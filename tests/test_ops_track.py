@@ -175,8 +175,9 @@ def test_peers_are_gated_in_fp32_and_their_track_dtype_error_is_recorded(tmp_pat
     assert {r["op"] for r in recs if r["peer"]} == {"rglru_layer", "rglru_step"}
     import aggregate
 
-    text, plots = aggregate.ops_section(recs, tmp_path / "plots")
-    assert "timed-dtype err" in text and "float32 " in text and "bfloat16 " in text and plots == ["ops.png"]
+    df = aggregate.flatten(recs)
+    text, plots = aggregate.stage_tables(df), aggregate.stage_plots(df, tmp_path / "plots")
+    assert "timed_dtype_err" in text and "float32 " in text and "bfloat16 " in text and plots == ["ops.png"]
 
 
 def test_a_miswired_peer_fails_its_fp32_gate(tmp_path, monkeypatch):
