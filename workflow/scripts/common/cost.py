@@ -1,23 +1,11 @@
-"""Predicted GPU time per stage of a profile, printed when the Snakefile is parsed
-(so `snakemake -n` shows it too).
-
-A stage costs a fixed part (process start, imports, the first compilations, the
-scan track's Nsight Compute pass) plus, per configuration it will measure, a
-set-up part (compilation, model build, graph capture) and its timed calls
-(warm-up + repetitions, plus one counting call where a first order counts
-launches) at a per-call time predicted from the shapes. Work under 50 ms per call
-is timed on two clocks (device and eager), so its calls count twice.
-
-Every constant is an H200 figure read from the committed runs
-results/runs/h200-20261201-run3 (whole DAG, h200 profile) and
-results/runs/h200-20261201-run4-partial (benchmarks/*.tsv for stage times, the
-record timestamps for per-configuration times, the record medians for call
-times); tests/test_pipeline.py checks that the model reproduces run 3's stage
-times from that run's own configuration. On another GPU the figures scale with
-its speed. The model counts configurations from the profile alone (the set of
-backends is the registry's as of this file; an option a launcher does not take
-still counts), so it errs on the high side for option grids.
-"""
+"""Predicted GPU time per stage of a profile, printed when the Snakefile is parsed.
+A stage costs a fixed part plus, per configuration, a set-up part and its timed calls
+(warm-up + repetitions, one counting call) at a per-call time predicted from the
+shapes; work under 50 ms per call is timed on two clocks, so its calls count twice.
+The constants are H200 figures from the committed runs named in CALIBRATION (stage
+benchmarks, record timestamps and medians; tests/test_pipeline.py checks the model
+against run 3's own configuration); configurations are counted from the profile alone,
+so option grids err high."""
 
 from __future__ import annotations
 
@@ -25,8 +13,7 @@ import math
 
 CALIBRATION = "H200, runs h200-20261201-run3 and -run4-partial"
 
-# Whole-stage figures (s): benchmarks/*.tsv of run 3 and run 4; the audit is run 4's
-# (two dtypes, with the associative-scan gates) and scales with the dtypes.
+# Whole-stage figures (s); the audit scales with its dtypes.
 PROBE_S = 15.0
 AUDIT_S_PER_DTYPE = 132.0
 AGGREGATE_S = 8.0
@@ -79,12 +66,9 @@ INFER_PREFILL_S_PER_TOKEN_ROW = 0.5 / (4096 * 16)
 INFER_PROBE_S = 0.5
 
 
-def _grid_size(grid: dict | None) -> int:
-    return math.prod(len(v) for v in (grid or {}).values()) if grid else 1
-
-
-def _grid(grids: dict, op: str, name: str) -> dict:
-    return grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {}))) or {}
+def _grid_size(grids: dict, op: str, name: str) -> int:
+    grid = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {}))) or {}
+    return math.prod(len(v) for v in grid.values())
 
 
 def _calls(warmup: int, reps: int, ms: float) -> float:
@@ -98,7 +82,7 @@ def tune(s: dict) -> float:
     for op, shapes in s.get("shapes", {}).items():
         mode = s.get("modes", {}).get(op, "fwd_bwd")
         names = [n for n in OP_BACKENDS[op] if not s.get("backends") or n in s["backends"]]
-        n_cand = sum(_grid_size(_grid(grids, op, n)) for n in names if n != "assoc")
+        n_cand = sum(_grid_size(grids, op, n) for n in names if n != "assoc")
         n_assoc = int("assoc" in names)
         n_cand = min(n_cand, s.get("max_candidates", n_cand + n_assoc))
         for sh in shapes:
@@ -109,7 +93,7 @@ def tune(s: dict) -> float:
     dec = s.get("decode")
     if dec:
         for op, names in STEP_BACKENDS.items():
-            n = sum(_grid_size(_grid(dec.get("options", {}), op, name)) for name in names)
+            n = sum(_grid_size(dec.get("options", {}), op, name) for name in names)
             total += len(dec["batches"]) * (n + 1) * TUNE_DECODE_CANDIDATE_S
     return total
 
@@ -225,23 +209,13 @@ def infer(s: dict) -> float:
 
 def estimate(profile: dict) -> dict[str, float | None]:
     """Predicted seconds per stage (None for a section the model does not cover)."""
-    out: dict[str, float | None] = {
-        "probe": PROBE_S,
-        "audit": AUDIT_S_PER_DTYPE * len(profile["audit"]["dtypes"]),
-    }
-    for name, fn in (("tune", tune), ("scan", scan), ("train", train), ("infer", infer)):
-        out[name] = fn(profile[name])
-    for name in profile:
-        out.setdefault(name, None)
-    out["aggregate"] = AGGREGATE_S
-    out["archive"] = ARCHIVE_S
-    return out
+    out = {"probe": PROBE_S, "audit": AUDIT_S_PER_DTYPE * len(profile["audit"]["dtypes"]),
+           **{name: fn(profile[name]) for name, fn in (("tune", tune), ("scan", scan), ("train", train), ("infer", infer))}}
+    return {**out, **{n: None for n in profile if n not in out}, "aggregate": AGGREGATE_S, "archive": ARCHIVE_S}
 
 
 def _fmt(s: float | None) -> str:
-    if s is None:
-        return "not modelled"
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+    return "not modelled" if s is None else f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
 def summary(name: str, profile: dict) -> str:
