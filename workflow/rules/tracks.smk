@@ -1,41 +1,26 @@
-rule track_scan:
-    input:
-        environment=rules.probe.output.environment,
-        gates=rules.audit.output.gates,
-        table=rules.tune.output.table,
-    output:
-        records="results/tracks/scan/records.jsonl",
-    log:
-        log_path("track_scan"),
-    benchmark:
-        benchmark_path("track_scan")
-    params:
-        profile=PROFILE,
-        section="scan",
-        settings=section("scan"),
-        records_dir="results/tracks/scan/records.d",
-    script:
-        "../scripts/track_scan.py"
+# The scan, training and inference tracks read the probe, the audit and the tuning table.
+for _track in ("scan", "train", "infer"):
 
-
-rule track_train:
-    input:
-        environment=rules.probe.output.environment,
-        gates=rules.audit.output.gates,
-        table=rules.tune.output.table,
-    output:
-        records="results/tracks/train/records.jsonl",
-    log:
-        log_path("track_train"),
-    benchmark:
-        benchmark_path("track_train")
-    params:
-        profile=PROFILE,
-        section="train",
-        settings=section("train"),
-        records_dir="results/tracks/train/records.d",
-    script:
-        "../scripts/track_train.py"
+    rule:
+        name:
+            f"track_{_track}"
+        input:
+            environment=rules.probe.output.environment,
+            gates=rules.audit.output.gates,
+            table=rules.tune.output.table,
+        output:
+            records=f"results/tracks/{_track}/records.jsonl",
+        log:
+            log_path(f"track_{_track}"),
+        benchmark:
+            benchmark_path(f"track_{_track}")
+        params:
+            profile=PROFILE,
+            section=_track,
+            settings=section(_track),
+            records_dir=f"results/tracks/{_track}/records.d",
+        script:
+            f"../scripts/track_{_track}.py"
 
 
 rule track_train_fsdp:
@@ -56,26 +41,6 @@ rule track_train_fsdp:
         records_dir="results/tracks/train_fsdp/records.d",
     script:
         "../scripts/track_train_fsdp.py"
-
-
-rule track_infer:
-    input:
-        environment=rules.probe.output.environment,
-        gates=rules.audit.output.gates,
-        table=rules.tune.output.table,
-    output:
-        records="results/tracks/infer/records.jsonl",
-    log:
-        log_path("track_infer"),
-    benchmark:
-        benchmark_path("track_infer")
-    params:
-        profile=PROFILE,
-        section="infer",
-        settings=section("infer"),
-        records_dir="results/tracks/infer/records.d",
-    script:
-        "../scripts/track_infer.py"
 
 
 rule track_ops:
