@@ -13,11 +13,7 @@ import sys
 
 from common import atomic, facts, records, stage
 
-COUNTER_METRICS = (
-    "dram__bytes_read.sum",
-    "lts__t_bytes.sum",
-    "sm__warps_active.avg.pct_of_peak_sustained_active",
-)
+COUNTER_METRICS = ("dram__bytes_read.sum", "lts__t_bytes.sum", "sm__warps_active.avg.pct_of_peak_sustained_active")
 NCU_TIMEOUT_S = 300
 
 
@@ -41,38 +37,31 @@ def nvml_facts() -> dict:
 
     try:
         cuda = q(pynvml.nvmlSystemGetCudaDriverVersion)
-        out = {
-            "available": True,
-            "driver_version": q(pynvml.nvmlSystemGetDriverVersion),
-            "cuda_driver_version": None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
-            "nvml_version": q(pynvml.nvmlSystemGetNVMLVersion),
-            "devices": [],
-        }
+        out = {"available": True, "driver_version": q(pynvml.nvmlSystemGetDriverVersion),
+               "cuda_driver_version": None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
+               "nvml_version": q(pynvml.nvmlSystemGetNVMLVersion), "devices": []}
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             mem = q(pynvml.nvmlDeviceGetMemoryInfo, h)
             cc = q(pynvml.nvmlDeviceGetCudaComputeCapability, h)
             ecc = q(pynvml.nvmlDeviceGetEccMode, h)
             power = q(pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
-            clocks = {}
-            for label, kind in (("sm", pynvml.NVML_CLOCK_SM), ("memory", pynvml.NVML_CLOCK_MEM)):
-                clocks[f"{label}_mhz"] = q(pynvml.nvmlDeviceGetClockInfo, h, kind)
-                clocks[f"{label}_max_mhz"] = q(pynvml.nvmlDeviceGetMaxClockInfo, h, kind)
+            n = pynvml
+            clocks = {f"{label}{kind}_mhz": q(fn, h, clock)
+                      for label, clock in (("sm", n.NVML_CLOCK_SM), ("memory", n.NVML_CLOCK_MEM))
+                      for kind, fn in (("", n.nvmlDeviceGetClockInfo), ("_max", n.nvmlDeviceGetMaxClockInfo))}
+            persistence = q(n.nvmlDeviceGetPersistenceMode, h)
             out["devices"].append({
-                "index": i,
-                "name": q(pynvml.nvmlDeviceGetName, h),
-                "uuid": q(pynvml.nvmlDeviceGetUUID, h),
+                "index": i, "name": q(n.nvmlDeviceGetName, h), "uuid": q(n.nvmlDeviceGetUUID, h),
                 "compute_capability": None if cc is None else f"{cc[0]}.{cc[1]}",
                 "memory_total_bytes": None if mem is None else mem.total,
-                "memory_used_bytes": None if mem is None else mem.used,
-                "clocks": clocks,
+                "memory_used_bytes": None if mem is None else mem.used, "clocks": clocks,
                 "power_limit_w": None if power is None else power / 1000.0,
                 "ecc_mode_current": None if ecc is None else bool(ecc[0]),
                 "ecc_mode_pending": None if ecc is None else bool(ecc[1]),
-                "persistence_mode": None if (p := q(pynvml.nvmlDeviceGetPersistenceMode, h)) is None else bool(p),
-                "temperature_c": q(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU),
-                "pcie_link_gen_max": q(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-            })
+                "persistence_mode": None if persistence is None else bool(persistence),
+                "temperature_c": q(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU),
+                "pcie_link_gen_max": q(n.nvmlDeviceGetMaxPcieLinkGeneration, h)})
         return out
     finally:
         pynvml.nvmlShutdown()

@@ -211,10 +211,9 @@ class Clocks:
     SLOWDOWN = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # SW power cap, HW slowdown, SW/HW thermal, power brake
 
     def __init__(self, device=None):
-        self.nvml, self.handle, self.locked = None, None, False
         dev = device_of(device)
-        self.reason = "no GPU" if dev.type != "cuda" else None
-        if dev.type != "cuda":
+        self.nvml, self.handle, self.locked, self.reason = None, None, False, None if dev.type == "cuda" else "no GPU"
+        if self.reason:
             return
         try:
             import pynvml
@@ -230,9 +229,9 @@ class Clocks:
             self.reason = f"NVML unavailable: {type(exc).__name__}: {exc}"[:300]
 
     def sample(self) -> dict | None:
-        if self.handle is None:
-            return None
         n = self.nvml
+        if n is None:
+            return None
         try:
             reasons = n.nvmlDeviceGetCurrentClocksEventReasons(self.handle)
         except (n.NVMLError, AttributeError):
@@ -412,14 +411,15 @@ def parse_ncu_csv(text: str) -> list[dict]:
         name = r.get("Kernel Name") or r.get("Function Name") or ""
         if not name or name.startswith("nvtx") or r.get("ID", "").strip() == "":
             continue
-        vals = {}
-        for key, metric in NCU_METRICS.items():
-            try:
-                vals[key] = float((r.get(metric) or "").replace(",", "").strip())
-            except ValueError:
-                vals[key] = None
-        out.append({"name": name, **vals})
+        out.append({"name": name, **{key: _number(r.get(metric)) for key, metric in NCU_METRICS.items()}})
     return out
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float((text or "").replace(",", "").strip())
+    except ValueError:
+        return None
 
 
 def split_by_marker(rows: list[dict]) -> list[list[dict]]:
@@ -436,14 +436,10 @@ def split_by_marker(rows: list[dict]) -> list[list[dict]]:
 
 
 def summarize_counters(rows: list[dict]) -> dict:
-    def total(k):
-        vals = [r[k] for r in rows if r.get(k) is not None]
-        return sum(vals) if vals else None
-
-    occ = [r["achieved_occupancy_pct"] for r in rows if r.get("achieved_occupancy_pct") is not None]
-    return {"source": "ncu", "kernels": len(rows), "dram_bytes_read": total("dram_bytes_read"),
-            "dram_bytes_written": total("dram_bytes_written"), "l2_bytes": total("l2_bytes"),
-            "achieved_occupancy_pct_mean": (sum(occ) / len(occ)) if occ else None}
+    vals = {k: [r[k] for r in rows if r.get(k) is not None] for k in NCU_METRICS}
+    occ = vals.pop("achieved_occupancy_pct")
+    return {"source": "ncu", "kernels": len(rows), **{k: sum(v) if v else None for k, v in vals.items()},
+            "achieved_occupancy_pct_mean": sum(occ) / len(occ) if occ else None}
 
 
 def ncu_path(ncu: str = "ncu") -> str | None:
@@ -503,9 +499,7 @@ class Outcome:
     value: object = None
     error: dict | None = None
 
-    @property
-    def ok(self) -> bool:
-        return self.status == STATUS_OK
+    ok = property(lambda self: self.status == STATUS_OK)
 
 
 class Skip(Exception):
