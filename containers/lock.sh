@@ -16,7 +16,7 @@ UV_VERSION=0.13.9
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 -m venv "$tmp/venv"
-"$tmp/venv/bin/pip" install --quiet --isolated --index-url https://pypi.org/simple "uv==$UV_VERSION"
+"$tmp/venv/bin/pip" install --quiet --isolated --disable-pip-version-check --index-url https://pypi.org/simple "uv==$UV_VERSION"
 echo "triton==3.6.0" > "$tmp/overrides.txt"
 "$tmp/venv/bin/uv" pip compile envs/requirements.txt -c envs/constraints.txt \
     --override "$tmp/overrides.txt" --python-version 3.11 --python-platform x86_64-manylinux_2_28 \

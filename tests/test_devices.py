@@ -24,24 +24,27 @@ def clean(monkeypatch):
 
 
 def test_claims_the_first_free_gpu_and_never_a_held_one(tmp_path, clean, monkeypatch):
-    assert devices.claim_gpu(tmp_path, 3) == 0
+    assert devices.claim_gpus(tmp_path, 3) == [0]
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0" and os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # as a second stage's process would start
-    assert devices.claim_gpu(tmp_path, 3) == 1
+    assert devices.claim_gpus(tmp_path, 4) == [1]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert devices.claim_gpu(tmp_path, 3) == 2
+    with pytest.raises(RuntimeError, match=r"3 GPU\(s\) wanted, 2 of 4 free.*--resources gpu=N"):
+        devices.claim_gpus(tmp_path, 4, 3)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and len(devices._held) == 2  # nothing kept
+    assert devices.claim_gpus(tmp_path, 4, 2) == [2, 3]  # the FSDP track: two GPUs
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with pytest.raises(RuntimeError, match=r"all 3 GPUs are held.*--resources gpu=N"):
-        devices.claim_gpu(tmp_path, 3)
-    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    with pytest.raises(RuntimeError, match=r"1 GPU\(s\) wanted, 0 of 4 free"):
+        devices.claim_gpus(tmp_path, 4)
     devices._held.pop(1).close()  # the stage on GPU 1 ends
-    assert devices.claim_gpu(tmp_path, 3) == 1
+    assert devices.claim_gpus(tmp_path, 4) == [1]
 
 
 def test_keeps_a_given_device_and_claims_nothing_without_gpus(tmp_path, clean, monkeypatch):
-    assert devices.claim_gpu(tmp_path, 0) is None and "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert devices.claim_gpus(tmp_path, 0) is None and "CUDA_VISIBLE_DEVICES" not in os.environ
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # SLURM's allocation
-    assert devices.claim_gpu(tmp_path, 8) is None and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    assert devices.claim_gpus(tmp_path, 8) is None and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
     assert not list(tmp_path.iterdir())
 
 
@@ -50,20 +53,20 @@ def test_a_killed_stage_frees_its_gpu(tmp_path, clean):
         import sys, time
         sys.path.insert(0, {str(pipeline_util.SCRIPTS)!r})
         from common import devices
-        print(devices.claim_gpu({str(tmp_path)!r}, 2), flush=True)
+        print(devices.claim_gpus({str(tmp_path)!r}, 2)[0], flush=True)
         time.sleep(60)
     """)
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "0"
-        assert devices.claim_gpu(tmp_path, 2) == 1
+        assert devices.claim_gpus(tmp_path, 2) == [1]
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     devices._held.pop().close()
     os.environ.pop("CUDA_VISIBLE_DEVICES")
-    assert devices.claim_gpu(tmp_path, 2) == 0
+    assert devices.claim_gpus(tmp_path, 2) == [0]
 
 
 def test_a_gpu_stage_runs_on_its_claimed_gpu_only(tmp_path, clean, monkeypatch, capsys):

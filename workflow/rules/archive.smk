@@ -17,7 +17,6 @@ rule archive:
         runtime=stage_resource("archive", "runtime"),
     params:
         profile=PROFILE,
-        command_line=COMMAND_LINE,
         image=config["container"]["image"],
         runtime=config["container"]["runtime"],
     script:

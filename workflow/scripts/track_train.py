@@ -28,8 +28,8 @@ import json
 import os
 from pathlib import Path
 
-from common import atomic, measure, stage
-from tune import chunk_variants, opt_tag
+from common import atomic, cases, measure, stage
+from common.cases import chunk_variants, opt_tag
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
@@ -42,7 +42,7 @@ def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> 
     out = []
     # Backends inexact by design (the BF16 associative scan) are diagnostics too; their
     # records say exact=False and the architecture comparison never takes them.
-    for name in measure.diagnostic_backend_names(mixer, fns, gates)[0]:
+    for name in cases.diagnostic_backend_names(mixer, fns, gates)[0]:
         if settings.get("backends") and name not in settings["backends"]:
             continue
         variants = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]
@@ -160,7 +160,7 @@ def main(job):
     tmp = Path("results/.tmp/train-tables")
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
     runner = measure.Runner("train", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     mixers = settings["mixers"]
     shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
     diag = settings.get("diagnostics", "all")
@@ -220,7 +220,7 @@ def main(job):
                 os.environ["KERNELS_TUNING_TABLE"] = tuned
 
         runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
-                   role="diagnostic", exact=name in measure.exact_backend_names(
+                   role="diagnostic", exact=name in cases.exact_backend_names(
                        mixer, [name], gates, settings.get("inexact", [])),
                    sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
 
@@ -252,7 +252,7 @@ def main(job):
                 if (rec and rec.get("role") == "diagnostic" and rec["mixer"] == mixer and rec.get("exact")
                         and rec["shapes"].get("preset") == preset and rec["shapes"].get("T") == T
                         and rec["shapes"].get("B") == B
-                        and measure.exact_backend_names(mixer, [rec["backend"]], gates, inexact)):
+                        and cases.exact_backend_names(mixer, [rec["backend"]], gates, inexact)):
                     cands.append(rec)
             if cands:
                 best = min(cands, key=lambda r: r["stats"]["median_ms"])

@@ -33,6 +33,8 @@ from . import atomic, devices
 from .facts import REPO_ROOT
 
 IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
+# Set by the Snakefile: the command line of the Snakemake call, for the archive's manifest.
+COMMAND_LINE = "KERNELS_PIPELINE_COMMAND_LINE"
 
 
 class Files(list):
@@ -65,6 +67,12 @@ class Job:
     @property
     def profile(self) -> str:
         return self.params["profile"]
+
+    @property
+    def lock_clocks(self) -> bool:
+        """Whether the timing stages try to lock the SM clock (the profile's
+        probe.lock_clocks; off unless the GPU's owner allows changing its clocks)."""
+        return bool(self.config["profiles"][self.profile]["probe"].get("lock_clocks", False))
 
     @classmethod
     def from_snakemake(cls, smk, script: str) -> "Job":
@@ -154,15 +162,15 @@ def docker_runner():
 
 
 def pin_gpu(job: Job) -> None:
-    """Give a GPU stage one device of its own (common/devices.py) and log which."""
+    """Give a GPU stage its devices (common/devices.py) and log which."""
     if job.gpus < 1:
         return
     from .profile import gpu_names
 
-    index = devices.claim_gpu(REPO_ROOT / "results" / ".tmp" / "gpus", len(gpu_names()))
+    claimed = devices.claim_gpus(REPO_ROOT / "results" / ".tmp" / "gpus", len(gpu_names()), job.gpus)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        how = "claimed" if index is not None else "given by the environment"
+        how = "claimed" if claimed is not None else "given by the environment"
         print(f"[stage] {job.rule} runs on GPU {visible!r} (CUDA_VISIBLE_DEVICES, {how})", flush=True)
 
 
@@ -180,7 +188,7 @@ def _run_in_docker(job: Job) -> None:
         ["python", job.script, "--job", str(job_file)],
         repo=REPO_ROOT,
         results=results,
-        env={IN_CONTAINER: "1"},
+        env={IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ}},
         gpus=visible.split(",") if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) else bool(gpu_names()),
     )
     job_file.unlink(missing_ok=True)
