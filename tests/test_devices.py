@@ -15,10 +15,14 @@ from common import devices
 
 
 @pytest.fixture
-def clean(monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+def clean():
+    """No device variables during the test, the caller's back after it, no claim left."""
+    keys = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
     yield
+    for k in keys:
+        os.environ.pop(k, None)
+    os.environ.update(saved)
     while devices._held:
         devices._held.pop().close()
 

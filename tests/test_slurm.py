@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 COMMAND = ["--workflow-profile", "workflow/profiles/slurm", "all", "--config", "profile=cpu-smoke",
            "--slurm-no-account", "--slurm-init-seconds-before-status-checks", "5"]
-STAGES = {"probe", "audit", "tune", "track_scan", "track_train", "track_infer", "aggregate", "archive"}
+STAGES = {"probe", "audit", "tune", "track_ops", "track_scan", "track_train", "track_infer", "aggregate", "archive"}
 TRACKS = MEASURING[1:]
 SUBMITTED = re.compile(r"submitted with SLURM jobid (\d+) \(log: \S*/rule_(\w+)/")
 
@@ -64,7 +64,7 @@ def cluster_run(tmp_path_factory):
     assert killed_in is not None, f"the run ended before a track wrote a record:\n{first[-4000:]}"
     orphans = _queue()
     before = {
-        "early": {p: (repo / p).stat().st_mtime_ns for p in EARLY_OUTPUTS},
+        "early": {p: (repo / p).stat().st_mtime_ns for p in EARLY_OUTPUTS if (repo / p).exists()},
         "records": {p.name: p.read_bytes() for p in killed_in.glob("*.json")},
     }
     t1 = time.time()
