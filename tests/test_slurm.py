@@ -8,14 +8,13 @@ and records are kept, nothing is lost or measured twice."""
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from pipeline_util import SNAKEMAKE, copy_repo, env, snakemake
+from pipeline_util import copy_repo, run_and_kill, snakemake
 from test_pipeline_e2e import EARLY_OUTPUTS, MEASURING
 
 from common import records  # noqa: E402
@@ -49,17 +48,8 @@ def _queue():
 def cluster_run(tmp_path_factory):
     repo = copy_repo(tmp_path_factory.mktemp("slurm"))
     t0 = time.time()
-    proc = subprocess.Popen([*SNAKEMAKE, *COMMAND], cwd=repo, env=env(), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 1500
-    killed_in = None
-    while time.time() < deadline and proc.poll() is None:
-        killed_in = _mid_track(repo)
-        if killed_in is not None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the controller is lost; its SLURM job is not
-            break
-        time.sleep(0.2)
-    first = proc.communicate(timeout=60)[0]
+    # the controller is lost; its SLURM jobs are not
+    killed_in, first = run_and_kill(repo, COMMAND, _mid_track, timeout=1500)
     print(f"first run: {time.time() - t0:.0f} s, killed in {killed_in}\n{first[-4000:]}")
     assert killed_in is not None, f"the run ended before a track wrote a record:\n{first[-4000:]}"
     orphans = _queue()
