@@ -33,7 +33,7 @@ t=$(date +%s)
 DOCKER_HOST=unix://$sock CUDA_VISIBLE_DEVICES="" "$PYTHON" -m snakemake --cores 1 all \
     --config profile=cpu-smoke "container={runtime: docker, image: $IMAGE}"
 echo "== cpu-smoke through the docker runtime: $(( $(date +%s) - t )) s"
-for rule in probe audit tune track_scan track_train track_infer aggregate archive; do
+for rule in probe audit tune track_ops track_scan track_train track_infer aggregate archive; do
     grep -q "^\[stage\] running $rule in docker image $IMAGE" "results/logs/$rule.log" \
         || { echo "FAIL $rule did not run in the image (results/logs/$rule.log)" >&2; exit 1; }
 done
