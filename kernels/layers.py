@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .ops._checks import check_segment_pos, check_tensor, shape_str, state_dtype
+from .ops.checks import check_segment_pos, check_tensor, shape_str, state_dtype
 
 MIXERS = ("rglru", "samu")
 
@@ -65,9 +65,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acc = torch.promote_types(x.dtype, torch.float32)
-        xa = x.to(acc)
-        var = torch.mean(xa * xa, dim=-1, keepdim=True)
-        return (xa * torch.rsqrt(var + self.eps) * (self.scale.to(acc) + 1)).to(x.dtype)
+        return F.rms_norm(x.to(acc), (self.width,), self.scale.to(acc) + 1, self.eps).to(x.dtype)
 
 
 class BlockDiagonalLinear(nn.Module):
@@ -102,6 +100,7 @@ class Conv1D(nn.Module):
 
     Output t sums w[W-1-s] * x[t-s] over shifts s < W, leaving out every x[t-s] that
     lies before a document start in (t-s, t] (segment_pos == 0). w: [W, E], b: [E].
+    On CUDA without a cache in or out (training) it runs the fused kernels.ops.conv.causal_conv1d.
     """
 
     def __init__(self, width: int, temporal_width: int = 4, w_init_variance_scale: float = 0.01,
@@ -130,6 +129,10 @@ class Conv1D(nn.Module):
         [B, W-1, E] (the inputs before x). Returns (y [B, T, E], new cache or None)."""
         B, T, _ = x.shape
         check_segment_pos(segment_pos, B, T)
+        if cache is None and not return_cache and x.is_cuda:
+            from .ops.conv import causal_conv1d    # imports triton
+
+            return causal_conv1d(x.contiguous(), self.w.contiguous(), self.b.contiguous(), segment_pos), None
         W = self.temporal_width
         acc = torch.promote_types(x.dtype, torch.float32)
         if cache is None:
@@ -198,7 +201,7 @@ class RGLRU(nn.Module):
     the sequence kernel, `step_backend` the decode kernel (see set_backend)."""
 
     def __init__(self, width: int, num_heads: int, w_init_variance_scale: float = 1.0,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None):
         super().__init__()
         self.width, self.num_heads = width, num_heads
         set_backend(self, backend)
@@ -241,7 +244,7 @@ class SAMU(nn.Module):
     """
 
     def __init__(self, width: int, min_rad: float = 0.9, max_rad: float = 0.999,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None):
         super().__init__()
         if width % 2:
             raise ValueError(f"expected an even width for SAMU (M = width / 2 complex modes), got {width}")
@@ -289,20 +292,23 @@ class SAMU(nn.Module):
         return ops.samu_step(x, *self._params(), state, reset, backend=self.step_backend)
 
 
-def set_backend(module: nn.Module, backend: str, step_backend: str | None = None) -> nn.Module:
+def set_backend(module: nn.Module, backend, step_backend=None) -> nn.Module:
     """Select the kernels of every mixer in `module` (itself included): `backend` for
-    sequences (kernels.backends names or "auto"), `step_backend` for one-token decode
-    (kernels.step_backends names or "auto"; by default "reference" when backend is
-    "reference", else "auto")."""
+    sequences (a kernels.backends name, "auto", or a kernels.Backend value such as
+    Backend("auto", table=TuningTable.load(path))), `step_backend` for one-token decode
+    (a kernels.step_backends name, "auto" or a Backend; by default "reference" when
+    backend is "reference", else "auto")."""
+    backend = ops.Backend.of(backend)
     if step_backend is None:
-        step_backend = "reference" if backend == "reference" else "auto"
+        step_backend = "reference" if backend.name == "reference" else "auto"
+    step_backend = ops.Backend.of(step_backend)
     for m in module.modules():
         if isinstance(m, (RGLRU, SAMU)):
             m.backend, m.step_backend = backend, step_backend
     return module
 
 
-def make_mixer(mixer: str, width: int, num_heads: int, backend: str = "auto", device=None, dtype=None):
+def make_mixer(mixer: str, width: int, num_heads: int, backend="auto", device=None, dtype=None):
     if mixer == "rglru":
         return RGLRU(width, num_heads, backend=backend, device=device, dtype=dtype)
     if mixer == "samu":
@@ -316,7 +322,7 @@ class RecurrentBlock(nn.Module):
 
     def __init__(self, width: int, num_heads: int, lru_width: int | None = None, mixer: str = "rglru",
                  conv1d_temporal_width: int = 4, final_w_init_variance_scale: float = 1.0,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None):
         super().__init__()
         if mixer not in MIXERS:
             raise ValueError(f"expected mixer in {list(MIXERS)}, got {mixer!r}")
@@ -397,7 +403,7 @@ class ResidualBlock(nn.Module):
 
     def __init__(self, width: int, mlp_expanded_width: int, num_heads: int, lru_width: int | None = None,
                  mixer: str = "rglru", conv1d_temporal_width: int = 4, final_w_init_variance_scale: float = 1.0,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None):
         super().__init__()
         self.width = width
         self.temporal_pre_norm = RMSNorm(width, device=device, dtype=dtype)

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from .. import layers
-from ..ops._checks import check_segment_pos, check_tensor, is_integer_dtype, shape_str
+from ..ops.checks import check_segment_pos, check_tensor, is_integer_dtype, shape_str
 from .config import HawkConfig
+from .train import linear_cross_entropy
 
 
 @dataclass
@@ -43,9 +44,10 @@ def _check_tokens(name, t, shape):
 
 
 class HawkLM(nn.Module):
-    """Hawk LM. `backend` selects the mixer kernels ("auto", "reference", Triton names)."""
+    """Hawk LM. `backend` selects the mixer kernels: a name ("auto", "reference", a Triton
+    backend) or a kernels.Backend value (e.g. Backend("auto", table=TuningTable.load(p)))."""
 
-    def __init__(self, config: HawkConfig, backend: str = "auto", device=None, dtype=None):
+    def __init__(self, config: HawkConfig, backend="auto", device=None, dtype=None):
         super().__init__()
         if not isinstance(config, HawkConfig):
             raise ValueError(f"expected config to be a HawkConfig, got {type(config).__name__}")
@@ -65,7 +67,7 @@ class HawkLM(nn.Module):
         for m in (*self.blocks, self.final_norm):
             m.reset_parameters()
 
-    def set_backend(self, backend: str, step_backend: str | None = None) -> "HawkLM":
+    def set_backend(self, backend, step_backend=None) -> "HawkLM":
         """Use `backend` (sequences) and `step_backend` (decode) in every mixer; plugs
         kernels in without touching model code (see kernels.layers.set_backend)."""
         return layers.set_backend(self, backend, step_backend)
@@ -108,6 +110,23 @@ class HawkLM(nn.Module):
         """tokens, segment_pos: [B, T] integer (segment_pos = position in the document,
         0 at each document start); cache: state before these tokens (None = empty).
         Returns (logits [B, T, V], cache after the tokens or None)."""
+        x, new = self.hidden(tokens, segment_pos, cache, return_cache)
+        return self.logits(x), new
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, segment_pos: torch.Tensor,
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy of `targets` [B, T] (the next tokens; ignore_index marks
+        positions left out) given tokens, segment_pos [B, T] as in forward, through the
+        chunked fused output projection (kernels.models.train.linear_cross_entropy):
+        equal to F.cross_entropy over forward's logits, without the [B, T, V] logits."""
+        check_tensor("targets", targets, shape=tuple(tokens.shape))
+        x, _ = self.hidden(tokens, segment_pos, return_cache=False)
+        return linear_cross_entropy(self.final_norm(x).flatten(0, 1), self.embed.weight, targets.flatten(),
+                                    ignore_index)
+
+    def hidden(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
+               return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
+        """forward before the final norm and output projection: (x [B, T, D], cache)."""
         _check_tokens("tokens", tokens, (None, None))
         B, T = tokens.shape
         check_segment_pos(segment_pos, B, T)
@@ -119,7 +138,7 @@ class HawkLM(nn.Module):
         for i, block in enumerate(self.blocks):
             x, c = block(x, segment_pos, None if cache is None else cache.layers[i], return_cache)
             new.append(c)
-        return self.logits(x), (HawkCache(new) if return_cache else None)
+        return x, (HawkCache(new) if return_cache else None)
 
     def step(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache) -> torch.Tensor:
         """One decode step: tokens, segment_pos [B] (0 starts a new document in that row);

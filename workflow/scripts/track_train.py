@@ -2,9 +2,10 @@
 
 Identical Hawk models with the mixer switched (kernels.HawkLM, presets of the
 profile, 32K vocabulary), random tokens (no quality claims), (T, B) with 8192
-tokens per step. One timed step = forward, cross-entropy, backward, gradient
-clipping and AdamW, with BF16 autocast over FP32 master weights, gradients and
-AdamW moments.
+tokens per step. One timed step = kernels.models.train_step: forward with the
+chunked fused output projection + cross-entropy, backward, gradient clipping and
+fused AdamW, with BF16 autocast over FP32 master weights, gradients and AdamW
+moments (`compile: true` compiles each residual block).
 
 Two parts:
 - implementation diagnostics: every gated backend of each mixer (chunked ones
@@ -25,17 +26,15 @@ projection, over the probe's measured BF16 matmul rate) and logical figures.
 
 
 import json
-import os
 from pathlib import Path
 
-from common import atomic, cases, measure, stage
+from common import cases, measure, stage
 from common.cases import chunk_variants, opt_tag
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
     """(backend, options) diagnostics of one mixer; chunked backends once per chunk
-    size (on a GPU through a one-entry tuning table, since the model layers take a
-    backend name only; the CPU's `auto` is always the reference)."""
+    size on a GPU (one option set each on the CPU, where the interpreter is slow)."""
     import kernels
 
     fns = kernels.backends(mixer)
@@ -50,32 +49,24 @@ def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> 
     return out
 
 
-def forced_table(path: Path, mixer: str, name: str, opts: dict) -> Path:
-    """A tuning table whose only entries (both activation dtypes) pick `name` with
-    `opts` for this mixer at every shape; the model then runs with backend="auto"."""
-    entries = [{"op": mixer, "dtype": dt, "B": 1, "T": 1, "D": 1, "backend": name,
-                "chunk_size": opts.get("chunk_size"),
-                "options": {k: v for k, v in opts.items() if k != "chunk_size"}}
-               for dt in ("bfloat16", "float32")]
-    atomic.write_json(path, {"schema": 1, "entries": entries})
-    return path
-
-
 class Setup:
     """A model, its optimiser and a batch of random tokens: one timed step."""
 
-    def __init__(self, preset: str, mixer: str, T: int, B: int, settings: dict, device, backend: str = "auto",
+    def __init__(self, preset: str, mixer: str, T: int, B: int, settings: dict, device, backend="auto",
                  official: bool = False, seed: int = 0):
         import torch
 
         import kernels
-        from kernels.models import HawkConfig, HawkLM
+        from kernels.models import HawkConfig, HawkLM, compile_blocks
 
         torch.manual_seed(seed)
         self.cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
         model = HawkLM(self.cfg, backend=backend, device=device, dtype=torch.float32)
         if official:
             model = kernels.to_recurrentgemma(model)
+        self.compiled = bool(settings.get("compile")) and not official
+        if self.compiled:
+            compile_blocks(model)
         self.model, self.official = model, official
         self.opt = torch.optim.AdamW(model.parameters(), lr=settings.get("lr", 3e-4),
                                      fused=device.type == "cuda")
@@ -92,12 +83,13 @@ class Setup:
         import torch
         import torch.nn.functional as F
 
+        from kernels.models import train_step
+
         dtype = getattr(torch, self.autocast) if self.autocast else None
+        if not self.official:
+            return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-            if self.official:
-                logits, _ = self.model(self.inp, self.pos, return_logits=True, return_cache=False)
-            else:
-                logits, _ = self.model(self.inp, self.pos, return_cache=False)
+            logits, _ = self.model(self.inp, self.pos, return_logits=True, return_cache=False)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.tgt.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -121,6 +113,7 @@ class Setup:
             "tokens_per_s": tokens / med_s,
             "step_ms": fields["stats"]["median_ms"],
             "parameters": self.params,
+            "compiled": self.compiled,
             "non_embedding_parameters": self.cfg.non_embedding_parameters(),
             "model_flops_per_step": flops,
             "mfu": flops / med_s / matmul_rate if matmul_rate else None,
@@ -155,9 +148,9 @@ def main(job):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gates = json.loads(Path(job.input.gates).read_text())
     env = json.loads(Path(job.input.environment).read_text())
-    tuned = str(Path(job.input.table).resolve())
-    os.environ["KERNELS_TUNING_TABLE"] = tuned
-    tmp = Path("results/.tmp/train-tables")
+    import kernels
+
+    tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
     runner = measure.Runner("train", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
                             restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
@@ -172,14 +165,9 @@ def main(job):
                 "dtype": settings.get("autocast") or "float32"}
 
     def setup(preset, T, B, mixer, name, opts):
-        """The model with backend `name`; launcher options go through a one-entry
-        tuning table (the layers take a backend name only) read by backend="auto"."""
-        if opts:
-            table = forced_table(tmp / f"{mixer}-{name}{opt_tag(opts)}.json", mixer, name, opts)
-            os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
-            return Setup(preset, mixer, T, B, settings, device, backend="auto")
-        os.environ["KERNELS_TUNING_TABLE"] = tuned
-        return Setup(preset, mixer, T, B, settings, device, backend=name)
+        """The model with backend `name` and its launcher options ("auto": the tuning table)."""
+        backend = tuned if name == "auto" else kernels.Backend(name, **opts)
+        return Setup(preset, mixer, T, B, settings, device, backend=backend)
 
     # On a GPU the PyTorch per-step reference is the slow one; on the CPU it is what
     # the architecture comparison measures, so it runs first there.
@@ -214,10 +202,7 @@ def main(job):
         reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
 
         def body(make=make, reps=reps, warmup=warmup, reuse=reuse):
-            try:
-                return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
-            finally:
-                os.environ["KERNELS_TUNING_TABLE"] = tuned
+            return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
 
         runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
                    role="diagnostic", exact=name in cases.exact_backend_names(
@@ -271,11 +256,8 @@ def main(job):
                 reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
 
                 def body(make=make, reuse=reuse):
-                    try:
-                        return timed(make, settings["fresh_reps"], settings["warmup"], settings, device,
-                                     matmul_rate, peak_rate, reuse)
-                    finally:
-                        os.environ["KERNELS_TUNING_TABLE"] = tuned
+                    return timed(make, settings["fresh_reps"], settings["warmup"], settings, device,
+                                 matmul_rate, peak_rate, reuse)
 
                 runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
                            role="fresh", exact=True, selected_from=sel, selected_by=why, sequence=list(seq))

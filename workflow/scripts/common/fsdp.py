@@ -71,7 +71,7 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
     `reduce_dtype`: the dtype of the gradient reduce-scatter. Scalar parameters
     (SAMU's amplitudes) are stored with shape [1] through a parametrization; the
     module still reads a scalar."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.nn.utils import parametrize
 
     from kernels import layers
@@ -90,6 +90,10 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    if hasattr(model, "loss"):
+        # The training step calls model.loss (the fused loss), not forward: FSDP's
+        # gathers and reshards run around it as around forward.
+        register_fsdp_forward_method(model, "loss")
     return model
 
 
