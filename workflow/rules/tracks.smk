@@ -14,6 +14,10 @@ for _track in ("scan", "train", "infer"):
             log_path(f"track_{_track}"),
         benchmark:
             benchmark_path(f"track_{_track}")
+        resources:
+            gpu=stage_resource("track", "gpu"),
+            mem_mb=stage_resource("track", "mem_mb"),
+            runtime=stage_resource("track", "runtime"),
         params:
             profile=PROFILE,
             section=_track,
@@ -34,6 +38,10 @@ rule track_train_fsdp:
         log_path("track_train_fsdp"),
     benchmark:
         benchmark_path("track_train_fsdp")
+    resources:
+        gpu=stage_resource("track_fsdp", "gpu"),
+        mem_mb=stage_resource("track_fsdp", "mem_mb"),
+        runtime=stage_resource("track_fsdp", "runtime"),
     params:
         profile=PROFILE,
         section="train",
@@ -56,6 +64,10 @@ rule track_ops:
         log_path("track_ops"),
     benchmark:
         benchmark_path("track_ops")
+    resources:
+        gpu=stage_resource("track", "gpu"),
+        mem_mb=stage_resource("track", "mem_mb"),
+        runtime=stage_resource("track", "runtime"),
     params:
         profile=PROFILE,
         section="ops",

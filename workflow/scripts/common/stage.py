@@ -18,7 +18,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import atomic
+from . import atomic, devices
 from .facts import REPO_ROOT
 
 IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
@@ -49,6 +49,7 @@ class Job:
     params: dict
     config: dict
     log: str | None = None
+    gpus: int = 0  # the rule's `gpu` resource
 
     @property
     def profile(self) -> str:
@@ -68,7 +69,7 @@ class Job:
 
         return cls(rule=smk.rule, script=script, input=files(smk.input), output=files(smk.output),
                    params=dict(smk.params.items()), config=dict(smk.config),
-                   log=str(smk.log[0]) if len(smk.log) else None)
+                   log=str(smk.log[0]) if len(smk.log) else None, gpus=int(smk.resources.get("gpu", 0)))
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -134,6 +135,19 @@ def docker_runner():
     return mod
 
 
+def pin_gpu(job: Job) -> None:
+    """Give a GPU stage its devices (common/devices.py) and log which."""
+    if job.gpus < 1:
+        return
+    from .profile import gpu_names
+
+    claimed = devices.claim_gpus(REPO_ROOT / "results" / ".tmp" / "gpus", len(gpu_names()), job.gpus)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        how = "claimed" if claimed is not None else "given by the environment"
+        print(f"[stage] {job.rule} runs on GPU {visible!r} (CUDA_VISIBLE_DEVICES, {how})", flush=True)
+
+
 def _run_in_docker(job: Job) -> None:
     from .profile import gpu_names
 
@@ -145,7 +159,9 @@ def _run_in_docker(job: Job) -> None:
     print(f"[stage] running {job.rule} in docker image {container['image']}", flush=True)
     env = {IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ}}
     status = docker_runner().run(container["image"], ["python", job.script, "--job", str(job_file)], repo=REPO_ROOT,
-                                 results=results, env=env, gpus=bool(gpu_names()))
+                                 results=results, env=env,
+                                 gpus=visible.split(",") if (visible := os.environ.get("CUDA_VISIBLE_DEVICES"))
+                                 else bool(gpu_names()))
     job_file.unlink(missing_ok=True)
     if status != 0:
         raise RuntimeError(f"stage {job.rule} exited with status {status} inside {container['image']}")
@@ -162,6 +178,7 @@ def run(main, snakemake=None) -> None:
     job, failed = Job.from_snakemake(snakemake, _script_path(snakemake)), False
     with log_to(job.log):
         try:
+            pin_gpu(job)
             if job.config["container"]["runtime"] == "docker" and not os.environ.get(IN_CONTAINER):
                 _run_in_docker(job)
             else:
