@@ -38,9 +38,7 @@ rule aggregate:
     benchmark:
         benchmark_path("aggregate")
     resources:
-        gpu=stage_resource("aggregate", "gpu"),
-        mem_mb=stage_resource("aggregate", "mem_mb"),
-        runtime=stage_resource("aggregate", "runtime"),
+        **stage_resources("aggregate"),
     params:
         profile=PROFILE,
     script:

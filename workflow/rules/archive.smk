@@ -12,9 +12,7 @@ rule archive:
     benchmark:
         benchmark_path("archive")
     resources:
-        gpu=stage_resource("archive", "gpu"),
-        mem_mb=stage_resource("archive", "mem_mb"),
-        runtime=stage_resource("archive", "runtime"),
+        **stage_resources("archive"),
     params:
         profile=PROFILE,
         image=config["container"]["image"],

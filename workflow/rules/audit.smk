@@ -17,9 +17,7 @@ rule audit:
     benchmark:
         benchmark_path("audit")
     resources:
-        gpu=stage_resource("audit", "gpu"),
-        mem_mb=stage_resource("audit", "mem_mb"),
-        runtime=stage_resource("audit", "runtime"),
+        **stage_resources("audit"),
     params:
         profile=PROFILE,
         settings=section("audit"),

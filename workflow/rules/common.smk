@@ -142,11 +142,11 @@ STAGE_RESOURCES = {
 SMOKE_RESOURCES = {"gpu": 0, "mem_mb": 2000, "runtime": 30}
 
 
-def stage_resource(stage, name):
-    """One resource of a stage's job in the active profile (see STAGE_RESOURCES)."""
+def stage_resources(stage):
+    """The resources of a stage's job in the active profile (see STAGE_RESOURCES)."""
     if PROFILE_CONFIG["audit"]["device"] == "cpu":
-        return SMOKE_RESOURCES[name]
-    return STAGE_RESOURCES[stage][name]
+        return SMOKE_RESOURCES
+    return STAGE_RESOURCES[stage]
 
 
 def section(name):

@@ -10,9 +10,7 @@ rule probe:
     benchmark:
         benchmark_path("probe")
     resources:
-        gpu=stage_resource("probe", "gpu"),
-        mem_mb=stage_resource("probe", "mem_mb"),
-        runtime=stage_resource("probe", "runtime"),
+        **stage_resources("probe"),
     params:
         profile=PROFILE,
         settings=section("probe"),

@@ -15,9 +15,7 @@ for _track in ("scan", "train", "infer"):
         benchmark:
             benchmark_path(f"track_{_track}")
         resources:
-            gpu=stage_resource("track", "gpu"),
-            mem_mb=stage_resource("track", "mem_mb"),
-            runtime=stage_resource("track", "runtime"),
+            **stage_resources("track"),
         params:
             profile=PROFILE,
             section=_track,
@@ -39,9 +37,7 @@ rule track_train_fsdp:
     benchmark:
         benchmark_path("track_train_fsdp")
     resources:
-        gpu=stage_resource("track_fsdp", "gpu"),
-        mem_mb=stage_resource("track_fsdp", "mem_mb"),
-        runtime=stage_resource("track_fsdp", "runtime"),
+        **stage_resources("track_fsdp"),
     params:
         profile=PROFILE,
         section="train",
@@ -65,9 +61,7 @@ rule track_ops:
     benchmark:
         benchmark_path("track_ops")
     resources:
-        gpu=stage_resource("track", "gpu"),
-        mem_mb=stage_resource("track", "mem_mb"),
-        runtime=stage_resource("track", "runtime"),
+        **stage_resources("track"),
     params:
         profile=PROFILE,
         section="ops",

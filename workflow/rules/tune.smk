@@ -14,9 +14,7 @@ rule tune:
     benchmark:
         benchmark_path("tune")
     resources:
-        gpu=stage_resource("tune", "gpu"),
-        mem_mb=stage_resource("tune", "mem_mb"),
-        runtime=stage_resource("tune", "runtime"),
+        **stage_resources("tune"),
     params:
         profile=PROFILE,
         section="tune",
