@@ -59,8 +59,7 @@ if executes(sys.argv):
 
 
 def container_runtime(container):
-    """The runtime the stages use: `auto` means docker when an engine answers and
-    already holds the image, otherwise native."""
+    """`auto`: docker when an engine answers and holds the image, else none."""
     runtime = container["runtime"]
     if runtime != "auto":
         return runtime
@@ -118,12 +117,9 @@ def benchmark_path(rule):
     return f"results/benchmarks/{rule}.tsv"
 
 
-# What each stage's job needs: whether it measures on a GPU (one whole GPU, `gpu`),
-# host memory (`mem_mb`) and wall time in minutes (`runtime`). On a cluster every
-# stage is a SLURM job asking for these (workflow/profiles/slurm). On one node `gpu`
-# counts against `--resources gpu=N`; without it N is 1, so that one GPU stage runs
-# at a time (README, "Several GPUs"). The GPU profiles' figures; cpu-smoke needs
-# no GPU and little memory.
+# Each stage's job: whole GPUs (`gpu`), host memory (`mem_mb`), wall minutes (`runtime`);
+# a SLURM job asks for them (workflow/profiles/slurm). On one node `gpu` counts against
+# `--resources gpu=N`, N = 1 unless given, so one GPU stage runs at a time.
 if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
 STAGE_RESOURCES = {
@@ -150,6 +146,5 @@ def stage_resources(stage):
 
 
 def section(name):
-    """The active profile's settings for one stage (they become params, so that
-    changing them reruns the stage and what follows)."""
+    """A stage's settings in the active profile (params: a change reruns the stage on)."""
     return PROFILE_CONFIG[name]

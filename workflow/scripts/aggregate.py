@@ -259,36 +259,29 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
 
 
 def probe_section(env: dict) -> str:
-    m = env.get("measured", {})
-    devs = env.get("gpu", {}).get("devices", [])
+    m, sw, cpu, gpu = env.get("measured", {}), env.get("software", {}), env.get("cpu", {}), env.get("gpu", {})
     lines = ["## Environment (results/probe/environment.json)", ""]
-    if devs:
-        d = devs[0]
+    if gpu.get("devices"):
+        d = gpu["devices"][0]
         c = d.get("clocks", {})
-        lines += [
-            f"- GPU: {d.get('name')} x{len(devs)}, compute capability {d.get('compute_capability')}, "
-            f"{(d.get('memory_total_bytes') or 0) / 2**30:.0f} GiB, driver {env['gpu'].get('driver_version')}, "
-            f"CUDA driver {env['gpu'].get('cuda_driver_version')}",
-            f"- clocks: SM {c.get('sm_mhz')} / {c.get('sm_max_mhz')} MHz, memory {c.get('memory_mhz')} / "
-            f"{c.get('memory_max_mhz')} MHz; power limit {d.get('power_limit_w')} W; ECC {d.get('ecc_mode_current')}; "
-            f"persistence {d.get('persistence_mode')}",
-        ]
+        lines += [f"- GPU: {d.get('name')} x{len(gpu['devices'])}, compute capability {d.get('compute_capability')}, "
+                  f"{(d.get('memory_total_bytes') or 0) / 2**30:.0f} GiB, driver {gpu.get('driver_version')}, "
+                  f"CUDA driver {gpu.get('cuda_driver_version')}",
+                  f"- clocks: SM {c.get('sm_mhz')} / {c.get('sm_max_mhz')} MHz, memory {c.get('memory_mhz')} / "
+                  f"{c.get('memory_max_mhz')} MHz; power limit {d.get('power_limit_w')} W; ECC "
+                  f"{d.get('ecc_mode_current')}; persistence {d.get('persistence_mode')}"]
     else:
-        lines.append(f"- no GPU ({env.get('gpu', {}).get('reason', 'none visible')}); measured on the CPU")
-    sw = env.get("software", {})
-    lines += [
-        f"- software: Python {sw.get('python')}, torch {sw.get('torch')} (CUDA {sw.get('cuda')}), "
-        f"triton {sw.get('triton')}, nvcc {sw.get('nvcc')}",
-        f"- CPU: {env.get('cpu', {}).get('model')} ({env.get('cpu', {}).get('logical_cores')} logical cores)",
-        f"- measured on {m.get('device')}: copy bandwidth {m.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s "
-        f"(bytes read + written), BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
-        f"{m.get('matmul_bf16_flop_per_s', 0) / 1e12:.3g} TFLOP/s",
-        f"- hardware counters available: {env.get('counters_available')} ({env.get('counters', {}).get('reason')})",
-        "- container: runtime {runtime}, image {image}{inside}".format(
-            inside=" (stages ran inside it)" if env.get("container", {}).get("inside_pipeline_container") else "",
-            **{"runtime": None, "image": None, **env.get("container", {})}),
-        "",
-    ]
+        lines.append(f"- no GPU ({gpu.get('reason', 'none visible')}); measured on the CPU")
+    ct = {"runtime": None, "image": None, **env.get("container", {})}
+    lines += [f"- software: Python {sw.get('python')}, torch {sw.get('torch')} (CUDA {sw.get('cuda')}), "
+              f"triton {sw.get('triton')}, nvcc {sw.get('nvcc')}",
+              f"- CPU: {cpu.get('model')} ({cpu.get('logical_cores')} logical cores)",
+              f"- measured on {m.get('device')}: copy bandwidth {m.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s "
+              f"(bytes read + written), BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
+              f"{m.get('matmul_bf16_flop_per_s', 0) / 1e12:.3g} TFLOP/s",
+              f"- hardware counters available: {env.get('counters_available')} ({env.get('counters', {}).get('reason')})",
+              f"- container: runtime {ct['runtime']}, image {ct['image']}"
+              + (" (stages ran inside it)" if ct.get("inside_pipeline_container") else ""), ""]
     return "\n".join(lines)
 
 

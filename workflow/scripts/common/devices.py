@@ -1,15 +1,9 @@
-"""Whole GPUs per stage job: which devices a job measures on.
-
-A stage that declares `gpu=k` gets k whole GPUs of its own (k = 1 but for the
-FSDP track's world size). Under SLURM they are the ones SLURM allocated:
-CUDA_VISIBLE_DEVICES is already set and is kept. On a node Snakemake drives
-itself, `--resources gpu=N` lets stages holding up to N GPUs run at once (N is 1
-unless given), and each takes the first k GPUs no other stage of this results
-directory holds: an exclusive `flock` on
-`results/.tmp/gpus/<index>.lock`, held until the stage's process exits (the
-kernel drops it even after a kill). Indices are NVML's (PCI bus order);
-CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA count the same way.
-"""
+"""Whole GPUs per stage job: a stage declaring `gpu=k` measures on k GPUs of its own.
+Under SLURM (or a user's CUDA_VISIBLE_DEVICES) those given are kept; on one node each
+stage takes the first k that no other stage of this results directory holds, by an
+exclusive flock on results/.tmp/gpus/<index>.lock held until its process exits (the
+kernel drops it even after a kill). Indices are NVML's PCI bus order, as CUDA's with
+CUDA_DEVICE_ORDER=PCI_BUS_ID."""
 
 from __future__ import annotations
 
