@@ -21,62 +21,41 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _compare(manifest: dict, present: dict[str, bytes], unusual: list[str]) -> list[str]:
-    problems = list(unusual)
-    listed = manifest.get("files")
-    if not isinstance(listed, dict) or not listed:
-        return problems + ["the manifest lists no files"]
-    for name in sorted(listed):
-        if name not in present:
-            problems.append(f"missing: {name}")
-            continue
-        data = present[name]
-        if len(data) != listed[name]["bytes"] or sha256(data) != listed[name]["sha256"]:
-            problems.append(f"content differs from the manifest: {name}")
-    problems += [f"not in the manifest: {name}" for name in sorted(set(present) - set(listed))]
-    return problems
-
-
-def verify_tar(path: Path) -> list[str]:
-    present, unusual, manifest = {}, [], None
+def read_tar(path: Path) -> tuple[dict[str, bytes], list[str]]:
+    """Files of the artifact's one top folder by relative name, and unexpected members."""
+    files, unusual = {}, []
     with tarfile.open(path, "r:gz") as tar:
         for m in tar.getmembers():
             parts = PurePosixPath(m.name).parts
-            if m.isdir():
-                continue
-            if not m.isfile() or len(parts) < 2 or ".." in parts or m.name.startswith("/"):
+            if not m.isdir() and (not m.isfile() or len(parts) < 2 or ".." in parts or m.name.startswith("/")):
                 unusual.append(f"unexpected member: {m.name} (type {m.type!r})")
-                continue
-            rel = str(PurePosixPath(*parts[1:]))
-            data = tar.extractfile(m).read()
-            if rel == MANIFEST:
-                manifest = data
-            else:
-                present[rel] = data
-    if manifest is None:
-        return [f"no {MANIFEST} in {path}"]
-    return _compare(json.loads(manifest), present, unusual)
-
-
-def verify_dir(path: Path) -> list[str]:
-    mf = path / MANIFEST
-    if not mf.is_file():
-        return [f"no {MANIFEST} in {path}"]
-    present = {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and p != mf}
-    return _compare(json.loads(mf.read_text()), present, [])
+            elif m.isfile():
+                files[str(PurePosixPath(*parts[1:]))] = tar.extractfile(m).read()
+    return files, unusual
 
 
 def verify(path: str | Path) -> list[str]:
     """Problems found (an empty list means the artifact verifies)."""
     path = Path(path)
-    if path.is_dir():
-        return verify_dir(path)
-    if not path.is_file():
+    if not path.exists():
         return [f"no such artifact: {path}"]
     try:
-        return verify_tar(path)
+        present, problems = read_tar(path) if path.is_file() else (
+            {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}, [])
+        if MANIFEST not in present:
+            return [f"no {MANIFEST} in {path}"]
+        listed = json.loads(present.pop(MANIFEST)).get("files")
     except (tarfile.TarError, OSError, EOFError, json.JSONDecodeError) as e:
         return [f"cannot read {path}: {e}"]
+    if not isinstance(listed, dict) or not listed:
+        return problems + ["the manifest lists no files"]
+    for name in sorted(listed):
+        data = present.get(name)
+        if data is None:
+            problems.append(f"missing: {name}")
+        elif len(data) != listed[name]["bytes"] or sha256(data) != listed[name]["sha256"]:
+            problems.append(f"content differs from the manifest: {name}")
+    return problems + [f"not in the manifest: {name}" for name in sorted(set(present) - set(listed))]
 
 
 def main(argv=None) -> int:
