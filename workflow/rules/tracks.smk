@@ -1,4 +1,5 @@
 # The scan, training and inference tracks read the probe, the audit and the tuning table.
+# `script:` is read after the loop has ended, so its path is formatted from params.
 for _track in ("scan", "train", "infer"):
 
     rule:
@@ -22,7 +23,7 @@ for _track in ("scan", "train", "infer"):
             settings=section(_track),
             records_dir=f"results/tracks/{_track}/records.d",
         script:
-            f"../scripts/track_{_track}.py"
+            "../scripts/track_{params.section}.py"
 
 
 rule track_train_fsdp:
