@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import accounting
 from .common import (recurrence_function, INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, fast,
-                     first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, out,
+                     first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, one_minus_sq, out,
                      softplus, tile_grads, tl_acc)
 from .lookback import lookback_backward, lookback_config, lookback_forward
 
@@ -203,8 +203,9 @@ def load_row(x, gx, ga, pos, i_b, t, T, D, o_d, m_d, IS_SCAN: tl.constexpr, HAS_
         xv = tl.load(x + off, mask=m, other=0.0).to(ACC)
         sx = g_sigmoid(tl.load(gx + off, mask=m, other=0.0).to(ACC), FAST)
         sa = g_sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC), FAST)
-        a = g_exp(-8.0 * sa * sp, FAST)
-        u = 1.0 - a * a
+        log_a = -8.0 * sa * sp
+        a = g_exp(log_a, FAST)
+        u = one_minus_sq(a, log_a)
         mult = tl.where(keep, g_sqrt(u, FAST), 1.0)
         a = tl.where(keep, a, 0.0)
         a = tl.where(valid, a, 1.0)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import INTERPRET, empty, out, softplus, tl_acc
+from .common import INTERPRET, empty, one_minus_sq, out, softplus, tl_acc
 
 
 @triton.jit
@@ -60,8 +60,9 @@ def rglru_step_kernel(
     sx = tl.sigmoid(accx + tl.load(bx + d, mask=m_j, other=0.0).to(ACC)[None, :])
     sa = tl.sigmoid(acca + tl.load(ba + d, mask=m_j, other=0.0).to(ACC)[None, :])
     sp = softplus(tl.load(ap + d, mask=m_j, other=0.0).to(ACC))
-    a = tl.exp(-8.0 * sa * sp[None, :])
-    mult = tl.sqrt(1.0 - a * a)
+    log_a = -8.0 * sa * sp[None, :]
+    a = tl.exp(log_a)
+    mult = tl.sqrt(one_minus_sq(a, log_a))
     if HAS_RESET:
         rst = (tl.load(reset + o_b, mask=m_b, other=0) != 0)[:, None]
         a = tl.where(rst, 0.0, a)
