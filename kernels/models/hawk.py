@@ -36,10 +36,20 @@ class HawkCache:
         return HawkCache([layers.RecurrentCache(c.conv_state.clone(), c.rnn_state.clone()) for c in self.layers])
 
 
-def _check_tokens(name, t, shape):
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_tokens(name, t, shape, vocab_size):
+    """Token ids: an int64/int32 tensor of `shape` with values in [0, vocab_size) (the
+    range check reads two numbers back to the host; skipped under CUDA-graph capture)."""
     check_tensor(name, t, shape=shape)
-    if not is_integer_dtype(t.dtype):
-        raise ValueError(f"expected {name} with an integer dtype, got {t.dtype}")
+    if t.dtype not in TOKEN_DTYPES:
+        kind = "an integer dtype the embedding does not take" if is_integer_dtype(t.dtype) else "not integer"
+        raise ValueError(f"expected {name} with dtype in {[str(d) for d in TOKEN_DTYPES]}, got {t.dtype} ({kind})")
+    if t.numel() and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = (int(v) for v in t.aminmax())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"expected {name} (token ids) in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
 class HawkLM(nn.Module):
@@ -106,10 +116,14 @@ class HawkLM(nn.Module):
     def forward(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
         """tokens, segment_pos: [B, T] integer (segment_pos = position in the document,
-        0 at each document start); cache: state before these tokens (None = empty).
-        Returns (logits [B, T, V], cache after the tokens or None)."""
-        _check_tokens("tokens", tokens, (None, None))
+        0 at each document start), T >= 1, tokens int64/int32 in [0, vocab_size); cache:
+        state before these tokens (None = empty). Returns (logits [B, T, V], cache after
+        the tokens or None)."""
+        _check_tokens("tokens", tokens, (None, None), self.config.vocab_size)
         B, T = tokens.shape
+        if T < 1:
+            raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(tokens)}")
+        check_tensor("segment_pos", segment_pos, shape=(B, T))
         check_segment_pos(segment_pos, B, T)
         self._check_device(tokens=tokens, segment_pos=segment_pos)
         if cache is not None:
@@ -123,8 +137,9 @@ class HawkLM(nn.Module):
 
     def step(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache) -> torch.Tensor:
         """One decode step: tokens, segment_pos [B] (0 starts a new document in that row);
-        `cache` is updated in place. Returns logits [B, V]."""
-        _check_tokens("tokens", tokens, (None,))
+        `cache` is updated in place. Returns logits [B, V]. The Triton step backends (the
+        default on CUDA) have no backward: with them, decode under torch.no_grad()."""
+        _check_tokens("tokens", tokens, (None,), self.config.vocab_size)
         B = tokens.shape[0]
         check_tensor("segment_pos", segment_pos, shape=(B,))
         check_segment_pos(segment_pos.view(B, 1), B, 1)
@@ -142,7 +157,7 @@ class HawkLM(nn.Module):
         """Continue each prompt row (one document per row). prompt_tokens: [B, P], P >= 1;
         temperature 0 picks the argmax, otherwise samples softmax(logits / temperature).
         Returns the new tokens [B, max_new_tokens]."""
-        _check_tokens("prompt_tokens", prompt_tokens, (None, None))
+        _check_tokens("prompt_tokens", prompt_tokens, (None, None), self.config.vocab_size)
         B, P = prompt_tokens.shape
         if P < 1:
             raise ValueError(f"expected prompt_tokens of shape [B, P] with P >= 1 (start with a BOS token), "

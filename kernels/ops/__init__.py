@@ -17,8 +17,10 @@ import torch
 
 from . import reference, tuning
 from ._checks import (
+    CHUNK_SIZES,
     COMPLEX_DTYPES,
     FLOAT_DTYPES,
+    check_chunk_size,
     check_same_device,
     check_scalar,
     check_segment_pos,
@@ -35,8 +37,9 @@ PROVIDERS = ("kernels.ops.rglru_triton", "kernels.ops.samu_triton", "kernels.ops
 
 
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
-# Backends that take `chunk_size`: the chunk length of "chunk", the time tile of "serial"
-# (RG-LRU/scan: an alias of block_t; SAMU: its tile and checkpoint length).
+# Backends that take `chunk_size` (an int in CHUNK_SIZES for both, with and without
+# gradients): the chunk length of "chunk", the time tile of "serial" (RG-LRU/scan: the
+# steps per warp, an alias of block_t; SAMU: its tile and checkpoint length).
 CHUNK_SIZE_BACKENDS = ("chunk", "serial")
 
 
@@ -107,8 +110,9 @@ def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[st
     (kernels.ops.tuning; a table tuned on another GPU is not used).
 
     chunk_size applies only to the backends of CHUNK_SIZE_BACKENDS ("chunk": the chunk
-    length; "serial": its time tile). Naming another backend together with a chunk_size
-    raises ValueError. With "auto" it is a preference: passed on when the backend chosen
+    length; "serial": its time tile), an int in CHUNK_SIZES (8, 16, 32, 64), checked here
+    for every backend. Naming another backend together with a chunk_size raises
+    ValueError. With "auto" it is a preference: passed on when the backend chosen
     takes it (it overrides a tuning-table entry's chunk_size), dropped otherwise, as on
     the CPU, where "auto" is always the reference."""
     avail = backends(op)
@@ -119,6 +123,9 @@ def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[st
             raise ValueError(f"expected chunk_size only with backend in {['auto', *CHUNK_SIZE_BACKENDS]} "
                              f"(it applies to the chunk backend, and to serial as its time tile), "
                              f"got chunk_size={chunk_size!r} with backend {backend!r}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    if backend != "auto":
         return backend, _chunk_opts(backend, chunk_size)
     if x.device.type != "cuda":
         return "reference", {}
@@ -249,11 +256,19 @@ def _step_backend(op, backend, x):
     return avail[backend]
 
 
+def step_has_backward(op: str, backend: str, device) -> bool:
+    """Whether the decode step `backend` of `op` ("auto" resolved for `device`) is
+    differentiable: the reference is; the Triton steps have no backward."""
+    return _step_backend(op, backend, torch.empty(0, device=device)) is step_backends(op)["reference"]
+
+
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
     """One RG-LRU decode step with both block-diagonal gate matvecs.
     x: [B, D]; gate_*_w: [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D], all floating
     and on x's device; state: [B, D] FP32, updated in place; reset: [B] bool.
-    Returns y [B, D]."""
+    Returns y [B, D]. The Triton step ("fused", "auto" on CUDA) has no backward: an
+    input that requires grad under grad mode raises ValueError (decode under
+    torch.no_grad(); train with `rglru`)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     check_tensor("state", state, shape=(B, D), dtypes=(state_dtype(x.dtype),))
@@ -274,7 +289,10 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto"):
     """One SAMU decode step. x: [B, D]; parameters as for `samu`; state: [B, M]
-    complex64, updated in place; reset: [B] bool. Returns y [B, D]."""
+    complex64, updated in place; reset: [B] bool. Returns y [B, D]. The Triton steps
+    ("fused", "row", "blocked"; "auto" on CUDA) have no backward: an input that requires
+    grad under grad mode raises ValueError (decode under torch.no_grad(); train with
+    `samu`)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     if D % 2 or D == 0:
@@ -288,4 +306,4 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
 
 
 __all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends",
-           "resolve", "reference", "tuning"]
+           "step_has_backward", "resolve", "reference", "tuning"]

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (recurrence_function, INTERPRET, acc_dtype, affine, affine_excl, check_chunk_size, check_pow2, empty, fast,
+from .._checks import check_chunk_size
+from .common import (recurrence_function, INTERPRET, acc_dtype, affine, affine_excl, check_pow2, empty, fast,
                      first_row, g_exp, g_rsqrt, g_sigmoid, g_sqrt, last_row, load_a, load_tile, one_minus_sq, out,
                      softplus, tile_grads, tl_acc)
 from .lookback import lookback_backward, lookback_config, lookback_forward

@@ -34,8 +34,6 @@ POISON = os.environ.get("KERNELS_POISON", "") == "1"
 # the same arithmetic as the GPU runs.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-CHUNK_SIZES = (8, 16, 32, 64)
-
 
 def empty(shape, dtype, device):
     if POISON:
@@ -61,12 +59,6 @@ def check_pow2(name: str, value, lo: int, hi: int) -> int:
     if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
         raise ValueError(f"expected {name} to be a power of two in [{lo}, {hi}], got {value!r}")
     return value
-
-
-def check_chunk_size(chunk_size) -> int:
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"expected chunk_size in {list(CHUNK_SIZES)}, got {chunk_size!r}")
-    return chunk_size
 
 
 @triton.jit

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
+from .._checks import check_chunk_size
 from . import split
 from .common import (recurrence_function, INTERPRET, acc_dtype, fast, affine, blocks_for, check_pow2, coeffs, empty,
                      last_row, load_raw, out, program_start, tile_grads, tile_offsets, tile_states, tl_acc)
@@ -139,6 +140,7 @@ def _config(B, T, D, is_scan, block_t=None, block_d=None, num_warps=None, num_st
         raise ValueError(f"expected serial options among ['block_t', 'chunk_size', 'block_d', 'num_warps', "
                          f"'num_stages', 'prefetch', 'fast_math', 'vec', 'time_warps'], got {sorted(unknown)}")
     if chunk_size is not None:
+        check_chunk_size(chunk_size)
         if block_t is not None and block_t != chunk_size:
             raise ValueError(f"expected one of block_t and chunk_size (the serial time tile), got {block_t} and "
                              f"{chunk_size}")
@@ -310,8 +312,10 @@ def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_
     default 2; 1 is unmeasured on a GPU), num_warps = W; default W = 4, block_t 8, num_stages 3 for the RG-LRU and
     W = 8, block_t 8, num_stages 4 for the bare scan (SPLIT_DEFAULT); 1: the tile
     kernels below, also chosen when vec, block_d or num_warps is given and, by default,
-    for an RG-LRU forward that needs no gradient), block_t (time
-    tile; chunk_size is accepted as its alias), block_d, num_warps, num_stages
+    for an RG-LRU forward that needs no gradient), chunk_size (the time tile: per warp
+    with time_warps > 1; in kernels.ops.CHUNK_SIZES, as for every backend), block_t (the
+    same tile, any power of two the kernels take: [1, 64] with time_warps > 1, else
+    [8, 256]), block_d, num_warps, num_stages
     (software-pipelined loads), prefetch (load the next tile into registers before
     scanning this one; default on with one stage, off with vec), fast_math
     (approximate ex2/rcp/sqrt in FP32 on the GPU), vec (tile kernels: 0 is Triton's tile

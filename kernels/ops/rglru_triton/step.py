@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
+from .._checks import no_grad_inputs
 from .common import INTERPRET, empty, one_minus_sq, out, softplus, tl_acc
 
 
@@ -89,7 +90,10 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
                block_b=None, block_j=32, block_k=32, num_warps=4):
     """x: [B, D]; gate_*_w: [H, W, W] (W = D / H); gate_*_b: [H, W]; a_param: [D];
     state: [B, D] FP32 (float64 for float64 x), contiguous, updated in place; reset: [B]
-    bool or None. Returns y [B, D] in x's dtype."""
+    bool or None. Returns y [B, D] in x's dtype. No backward: an input that requires
+    grad under grad mode raises ValueError (decode under torch.no_grad())."""
+    no_grad_inputs("fused", x=x, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w, gate_a_b=gate_a_b,
+                   a_param=a_param, state=state)
     B, D = x.shape
     H, W, _ = gate_x_w.shape
     if not state.is_contiguous():

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (acc_dtype, alloc, bwd_chunk, check_block_m, check_chunk_size, check_num_warps, controls_fwd,
+from .._checks import check_chunk_size
+from .common import (acc_dtype, alloc, bwd_chunk, check_block_m, check_num_warps, controls_fwd,
                      controls_tile, fwd_steps, load_pair, mode_consts, next_pow2, store_pair, store_param_partials,
                      tl_dtype)
 from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, SerialPlan

@@ -62,15 +62,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-CHUNK_SIZES = (8, 16, 32, 64)
-
-
-def check_chunk_size(k):
-    if k not in CHUNK_SIZES:
-        raise ValueError(f"expected chunk_size in {list(CHUNK_SIZES)}, got {k!r}")
-    return k
-
-
 def check_block_m(bm):
     if bm not in (32, 64, 128, 256):
         raise ValueError(f"expected block_m in [32, 64, 128, 256], got {bm!r}")

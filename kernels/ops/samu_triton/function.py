@@ -46,7 +46,8 @@ class SamuFunction(torch.autograd.Function):
         no_double_backward()
         x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
         dy = dy.contiguous()
-        gh = None if dh is None else torch.view_as_real(dh.contiguous())
+        # a cotangent through h.conj() arrives as a conjugate view: materialise it
+        gh = None if dh is None else torch.view_as_real(dh.resolve_conj().contiguous())
         dxw, dpart, ppart, dh0 = ctx.plan.backward(x, dy, ctrl, modes, states, gh)
         dx, dpd, drd, damp, dmode = controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra)
         damps = [None if v is None else damp[i].reshape(v.shape).to(v.dtype) for i, v in enumerate(ctx.amps)]

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import (alloc, bwd_chunk, check_block_m, check_chunk_size, check_num_warps, fwd_steps, load_pair,
+from .._checks import check_chunk_size
+from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair,
                      mode_consts, store_pair, store_param_partials, tl_dtype)
 from .function import samu_apply
 

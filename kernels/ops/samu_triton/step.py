@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .._checks import check_tensor
+from .._checks import check_tensor, no_grad_inputs
 from .common import acc_dtype, load_pair, mode_consts64, next_pow2, store_pair, tanh, tl_dtype, transition
 
 ROW_MIN_BATCH = 64
@@ -96,6 +96,8 @@ def _amp(v, x):
 
 
 def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset):
+    no_grad_inputs(layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
+                   radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     B, D = x.shape
     M = D // 2
     if not state.is_contiguous():
@@ -129,7 +131,9 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
     """Decode step, one program per sequence. x: [B, D]; state: [B, M] complex64,
-    updated in place; reset: [B] bool. Returns y [B, D] in x's dtype."""
+    updated in place; reset: [B] bool. Returns y [B, D] in x's dtype. No backward: an
+    input that requires grad under grad mode raises ValueError (decode under
+    torch.no_grad())."""
     return _launch("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
 
 
@@ -141,5 +145,7 @@ def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, t
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
     """Decode step with the layout measured fastest for the batch size (see ROW_MIN_BATCH)."""
     check_tensor("x", x, ndim=2)
+    no_grad_inputs("fused", x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
+                   radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     layout = "row" if x.shape[0] >= ROW_MIN_BATCH else "blocked"
     return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
