@@ -86,7 +86,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .common import alloc, mode_consts, next_pow2, store_token_controls, tanh, tl_dtype
+from .common import alloc, mode_consts, next_pow2, relu, store_token_controls, tanh, tl_dtype
 
 L_RANGE = (2, 1024)
 LS_RANGE = (2, 64)
@@ -360,8 +360,8 @@ def samu_lookback_kernel(
         m2 = (t < T)[:, None] & m_m[None, :]
         Hr = Ar * hr[None, :] - Ai * hi[None, :] + Br
         Hi = Ar * hi[None, :] + Ai * hr[None, :] + Bi
-        tl.store(y_b + off, tl.maximum(Hr, 0.0).to(y.dtype.element_ty), mask=m2)
-        tl.store(y_b + off + M, tl.maximum(Hi, 0.0).to(y.dtype.element_ty), mask=m2)
+        tl.store(y_b + off, relu(Hr).to(y.dtype.element_ty), mask=m2)
+        tl.store(y_b + off + M, relu(Hi).to(y.dtype.element_ty), mask=m2)
         if SAVE:
             _save_states(S, Hr, Hi, hr, hi, rows, t0, i_b, NCB, M, o_m, m_m, LS, KB)
     else:
@@ -388,8 +388,8 @@ def samu_lookback_kernel(
             b_r = tl.where(first, b_r + ar * hr[None, :] - ai * hi[None, :], b_r)
             b_i = tl.where(first, b_i + ar * hi[None, :] + ai * hr[None, :], b_i)
             _, _, Hr, Hi = tl.associative_scan((ar, ai, b_r, b_i), 0, caffine)
-            tl.store(y_b + off, tl.maximum(Hr, 0.0).to(y.dtype.element_ty), mask=m2)
-            tl.store(y_b + off + M, tl.maximum(Hi, 0.0).to(y.dtype.element_ty), mask=m2)
+            tl.store(y_b + off, relu(Hr).to(y.dtype.element_ty), mask=m2)
+            tl.store(y_b + off + M, relu(Hi).to(y.dtype.element_ty), mask=m2)
             if SAVE:
                 _save_states(S, Hr, Hi, hr, hi, rows, t0, i_b, NCB, M, o_m, m_m, LS, KB)
             hr = last_row(Hr, rows, LS)

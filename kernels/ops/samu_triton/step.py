@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .. import accounting
 from .._checks import check_tensor, no_grad_inputs
-from .common import acc_dtype, load_pair, mode_consts64, next_pow2, store_pair, tanh, tl_dtype, transition
+from .common import acc_dtype, load_pair, mode_consts64, next_pow2, relu, store_pair, tanh, tl_dtype, transition
 
 ROW_MIN_BATCH = 64
 
@@ -63,8 +63,8 @@ def _step_modes(x_b, y_b, s_b, nu_log, theta_log, E, ck, sk, m0, M, BM: tl.const
     xi = tl.load(x_b + M + offs_m, mask=mask_m, other=0.0).to(ACC)
     hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
     store_pair(s_b, offs_m, hr, hi, mask_m)
-    tl.store(y_b + offs_m, tl.maximum(hr, 0.0).to(y_b.dtype.element_ty), mask=mask_m)
-    tl.store(y_b + M + offs_m, tl.maximum(hi, 0.0).to(y_b.dtype.element_ty), mask=mask_m)
+    tl.store(y_b + offs_m, relu(hr).to(y_b.dtype.element_ty), mask=mask_m)
+    tl.store(y_b + M + offs_m, relu(hi).to(y_b.dtype.element_ty), mask=mask_m)
 
 
 @triton.jit(do_not_specialize=["D", "M"])
