@@ -65,9 +65,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acc = torch.promote_types(x.dtype, torch.float32)
-        xa = x.to(acc)
-        var = torch.mean(xa * xa, dim=-1, keepdim=True)
-        return (xa * torch.rsqrt(var + self.eps) * (self.scale.to(acc) + 1)).to(x.dtype)
+        return F.rms_norm(x.to(acc), (self.width,), self.scale.to(acc) + 1, self.eps).to(x.dtype)
 
 
 class BlockDiagonalLinear(nn.Module):
@@ -102,6 +100,7 @@ class Conv1D(nn.Module):
 
     Output t sums w[W-1-s] * x[t-s] over shifts s < W, leaving out every x[t-s] that
     lies before a document start in (t-s, t] (segment_pos == 0). w: [W, E], b: [E].
+    On CUDA without a cache in or out (training) it runs the fused kernels.ops.conv.causal_conv1d.
     """
 
     def __init__(self, width: int, temporal_width: int = 4, w_init_variance_scale: float = 0.01,
@@ -130,6 +129,10 @@ class Conv1D(nn.Module):
         [B, W-1, E] (the inputs before x). Returns (y [B, T, E], new cache or None)."""
         B, T, _ = x.shape
         check_segment_pos(segment_pos, B, T)
+        if cache is None and not return_cache and x.is_cuda:
+            from .ops.conv import causal_conv1d    # imports triton
+
+            return causal_conv1d(x.contiguous(), self.w.contiguous(), self.b.contiguous(), segment_pos), None
         W = self.temporal_width
         acc = torch.promote_types(x.dtype, torch.float32)
         if cache is None:

@@ -614,7 +614,7 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
                 if name == "reference" and dtype != torch.float64:
                     row.update(passed=True, role="yardstick", within_tolerance=row["passed"])
                 elif name in ops.inexact_backends():
-                    # Recorded, not gated; measure.gated_backends never counts it exact.
+                    # Recorded, not gated; cases.gated_backends never counts it exact.
                     row.update(passed=True, role="inexact-by-design", within_tolerance=row["passed"])
                 rows.append(row)
     return rows

@@ -12,7 +12,7 @@ from kernels import ops, parity
 from kernels.ops import assoc, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow" / "scripts"))
-from common import measure  # noqa: E402
+from common import cases  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -47,9 +47,9 @@ def test_bf16_accumulation_is_visible_and_never_exact(op):
     assert err[("assoc", "output")] <= 1e-5
     # Rounding every round's maps to BF16 moves the output by far more than FP32 does.
     assert err[("assoc_bf16", "output")] > 1e-4
-    gated = measure.gated_backends({"checks": rows})
+    gated = cases.gated_backends({"checks": rows})
     assert "assoc" in gated[op] and "assoc_bf16" not in gated[op]
-    assert measure.exact_backend_names(op, list(ops.backends(op)), {"checks": rows}).count("assoc_bf16") == 0
+    assert cases.exact_backend_names(op, list(ops.backends(op)), {"checks": rows}).count("assoc_bf16") == 0
     assert "assoc_bf16" in ops.inexact_backends() and "assoc" not in ops.inexact_backends()
 
 

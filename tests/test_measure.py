@@ -9,49 +9,48 @@ import torch
 
 from pipeline_util import SCRIPTS  # noqa: F401  (puts workflow/scripts on sys.path)
 
-from common import measure, records  # noqa: E402
-from kernels import timing  # noqa: E402
+from common import cases, measure, records  # noqa: E402
 from kernels.ops import accounting  # noqa: E402
 
 
 def test_percentiles_and_summary_on_known_samples():
     s = [float(v) for v in range(1, 11)]                 # 1 .. 10
-    assert timing.percentile(s, 10) == pytest.approx(1.9)
-    assert timing.percentile(s, 95) == pytest.approx(9.55)
-    assert timing.percentile(list(reversed(s)), 50) == pytest.approx(5.5)
-    st = timing.summarize([3.0, 1.0, 2.0])
+    assert measure.percentile(s, 10) == pytest.approx(1.9)
+    assert measure.percentile(s, 95) == pytest.approx(9.55)
+    assert measure.percentile(list(reversed(s)), 50) == pytest.approx(5.5)
+    st = measure.summarize([3.0, 1.0, 2.0])
     assert (st["n"], st["p10_ms"], st["median_ms"], st["min_ms"]) == (3, pytest.approx(1.2), 2.0, 1.0)
-    assert timing.summarize([4.0])["p95_ms"] == 4.0
+    assert measure.summarize([4.0])["p95_ms"] == 4.0
     with pytest.raises(ValueError, match="at least one sample"):
-        timing.percentile([], 50)
+        measure.percentile([], 50)
 
 
 def test_time_fn_counts_and_keeps_raw_samples():
     calls = []
-    out = timing.time_fn(lambda: calls.append(1), reps=7, warmup=2, device="cpu")
+    out = measure.time_fn(lambda: calls.append(1), reps=7, warmup=2, device="cpu")
     assert len(calls) == 9 and len(out["samples_ms"]) == 7 and out["n"] == 7
     assert out["clock"] == "perf_counter" and out["stopped_early"] is False
     assert out["p10_ms"] <= out["median_ms"] <= out["p95_ms"]
     with pytest.raises(ValueError, match="reps"):
-        timing.time_fn(lambda: None, reps=0, device="cpu")
+        measure.time_fn(lambda: None, reps=0, device="cpu")
 
 
 def test_time_fn_budget_stops_after_min_reps():
-    out = timing.time_fn(lambda: time.sleep(0.02), reps=50, warmup=0, device="cpu", budget_s=0.05, min_reps=3)
+    out = measure.time_fn(lambda: time.sleep(0.02), reps=50, warmup=0, device="cpu", budget_s=0.05, min_reps=3)
     assert out["stopped_early"] is True
     assert 3 <= out["n"] < 50 and out["reps_requested"] == 50
 
 
 def test_time_trajectory_reads_every_checkpoint_from_one_run():
     seen = []
-    out = timing.time_trajectory(lambda i: seen.append(i), [5, 2, 5], device="cpu", before=lambda: seen.append("p"))
+    out = measure.time_trajectory(lambda i: seen.append(i), [5, 2, 5], device="cpu", before=lambda: seen.append("p"))
     assert seen == ["p", 0, 1, 2, 3, 4]                   # prompt first, then one run of 5 steps
     assert out["checkpoints"] == [2, 5]
     c = out["cumulative_ms"]
     assert len(c) == 2 and 0 <= c[0] <= c[1]
     assert sum(out["interval_ms"]) == pytest.approx(c[1])
     with pytest.raises(ValueError, match="checkpoints"):
-        timing.time_trajectory(lambda i: None, [0], device="cpu")
+        measure.time_trajectory(lambda i: None, [0], device="cpu")
 
 
 def test_time_trajectory_warmup_runs_untimed_steps_from_a_fresh_prefill():
@@ -62,13 +61,13 @@ def test_time_trajectory_warmup_runs_untimed_steps_from_a_fresh_prefill():
         if len(seen) == 1:           # one-time work (compile / graph capture) on the very first step
             time.sleep(0.2)
 
-    out = timing.time_trajectory(slow_first, [3], device="cpu", before=lambda: seen.append("p"), warmup=2)
+    out = measure.time_trajectory(slow_first, [3], device="cpu", before=lambda: seen.append("p"), warmup=2)
     # prefill, two untimed steps, prefill again, then the timed trajectory of 3 steps
     assert seen == ["p", 0, 1, "p", 0, 1, 2]
     assert out["warmup_steps"] == 2
     assert out["cumulative_ms"][-1] < 150          # the one-time 200 ms stayed in the warm-up
     with pytest.raises(ValueError, match="warmup"):
-        timing.time_trajectory(lambda i: None, [1], device="cpu", warmup=-1)
+        measure.time_trajectory(lambda i: None, [1], device="cpu", warmup=-1)
 
 
 def test_orders_run_each_comparison_both_ways():
@@ -232,11 +231,11 @@ def test_gates_decide_which_backends_are_exact():
         {"check": "backend/samu/output", "op": "samu", "backend": "serial", "passed": True},
         {"check": "griffin_official/logits", "passed": True},
     ]}
-    assert measure.gated_backends(gates) == {"rglru": {"serial"}, "samu": {"serial"}}
+    assert cases.gated_backends(gates) == {"rglru": {"serial"}, "samu": {"serial"}}
     names = ["reference", "serial", "chunk", "assoc_bf16"]
-    assert measure.exact_backend_names("rglru", names, gates) == ["serial"]
-    assert measure.exact_backend_names("rglru", names, {"checks": []}, ["*bf16*"]) == ["reference", "serial", "chunk"]
-    assert measure.gated_backends({"checks": [{"check": "x", "passed": True}]}) is None
+    assert cases.exact_backend_names("rglru", names, gates) == ["serial"]
+    assert cases.exact_backend_names("rglru", names, {"checks": []}, ["*bf16*"]) == ["reference", "serial", "chunk"]
+    assert cases.gated_backends({"checks": [{"check": "x", "passed": True}]}) is None
 
 
 def test_probe_figures_are_found_wherever_the_probe_puts_them():
@@ -298,3 +297,13 @@ def test_ncu_pass_keeps_the_calls_between_marker_pairs(tmp_path):
     assert [g["dram_bytes_read"] for g in got] == [100.0, 1.0] and [g["kernels"] for g in got] == [1, 1]
     assert measure.ncu_counters(["python", "worker.py"], 3, ncu=str(fake)) is None
     assert measure.ncu_counters(["x"], 1, ncu=str(tmp_path / "missing")) is None
+
+
+def test_runner_leaves_the_clocks_alone_unless_the_profile_asks(tmp_path, monkeypatch):
+    tried = []
+    monkeypatch.setattr(measure.Clocks, "lock", lambda self: tried.append(1) or {"locked": True})
+    runner = measure.Runner("t", "cpu-smoke", tmp_path, None, "cpu")
+    assert tried == [] and runner.clock_lock["locked"] is False
+    assert "lock_clocks" in runner.clock_lock["reason"]
+    assert measure.Runner("t", "cpu-smoke", tmp_path, None, "cpu", lock_clocks=True).clock_lock == {"locked": True}
+    assert tried == [1]

@@ -12,7 +12,7 @@ import yaml
 
 from pipeline_util import REPO
 
-from common import records  # noqa: E402
+from common import cases, records  # noqa: E402
 from common.stage import Files, Job  # noqa: E402
 
 import kernels  # noqa: E402
@@ -70,11 +70,11 @@ def test_option_grids_follow_what_launchers_accept():
     per_op = {**grids, "samu/chunk": {"chunk_size": [8]}}
     assert tune.option_grid(explicit, "chunk", per_op, None, op="samu") == [{"chunk_size": 8}]
     assert tune.option_grid(explicit, "chunk", per_op, None, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
-    assert tune.chunk_variants("chunk", var, [16, 32]) == [{"chunk_size": 16}, {"chunk_size": 32}]
-    assert tune.chunk_variants("serial", var, [16]) == [{}]
-    assert tune.chunk_variants("serial", explicit, [16]) == [{}]
-    assert tune.chunk_variants("chunk", explicit, [8]) == [{"chunk_size": 8}]
-    assert tune.chunk_variants("chunk", lambda x: x, [8]) == [{}]
+    assert cases.chunk_variants("chunk", var, [16, 32]) == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert cases.chunk_variants("serial", var, [16]) == [{}]
+    assert cases.chunk_variants("serial", explicit, [16]) == [{}]
+    assert cases.chunk_variants("chunk", explicit, [8]) == [{"chunk_size": 8}]
+    assert cases.chunk_variants("chunk", lambda x: x, [8]) == [{}]
 
 
 def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):

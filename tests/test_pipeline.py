@@ -29,17 +29,21 @@ def repo(tmp_path_factory):
 def test_dag_dry_run_orders_the_stages(repo):
     out = snakemake(repo, "-n", "--cores", "1", "all", "--config", "profile=cpu-smoke")
     assert out.returncode == 0, out.stderr
-    for rule in ("probe", "audit", "tune", "track_scan", "track_train", "track_infer", "aggregate", "archive"):
+    for rule in ("probe", "audit", "tune", "track_ops", "track_scan", "track_train", "track_infer", "aggregate",
+                 "archive"):
         assert re.search(rf"^{rule}\s+1$", out.stdout, re.M), f"{rule} missing from the plan:\n{out.stdout}"
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
-    assert re.search(rf"results/artifact-\d{{8}}-{sha[:12]}\.tar\.gz", out.stdout), out.stdout[-2000:]
+    # named by commit and profile, not by the date: a resume after midnight finishes the same artifact
+    assert f"results/artifact-{sha[:12]}-cpu-smoke.tar.gz" in out.stdout, out.stdout[-2000:]
+    assert "profile: cpu-smoke (chosen in the config)" in out.stderr, out.stderr[-2000:]
     dag = snakemake(repo, "--dag", "--cores", "1", "all", "--config", "profile=cpu-smoke")
     assert dag.returncode == 0, dag.stderr
     name = {m.group(1): m.group(2) for m in re.finditer(r'^\s*(\d+)\[label = "([a-z_]+)"', dag.stdout, re.M)}
     named = {(name[a], name[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dag.stdout, re.M)}
     expected = {("probe", "audit"), ("audit", "tune"), ("aggregate", "archive"), ("archive", "all")}
     expected |= {("tune", f"track_{t}") for t in ("scan", "train", "infer")}
-    expected |= {(f"track_{t}", "aggregate") for t in ("scan", "train", "infer")}
+    expected |= {(f"track_{t}", "aggregate") for t in ("ops", "scan", "train", "infer")}
+    expected.add(("probe", "track_ops"))
     assert expected <= named, f"missing edges {expected - named}"
 
 
@@ -78,6 +82,37 @@ def test_bad_config_key_stops_snakemake_with_its_name(repo, tmp_path):
     out = snakemake(repo, "-n", "--cores", "1", "--configfile", str(bad))
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "Error validating config file" in text and "'profil'" in text, text[-3000:]
+    # one line per problem, not the whole config after it
+    assert "matmul_n" not in text and len(text.splitlines()) < 40, text[-3000:]
+
+
+def test_nested_numeric_override_is_typed_and_auto_profile_is_named(repo):
+    from common import config_check
+
+    typed = config_check.typed_overrides({"profile": "auto", "profiles": {"cpu-smoke": {
+        "probe": {"reps": "5"}, "scan": {"T": ["16", "32"], "check_tolerance": "1.0e-4", "peer_max_T": {}},
+        "train": {"autocast": "null", "presets": ["1.3b"]}, "tune": {"include_reference": "true"}}}})
+    smoke = typed["profiles"]["cpu-smoke"]
+    assert smoke["probe"]["reps"] == 5 and smoke["scan"]["T"] == [16, 32] and smoke["scan"]["check_tolerance"] == 1e-4
+    assert smoke["train"] == {"autocast": None, "presets": ["1.3b"]} and smoke["tune"]["include_reference"] is True
+    out = snakemake(repo, "-n", "--cores", "1", "all", "--config", "profiles={cpu-smoke: {probe: {reps: 5}}}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "profile: auto -> cpu-smoke (no GPU visible)" in out.stderr, out.stderr[-3000:]
+    assert "predicted GPU time (cpu-smoke): none" in out.stderr
+
+
+def test_cuda_profile_refused_at_parse_time_without_a_gpu(repo):
+    import time
+
+    t0 = time.monotonic()
+    out = snakemake(repo, "--cores", "1", "all", "--config", "profile=h800")
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "profile 'h800' runs on CUDA" in text and "profile=cpu-smoke" in text, text[-3000:]
+    assert time.monotonic() - t0 < 60 and not (repo / "results" / "probe").exists()
+    # a dry run still shows the plan and the estimate, with a warning
+    dry = snakemake(repo, "-n", "--cores", "1", "all", "--config", "profile=h800")
+    assert dry.returncode == 0 and "warning: profile 'h800' runs on CUDA" in dry.stderr, dry.stderr[-3000:]
+    assert re.search(r"predicted GPU time \(h800, .*audit [\d.]+ min.*total [\d.]+ min", dry.stderr), dry.stderr[-3000:]
 
 
 def test_lint_and_format_clean(repo):
@@ -114,6 +149,21 @@ def test_profile_by_gpu():
     assert resolve_profile({**cfg, "profile": "h800"}, gpus=[])[0] == "h800"
     with pytest.raises(ValueError, match=r"expected profile in \['auto', 'cpu-smoke', 'h200', 'h800'\], got 'nope'"):
         resolve_profile({**cfg, "profile": "nope"}, gpus=[])
+
+
+def test_hidden_gpus_count_as_none(monkeypatch):
+    from common import config_check
+    from common.profile import choice, gpu_names
+
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert gpu_names() == []
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        config_check.require_device("h200", cfg["profiles"]["h200"], [])
+    config_check.require_device("h200", cfg["profiles"]["h200"], ["NVIDIA H200"])
+    config_check.require_device("cpu-smoke", cfg["profiles"]["cpu-smoke"], [])
+    assert choice("auto", "h200", ["NVIDIA H200"]) == "profile: auto -> h200 (GPU 'NVIDIA H200')"
 
 
 # ---- records ------------------------------------------------------------------
@@ -242,6 +292,87 @@ def test_archive_bytes_are_reproducible_and_tamper_is_caught(tmp_path):
     cli = subprocess.run([sys.executable, str(REPO / "workflow/scripts/verify_archive.py"), str(path)],
                          capture_output=True, text=True)
     assert cli.returncode == 1 and "FAIL missing: results/b.txt" in cli.stdout
+
+
+def test_archive_holds_this_run_only(tmp_path):
+    import archive
+
+    root = tmp_path / "results"
+    mine = ["probe/environment.json", "audit/gates.json", "tune/tuning.json", "tracks/scan/records.jsonl",
+            "report/report.md", "report/plots/scan.png", "logs/probe.log", "benchmarks/probe.tsv"]
+    others = ["runs/h200-run3/tracks/scan/records.jsonl", "runs/README.md", "kernels/rglru/README.md",
+              "generation/out.json", "artifact-abc-cpu-smoke.tar.gz", ".tmp/jobs/x.json",
+              "tracks/scan/records.d/cfg.json", "logs/archive.log"]
+    for rel in mine + others:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(rel)
+    got = archive.result_files(root, {(root / "logs/archive.log").resolve()})
+    assert sorted(p.relative_to(root).as_posix() for p in got) == sorted(mine)
+
+
+# ---- the report ---------------------------------------------------------------------
+
+
+def test_report_says_which_timed_implementations_were_gated():
+    import aggregate
+
+    def check(op, backend, role=None):
+        return {"check": f"backends/{op}/{backend}/output", "op": op, "backend": backend, "passed": True,
+                "dtype": "float32", **({"role": role} if role else {})}
+
+    gates = {"checks": [check("samu", "chunk"), check("samu", "reference", "yardstick"),
+                        check("samu", "assoc_bf16", "inexact-by-design"),
+                        {"check": "hawk/decode_equals_forward", "passed": True, "dtype": "float32"}]}
+    recs = [_rec("a", backend="chunk"), _rec("b", backend="assoc_bf16"), _rec("c", backend="reference"),
+            _rec("d", backend="peer:fla_chunk_hgrn"), _rec("e", backend="auto")]
+    table = {"entries": [{"op": "samu", "backend": "chunk", "B": 4}],
+             "decode": [{"op": "samu_step", "backend": "fused", "B": 16}, {"op": "samu_step", "backend": "row", "B": 96},
+                        {"op": "samu_step", "backend": "row", "B": 512}]}
+    text = aggregate.audit_section(gates, recs, table)
+    assert "4 of 4 checks passed" in text and "every timed implementation passed" not in text.lower()
+    gated = text.split("Timed and gated", 1)[1].split("\n", 1)[0]
+    assert "`samu/chunk`" in gated and "row" not in gated and "assoc_bf16" not in gated and "fla" not in gated
+    assert "- `samu_step/row` (the tuning table uses it at B = 96, 512): no gate compares it" in text
+    assert "- `samu/assoc_bf16`: inexact by design" in text and "- `samu_step/fused` (the tuning table uses it at B = 16)" in text
+    only_gated = aggregate.audit_section(gates, [_rec("a", backend="chunk")], {"entries": [], "decode": []})
+    assert "Every timed implementation passed its gate." in only_gated
+
+
+def test_report_tables_have_no_nan_cells_and_labels_come_from_records():
+    import aggregate
+
+    recs = [_rec("scan-a", backend="serial", logical=None, fraction_of_floor=0.5),
+            _rec("scan-b", backend="chunk", options={"chunk_size": 8}, peer=False)]
+    df = aggregate.add_floor(aggregate.flatten(recs), None)
+    text = aggregate.stage_tables(df) + aggregate.md_table(df, ["config_id", "peer", "fraction_of_floor", "floor_ms"])
+    assert "nan" not in text.lower() and "| -" in text, text
+    assert aggregate._pair(df.assign(order=["AB", "BA"]), "fraction_of_floor") == "0.5 / -"
+    probe = aggregate.flatten([_rec("p", generated_tokens=2, role="probe")])
+    assert aggregate.probe_label(probe) == "decode tokens/s (2-step probe)"
+
+
+# ---- the cost model --------------------------------------------------------------
+
+
+def test_cost_model_is_calibrated_on_a_committed_run():
+    """Run 3 (the whole DAG, h200 profile, its configuration in its manifest): the
+    model may overestimate (it assumes one model built per inference configuration)
+    but never underestimates a stage by more than 10 %, and the total within 35 %."""
+    from common import cost
+
+    run = REPO / "results" / "runs" / "h200-20261201-run3"
+    profile = json.loads((run / "MANIFEST.json").read_text())["config"]["profiles"]["h200"]
+    est = cost.estimate(profile)
+    actual = {}
+    for stage_name in est:
+        tsv = run / "benchmarks" / f"{'track_' if stage_name in ('scan', 'train', 'infer') else ''}{stage_name}.tsv"
+        actual[stage_name] = float(tsv.read_text().splitlines()[1].split("\t")[0])
+    for k, v in est.items():
+        assert v >= 0.9 * actual[k], (k, v, actual[k])
+    assert sum(est.values()) <= 1.35 * sum(actual.values()), (est, actual)
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    line = cost.summary("h800", cfg["profiles"]["h800"])
+    assert all(f" {s} " in line for s in ("probe", "audit", "tune", "scan", "train", "infer")) and "total" in line
 
 
 # ---- docker dispatch --------------------------------------------------------------

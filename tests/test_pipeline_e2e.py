@@ -23,7 +23,7 @@ from common import records  # noqa: E402
 COMMAND = ["--cores", "1", "all", "--config", "profile=cpu-smoke"]
 # (records.d of a measuring stage, the output that marks the stage finished)
 MEASURING = [("results/tune/records.d", "results/tune/tuning.json")] + [
-    (f"results/tracks/{t}/records.d", f"results/tracks/{t}/records.jsonl") for t in ("scan", "train", "infer")
+    (f"results/tracks/{t}/records.d", f"results/tracks/{t}/records.jsonl") for t in ("ops", "scan", "train", "infer")
 ]
 EARLY_OUTPUTS = ["results/probe/environment.json", "results/audit/gates.json", "results/audit/audit.md"]
 
@@ -72,6 +72,10 @@ def test_resume_redoes_only_unfinished_work(smoke):
         assert (smoke["killed_in"] / name).read_bytes() == data, f"finished configuration {name} was redone"
     again = snakemake(repo, *COMMAND)
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+    # another command line (more cores, a dry run) finds the finished run up to date,
+    # the archive included
+    other = snakemake(repo, "-n", "--cores", "2", "all", "--config", "profile=cpu-smoke")
+    assert other.returncode == 0 and "Nothing to be done" in other.stdout + other.stderr, other.stdout[-3000:]
 
 
 def test_outputs_records_and_report(smoke):
@@ -85,7 +89,7 @@ def test_outputs_records_and_report(smoke):
     assert {c["check"].split("/")[0] for c in gates["checks"]} >= {
         "backends", "rglru_official", "residual_block_official", "samu_reference"}
     n = 0
-    for t in ("scan", "train", "infer"):
+    for t in ("ops", "scan", "train", "infer"):
         recs = records.read_jsonl(repo / f"results/tracks/{t}/records.jsonl")
         assert all(r["profile"] == "cpu-smoke" and r["counters"] is None for r in recs)
         n += len(recs)
@@ -94,20 +98,26 @@ def test_outputs_records_and_report(smoke):
     assert f"{n} records" in report
     plots = {p.name for p in (repo / "results/report/plots").glob("*.png")}
     # The study's headline figures exist beside the per-stage ones, and the report shows them.
-    assert {"train_comparison.png", "infer_throughput.png", "infer_latency.png", "scan.png"} <= plots
+    assert {"train_comparison.png", "infer_throughput.png", "infer_latency.png", "scan.png", "ops.png"} <= plots
     assert all(f"plots/{p}" in report for p in plots)
     summary = report.split("## Summary", 1)[1].split("## Environment", 1)[0]
     for part in ("**Training step**", "**Inference latency**", "**Inference throughput**", "**Scan track**"):
         assert part in summary
+    for text in (report, (repo / "results/report/tables.md").read_text()):
+        assert not re.search(r"\bnan\b", text, re.I), [line for line in text.splitlines() if "nan" in line.lower()][:5]
+    assert "64-step" not in report
     csv = (repo / "results/report/records.csv").read_text()
     assert n == 0 or ("median_ms" in csv and "logical.launches" in csv)
-    for rule in ("probe", "audit", "tune", "track_scan", "track_train", "track_infer", "aggregate", "archive"):
+    for rule in ("probe", "audit", "tune", "track_ops", "track_scan", "track_train", "track_infer", "aggregate",
+                 "archive"):
         assert (repo / f"results/logs/{rule}.log").exists() and (repo / f"results/benchmarks/{rule}.tsv").exists()
 
 
 def test_archive_verifies_and_tampering_is_caught(smoke, tmp_path):
     repo = smoke["repo"]
     (artifact,) = (repo / "results").glob("artifact-*.tar.gz")
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert artifact.name == f"artifact-{sha[:12]}-cpu-smoke.tar.gz"
     verify = [sys.executable, str(repo / "workflow/scripts/verify_archive.py")]
     ok = subprocess.run([*verify, str(artifact)], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.strip().endswith("OK"), ok.stdout

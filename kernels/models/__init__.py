@@ -1,6 +1,9 @@
-"""Hawk language models: presets (config), the model and its decode cache (hawk)."""
+"""Hawk language models: presets (config), the model and its decode cache (hawk), the
+training step applied from outside the model (train)."""
 
 from .config import PRESETS, HawkConfig, preset
 from .hawk import HawkCache, HawkLM
+from .train import compile_blocks, linear_cross_entropy, train_step
 
-__all__ = ["HawkConfig", "HawkLM", "HawkCache", "PRESETS", "preset"]
+__all__ = ["HawkConfig", "HawkLM", "HawkCache", "PRESETS", "preset", "linear_cross_entropy", "train_step",
+           "compile_blocks"]

@@ -20,6 +20,7 @@ from torch import nn
 from .. import layers
 from ..ops._checks import check_segment_pos, check_tensor, is_integer_dtype, shape_str
 from .config import HawkConfig
+from .train import linear_cross_entropy
 
 
 @dataclass
@@ -119,6 +120,23 @@ class HawkLM(nn.Module):
         0 at each document start), T >= 1, tokens int64/int32 in [0, vocab_size); cache:
         state before these tokens (None = empty). Returns (logits [B, T, V], cache after
         the tokens or None)."""
+        x, new = self.hidden(tokens, segment_pos, cache, return_cache)
+        return self.logits(x), new
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, segment_pos: torch.Tensor,
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy of `targets` [B, T] (the next tokens; ignore_index marks
+        positions left out) given tokens, segment_pos [B, T] as in forward, through the
+        chunked fused output projection (kernels.models.train.linear_cross_entropy):
+        equal to F.cross_entropy over forward's logits, without the [B, T, V] logits."""
+        check_tensor("targets", targets, shape=tuple(tokens.shape))
+        x, _ = self.hidden(tokens, segment_pos, return_cache=False)
+        return linear_cross_entropy(self.final_norm(x).flatten(0, 1), self.embed.weight, targets.flatten(),
+                                    ignore_index)
+
+    def hidden(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
+               return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
+        """forward before the final norm and output projection: (x [B, T, D], cache)."""
         _check_tokens("tokens", tokens, (None, None), self.config.vocab_size)
         B, T = tokens.shape
         if T < 1:
@@ -133,7 +151,7 @@ class HawkLM(nn.Module):
         for i, block in enumerate(self.blocks):
             x, c = block(x, segment_pos, None if cache is None else cache.layers[i], return_cache)
             new.append(c)
-        return self.logits(x), (HawkCache(new) if return_cache else None)
+        return x, (HawkCache(new) if return_cache else None)
 
     def step(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache) -> torch.Tensor:
         """One decode step: tokens, segment_pos [B] (0 starts a new document in that row);

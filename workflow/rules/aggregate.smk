@@ -4,6 +4,7 @@ rule aggregate:
         gates=rules.audit.output.gates,
         audit=rules.audit.output.summary,
         table=rules.tune.output.table,
+        tune_records=rules.tune.output.records,
         records=expand("results/tracks/{track}/records.jsonl", track=TRACKS),
     output:
         report=report(

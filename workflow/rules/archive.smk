@@ -13,7 +13,6 @@ rule archive:
         benchmark_path("archive")
     params:
         profile=PROFILE,
-        command_line=COMMAND_LINE,
         image=config["container"]["image"],
         runtime=config["container"]["runtime"],
     script:

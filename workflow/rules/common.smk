@@ -1,19 +1,48 @@
-import datetime
+import os
 import shlex
 import sys
 from pathlib import Path
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version, update_config, validate
 
 min_version("9.0")
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow" / "scripts"))
-from common import facts
+from common import config_check, cost, facts
 from common.recovery import executes, recover
-from common.profile import resolve_profile
+from common.profile import choice, gpu_names, resolve_profile
 
 
 configfile: "config.yaml"
+
+
+# Scalars inside a nested --config value arrive as strings; type them as YAML would.
+update_config(
+    config, config_check.typed_overrides(dict(workflow.config_settings.config or {}))
+)
+# One short line per problem (Snakemake's own message prints the whole config).
+_errors = config_check.schema_errors(
+    config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml"
+)
+if _errors:
+    raise WorkflowError("Error validating config file:\n  " + "\n  ".join(_errors))
+validate(config, "../schemas/config.schema.yaml")
+
+_GPUS = gpu_names()
+try:
+    PROFILE, PROFILE_CONFIG = resolve_profile(config, gpus=_GPUS)
+except ValueError as e:
+    raise WorkflowError(str(e)) from None
+print(choice(config["profile"], PROFILE, _GPUS), file=sys.stderr)
+print(cost.summary(PROFILE, PROFILE_CONFIG), file=sys.stderr)
+# A CUDA profile on a machine without a GPU stops here, not after the probe; a dry
+# run only warns, so that the plan and the estimate can be read anywhere.
+try:
+    config_check.require_device(PROFILE, PROFILE_CONFIG, _GPUS)
+except ValueError as e:
+    if executes(sys.argv):
+        raise WorkflowError(str(e)) from None
+    print(f"warning: {e}", file=sys.stderr)
 
 
 if executes(sys.argv):
@@ -24,14 +53,6 @@ if executes(sys.argv):
             f"removed incomplete outputs {_recovered['outputs']}.",
             file=sys.stderr,
         )
-
-
-validate(config, "../schemas/config.schema.yaml")
-
-try:
-    PROFILE, PROFILE_CONFIG = resolve_profile(config)
-except ValueError as e:
-    raise WorkflowError(str(e)) from None
 
 
 def container_runtime(container):
@@ -69,13 +90,21 @@ def container_uri(container):
 
 CONTAINER = container_uri(config["container"])
 COMMIT = facts.commit()
-ARTIFACT = "results/artifact-{date}-{commit}{dirty}.tar.gz".format(
-    date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"),
+# Named by what it holds (commit, tree state, profile), never by the date, so that
+# a resumed run finishes the same artifact.
+ARTIFACT = "results/artifact-{commit}{dirty}-{profile}.tar.gz".format(
     commit=COMMIT["sha"][:12],
     dirty="-dirty" if COMMIT["dirty"] else "",
+    profile=PROFILE,
 )
-COMMAND_LINE = shlex.join(["snakemake", *sys.argv[1:]])
-TRACKS = ("scan", "train", "infer")
+# The archive's manifest records the command line; an environment variable rather
+# than a rule param, so that `-n` or `--cores 2` does not make the archive stale.
+COMMAND_LINE_ENV = "KERNELS_PIPELINE_COMMAND_LINE"
+os.environ[COMMAND_LINE_ENV] = shlex.join(["snakemake", *sys.argv[1:]])
+# The FSDP2 training track joins the run when the profile asks for more than one GPU.
+TRACKS = ("ops", "scan", "train", "infer") + (
+    ("train_fsdp",) if PROFILE_CONFIG["train"].get("world_size", 1) > 1 else ()
+)
 
 
 def log_path(rule):

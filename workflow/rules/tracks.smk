@@ -38,6 +38,26 @@ rule track_train:
         "../scripts/track_train.py"
 
 
+rule track_train_fsdp:
+    input:
+        environment=rules.probe.output.environment,
+        table=rules.tune.output.table,
+        single=rules.track_train.output.records,
+    output:
+        records="results/tracks/train_fsdp/records.jsonl",
+    log:
+        log_path("track_train_fsdp"),
+    benchmark:
+        benchmark_path("track_train_fsdp")
+    params:
+        profile=PROFILE,
+        section="train",
+        settings=section("train"),
+        records_dir="results/tracks/train_fsdp/records.d",
+    script:
+        "../scripts/track_train_fsdp.py"
+
+
 rule track_infer:
     input:
         environment=rules.probe.output.environment,
@@ -56,3 +76,25 @@ rule track_infer:
         records_dir="results/tracks/infer/records.d",
     script:
         "../scripts/track_infer.py"
+
+
+rule track_ops:
+    input:
+        environment=rules.probe.output.environment,
+    output:
+        records=report(
+            "results/tracks/ops/records.jsonl",
+            caption="../report/ops.rst",
+            category="Tracks",
+        ),
+    log:
+        log_path("track_ops"),
+    benchmark:
+        benchmark_path("track_ops")
+    params:
+        profile=PROFILE,
+        section="ops",
+        settings=section("ops"),
+        records_dir="results/tracks/ops/records.d",
+    script:
+        "../scripts/track_ops.py"

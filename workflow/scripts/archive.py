@@ -1,10 +1,12 @@
-"""Archive -> results/artifact-<date>-<commit>.tar.gz, a reproducible paper artifact.
+"""Archive -> results/artifact-<commit>[-dirty]-<profile>.tar.gz, a reproducible paper artifact.
 
 The tarball holds one folder named like the file: MANIFEST.json (sha256 and
 size of every other file, the resolved config, the git commit and dirty flag,
-the probe, the container runtime and image, the command line), the results
-(probe, audit, tuning table, track records, report, logs, benchmarks), the
-config file used and, for a dirty tree, the uncommitted diff. Entries are
+the probe, the container runtime and image, the command line), this run's
+results (probe, audit, tuning table, track records, report, logs, benchmarks:
+the folders of results/ that the pipeline's rules write, never the runs and
+kernel records committed under results/), the config file used and, for a
+dirty tree, the uncommitted diff. Entries are
 sorted, owners and modes normalised and every mtime fixed (SOURCE_DATE_EPOCH,
 else the commit time), and gzip's header carries no name or time: the same
 results give the same bytes. `verify_archive.py` checks an artifact against
@@ -20,24 +22,25 @@ import tarfile
 from pathlib import Path
 
 from common import atomic, facts, stage
+from common.stage import COMMAND_LINE
 from verify_archive import MANIFEST, sha256, verify
 
 SKIP_PARTS = {".tmp", "records.d"}
+# The folders of results/ that this run's rules write (stage outputs, logs, benchmarks).
+RUN_DIRS = ("probe", "audit", "tune", "tracks", "report", "logs", "benchmarks")
 
 
 def result_files(root: Path, exclude: set[Path]) -> list[Path]:
-    """Every results file worth keeping: not earlier artifacts, temporary files,
-    per-configuration record copies (records.jsonl holds them) or this stage's
+    """This run's results files: everything under RUN_DIRS except temporary files,
+    per-configuration record copies (records.jsonl holds them) and this stage's
     own log and benchmark."""
     out = []
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root)
-        if not p.is_file() or SKIP_PARTS & set(rel.parts) or p.resolve() in exclude:
-            continue
-        if len(rel.parts) == 1 and p.name.startswith("artifact-"):
-            continue
-        out.append(p)
-    return out
+    for d in RUN_DIRS:
+        for p in sorted((root / d).rglob("*")):
+            rel = p.relative_to(root)
+            if p.is_file() and not SKIP_PARTS & set(rel.parts) and p.resolve() not in exclude:
+                out.append(p)
+    return sorted(out)
 
 
 def source_date() -> int:
@@ -81,7 +84,7 @@ def main(job):
         "commit": commit,
         "config": job.config,
         "container": {"runtime": job.params["runtime"], "image": job.params["image"]},
-        "command_line": job.params["command_line"],
+        "command_line": os.environ.get(COMMAND_LINE),
         "probe": json.loads(Path(job.input.environment).read_text()),
         "files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in sorted(entries.items())},
     }

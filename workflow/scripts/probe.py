@@ -144,7 +144,7 @@ def measure(device: str, settings: dict) -> dict:
     timing function. Copy bandwidth counts bytes read plus bytes written."""
     import torch
 
-    from kernels.timing import time_fn
+    from common.measure import time_fn
 
     def copy_timing(n_bytes):
         src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_(0, 255)

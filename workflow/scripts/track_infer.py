@@ -156,9 +156,7 @@ def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, p
     (of one step; taken from `reuse`, the other order's record, when it has them).
     Before the first timed trajectory, `warmup` untimed steps from a fresh prefill
     take the one-time work (kernel compilation, CUDA-graph capture) out of it."""
-    from kernels import timing
-
-    runs = [timing.time_trajectory(dec.step, checkpoints, device, before=dec.prefill,
+    runs = [measure.time_trajectory(dec.step, checkpoints, device, before=dec.prefill,
                                    warmup=warmup if k == 0 else 0) for k in range(reps)]
     logical = measure.reuse_logical(reuse)
     if logical is None:
@@ -199,13 +197,16 @@ def main(job):
     os.environ["KERNELS_TUNING_TABLE"] = str(tuned.resolve())
     table = json.loads(tuned.read_text())
     runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     preset, mixers = settings["preset"], settings["mixers"]
     use_engine = settings.get("engine", True)
     models: dict = {}
 
     def model(mixer):
+        # One model resident at a time, so that a configuration's peak memory is its own model's.
         if mixer not in models:
+            models.clear()
+            measure.release(device)
             models[mixer] = build_model(preset, mixer, settings, device)
         return models[mixer]
 

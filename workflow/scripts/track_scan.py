@@ -20,45 +20,10 @@ import os
 import sys
 from pathlib import Path
 
-from common import atomic, measure, stage
-from tune import check_close, chunk_variants, floor_bytes, op_inputs, opt_tag
+from common import atomic, cases, measure, stage
+from common.cases import check_close, chunk_variants, floor_bytes, op_inputs, opt_tag
 
 COUNTERS_PASS = "KERNELS_SCAN_COUNTERS_PASS"
-PEERS = ("recurrentgemma", "fla_chunk_hgrn", "fla_fused_recurrent_hgrn", "accelerated_scan_triton",
-         "accelerated_scan_warp")
-
-
-def peer_fn(name: str, a, b, segment_pos):
-    """A no-argument forward of peer `name` on the bare scan h_t = a_t h_{t-1} + b_t
-    (a reset at t = 0 only, which every peer expresses as a zero initial state),
-    with any layout change done here, outside the timed call. Raises measure.Skip
-    when the peer is not installed."""
-    import torch
-
-    try:
-        if name == "recurrentgemma":
-            from kernels import parity
-
-            rnn_scan = parity.load_official().layers.rnn_scan
-            reset = segment_pos == 0
-            return lambda: rnn_scan(b, a.to(b.dtype), reset, None)[0], "BTD"
-        if name in ("fla_chunk_hgrn", "fla_fused_recurrent_hgrn"):
-            from fla.ops import hgrn
-
-            f = hgrn.chunk_hgrn if name == "fla_chunk_hgrn" else hgrn.fused_recurrent_hgrn
-            g = torch.log(a.float()).contiguous()          # log-gates kept in FP32
-            return lambda: f(b, g)[0], "BTD"
-        if name in ("accelerated_scan_triton", "accelerated_scan_warp"):
-            if name.endswith("triton"):
-                from accelerated_scan.triton import scan as s
-            else:
-                from accelerated_scan.warp import scan as s
-            gates = a.to(b.dtype).transpose(1, 2).contiguous()
-            tokens = b.transpose(1, 2).contiguous()
-            return lambda: s(gates, tokens), "BDT"
-    except ImportError as e:
-        raise measure.Skip(f"peer {name} not installed ({e})") from None
-    raise ValueError(f"expected a peer in {list(PEERS)}, got {name!r}")
 
 
 def plan(settings: dict, gates: dict | None) -> list[dict]:
@@ -70,7 +35,7 @@ def plan(settings: dict, gates: dict | None) -> list[dict]:
         for op in settings["ops"]:
             fns = kernels.backends(op)
             # Backends inexact by design (BF16 accumulation) run too, labelled exact=False.
-            names, exact = measure.diagnostic_backend_names(op, fns, gates)
+            names, exact = cases.diagnostic_backend_names(op, fns, gates)
             for name in names:
                 if settings.get("backends") and name not in settings["backends"]:
                     continue
@@ -128,22 +93,15 @@ def forward_fn(item: dict, inputs: Inputs, check_tol: float | None):
 
     args = inputs.get(item["op"], item["T"])
     if item["peer"]:
-        fn, layout = peer_fn(item["backend"].split(":", 1)[1], args[0], args[1], args[2])
+        peer = cases.Peer(item["backend"].split(":", 1)[1], args[0], args[1], args[2])
         if check_tol is not None:
-            with torch.no_grad():
-                y = fn()
-            ref = inputs.reference()
-            check_close(f"{item['backend']} output", y.transpose(1, 2) if layout == "BDT" else y, ref, check_tol)
-    else:
-        f = kernels.backends(item["op"])[item["backend"]]
-        opts = item["options"]
-
-        def fn():
-            return f(*args, **opts)[0]
+            check_close(f"{item['backend']} output", peer.output(), inputs.reference(), check_tol)
+        return peer.call, args
+    f, opts = kernels.backends(item["op"])[item["backend"]], item["options"]
 
     def call():
         with torch.no_grad():
-            return fn()
+            return f(*args, **opts)[0]
     return call, args
 
 
@@ -220,7 +178,7 @@ def main(job):
     bandwidth = measure.copy_bandwidth(env)
     counters = collect_counters(job, items, env, settings)
     runner = measure.Runner("scan", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     inputs = Inputs(settings, device)
     for T in settings["T"]:
         row = [i for i in items if i["T"] == T]

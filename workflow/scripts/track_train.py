@@ -2,9 +2,10 @@
 
 Identical Hawk models with the mixer switched (kernels.HawkLM, presets of the
 profile, 32K vocabulary), random tokens (no quality claims), (T, B) with 8192
-tokens per step. One timed step = forward, cross-entropy, backward, gradient
-clipping and AdamW, with BF16 autocast over FP32 master weights, gradients and
-AdamW moments.
+tokens per step. One timed step = kernels.models.train_step: forward with the
+chunked fused output projection + cross-entropy, backward, gradient clipping and
+fused AdamW, with BF16 autocast over FP32 master weights, gradients and AdamW
+moments (`compile: true` compiles each residual block).
 
 Two parts:
 - implementation diagnostics: every gated backend of each mixer (chunked ones
@@ -28,8 +29,8 @@ import json
 import os
 from pathlib import Path
 
-from common import atomic, measure, stage
-from tune import chunk_variants, opt_tag
+from common import atomic, cases, measure, stage
+from common.cases import chunk_variants, opt_tag
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
@@ -42,7 +43,7 @@ def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> 
     out = []
     # Backends inexact by design (the BF16 associative scan) are diagnostics too; their
     # records say exact=False and the architecture comparison never takes them.
-    for name in measure.diagnostic_backend_names(mixer, fns, gates)[0]:
+    for name in cases.diagnostic_backend_names(mixer, fns, gates)[0]:
         if settings.get("backends") and name not in settings["backends"]:
             continue
         variants = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]
@@ -69,13 +70,16 @@ class Setup:
         import torch
 
         import kernels
-        from kernels.models import HawkConfig, HawkLM
+        from kernels.models import HawkConfig, HawkLM, compile_blocks
 
         torch.manual_seed(seed)
         self.cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
         model = HawkLM(self.cfg, backend=backend, device=device, dtype=torch.float32)
         if official:
             model = kernels.to_recurrentgemma(model)
+        self.compiled = bool(settings.get("compile")) and not official
+        if self.compiled:
+            compile_blocks(model)
         self.model, self.official = model, official
         self.opt = torch.optim.AdamW(model.parameters(), lr=settings.get("lr", 3e-4),
                                      fused=device.type == "cuda")
@@ -92,12 +96,13 @@ class Setup:
         import torch
         import torch.nn.functional as F
 
+        from kernels.models import train_step
+
         dtype = getattr(torch, self.autocast) if self.autocast else None
+        if not self.official:
+            return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-            if self.official:
-                logits, _ = self.model(self.inp, self.pos, return_logits=True, return_cache=False)
-            else:
-                logits, _ = self.model(self.inp, self.pos, return_cache=False)
+            logits, _ = self.model(self.inp, self.pos, return_logits=True, return_cache=False)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.tgt.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -121,6 +126,7 @@ class Setup:
             "tokens_per_s": tokens / med_s,
             "step_ms": fields["stats"]["median_ms"],
             "parameters": self.params,
+            "compiled": self.compiled,
             "non_embedding_parameters": self.cfg.non_embedding_parameters(),
             "model_flops_per_step": flops,
             "mfu": flops / med_s / matmul_rate if matmul_rate else None,
@@ -160,7 +166,7 @@ def main(job):
     tmp = Path("results/.tmp/train-tables")
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
     runner = measure.Runner("train", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     mixers = settings["mixers"]
     shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
     diag = settings.get("diagnostics", "all")
@@ -220,7 +226,7 @@ def main(job):
                 os.environ["KERNELS_TUNING_TABLE"] = tuned
 
         runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
-                   role="diagnostic", exact=name in measure.exact_backend_names(
+                   role="diagnostic", exact=name in cases.exact_backend_names(
                        mixer, [name], gates, settings.get("inexact", [])),
                    sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
 
@@ -252,7 +258,7 @@ def main(job):
                 if (rec and rec.get("role") == "diagnostic" and rec["mixer"] == mixer and rec.get("exact")
                         and rec["shapes"].get("preset") == preset and rec["shapes"].get("T") == T
                         and rec["shapes"].get("B") == B
-                        and measure.exact_backend_names(mixer, [rec["backend"]], gates, inexact)):
+                        and cases.exact_backend_names(mixer, [rec["backend"]], gates, inexact)):
                     cands.append(rec)
             if cands:
                 best = min(cands, key=lambda r: r["stats"]["median_ms"])

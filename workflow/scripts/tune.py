@@ -19,82 +19,12 @@ Table schema: kernels/ops/tuning.py (version 1), plus a "decode" list.
 
 import fnmatch
 import importlib
-import inspect
 import itertools
 import json
-import math
 import statistics
 
-from common import atomic, facts, measure, records, stage
-
-OPS = ("rglru", "samu", "scan")
-STEP_OPS = ("rglru", "samu")
-
-
-# ---------------------------------------------------------------- inputs
-
-
-def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, requires_grad: bool = False,
-              heads: int = 16) -> list:
-    """Positional arguments of `op` after the projections: activations [B, T, D] in
-    `dtype`, parameters in FP32 at the layers' initialisation, segment_pos marking
-    one document per row, no initial state, no final state."""
-    import torch
-
-    from kernels import layers
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-
-    def act(scale=1.0, shift=0.0):
-        t = (torch.randn(B, T, D, generator=g) * scale + shift).to(device=device, dtype=dtype)
-        return t.requires_grad_(requires_grad)
-
-    pos = torch.arange(T, device=device).expand(B, T).contiguous()
-    torch.manual_seed(seed)
-    if op == "rglru":
-        a_param = layers.rnn_param_init(torch.empty(D, device=device)).requires_grad_(requires_grad)
-        return [act(), act(), act(), a_param, pos, None, False]
-    if op == "samu":
-        m = layers.SAMU(D, device=device)
-        params = [p.detach().clone().requires_grad_(requires_grad) for p in m._params()]
-        return [act(), *params, pos, None, False]
-    if op == "scan":
-        a = (torch.rand(B, T, D, generator=g) * 0.099 + 0.9).to(device=device, dtype=dtype)
-        return [a.requires_grad_(requires_grad), act(), pos, None, False]
-    raise ValueError(f"expected op in {list(OPS)}, got {op!r}")
-
-
-def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 0) -> tuple[list, object]:
-    """(arguments without the state, state) of a decode step at BF16 (inference)
-    weights; the state is FP32 (RG-LRU) or complex64 (SAMU), zero."""
-    import torch
-
-    from kernels import layers
-
-    torch.manual_seed(seed)
-    x = torch.randn(B, D, device=device, dtype=dtype)
-    if op == "rglru":
-        m = layers.RGLRU(D, heads, device=device, dtype=dtype)
-        args = [x, m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param]
-    elif op == "samu":
-        m = layers.SAMU(D, device=device, dtype=dtype)
-        args = [x, *m._params()]
-    else:
-        raise ValueError(f"expected op in {list(STEP_OPS)}, got {op!r}")
-    state = m.init_cache(B, dtype, device)
-    return [a.detach() for a in args], state
-
-
-def floor_bytes(args: list, out) -> int:
-    """Bytes any implementation must move: every floating-point input read once
-    and the output (shaped and typed like `out`) written once (the memory floor's
-    numerator). Integer positions
-    are left out: they only encode resets, which peers express otherwise."""
-    import torch
-
-    inputs = sum(a.numel() * a.element_size() for a in args
-                 if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()))
-    return inputs + out.numel() * out.element_size()
+from common import atomic, cases, facts, measure, records, stage
+from common.cases import OPS, STEP_OPS, check_close, floor_bytes, make_call, op_inputs, opt_tag, step_inputs
 
 
 # ------------------------------------------------------------- candidates
@@ -114,15 +44,6 @@ def _provider_attr(op: str, name: str, table: str, attr: str):
     return None
 
 
-def _signature(fn) -> tuple[set[str], bool]:
-    """(named parameters, whether it takes **kwargs) of a launcher."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return set(), False
-    return set(params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
 def option_grid(fn, name: str, grids: dict, declared: dict | None, fixed: set[str] = frozenset(),
                 op: str | None = None) -> list[dict]:
     """Every combination of launcher options to try for backend `name` of `op`. A
@@ -135,19 +56,10 @@ def option_grid(fn, name: str, grids: dict, declared: dict | None, fixed: set[st
     else:
         grids = grids or {}
         grid = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
-        params, var_kw = _signature(fn)
+        params, var_kw = cases.signature(fn)
         space = {k: list(v) for k, v in grid.items() if (k in params and k not in fixed) or (var_kw and k not in params)}
     keys = sorted(space)
     return [dict(zip(keys, vals)) for vals in itertools.product(*(space[k] for k in keys))] or [{}]
-
-
-def chunk_variants(name: str, fn, chunk_sizes) -> list[dict]:
-    """One option set per chunk size for a chunked backend (named chunk-something and
-    taking chunk_size, by name or through **options), else one empty option set (a
-    serial launcher's chunk_size is its time tile, left at its default)."""
-    params, var_kw = _signature(fn)
-    chunked = "chunk" in name and ("chunk_size" in params or var_kw)
-    return [{"chunk_size": k} for k in chunk_sizes] if chunked else [{}]
 
 
 def op_candidates(op: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
@@ -157,7 +69,7 @@ def op_candidates(op: str, settings: dict, gates: dict | None, device) -> list[t
     names = list(fns)
     if device.type == "cuda" and not settings.get("include_reference", False):
         names = [n for n in names if n != "reference"]
-    names = measure.exact_backend_names(op, names, gates, settings.get("inexact", []))
+    names = cases.exact_backend_names(op, names, gates, settings.get("inexact", []))
     if settings.get("backends"):
         names = [n for n in names if n in settings["backends"]]
     out = []
@@ -192,53 +104,6 @@ def step_candidates(op: str, settings: dict, device) -> list[tuple[str, dict]]:
     return out
 
 
-def opt_tag(opts: dict) -> str:
-    short = {"chunk_size": "K", "num_warps": "w", "block_d": "bd", "block_m": "bm", "num_stages": "s"}
-    return "".join(f"-{short.get(k, k)}{v}" for k, v in sorted(opts.items()))
-
-
-# ------------------------------------------------------------ correctness
-
-
-def rel_err(got, want) -> float:
-    g, w = got.double(), want.double()
-    scale = w.abs().max().item()
-    err = (g - w).abs().max().item()
-    return err / scale if scale > 0 else err
-
-
-def check_close(name: str, got, want, tol: float) -> None:
-    err = rel_err(got, want)
-    if not math.isfinite(err) or err > tol:
-        raise AssertionError(f"inexact: {name} differs from the reference by {err:.3e} (max relative), "
-                             f"tolerance {tol:.1e}")
-
-
-def _grad_targets(args: list) -> list:
-    """Every input that takes a gradient in training (activations and parameters)."""
-    import torch
-
-    return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-
-
-def make_call(fn, args: list, opts: dict, mode: str, op: str, grad_out=None):
-    """A no-argument function running one training-path call (forward, and with
-    mode "fwd_bwd" the backward to the activations) or a forward alone."""
-    import torch
-
-    if mode == "fwd":
-        def call():
-            with torch.no_grad():
-                return fn(*args, **opts)[0]
-        return call
-    targets = _grad_targets(args)
-
-    def call():
-        y = fn(*args, **opts)[0]
-        return torch.autograd.grad(y, targets, grad_out)
-    return call
-
-
 # ------------------------------------------------------------------ stage
 
 
@@ -264,19 +129,15 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device,
                 # with the output cotangent zeroed where the exact pre-relu state is ~0, so
                 # a state rounding to the other side of relu's kink in one run and not in
                 # the other cannot decide exactness. The same cotangent is timed.
-                from kernels import parity
-
-                exact = [a.detach().double() for a in args[:7]]
-                kinks = parity.samu_relu_kinks(exact, None, args[7])
+                kinks = cases.samu_kinks(args)
                 grad_out = grad_out.masked_fill(kinks, 0)
-                del exact
             ref_box = {}
 
             def reference():
                 if not ref_box:
                     ref_box["y"] = kernels.backends(op)["reference"](*args)[0].detach()
                     if mode == "fwd_bwd":
-                        ref_box["g"] = make_call(kernels.backends(op)["reference"], args, {}, mode, op, grad_out)()
+                        ref_box["g"] = make_call(kernels.backends(op)["reference"], args, {}, mode, grad_out)()
                 return ref_box
 
             probes = {}
@@ -289,12 +150,12 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device,
                     y = fn(*args, **opts)[0]
                     check_close("output", y.detach(), ref["y"], tol)
                     if mode == "fwd_bwd":
-                        for i, (got, want) in enumerate(zip(make_call(fn, args, opts, mode, op, grad_out)(), ref["g"])):
+                        for i, (got, want) in enumerate(zip(make_call(fn, args, opts, mode, grad_out)(), ref["g"])):
                             check_close(f"gradient {i}", got, want, tol)
-                    m = measure.measure(make_call(fn, args, opts, mode, op, grad_out), settings["reps"],
+                    m = measure.measure(make_call(fn, args, opts, mode, grad_out), settings["reps"],
                                         settings["warmup"], device, budget_s=settings.get("budget_s_per_config"))
                     fields = measure.timing_fields(m)
-                    fields["logical"]["floor_bytes"] = floor_bytes(args, y)
+                    fields["logical"]["floor_bytes"] = floor_bytes(args, y, mode)
                     if kinks is not None:
                         fields["relu_kinks_masked"] = int(kinks.sum())
                     return fields
@@ -311,7 +172,7 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device,
             fn = kernels.backends(op)[name]
 
             def fresh(fn=fn, opts=opts):
-                m = measure.measure(make_call(fn, args, opts, mode, op, grad_out), settings["fresh_reps"],
+                m = measure.measure(make_call(fn, args, opts, mode, grad_out), settings["fresh_reps"],
                                     settings["warmup"], device, budget_s=settings.get("budget_s_per_config"))
                 return measure.timing_fields(m)
 
@@ -339,8 +200,6 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool 
     kernel); the inference engine runs its steps the same way."""
     import torch
 
-    from kernels import timing
-
     if graph and device.type == "cuda":
         xin = x0.clone()
         side = torch.cuda.Stream(device)
@@ -354,7 +213,7 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool 
             for _ in range(n_steps):
                 x = step(x)
         g.replay()
-        return [timing.time_trajectory(lambda i: g.replay(), [1], device)["cumulative_ms"][-1]
+        return [measure.time_trajectory(lambda i: g.replay(), [1], device)["cumulative_ms"][-1]
                 for _ in range(count)]
     out = []
     for _ in range(count):
@@ -363,7 +222,7 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool 
         def one(i):
             box["x"] = step(box["x"])
 
-        out.append(timing.time_trajectory(one, [n_steps], device)["cumulative_ms"][-1])
+        out.append(measure.time_trajectory(one, [n_steps], device)["cumulative_ms"][-1])
     return out
 
 
@@ -464,7 +323,7 @@ def main(job):
     gates = json.loads(open(job.input.gates).read())
     records_dir = job.params.get("records_dir", "results/tune/records.d")
     runner = measure.Runner("tune", job.profile, records_dir, settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job))
+                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
 
     def log(msg):
         measure.log_line(None, f"tune: {msg}")

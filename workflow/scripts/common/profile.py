@@ -3,17 +3,23 @@
 `profile: auto` picks by the GPU that NVML reports: a name containing "H200"
 selects `h200`, "H800" selects `h800`; no GPU (or no NVML) selects `cpu-smoke`.
 An explicit name (`--config profile=h800`) is used as given. A GPU with no
-profile of its own is an error that says how to choose one.
+profile of its own is an error that says how to choose one. GPUs hidden by
+CUDA_VISIBLE_DEVICES ("" or "-1") count as absent, as they do for torch.
 """
 
 from __future__ import annotations
+
+import os
 
 GPU_PROFILES = {"H200": "h200", "H800": "h800"}
 CPU_PROFILE = "cpu-smoke"
 
 
 def gpu_names() -> list[str]:
-    """Names of the GPUs NVML sees; [] without a driver or without nvidia-ml-py."""
+    """Names of the GPUs NVML sees; [] without a driver, without nvidia-ml-py or
+    when CUDA_VISIBLE_DEVICES hides every GPU."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return []
     try:
         import pynvml
     except ImportError:
@@ -55,3 +61,11 @@ def resolve_profile(config: dict, gpus: list[str] | None = None) -> tuple[str, d
     if name not in profiles:
         raise ValueError(f"expected profile in {['auto', *sorted(profiles)]}, got {name!r} (config key 'profile')")
     return name, profiles[name]
+
+
+def choice(wanted: str, name: str, gpus: list[str]) -> str:
+    """The console line that says which profile runs and why."""
+    if wanted == "auto":
+        found = f"GPU {gpus[0]!r}" if gpus else "no GPU visible"
+        return f"profile: auto -> {name} ({found})"
+    return f"profile: {name} (chosen in the config)"

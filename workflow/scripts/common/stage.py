@@ -33,6 +33,8 @@ from . import atomic
 from .facts import REPO_ROOT
 
 IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
+# Set by the Snakefile: the command line of the Snakemake call, for the archive's manifest.
+COMMAND_LINE = "KERNELS_PIPELINE_COMMAND_LINE"
 
 
 class Files(list):
@@ -64,6 +66,12 @@ class Job:
     @property
     def profile(self) -> str:
         return self.params["profile"]
+
+    @property
+    def lock_clocks(self) -> bool:
+        """Whether the timing stages try to lock the SM clock (the profile's
+        probe.lock_clocks; off unless the GPU's owner allows changing its clocks)."""
+        return bool(self.config["profiles"][self.profile]["probe"].get("lock_clocks", False))
 
     @classmethod
     def from_snakemake(cls, smk, script: str) -> "Job":
@@ -165,7 +173,7 @@ def _run_in_docker(job: Job) -> None:
         ["python", job.script, "--job", str(job_file)],
         repo=REPO_ROOT,
         results=results,
-        env={IN_CONTAINER: "1"},
+        env={IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ}},
         gpus=bool(gpu_names()),
     )
     job_file.unlink(missing_ok=True)

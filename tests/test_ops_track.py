@@ -1,0 +1,124 @@
+"""The harness's clocks and the ops track: headline and eager clocks, the peers'
+layouts (with stand-in kernels on the CPU), gates before timing, both orders."""
+
+import sys
+import types
+
+import pytest
+import torch
+import yaml
+
+from pipeline_util import REPO
+
+from common import cases, measure, records  # noqa: E402
+import kernels  # noqa: E402
+import track_ops  # noqa: E402
+
+
+def test_cpu_measure_reports_the_eager_clock_and_says_why_no_sm_clock():
+    m = measure.measure(lambda: torch.ones(4).sum(), reps=5, warmup=1, device="cpu")
+    f = measure.timing_fields(m)
+    assert f["clock"] == "eager:perf_counter" and f["device"] is None
+    assert f["samples_ms"] == f["eager"]["samples_ms"] and len(f["samples_ms"]) == 5
+    assert f["eager"]["p10_ms"] <= f["eager"]["median_ms"] <= f["eager"]["p95_ms"]
+    assert f["sm_clock"] == {"reason": "no GPU"}
+    assert measure.Clocks("cpu").lock() == {"locked": False, "mhz": None, "reason": "no GPU"}
+    records.validate(records.new_record("ops", "cpu-smoke", "c-1", **f))
+
+
+def test_sm_clock_span_flags_slowdowns_and_clock_drops():
+    c = measure.Clocks("cpu")
+    c.reason = None
+    assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1975, "reasons": 0})["throttled"] is False
+    assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1500, "reasons": 0})["throttled"] is True
+    assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1980, "reasons": 0x20})["throttled"] is True
+
+
+@pytest.mark.cuda
+def test_short_work_gets_the_device_clock_by_graph_replay_or_back_to_back_launches():
+    x = torch.randn(1 << 20, device="cuda")
+    f = measure.timing_fields(measure.measure(lambda: x.mul_(1.0), reps=20, warmup=3, device="cuda"))
+    assert f["clock"] == "device:cuda_graph" and f["device"]["calls_per_sample"] > 1
+    assert f["device"]["median_ms"] < f["eager"]["median_ms"] and f["sm_clock"] is not None
+
+    def synced():                                       # a host sync cannot be captured
+        x.mul_(1.0)
+        torch.cuda.synchronize()
+    f = measure.timing_fields(measure.measure(synced, reps=5, warmup=2, device="cuda"))
+    assert f["clock"] == "device:back_to_back" and f["device"]["graph_error"]
+
+
+def _fake_fla(x, g, cu_seqlens=None):
+    """h_t = exp(g_t) h_{t-1} + x_t restarted at every cu_seqlens bound (fla's contract)."""
+    bounds = set(cu_seqlens.tolist())
+    h, ys = torch.zeros_like(x[:, 0], dtype=torch.float32), []
+    for t in range(x.shape[1]):
+        h = x[:, t].float() + (0 if t in bounds else g[:, t].exp() * h)
+        ys.append(h)
+    return torch.stack(ys, 1).to(x.dtype), h
+
+
+def _fake_accelerated(forget, inputs):
+    """accelerated-scan's contract: [B, C, T] layout, h_t = f_t h_{t-1} + x_t."""
+    h, ys = torch.zeros_like(inputs[..., 0]), []
+    for t in range(inputs.shape[-1]):
+        h = forget[..., t] * h + inputs[..., t]
+        ys.append(h)
+    return torch.stack(ys, -1)
+
+
+@pytest.mark.parametrize("name", ["fla_fused_recurrent_hgrn", "accelerated_scan_triton"])
+def test_peer_layouts_resets_and_gradients_match_the_reference(monkeypatch, name):
+    fla, ops, hgrn = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.hgrn"))
+    hgrn.fused_recurrent_hgrn = hgrn.chunk_hgrn = _fake_fla
+    fla.ops, ops.hgrn = ops, hgrn
+    for mod in (fla, ops, hgrn):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(sys.modules, "accelerated_scan.scalar", types.SimpleNamespace(scan=_fake_accelerated))
+    a, b, pos = cases.op_inputs("scan", 4, 21, 6, torch.float64, "cpu", requires_grad=True, resets=True)[:3]
+    assert bool((pos[:, 1:] == 0).any()) and not bool((pos[:, 0] == 0).all())   # mid-row resets, continuations
+    with pytest.raises(measure.Skip, match="CPU"):
+        cases.Peer(name, a, b, pos)
+    peer = cases.Peer(name, a, b, pos, grad=True, allow_cpu=True)
+    y_ref = kernels.scan(a, b, pos, backend="reference")[0]
+    go = torch.randn_like(y_ref)
+    ga_ref, gb_ref = torch.autograd.grad(y_ref, [a, b], go)
+    peer.set_grad_out(go)
+    assert cases.rel_err(peer.output(), y_ref) < 1e-6          # fla keeps its log-gates in FP32
+    ga, gb = peer.grads()
+    assert cases.rel_err(gb, gb_ref) < 1e-6
+    assert cases.rel_err(ga, ga_ref.masked_fill((pos == 0)[..., None], 0)) < 1e-6
+
+
+def _settings(**over):
+    s = yaml.safe_load((REPO / "config.yaml").read_text())["profiles"]["cpu-smoke"]["ops"]
+    s = {**s, "ops": ["scan", "rglru_layer"], "modes": ["fwd_bwd"], "T": 9,
+         "decode": {**s["decode"], "ops": ["rglru"]}}
+    return {**s, **over}
+
+
+def test_ops_track_gates_then_times_every_variant_in_both_orders(tmp_path):
+    recs = track_ops.track(_settings(), "cpu-smoke", tmp_path / "d", tmp_path / "ops.jsonl", 1e9)
+    ids = {r["config_id"]: r for r in recs}
+    assert all(r["status"] == "ok" for r in recs), [r["error"] for r in recs if r["status"] != "ok"]
+    layer = [r for r in recs if r["op"] == "rglru_layer"]
+    assert {(r["variant"], r["order"]) for r in layer} == {(v, o) for v in ("ours", "peer:recurrentgemma")
+                                                           for o in ("AB", "BA")}
+    step = [r for r in recs if r["op"] == "rglru_step"]
+    assert {r["variant"] for r in step} == {"ours", "peer:recurrentgemma"}
+    for r in recs:
+        assert r["gate"]["passed"] and r["gate"]["max_rel_err"]["output"] < 1e-4
+        assert r["floor_bytes"] > 0 and r["floor_ms"] == pytest.approx(r["floor_bytes"] / 1e9 * 1e3)
+        assert r["eager"]["samples_ms"] and r["clock"].startswith("eager:")
+    assert any(k.startswith("grad_") for k in layer[0]["gate"]["max_rel_err"])
+    assert "ops-scan-tiny-B2-D96-T9-fwd_bwd-ours-AB" in ids        # peers skipped on the CPU, ours timed
+    assert records.read_jsonl(tmp_path / "ops.jsonl") == recs
+
+
+def test_a_failed_gate_records_no_timing(tmp_path):
+    s = _settings(ops=["scan"], decode=None, check_tolerance=1e-300)
+    recs = track_ops.track(s, "cpu-smoke", tmp_path / "d", tmp_path / "o.jsonl", None)
+    assert [r["order"] for r in recs] == ["AB", "BA"]
+    for rec in recs:
+        assert rec["status"] == "failed" and "inexact" in rec["error"]
+        assert rec["samples_ms"] == [] and rec["stats"] is None and "eager" not in rec

@@ -1,0 +1,201 @@
+"""The training step (kernels.models.train) and the fused non-mixer kernels it runs:
+the chunked fused linear + cross-entropy, HawkLM.loss and train_step against the
+plain path (logits, F.cross_entropy, the same clipping and AdamW), in FP32 tightly
+and under BF16 autocast against float64 (no worse than the plain BF16 path), and the
+Triton causal convolution against layers.Conv1D's PyTorch path."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import layers
+from kernels.models import HawkConfig, HawkLM, linear_cross_entropy, train, train_step
+from kernels.ops import conv
+from kernels.ops.rglru_triton import common
+
+B, T = 2, 7
+
+
+def _model(mixer, dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    m = HawkLM(HawkConfig.preset("tiny", mixer=mixer), backend="reference", device=device, dtype=dtype)
+    with torch.no_grad():   # biases and norm scales start at zero; exercise them
+        for n, p in m.named_parameters():
+            if n.endswith("bias") or n.endswith(".b") or n.endswith("scale"):
+                p.normal_(std=0.1)
+    return m
+
+
+def _batch(device="cpu", ignore=True):
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, 256, (B, T + 1), generator=g)
+    pos = torch.tensor([list(range(T)), [3, 4, 0, 1, 2, 0, 1]])
+    tgt = toks[:, 1:].clone()
+    if ignore:
+        tgt[1, 2] = tgt[0, 6] = -100
+    return toks[:, :-1].to(device), tgt.to(device), pos.to(device)
+
+
+def _plain_loss(m, inp, tgt, pos):
+    logits, _ = m(inp, pos)          # with a cache out: Conv1D's PyTorch path on every device
+    return F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
+
+
+def _grads(m, loss_fn, autocast=None):
+    m.zero_grad(set_to_none=True)
+    dev = next(m.parameters()).device.type
+    with torch.autocast(dev, dtype=autocast, enabled=autocast is not None):
+        loss = loss_fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_linear_cross_entropy_equals_unfused(dtype, rtol):
+    """Ragged chunks (37 rows in chunks of 8), ignored rows, a loss cotangent of 3 and
+    int32 targets: the loss and both gradients equal F.cross_entropy's."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=dtype).requires_grad_()
+    w = torch.randn(50, 16, generator=g, dtype=dtype).requires_grad_()
+    t = torch.randint(0, 50, (37,), generator=g)
+    t[[0, 9, 36]] = -100
+    want = F.cross_entropy(h @ w.t(), t)
+    dh, dw = torch.autograd.grad(3 * want, (h, w))
+    got = linear_cross_entropy(h, w, t.int(), chunk_size=8)
+    gh, gw = torch.autograd.grad(3 * got, (h, w))
+    torch.testing.assert_close(got, want, rtol=rtol, atol=0)
+    assert _rel(gh, dh) < rtol and _rel(gw, dw) < rtol
+    assert torch.isnan(linear_cross_entropy(h, w, torch.full_like(t, -100)))      # as F.cross_entropy
+    with pytest.raises(ValueError, match="targets"):
+        linear_cross_entropy(h, w, t[:-1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_cross_entropy(h, w, t, chunk_size=0)
+
+
+@pytest.mark.parametrize("mixer", ["rglru", "samu"])
+def test_fp32_step_equals_plain_step(mixer, monkeypatch):
+    """HawkLM.loss (ragged chunks of 5 rows over 14) gives the plain path's loss and
+    every gradient (the tied embedding's included, output projection plus lookup);
+    train_step then leaves the same parameters as the plain step with the same
+    clipping and optimizer (SGD: AdamW's first step, lr * sign(g) where g is tiny,
+    would turn rounding into lr-sized differences)."""
+    monkeypatch.setattr(train, "LOGITS_PER_CHUNK", 5 * 256)
+    inp, tgt, pos = _batch()
+    m = _model(mixer)
+    l_ref, g_ref = _grads(m, lambda: _plain_loss(m, inp, tgt, pos))
+    l_new, g_new = _grads(m, lambda: m.loss(inp, tgt, pos))
+    torch.testing.assert_close(l_new, l_ref, rtol=1e-6, atol=0)
+    assert g_new.keys() == g_ref.keys() and "embed.weight" in g_new
+    for n in g_ref:
+        assert _rel(g_new[n], g_ref[n]) < 1e-5, n
+
+    after = {}
+    for path in ("plain", "step"):
+        m = _model(mixer)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        if path == "step":
+            train_step(m, opt, inp, tgt, pos, grad_clip=0.05)
+        else:
+            _plain_loss(m, inp, tgt, pos).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            opt.step()
+        assert all(p.grad is None for p in m.parameters()) == (path == "step")
+        after[path] = {n: p.detach().clone() for n, p in m.named_parameters()}
+    for n in after["plain"]:
+        torch.testing.assert_close(after["step"][n], after["plain"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _bf16_errors(mixer, device):
+    """Relative errors against float64 of the loss and every gradient: plain path and
+    fused path, both under BF16 autocast over FP32 parameters."""
+    inp, tgt, pos = _batch(device)
+    m = _model(mixer, torch.float32, device)
+    m64 = copy.deepcopy(m).double()
+    l64, g64 = _grads(m64, lambda: _plain_loss(m64, inp, tgt, pos))
+    out = {}
+    for path, fn in (("plain", lambda: _plain_loss(m, inp, tgt, pos)), ("fused", lambda: m.loss(inp, tgt, pos))):
+        loss, g = _grads(m, fn, torch.bfloat16)
+        out[path] = {"loss": _rel(loss, l64), **{n: _rel(g[n], g64[n]) for n in g64}}
+    return out
+
+
+def _check_bf16(errs):
+    for n, e in errs["fused"].items():
+        assert e <= 3 * errs["plain"][n] + 1e-3, (n, e, errs["plain"][n])
+    assert errs["fused"]["embed.weight"] < 2e-2
+
+
+@pytest.mark.parametrize("mixer", ["rglru", "samu"])
+def test_bf16_autocast_step_errs_like_the_plain_bf16_step(mixer, monkeypatch):
+    monkeypatch.setattr(train, "LOGITS_PER_CHUNK", 5 * 256)     # chunks of 5 rows over 14
+    _check_bf16(_bf16_errors(mixer, "cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("starts", [True, False])
+def test_conv_kernel_equals_conv1d(dtype, starts, monkeypatch):
+    """Odd shapes (several time and channel tiles, partial ones), document starts
+    (one at t = 0, neighbouring ones, one in the last 3 steps) or none, NaN-poisoned
+    outputs: y and the gradients of x, w and b equal Conv1D's PyTorch path."""
+    monkeypatch.setattr(common, "POISON", True)
+    torch.manual_seed(0)
+    Bc, Tc, E = 2, 70, 131
+    c = layers.Conv1D(E, dtype=dtype)
+    with torch.no_grad():
+        c.b.normal_()
+    x = torch.randn(Bc, Tc, E, dtype=dtype, requires_grad=True)
+    pos = torch.arange(Tc).expand(Bc, Tc).clone()
+    pos[0, 5:] -= 5
+    pos[1, 66:] -= 66
+    pos[1, 67:] -= 1
+    pos = pos if starts else None
+    y, _ = c(x, pos, return_cache=False)
+    dy = torch.randn_like(y)
+    want = torch.autograd.grad(y, (x, c.w, c.b), dy)
+    y2 = conv.causal_conv1d(x, c.w, c.b, pos)
+    got = torch.autograd.grad(y2, (x, c.w, c.b), dy)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y2, y, **tol)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    with pytest.raises(ValueError, match="segment_pos"):
+        conv.causal_conv1d(x, c.w, c.b, torch.zeros(Bc, Tc + 1, dtype=torch.long))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mixer", ["rglru", "samu"])
+def test_bf16_step_on_gpu(mixer):
+    """On CUDA the fused path also runs the Triton convolution and the fused RMSNorm;
+    the plain path (a cache out) runs Conv1D's PyTorch path."""
+    _check_bf16(_bf16_errors(mixer, "cuda"))
+
+
+@pytest.mark.cuda
+def test_conv_kernel_and_rmsnorm_on_gpu():
+    torch.manual_seed(0)
+    c = layers.Conv1D(2560, device="cuda")
+    x = torch.randn(4, 2048, 2560, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(2048, device="cuda").expand(4, 2048).clone()
+    pos[1, 700:] -= 700
+    dy = torch.randn_like(x)
+    y, _ = c(x, pos, return_cache=True)
+    want = torch.autograd.grad(y, (x, c.w, c.b), dy)
+    y2, _ = c(x, pos, return_cache=False)
+    got = torch.autograd.grad(y2, (x, c.w, c.b), dy)
+    assert (y2 == y).float().mean() > 0.99 and _rel(y2, y) < 1e-2
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 1e-2
+    n = layers.RMSNorm(2048, device="cuda")
+    with torch.no_grad():
+        n.scale.normal_()
+    h = torch.randn(8, 2048, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = n(h)
+    want = h.double() / torch.sqrt((h.double() ** 2).mean(-1, keepdim=True) + 1e-6) * (1 + n.scale.double())
+    assert out.dtype == torch.float32 and _rel(out, want) < 1e-6

@@ -1,0 +1,332 @@
+"""What the measuring stages time: inputs of the ops and decode steps at a shape,
+the calls (forward, forward + backward), the gates run before timing, the memory
+floor's byte count, backend variants, and the peers on the bare scan and the
+RG-LRU layer. Stage scripts share these and never import one another.
+
+Legend: B batch, T time, D width (M = D / 2 complex modes for SAMU), H heads.
+"""
+
+import inspect
+import math
+
+OPS = ("rglru", "samu", "scan")
+STEP_OPS = ("rglru", "samu")
+SCAN_PEERS = ("recurrentgemma", "fla_chunk_hgrn", "fla_fused_recurrent_hgrn", "accelerated_scan_triton",
+              "accelerated_scan_warp")
+
+
+def positions(B: int, T: int, device, resets: bool = False):
+    """segment_pos [B, T]: one document per row, or with `resets` the audit's mix
+    of mid-row resets, continuations and rows without a reset."""
+    import torch
+
+    if not resets:
+        return torch.arange(T, device=device).expand(B, T).contiguous()
+    from kernels import parity
+
+    return parity.make_segment_pos(B, T, resets=True, seed=0, device=device)
+
+
+def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, requires_grad: bool = False,
+              resets: bool = False) -> list:
+    """Positional arguments of `op` after the projections: activations [B, T, D] in
+    `dtype`, parameters in FP32 at the layers' initialisation, segment_pos (see
+    `positions`), no initial state, no final state."""
+    import torch
+
+    from kernels import layers
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def act():
+        return torch.randn(B, T, D, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+    pos = positions(B, T, device, resets)
+    torch.manual_seed(seed)
+    if op == "rglru":
+        a_param = layers.rnn_param_init(torch.empty(D, device=device)).requires_grad_(requires_grad)
+        return [act(), act(), act(), a_param, pos, None, False]
+    if op == "samu":
+        m = layers.SAMU(D, device=device)
+        return [act(), *[p.detach().clone().requires_grad_(requires_grad) for p in m._params()], pos, None, False]
+    if op == "scan":
+        a = (torch.rand(B, T, D, generator=g) * 0.099 + 0.9).to(device=device, dtype=dtype)
+        return [a.requires_grad_(requires_grad), act(), pos, None, False]
+    raise ValueError(f"expected op in {list(OPS)}, got {op!r}")
+
+
+def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 0) -> tuple[list, object]:
+    """(arguments without the state, state) of a decode step at `dtype` weights; the
+    state is FP32 (RG-LRU) or complex64 (SAMU), zero."""
+    import torch
+
+    from kernels import layers
+
+    torch.manual_seed(seed)
+    x = torch.randn(B, D, device=device, dtype=dtype)
+    if op == "rglru":
+        m = layers.RGLRU(D, heads, device=device, dtype=dtype)
+        args = [x, m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param]
+    elif op == "samu":
+        m = layers.SAMU(D, device=device, dtype=dtype)
+        args = [x, *m._params()]
+    else:
+        raise ValueError(f"expected op in {list(STEP_OPS)}, got {op!r}")
+    return [a.detach() for a in args], m.init_cache(B, dtype, device)
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the floating-point and complex tensors among `tensors` (integer
+    positions only encode resets, which peers express otherwise)."""
+    import torch
+
+    return sum(t.numel() * t.element_size() for t in tensors
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
+
+
+def floor_bytes(args: list, out, mode: str = "fwd") -> int:
+    """Bytes any implementation must move (the memory floor's numerator): every
+    input read once and the output written once; for "fwd_bwd" also the output's
+    gradient and the inputs read again and one gradient written per input."""
+    fwd = nbytes(args) + nbytes([out])
+    return fwd if mode == "fwd" else fwd + nbytes([out]) + 2 * nbytes(args)
+
+
+def chunk_variants(name: str, fn, chunk_sizes) -> list[dict]:
+    """One option set per chunk size for a chunked backend (named chunk-something and
+    taking chunk_size, by name or through **options), else one empty option set."""
+    params, var_kw = signature(fn)
+    return [{"chunk_size": k} for k in chunk_sizes] if "chunk" in name and ("chunk_size" in params or var_kw) \
+        else [{}]
+
+
+def signature(fn) -> tuple[set[str], bool]:
+    """(named parameters, whether it takes **kwargs) of a launcher."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return set(), False
+    return set(params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def opt_tag(opts: dict) -> str:
+    short = {"chunk_size": "K", "num_warps": "w", "block_d": "bd", "block_m": "bm", "num_stages": "s"}
+    return "".join(f"-{short.get(k, k)}{v}" for k, v in sorted(opts.items()))
+
+
+# -------------------------------------------------------------------- gates
+
+
+def rel_err(got, want) -> float:
+    import torch
+
+    g, w = (torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double() for t in (got, want))
+    scale = w.abs().max().item() if w.numel() else 0.0
+    err = (g - w).abs().max().item() if w.numel() else 0.0
+    return err / scale if scale > 0 else err
+
+
+def check_close(name: str, got, want, tol: float) -> float:
+    """The max relative error of `got` against `want`; AssertionError above `tol`."""
+    err = rel_err(got, want)
+    if not math.isfinite(err) or err > tol:
+        raise AssertionError(f"inexact: {name} differs from the reference by {err:.3e} (max relative), "
+                             f"tolerance {tol:.1e}")
+    return err
+
+
+def grad_targets(args: list) -> list:
+    import torch
+
+    return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def make_call(fn, args: list, opts: dict, mode: str, grad_out=None):
+    """A no-argument call: the forward alone without autograd ("fwd"), or the forward
+    and the backward to every input that takes a gradient ("fwd_bwd")."""
+    import torch
+
+    if mode == "fwd":
+        def call():
+            with torch.no_grad():
+                return fn(*args, **opts)[0]
+        return call
+    targets = grad_targets(args)
+
+    def call():
+        return torch.autograd.grad(fn(*args, **opts)[0], targets, grad_out)
+    return call
+
+
+def samu_kinks(args: list):
+    """Where the exact pre-relu SAMU state is ~0 (the audit's rule,
+    kernels.parity.samu_relu_kinks): a gradient check zeroes the output cotangent
+    there, so a state rounding to the other side of relu's kink cannot decide it."""
+    from kernels import parity
+
+    return parity.samu_relu_kinks([a.detach().double() for a in args[:7]], None, args[7])
+
+
+# ----------------------------------------------------------- audit verdicts
+
+
+def gated_backends(gates: dict) -> dict[str, set[str]] | None:
+    """{op: backends with at least one check and no failed check} from the audit's
+    gates.json, or None when its checks do not name backends."""
+    checks = gates.get("checks") if isinstance(gates, dict) else None
+    if not isinstance(checks, list):
+        return None
+    passed: dict[str, set[str]] = {}
+    failed: dict[str, set[str]] = {}
+    named = False
+    for c in checks:
+        if not isinstance(c, dict) or c.get("backend") is None:
+            continue
+        named = True
+        # A backend inexact by design is recorded by the audit but never exact.
+        bucket = passed if c.get("passed") and c.get("role") != "inexact-by-design" else failed
+        bucket.setdefault(str(c.get("op") or c.get("mixer") or ""), set()).add(str(c["backend"]))
+    return {op: names - failed.get(op, set()) for op, names in passed.items()} if named else None
+
+
+def exact_backend_names(op: str, names, gates: dict | None, inexact=()) -> list[str]:
+    """The backends of `op` that count as exact: not matching an `inexact` pattern
+    (fnmatch) and, when the audit names backends, passing every one of its checks."""
+    import fnmatch
+
+    gated = gated_backends(gates) if gates else None
+    out = []
+    for n in names:
+        if any(fnmatch.fnmatch(n, pat) for pat in inexact):
+            continue
+        if gated is not None and n not in gated.get(op, set().union(*gated.values()) if gated else set()):
+            continue
+        out.append(n)
+    return out
+
+
+def diagnostic_backend_names(op: str, names, gates: dict | None) -> tuple[list[str], set[str]]:
+    """(backends a track times, the exact ones among them): the exact backends plus
+    those inexact by design, timed as labelled diagnostics but never selected."""
+    from kernels import ops
+
+    names = list(names)
+    exact = set(exact_backend_names(op, names, gates))
+    return [n for n in names if n in exact or n in ops.inexact_backends()], exact
+
+
+# -------------------------------------------------------------------- peers
+
+
+class Peer:
+    """A peer implementation of the bare scan h_t = a_t h_{t-1} + b_t in its own
+    layout, prepared outside every timed window: `call()` runs it (forward, or with
+    `grad` the backward to its inputs too); `output()` / `grads()` give the output
+    and the gradients of a and b in [B, T, D] for the gate (gradients of a at reset
+    positions are zero there, where a is unused). Resets become a zero gate or, for
+    flash-linear-attention, sequence boundaries (cu_seqlens)."""
+
+    CPU_SKIP = {"accelerated_scan_triton": "its Triton scan takes 2048-wide blocks (minutes a call in the "
+                                           "interpreter)", "accelerated_scan_warp": "a CUDA extension",
+                "fla_fused_recurrent_hgrn": "its kernels autotune, which needs a GPU driver",
+                "fla_chunk_hgrn": "its kernels autotune, which needs a GPU driver"}
+
+    def __init__(self, name: str, a, b, segment_pos, grad: bool = False, allow_cpu: bool = False):
+        import torch
+
+        if b.device.type != "cuda" and name in self.CPU_SKIP and not allow_cpu:
+            from common.measure import Skip
+
+            raise Skip(f"peer {name} not run on the CPU: {self.CPU_SKIP[name]}")
+
+        self.name, self.grad, self.reset = name, grad, segment_pos == 0
+        B, T, D = b.shape
+        self.to_btd = self.from_btd = lambda t: t
+        self.grad_a = lambda ga, inputs: ga
+        a_in = a.detach().masked_fill(self.reset[..., None], 0)
+        try:
+            if name == "recurrentgemma":
+                from kernels import parity
+
+                rnn_scan = parity.load_official().layers.rnn_scan
+                self.inputs = [a.detach().to(b.dtype), b.detach()]
+                self.fn = lambda a_, b_: rnn_scan(b_, a_, self.reset, None)[0]
+            elif name.startswith("fla_"):
+                from fla.ops import hgrn
+
+                if name == "fla_chunk_hgrn" and bool(self.reset[:, 1:].any()):
+                    raise ImportError("chunk_hgrn takes no sequence boundaries, and the rows have resets")
+                starts = self.reset.reshape(-1).clone()
+                starts[:: T] = True
+                cu = torch.cat([starts.nonzero()[:, 0], torch.tensor([B * T], device=b.device)])
+                # log-gates kept in FP32; one flattened row split into documents
+                self.inputs = [torch.log(a.detach().float()).reshape(1, B * T, D), b.detach().reshape(1, B * T, D)]
+                f = hgrn.fused_recurrent_hgrn if name == "fla_fused_recurrent_hgrn" else hgrn.chunk_hgrn
+                kw = {"cu_seqlens": cu} if name == "fla_fused_recurrent_hgrn" else {}
+                self.fn = lambda g_, x_: f(x_, g_, **kw)[0]
+                self.to_btd, self.from_btd = (lambda t: t.reshape(B, T, D)), (lambda t: t.reshape(1, B * T, D))
+                self.grad_a = lambda gg, inputs: gg / inputs[0].exp()
+            elif name.startswith("accelerated_scan"):
+                if name.endswith("triton"):
+                    from accelerated_scan.scalar import scan as s
+                else:
+                    from accelerated_scan.warp import scan as s
+                self.inputs = [a_in.to(b.dtype).transpose(1, 2).contiguous(), b.detach().transpose(1, 2).contiguous()]
+                self.fn = s
+                self.to_btd = self.from_btd = lambda t: t.transpose(1, 2)
+            else:
+                raise ValueError(f"expected a peer in {list(SCAN_PEERS)}, got {name!r}")
+        except ImportError as e:
+            from common.measure import Skip
+
+            raise Skip(f"peer {name} not available ({e})") from None
+        self.inputs = [t.requires_grad_(grad) for t in self.inputs]
+        self.grad_out = None
+
+    def set_grad_out(self, grad_out):
+        """The output cotangent, given in [B, T, D]."""
+        self.grad_out = self.from_btd(grad_out).contiguous()
+
+    def call(self):
+        import torch
+
+        if not self.grad:
+            with torch.no_grad():
+                return self.fn(*self.inputs)
+        return torch.autograd.grad(self.fn(*self.inputs), self.inputs, self.grad_out)
+
+    def output(self):
+        import torch
+
+        with torch.no_grad():
+            return self.to_btd(self.fn(*[t.detach() for t in self.inputs]))
+
+    def grads(self) -> tuple:
+        ga, gb = self.call()
+        ga = self.to_btd(self.grad_a(ga.float(), [t.detach() for t in self.inputs]))
+        return ga.masked_fill(self.reset[..., None], 0), self.to_btd(gb)
+
+
+def official_rglru(D: int, heads: int, dtype, device, seed: int = 0):
+    """(the official recurrentgemma torch RG-LRU layer in `dtype`, ours in `dtype` and
+    ours in float64 with the reference backend), all with the same weights (rounded
+    to `dtype`); raises measure.Skip when recurrentgemma is not installed."""
+    import torch
+
+    import kernels
+
+    try:
+        from kernels import parity
+
+        rg = parity.load_official()
+    except ImportError as e:
+        from common.measure import Skip
+
+        raise Skip(f"recurrentgemma not available ({e})") from None
+    torch.manual_seed(seed)
+    official = rg.RGLRU(D, heads, device=device)
+    with torch.no_grad():
+        for p in official.parameters():
+            p.copy_(p.to(dtype))
+    ref = kernels.from_recurrentgemma(official, backend="reference").double()
+    return official.to(dtype), kernels.from_recurrentgemma(official).to(dtype), ref

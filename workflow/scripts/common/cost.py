@@ -1,0 +1,261 @@
+"""Predicted GPU time per stage of a profile, printed when the Snakefile is parsed
+(so `snakemake -n` shows it too).
+
+A stage costs a fixed part (process start, imports, the first compilations, the
+scan track's Nsight Compute pass) plus, per configuration it will measure, a
+set-up part (compilation, model build, graph capture) and its timed calls
+(warm-up + repetitions, plus one counting call where a first order counts
+launches) at a per-call time predicted from the shapes. Work under 2 ms per call
+is timed on two clocks (device and eager), so its calls count twice.
+
+Every constant is an H200 figure read from the committed runs
+results/runs/h200-20261201-run3 (whole DAG, h200 profile) and
+results/runs/h200-20261201-run4-partial (benchmarks/*.tsv for stage times, the
+record timestamps for per-configuration times, the record medians for call
+times); tests/test_pipeline.py checks that the model reproduces run 3's stage
+times from that run's own configuration. On another GPU the figures scale with
+its speed. The model counts configurations from the profile alone (the set of
+backends is the registry's as of this file; an option a launcher does not take
+still counts), so it errs on the high side for option grids.
+"""
+
+from __future__ import annotations
+
+import math
+
+CALIBRATION = "H200, runs h200-20261201-run3 and -run4-partial"
+
+# Whole-stage figures (s): benchmarks/*.tsv of run 3 and run 4; the audit is run 4's
+# (two dtypes, with the associative-scan gates) and scales with the dtypes.
+PROBE_S = 15.0
+AUDIT_S_PER_DTYPE = 132.0
+AGGREGATE_S = 8.0
+ARCHIVE_S = 4.0
+# Process start to first configuration, without the configurations (s).
+FIXED_S = {"tune": 12.0, "scan": 10.0, "train": 9.0, "infer": 13.0}
+
+TWO_CLOCKS_BELOW_MS = 2.0
+
+# ---- tune: a candidate compiles and is checked in ~1.5 s; a decode candidate in ~0.4 s.
+TUNE_CANDIDATE_S = 1.5
+TUNE_REFERENCE_S = 2.0          # the reference result each shape's candidates are checked against
+TUNE_DECODE_CANDIDATE_S = 0.4
+# Fastest exact call per element (B*T*D), ms: run 4's probe medians (rglru and samu
+# fwd_bwd at B=4 T=2048 D=2560, scan fwd at B=8 T=4096 D=1024); assoc is ~16x slower.
+TUNE_MS_PER_ELEMENT = {("rglru", "fwd_bwd"): 0.75 / 20.97e6, ("samu", "fwd_bwd"): 2.2 / 20.97e6,
+                       ("scan", "fwd_bwd"): 0.6 / 20.97e6, ("rglru", "fwd"): 0.2 / 33.55e6,
+                       ("samu", "fwd"): 0.6 / 33.55e6, ("scan", "fwd"): 0.2 / 33.55e6}
+TUNE_ASSOC_FACTOR = 16.0
+OP_BACKENDS = {"rglru": ["serial", "chunk", "assoc"], "samu": ["serial", "chunk", "assoc"],
+               "scan": ["serial", "chunk", "assoc"]}
+STEP_BACKENDS = {"rglru": ["fused"], "samu": ["fused", "row", "blocked"]}
+
+# ---- scan track: forward at B=8, T=2048, D=1024 (ms, run 3 and 4 medians); linear in B*T*D.
+SCAN_ELEMENTS = 8 * 2048 * 1024
+SCAN_MS = {
+    "rglru": {"serial": 0.10, "chunk": 0.17, "assoc": 4.3, "assoc_bf16": 6.2, "reference": 62.0},
+    "samu": {"serial": 0.86, "chunk": 0.5, "assoc": 3.2, "assoc_bf16": 5.1, "reference": 65.0},
+    "scan": {"serial": 0.10, "chunk": 0.17, "assoc": 3.7, "assoc_bf16": 5.6, "reference": 105.0},
+}
+# accelerated-scan has no record yet: taken as fla's chunked scan.
+SCAN_PEER_MS = {"recurrentgemma": 150.0, "fla_chunk_hgrn": 0.18, "fla_fused_recurrent_hgrn": 0.9,
+                "accelerated_scan_triton": 0.18, "accelerated_scan_warp": 0.18}
+SCAN_CONFIG_S = 0.5
+SCAN_COUNTERS_S = 1.8            # Nsight Compute pass, per configuration it profiles
+SCAN_COUNTERS_SKIP = ("reference", "peer:recurrentgemma", "assoc", "assoc_bf16")
+
+# ---- train track: one step of 8192 tokens (s), run 3 and 4 medians; T-independent except
+# for the per-step loops, which are linear in T and in the number of layers.
+TRAIN_STEP_S = {"400m": 0.105, "1.3b": 0.27, "tiny": 0.01}
+TRAIN_BUILD_S = {"400m": 1.2, "1.3b": 2.3, "tiny": 0.2}
+TRAIN_FACTOR = {"assoc": 2.5, "assoc_bf16": 2.9}
+TRAIN_ASSOC_BUILD_S = 2.7
+TRAIN_LAYERS = {"400m": 12, "1.3b": 24, "tiny": 2}
+TRAIN_LOOP_S_PER_LAYER_STEP = 4.83 / (12 * 2048)   # reference loop: 4.83 s at 400m, T = 2048
+TRAIN_LOOP_COUNT_FACTOR = 20.0   # counting launches of a per-step loop costs ~20 steps (run 3)
+TRAIN_DIAG_BACKENDS = ["serial", "chunk", "assoc", "assoc_bf16"]
+
+# ---- infer track: 1.3b BF16 decode step with CUDA graphs (ms) against B, run 3's probes.
+INFER_STEP_MS = [(1, 1.62), (16, 1.81), (64, 1.95), (128, 2.08), (256, 2.41), (512, 3.53)]
+INFER_BUILD_S = 3.0              # one model built (and its graph captured) per configuration
+INFER_PREFILL_S_PER_TOKEN_ROW = 0.5 / (4096 * 16)
+INFER_PROBE_S = 0.5
+
+
+def _grid_size(grid: dict | None) -> int:
+    return math.prod(len(v) for v in (grid or {}).values()) if grid else 1
+
+
+def _grid(grids: dict, op: str, name: str) -> dict:
+    return grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {}))) or {}
+
+
+def _calls(warmup: int, reps: int, ms: float) -> float:
+    return (warmup + reps) * ms * (2 if ms < TWO_CLOCKS_BELOW_MS else 1) / 1e3
+
+
+def tune(s: dict) -> float:
+    total = FIXED_S["tune"]
+    reps, warmup, fresh = s["reps"], s.get("warmup", 0), s["fresh_reps"]
+    grids = s.get("options", {})
+    for op, shapes in s.get("shapes", {}).items():
+        mode = s.get("modes", {}).get(op, "fwd_bwd")
+        names = [n for n in OP_BACKENDS[op] if not s.get("backends") or n in s["backends"]]
+        n_cand = sum(_grid_size(_grid(grids, op, n)) for n in names if n != "assoc")
+        n_assoc = int("assoc" in names)
+        n_cand = min(n_cand, s.get("max_candidates", n_cand + n_assoc))
+        for sh in shapes:
+            ms = TUNE_MS_PER_ELEMENT[(op, mode)] * sh["B"] * sh["T"] * sh["D"]
+            total += TUNE_REFERENCE_S + n_cand * (TUNE_CANDIDATE_S + _calls(warmup, reps, ms))
+            total += n_assoc * (TUNE_CANDIDATE_S + _calls(warmup, reps, ms * TUNE_ASSOC_FACTOR))
+            total += _calls(warmup, fresh, ms)
+    dec = s.get("decode")
+    if dec:
+        for op, names in STEP_BACKENDS.items():
+            n = sum(_grid_size(_grid(dec.get("options", {}), op, name)) for name in names)
+            total += len(dec["batches"]) * (n + 1) * TUNE_DECODE_CANDIDATE_S
+    return total
+
+
+def scan(s: dict) -> float:
+    configs = []
+    n_chunk = max(len(s.get("chunk_sizes", [])), 1)
+    orders = len(s.get("orders", ["AB", "BA"]))
+    slow = s.get("slow", {})
+    counted = 0
+    for T in s["T"]:
+        scale = s["B"] * T * s["D"] / SCAN_ELEMENTS
+        items = []
+        for op in s["ops"]:
+            for name, ms in SCAN_MS[op].items():
+                if s.get("backends") and name not in s["backends"]:
+                    continue
+                if name == "reference" and T > s.get("reference_max_T", 0):
+                    continue
+                items += [(name, ms)] * (n_chunk if name == "chunk" else 1)
+        for peer in s.get("peers", []):
+            if T <= s.get("peer_max_T", {}).get(peer, T):
+                items.append((f"peer:{peer}", SCAN_PEER_MS[peer]))
+        for name, ms in items:
+            reps = slow.get(name, {}).get("reps", s["reps"])
+            warmup = slow.get(name, {}).get("warmup", s["warmup"])
+            configs += [SCAN_CONFIG_S + _calls(warmup, reps, ms * scale)] * orders
+            counted += name not in s.get("counters_skip", SCAN_COUNTERS_SKIP)
+    counters = SCAN_COUNTERS_S * counted if s.get("counters") else 0.0
+    return FIXED_S["scan"] + counters + _budgeted(configs, s.get("budget_s"))
+
+
+def _train_step(preset: str, name: str, T: int) -> float:
+    if name in ("reference", "official"):
+        return TRAIN_LOOP_S_PER_LAYER_STEP * TRAIN_LAYERS.get(preset, 24) * T
+    return TRAIN_STEP_S.get(preset, TRAIN_STEP_S["1.3b"]) * TRAIN_FACTOR.get(name, 1.0)
+
+
+def _train_config(preset: str, name: str, T: int, warmup: int, reps: int, count: bool) -> float:
+    step = _train_step(preset, name, T)
+    build = TRAIN_BUILD_S.get(preset, TRAIN_BUILD_S["1.3b"]) + (TRAIN_ASSOC_BUILD_S if "assoc" in name else 0)
+    counting = (TRAIN_LOOP_COUNT_FACTOR if name in ("reference", "official") else 1.0) * step if count else 0.0
+    return build + (warmup + reps) * step + counting
+
+
+def train(s: dict) -> float:
+    shapes = [(p, sh["T"], sh["B"]) for p in s["presets"] for sh in s["shapes"]]
+    diag = s.get("diagnostics", "all")
+    diag_shapes = shapes if diag == "all" else [(d["preset"], d["T"], d["B"]) for d in diag]
+    orders = s.get("diagnostic_orders", ["AB", "BA"])
+    names = [n for n in TRAIN_DIAG_BACKENDS if not s.get("backends") or n in s["backends"]]
+    ref, off = s.get("reference", {}), s.get("official", {})
+    configs = []
+    for preset, T, _B in diag_shapes:
+        for mixer in s["mixers"]:
+            for name in names:
+                for _k in range(len(s.get("chunk_sizes", [])) if name == "chunk" else 1):
+                    for o in orders:
+                        configs.append(_train_config(preset, name, T, s["warmup"], s["reps"], o == "AB"))
+            if (not s.get("backends") or "reference" in s["backends"]) and preset in ref.get("presets", []) \
+                    and T <= ref.get("max_T", 0):
+                for o in orders:
+                    configs.append(_train_config(preset, "reference", T, ref.get("warmup", 1), ref.get("reps", 1),
+                                                 o == "AB"))
+        if "rglru" in s["mixers"] and preset in off.get("presets", []) and T <= off.get("max_T", 0):
+            configs.append(_train_config(preset, "official", T, off.get("warmup", 1), off.get("reps", 2), True))
+    for preset, T, _B in shapes:
+        for _mixer in s["mixers"]:
+            for o in ("AB", "BA"):
+                configs.append(_train_config(preset, "chunk", T, s["warmup"], s["fresh_reps"], o == "AB"))
+    return FIXED_S["train"] + _budgeted(configs, s.get("budget_s"))
+
+
+def _budgeted(configs: list[float], budget: float | None) -> float:
+    """A stage with a time budget starts no configuration after the budget is spent."""
+    if budget is None:
+        return sum(configs)
+    spent = 0.0
+    for c in configs:
+        if spent >= budget:
+            break
+        spent += c
+    return spent
+
+
+def infer_step_ms(B: int, preset: str = "1.3b") -> float:
+    pts = INFER_STEP_MS
+    if B <= pts[0][0]:
+        ms = pts[0][1]
+    else:
+        (b0, m0), (b1, m1) = next(((p, q) for p, q in zip(pts, pts[1:]) if B <= q[0]), (pts[-2], pts[-1]))
+        ms = m0 + (m1 - m0) * (B - b0) / (b1 - b0)
+    return ms * (1.0 if preset == "1.3b" else TRAIN_STEP_S.get(preset, 0.27) / TRAIN_STEP_S["1.3b"])
+
+
+def infer(s: dict) -> float:
+    total = FIXED_S["infer"]
+    mixers, preset = len(s["mixers"]), s["preset"]
+    lat = s["latency"]
+    warm = s.get("warmup_steps", 2)
+    step = infer_step_ms(lat["batch"], preset) / 1e3
+    for prompt in lat["prompts"]:
+        per = INFER_BUILD_S + prompt * lat["batch"] * INFER_PREFILL_S_PER_TOKEN_ROW
+        per += (warm + lat.get("reps", 1) * max(lat["lengths"])) * step
+        total += 2 * mixers * per
+    thr = s.get("throughput")
+    if thr:
+        batches = thr["batches"]
+        total += 2 * mixers * (INFER_BUILD_S + sum(INFER_PROBE_S + (warm + thr["probe_steps"])
+                                                   * infer_step_ms(b, preset) / 1e3 for b in batches))
+        best = infer_step_ms(max(batches), preset) / 1e3
+        per = INFER_BUILD_S + (warm + thr.get("reps", 1) * max(thr["lengths"])) * best
+        total += 2 * mixers * thr.get("top", 1) * per
+    return total
+
+
+def estimate(profile: dict) -> dict[str, float | None]:
+    """Predicted seconds per stage (None for a section the model does not cover)."""
+    out: dict[str, float | None] = {
+        "probe": PROBE_S,
+        "audit": AUDIT_S_PER_DTYPE * len(profile["audit"]["dtypes"]),
+    }
+    for name, fn in (("tune", tune), ("scan", scan), ("train", train), ("infer", infer)):
+        out[name] = fn(profile[name])
+    for name in profile:
+        out.setdefault(name, None)
+    out["aggregate"] = AGGREGATE_S
+    out["archive"] = ARCHIVE_S
+    return out
+
+
+def _fmt(s: float | None) -> str:
+    if s is None:
+        return "not modelled"
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def summary(name: str, profile: dict) -> str:
+    """One line per stage and the total, for the console."""
+    if (profile.get("audit") or {}).get("device") != "cuda":
+        return f"predicted GPU time ({name}): none, the profile runs on the CPU"
+    est = estimate(profile)
+    total = sum(v for v in est.values() if v is not None)
+    parts = ", ".join(f"{k} {_fmt(v)}" for k, v in est.items())
+    return (f"predicted GPU time ({name}, {CALIBRATION}; workflow/scripts/common/cost.py): {parts}; "
+            f"total {_fmt(total)}")

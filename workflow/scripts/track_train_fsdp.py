@@ -1,0 +1,281 @@
+"""Multi-GPU training track -> results/tracks/train_fsdp/records.jsonl.
+
+The training step of track_train (its Setup: Hawk model, AdamW, cross-entropy,
+gradient clipping, autocast) run data parallel over the `train.world_size` GPUs of
+one node with FSDP2, applied from outside the model by common/fsdp.py: FP32 master
+weights, gradients and AdamW moments sharded over the ranks, parameters gathered in
+the autocast dtype (BF16 on the GPU profiles, FP32 when autocast is null), gradients
+reduce-scattered in FP32. Each rank runs the single-GPU batch of B documents of T
+tokens (weak scaling: world x B x T tokens per step); a document never crosses
+ranks, so the mixer ops are unchanged.
+
+Settings: `train.world_size` (>= 2 here) and `train.fsdp` (all optional: `presets`,
+`shapes`, `reps`, `warmup`, `budget_s`; defaults: the track's presets and shapes,
+`fresh_reps`, `warmup`, no budget). Each mixer runs the backend that track_train's
+architecture comparison chose at the same preset and shape (its fresh records, an
+input of this rule), else `auto`; the mixers run in SAMU -> RG-LRU and RG-LRU -> SAMU
+order in one process group.
+
+Records add to track_train's figures: world_size; tokens/s in total and per GPU;
+MFU per GPU (model FLOPs = 6 x parameters x all ranks' tokens, over world_size x
+the probe's BF16 matmul rate); peak memory of every rank; each rank's median step;
+and the scaling efficiency = per-GPU tokens/s over the single-GPU tokens/s of the
+same preset, shape and mixer (mean of track_train's fresh records in both orders;
+null with the reason when there is none, e.g. a preset whose optimiser state does
+not fit one GPU). A step's time is the slowest rank's (every rank times its own
+steps with CUDA events; the collectives keep them in step).
+
+Process: the stage starts `torchrun --standalone --nproc-per-node world_size` on
+this script with `--worker <job file>`; rank 0 decides which configurations run
+(resume, time budget), broadcasts the decision and writes the records. A
+configuration during which a rank died or a collective timed out is recorded as
+failed by the stage, which then starts torchrun again to resume.
+"""
+
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import atomic, measure, records, stage
+
+STAGE = "train_fsdp"
+MAX_LAUNCHES = 4
+
+
+def fsdp_settings(settings: dict) -> dict:
+    """The FSDP run's presets, shapes, reps, warmup and budget (see the module docstring)."""
+    fs = settings.get("fsdp") or {}
+    return {"presets": fs.get("presets", settings["presets"]), "shapes": fs.get("shapes", settings["shapes"]),
+            "reps": fs.get("reps", settings["fresh_reps"]), "warmup": fs.get("warmup", settings["warmup"]),
+            "budget_s": fs.get("budget_s")}
+
+
+def single_gpu(recs: list[dict], preset: str, T: int, B: int, mixer: str) -> list[dict]:
+    """track_train's successful fresh (architecture comparison) records of one
+    preset, shape and mixer."""
+    return [r for r in recs if r.get("stage") == "train" and r.get("role") == "fresh" and r["status"] == "ok"
+            and r["mixer"] == mixer and r["shapes"].get("preset") == preset and r["shapes"].get("T") == T
+            and r["shapes"].get("B") == B]
+
+
+def plan(settings: dict, single: list[dict]) -> list[dict]:
+    """Every configuration in run order: preset, shape, order, mixer and backend."""
+    from common.cases import opt_tag
+
+    world, fs = settings["world_size"], fsdp_settings(settings)
+    out = []
+    for preset in fs["presets"]:
+        for shape in fs["shapes"]:
+            T, B = shape["T"], shape["B"]
+            for order, seq in measure.orders(settings["mixers"]):
+                for mixer in seq:
+                    base = single_gpu(single, preset, T, B, mixer)
+                    backend, opts = (base[0]["backend"], base[0].get("options") or {}) if base else ("auto", {})
+                    out.append({
+                        "config_id": f"train-fsdp{world}-{preset}-T{T}-B{B}-{mixer}-{backend}{opt_tag(opts)}-{order}",
+                        "preset": preset, "T": T, "B": B, "order": order, "sequence": list(seq), "mixer": mixer,
+                        "backend": backend, "options": opts, "single": base})
+    return out
+
+
+def identity(item: dict, settings: dict) -> dict:
+    """The fields that name a configuration in its record."""
+    return {"shapes": {"preset": item["preset"], "T": item["T"], "B": item["B"], "vocab": settings["vocab"]},
+            "mixer": item["mixer"], "dtype": settings.get("autocast") or "float32", "backend": item["backend"],
+            "options": item["options"], "order": item["order"], "role": "fsdp", "exact": True,
+            "sequence": item["sequence"], "world_size": settings["world_size"],
+            "selected_from": sorted(r["config_id"] for r in item["single"]),
+            "selected_by": "the single-GPU architecture comparison's backend" if item["single"]
+            else "tuning table (no single-GPU record at this preset and shape)"}
+
+
+def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_rate: float | None) -> dict:
+    """Record fields from every rank's timing: a step takes as long as its slowest rank."""
+    world, T, B = len(per_rank), item["T"], item["B"]
+    first = per_rank[0]
+    n = min(len(r["timing"]["samples_ms"]) for r in per_rank)
+    samples = [max(r["timing"]["samples_ms"][i] for r in per_rank) for i in range(n)]
+    stats = {**first["timing"]["stats"], **measure.stats_of(samples)}
+    step_s = stats["median_ms"] * 1e-3
+    params, tokens = first["parameters"], world * B * T
+    flops = 6 * params * tokens
+    logical = first["timing"]["logical"]
+    if logical is not None:
+        logical = {**logical, "counted_on": "rank 0 (its B documents)", "param_bytes": 4 * params // world,
+                   "grad_bytes": 4 * params // world, "optimizer_state_bytes": 8 * params // world,
+                   "state_bytes": B * first["num_layers"] * first["lru_width"] * 4, "model_flops_per_step": flops}
+    peaks = [r["timing"]["peak_bytes"] for r in per_rank]
+    single = item["single"]
+    one = sum(r["tokens_per_s"] for r in single) / len(single) if single else None
+    per_gpu = B * T / step_s
+    return {
+        "samples_ms": samples,
+        "samples_basis": "per step, the slowest rank's time (each rank times its own steps)",
+        "stats": stats,
+        "rank_median_ms": [r["timing"]["stats"]["median_ms"] for r in per_rank],
+        "peak_bytes": max(peaks) if None not in peaks else None,
+        "peak_bytes_per_rank": peaks,
+        "base_bytes_per_rank": [r["timing"]["base_bytes"] for r in per_rank],
+        "logical": logical,
+        "world_size": world,
+        "process_group": first["process_group"],
+        "param_dtype": first["param_dtype"],
+        "reduce_dtype": "float32",
+        "tokens_per_step": tokens,
+        "tokens_per_step_per_gpu": B * T,
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_s_per_gpu": per_gpu,
+        "step_ms": stats["median_ms"],
+        "parameters": params,
+        "non_embedding_parameters": first["non_embedding_parameters"],
+        "model_flops_per_step": flops,
+        "mfu": flops / step_s / (world * matmul_rate) if matmul_rate else None,
+        "mfu_basis": "model FLOPs (6 x parameters x tokens of all ranks) per second over world_size x the "
+                     "probe's measured BF16 matmul rate" if matmul_rate else None,
+        "mfu_of_peak": flops / step_s / (world * peak_rate) if peak_rate else None,
+        "single_gpu_tokens_per_s": one,
+        "single_gpu_records": sorted(r["config_id"] for r in single),
+        "scaling_efficiency": per_gpu / one if one else None,
+        "scaling_basis": "tokens/s per GPU over the single-GPU tokens/s of the same preset, shape and mixer "
+                         "(mean of track_train's fresh records in both orders)" if one else
+                         "no single-GPU record of this preset, shape and mixer",
+    }
+
+
+# ------------------------------------------------------------------ worker
+
+
+def worker(job_file: str) -> None:
+    """One rank of the torchrun group: measure every planned configuration."""
+    stage.prepare_process()
+    import torch
+
+    import track_train
+    from common import fsdp
+    from common.cases import opt_tag
+
+    job = stage.Job.from_json(json.loads(Path(job_file).read_text()))
+    work = Path(job_file).parent
+    rank, world, device = fsdp.init_process_group()
+    settings = job.params["settings"]
+    if world != settings["world_size"]:
+        raise RuntimeError(f"expected {settings['world_size']} ranks (train.world_size), torchrun started {world}")
+    fs = fsdp_settings(settings)
+    tuned = str(Path(job.input.table).resolve())
+    os.environ["KERNELS_TUNING_TABLE"] = tuned
+    env = json.loads(Path(job.input.environment).read_text())
+    matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
+    autocast = settings.get("autocast")
+    param_dtype = getattr(torch, autocast) if autocast else None
+    items = plan(settings, records.read_jsonl(job.input.single))
+    runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device,
+                                                lock_clocks=job.lock_clocks) if rank == 0 else None
+    budget = measure.Budget(fs["budget_s"])
+    tables = work / f"tables-rank{rank}"
+
+    def make(item):
+        if item["options"]:
+            table = track_train.forced_table(tables / f"{item['mixer']}-{item['backend']}{opt_tag(item['options'])}.json",
+                                             item["mixer"], item["backend"], item["options"])
+            os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
+            backend = "auto"
+        else:
+            os.environ["KERNELS_TUNING_TABLE"] = tuned
+            backend = item["backend"]
+        s = track_train.Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
+                              backend=backend)
+        return fsdp.distribute(s, rank, world, param_dtype)
+
+    def timed_rank(item, count: bool) -> dict:
+        s = make(item)
+        try:
+            # No time budget inside a configuration: every rank must take the same steps.
+            m = measure.measure(s.step, fs["reps"], fs["warmup"], device, count=count)
+            return {"timing": measure.timing_fields(m), "parameters": s.params,
+                    "non_embedding_parameters": s.cfg.non_embedding_parameters(), "num_layers": s.cfg.num_layers,
+                    "lru_width": s.cfg.lru_width, "process_group": torch.distributed.get_backend(),
+                    "param_dtype": autocast or "float32"}
+        finally:
+            del s
+            os.environ["KERNELS_TUNING_TABLE"] = tuned
+            measure.release(device)
+
+    def body(item) -> dict:
+        local = measure.capture(lambda: timed_rank(item, count=rank == 0), device)
+        everyone = fsdp.gather((local.status, local.value, local.error))
+        failed = [(r, s, e) for r, (s, _, e) in enumerate(everyone) if s != measure.STATUS_OK]
+        if failed:
+            raise RuntimeError("; ".join(f"rank {r}: {e['type']}: {e['message'][:800]}" for r, _, e in failed))
+        return figures([v for _, v, _ in everyone], item, matmul_rate, peak_rate)
+
+    skipped = []
+    marker = work / "current.json"
+    for item in items:
+        cid = item["config_id"]
+        go = fsdp.broadcast(cid not in runner.done and not budget.exhausted() if rank == 0 else None)
+        if rank == 0 and not go and cid not in runner.done:
+            skipped.append(cid)
+        if not go:
+            continue
+        if rank == 0:
+            atomic.write_json(marker, {"config_id": cid, "fields": identity(item, settings)})
+            runner.run(cid, lambda item=item: body(item), **identity(item, settings))
+            marker.unlink()
+        else:
+            measure.capture(lambda item=item: body(item), device)
+            if not measure.context_usable(device):
+                sys.exit(measure.POISONED_EXIT)
+    if skipped:
+        runner.say(f"time budget spent: {len(skipped)} configurations not run: {skipped}")
+    torch.distributed.destroy_process_group()
+
+
+# ------------------------------------------------------------------- stage
+
+
+def main(job):
+    settings = job.params["settings"]
+    world = settings.get("world_size", 1)
+    if not isinstance(world, int) or world < 2:
+        raise ValueError(f"expected train.world_size an int >= 2 for the FSDP track, got {world!r}")
+    records_dir = Path(job.params["records_dir"])
+    items = plan(settings, records.read_jsonl(job.input.single))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(Path(__file__).resolve()), "--worker"]
+    with tempfile.TemporaryDirectory(prefix="train-fsdp-") as work:
+        job_file = Path(work) / "job.json"
+        atomic.write_json(job_file, job.to_json())
+        marker = Path(work) / "current.json"
+        for launch in range(MAX_LAUNCHES):
+            if all(i["config_id"] in records.done_ids(records_dir, job.profile) for i in items):
+                break
+            print(f"[{STAGE}] launch {launch + 1}: {' '.join(cmd)} {job_file}", flush=True)
+            rc = subprocess.run([*cmd, str(job_file)]).returncode
+            if rc == 0:
+                break
+            if not marker.is_file():
+                raise RuntimeError(f"torchrun exited with status {rc} outside a configuration; see the log above")
+            cur = json.loads(marker.read_text())
+            marker.unlink()
+            if cur["config_id"] not in records.done_ids(records_dir, job.profile):
+                records.write_record(records_dir, records.new_record(STAGE, job.profile, cur["config_id"], **{
+                    **cur["fields"], "status": measure.STATUS_FAILED, "samples_ms": [], "stats": None,
+                    "error": f"torchrun exited with status {rc} while this configuration ran (a rank died or a "
+                             "collective timed out); see the stage log"}))
+        else:
+            raise RuntimeError(f"torchrun failed {MAX_LAUNCHES} times; see the log above")
+    done = records.done_ids(records_dir, job.profile)
+    recs = records.collect(records_dir, job.output.records, profile=job.profile,
+                           ids=[i["config_id"] for i in items if i["config_id"] in done])
+    print(f"{STAGE}: {len(recs)} records", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(sys.argv[2])
+    else:
+        stage.run(main, globals().get("snakemake"))
