@@ -40,13 +40,16 @@ class HawkCache:
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
-def _check_tokens(name, t, shape, vocab_size):
-    """Token ids: an int64/int32 tensor of `shape` with values in [0, vocab_size) (the
-    range check reads two numbers back to the host; skipped under CUDA-graph capture)."""
+def _check_tokens(name, t, shape):
     check_tensor(name, t, shape=shape)
     if t.dtype not in TOKEN_DTYPES:
         kind = "an integer dtype the embedding does not take" if is_integer_dtype(t.dtype) else "not integer"
         raise ValueError(f"expected {name} with dtype in {[str(d) for d in TOKEN_DTYPES]}, got {t.dtype} ({kind})")
+
+
+def _check_token_range(name, t, vocab_size):
+    """Token ids in [0, vocab_size) (reads two numbers back to the host; skipped under
+    CUDA-graph capture)."""
     if t.numel() and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = (int(v) for v in t.aminmax())
         if lo < 0 or hi >= vocab_size:
@@ -137,13 +140,14 @@ class HawkLM(nn.Module):
     def hidden(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
                return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
         """forward before the final norm and output projection: (x [B, T, D], cache)."""
-        _check_tokens("tokens", tokens, (None, None), self.config.vocab_size)
+        _check_tokens("tokens", tokens, (None, None))
         B, T = tokens.shape
         if T < 1:
             raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(tokens)}")
         check_tensor("segment_pos", segment_pos, shape=(B, T))
         check_segment_pos(segment_pos, B, T)
         self._check_device(tokens=tokens, segment_pos=segment_pos)
+        _check_token_range("tokens", tokens, self.config.vocab_size)
         if cache is not None:
             self._check_cache(cache, B)
         x = self.embed(tokens)
@@ -157,11 +161,12 @@ class HawkLM(nn.Module):
         """One decode step: tokens, segment_pos [B] (0 starts a new document in that row);
         `cache` is updated in place. Returns logits [B, V]. The Triton step backends (the
         default on CUDA) have no backward: with them, decode under torch.no_grad()."""
-        _check_tokens("tokens", tokens, (None,), self.config.vocab_size)
+        _check_tokens("tokens", tokens, (None,))
         B = tokens.shape[0]
         check_tensor("segment_pos", segment_pos, shape=(B,))
         check_segment_pos(segment_pos.view(B, 1), B, 1)
         self._check_device(tokens=tokens, segment_pos=segment_pos)
+        _check_token_range("tokens", tokens, self.config.vocab_size)
         self._check_cache(cache, B)
         reset = segment_pos == 0
         x = self.embed(tokens)
@@ -175,7 +180,7 @@ class HawkLM(nn.Module):
         """Continue each prompt row (one document per row). prompt_tokens: [B, P], P >= 1;
         temperature 0 picks the argmax, otherwise samples softmax(logits / temperature).
         Returns the new tokens [B, max_new_tokens]."""
-        _check_tokens("prompt_tokens", prompt_tokens, (None, None), self.config.vocab_size)
+        _check_tokens("prompt_tokens", prompt_tokens, (None, None))
         B, P = prompt_tokens.shape
         if P < 1:
             raise ValueError(f"expected prompt_tokens of shape [B, P] with P >= 1 (start with a BOS token), "
@@ -185,6 +190,7 @@ class HawkLM(nn.Module):
         if temperature < 0:
             raise ValueError(f"expected temperature >= 0, got {temperature}")
         self._check_device(prompt_tokens=prompt_tokens)
+        _check_token_range("prompt_tokens", prompt_tokens, self.config.vocab_size)
         out = prompt_tokens.new_empty(B, max_new_tokens)
         if max_new_tokens == 0:
             return out
