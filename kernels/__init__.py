@@ -4,9 +4,10 @@ Layering (imports run one way): ops (Triton kernels + references) -> layers
 (nn.Modules) -> models (Hawk LM, presets, cache, generation).
 """
 
-from .ops import backends, reference, rglru, rglru_step, samu, samu_step, scan, step_backends
+from .ops import Backend, TuningTable, backends, reference, rglru, rglru_step, samu, samu_step, scan, step_backends
 
-__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends", "reference"]
+__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends", "reference", "Backend",
+           "TuningTable"]
 
 
 def __getattr__(name):

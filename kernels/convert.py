@@ -9,7 +9,7 @@ Parameter names agree except for two layouts: the MLP's up projection (official
 Einsum w [2, D, F], b [2, 1, 1, F]; ours one Linear(D, 2F), gate half first) and the
 embedding (official `embedder.input_embedding`; ours `embed.weight`, same [V, D]).
 Official modules are recognised by class name, so the caller may load the official
-package however it likes (kernels.parity.load_official does it without JAX).
+package however it likes (kernels.official.load_official does it without JAX).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def _recurrent_type(block, where: str) -> None:
         raise ValueError(f"expected {where} with temporal_block_type RECURRENT (Hawk), got {name}")
 
 
-def from_recurrentgemma(module: nn.Module, backend: str = "auto") -> nn.Module:
+def from_recurrentgemma(module: nn.Module, backend="auto") -> nn.Module:
     """Our equivalent of an official recurrentgemma torch module, with the same weights.
-    `backend` is the mixer backend of the result ("auto", "reference", a Triton name)."""
+    `backend` is the mixer backend of the result (a name or a kernels.Backend)."""
     kind = _kind(module)
     if kind is None:
         raise ValueError(
@@ -114,7 +114,7 @@ def from_recurrentgemma(module: nn.Module, backend: str = "auto") -> nn.Module:
 def to_recurrentgemma(module: nn.Module) -> nn.Module:
     """The official recurrentgemma torch module equal to ours (RG-LRU mixer only)."""
     from .models import HawkLM
-    from .parity import load_official
+    from .official import load_official
 
     mixer = {layers.SAMU: "samu", layers.RecurrentBlock: getattr(module, "mixer_name", None),
              layers.ResidualBlock: getattr(getattr(module, "recurrent_block", None), "mixer_name", None),

@@ -44,9 +44,10 @@ def load_checkpoint(path: str, *, preset: str, mixer: str, device, dtype, backen
         if attention:
             raise ValueError(f"expected an all-recurrent (Hawk) checkpoint, but {path} has local-attention blocks "
                              f"(Griffin) at layers {attention}; those cannot be converted")
-        from . import convert, parity
+        from . import convert
+        from .official import load_official
 
-        rg = parity.load_official()
+        rg = load_official()
         cfg = rg.GriffinConfig.from_torch_params(state, embeddings_scale_by_sqrt_dim=False, attention_window_size=2048,
                                                   logits_soft_cap=0.0, scan_type=rg.ScanType.AUTO)
         official = rg.Griffin(cfg, gradient_checkpointing=False, device="meta")

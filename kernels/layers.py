@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .ops._checks import check_segment_pos, check_tensor, no_grad_inputs, shape_str, state_dtype
+from .ops.checks import check_segment_pos, check_tensor, no_grad_inputs, shape_str, state_dtype
 
 MIXERS = ("rglru", "samu")
 
@@ -201,7 +201,7 @@ class RGLRU(nn.Module):
     the sequence kernel, `step_backend` the decode kernel (see set_backend)."""
 
     def __init__(self, width: int, num_heads: int, w_init_variance_scale: float = 1.0,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None):
         super().__init__()
         self.width, self.num_heads = width, num_heads
         set_backend(self, backend)
@@ -244,7 +244,7 @@ class SAMU(nn.Module):
     """
 
     def __init__(self, width: int, min_rad: float = 0.9, max_rad: float = 0.999,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None):
         super().__init__()
         if width % 2:
             raise ValueError(f"expected an even width for SAMU (M = width / 2 complex modes), got {width}")
@@ -292,20 +292,23 @@ class SAMU(nn.Module):
         return ops.samu_step(x, *self._params(), state, reset, backend=self.step_backend)
 
 
-def set_backend(module: nn.Module, backend: str, step_backend: str | None = None) -> nn.Module:
+def set_backend(module: nn.Module, backend, step_backend=None) -> nn.Module:
     """Select the kernels of every mixer in `module` (itself included): `backend` for
-    sequences (kernels.backends names or "auto"), `step_backend` for one-token decode
-    (kernels.step_backends names or "auto"; by default "reference" when backend is
-    "reference", else "auto")."""
+    sequences (a kernels.backends name, "auto", or a kernels.Backend value such as
+    Backend("auto", table=TuningTable.load(path))), `step_backend` for one-token decode
+    (a kernels.step_backends name, "auto" or a Backend; by default "reference" when
+    backend is "reference", else "auto")."""
+    backend = ops.Backend.of(backend)
     if step_backend is None:
-        step_backend = "reference" if backend == "reference" else "auto"
+        step_backend = "reference" if backend.name == "reference" else "auto"
+    step_backend = ops.Backend.of(step_backend)
     for m in module.modules():
         if isinstance(m, (RGLRU, SAMU)):
             m.backend, m.step_backend = backend, step_backend
     return module
 
 
-def make_mixer(mixer: str, width: int, num_heads: int, backend: str = "auto", device=None, dtype=None):
+def make_mixer(mixer: str, width: int, num_heads: int, backend="auto", device=None, dtype=None):
     if mixer == "rglru":
         return RGLRU(width, num_heads, backend=backend, device=device, dtype=dtype)
     if mixer == "samu":
@@ -319,7 +322,7 @@ class RecurrentBlock(nn.Module):
 
     def __init__(self, width: int, num_heads: int, lru_width: int | None = None, mixer: str = "rglru",
                  conv1d_temporal_width: int = 4, final_w_init_variance_scale: float = 1.0,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None):
         super().__init__()
         if mixer not in MIXERS:
             raise ValueError(f"expected mixer in {list(MIXERS)}, got {mixer!r}")
@@ -366,8 +369,9 @@ class RecurrentBlock(nn.Module):
         """One token. x: [B, D]; cache updated in place; reset: [B] bool. Returns [B, D].
         With a Triton mixer step (no backward) an input or parameter that requires grad
         under grad mode raises ValueError before any cache tensor changes."""
-        if torch.is_grad_enabled() and not ops.step_has_backward(self.mixer_name, self.mixer.step_backend, x.device):
-            no_grad_inputs(self.mixer.step_backend, x=x, **dict(self.named_parameters()))
+        step = self.mixer.step_backend
+        if torch.is_grad_enabled() and not ops.step_has_backward(self.mixer_name, step, x.device):
+            no_grad_inputs(ops.Backend.of(step).name, x=x, **dict(self.named_parameters()))
         y = gelu(self.linear_y(x))
         xb = self.conv_1d.step(self.linear_x(x), cache.conv_state, reset)
         xb = self.mixer.step(xb, cache.rnn_state, reset)
@@ -404,7 +408,7 @@ class ResidualBlock(nn.Module):
 
     def __init__(self, width: int, mlp_expanded_width: int, num_heads: int, lru_width: int | None = None,
                  mixer: str = "rglru", conv1d_temporal_width: int = 4, final_w_init_variance_scale: float = 1.0,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None):
         super().__init__()
         self.width = width
         self.temporal_pre_norm = RMSNorm(width, device=device, dtype=dtype)

@@ -38,46 +38,21 @@ float32 by construction; run_gates runs them in float32 when asked for float64).
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
-import types
 
 import torch
 
 from . import layers, ops
 from .convert import from_recurrentgemma
 from .models import HawkLM
+from .official import load_official
 from .ops import reference
 
 OFFICIAL_FP32_TOL = 1e-5
 BACKEND_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 LOWP_FACTOR = 2.0
 LOWP_FLOOR = {torch.bfloat16: torch.finfo(torch.bfloat16).eps, torch.float16: torch.finfo(torch.float16).eps}
-
-
-def load_official():
-    """The official `recurrentgemma.torch` module, without importing its JAX side.
-
-    The package's top-level __init__ imports JAX. When it is not imported yet, a bare
-    package module whose __path__ is the installed directory stands in for it, so that
-    `recurrentgemma.torch` and `recurrentgemma.common` load from the unmodified files.
-    """
-    if "recurrentgemma.torch" in sys.modules:
-        return sys.modules["recurrentgemma.torch"]
-    if "recurrentgemma" not in sys.modules:
-        spec = importlib.util.find_spec("recurrentgemma")
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError("recurrentgemma is not installed (pip install recurrentgemma==1.0.1)")
-        pkg = types.ModuleType("recurrentgemma")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        pkg.__file__ = spec.origin
-        pkg.__spec__ = spec
-        pkg.__package__ = "recurrentgemma"
-        sys.modules["recurrentgemma"] = pkg
-    return importlib.import_module("recurrentgemma.torch")
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

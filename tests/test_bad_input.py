@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from kernels import from_recurrentgemma, layers, parity, to_recurrentgemma
-from kernels.ops._checks import cu_seqlens_to_segment_pos
+from kernels.ops.checks import cu_seqlens_to_segment_pos
 from kernels.models import HawkConfig, HawkLM
 
 
@@ -271,9 +271,35 @@ def test_chunk_size_only_for_backends_that_take_it(monkeypatch):
     # "auto": a preference, dropped where the backend chosen takes none (the CPU: reference).
     assert kernels.ops.resolve("rglru", "auto", x, 16) == ("reference", {})
     kernels.rglru(x, x, x, torch.zeros(4), backend="auto", chunk_size=16)
-    monkeypatch.setenv("KERNELS_TUNING_TABLE", "/nonexistent/tuning.json")
+    monkeypatch.delenv("KERNELS_TUNING_TABLE", raising=False)
+    kernels.ops.tuning.env_table.cache_clear()
     fake = types.SimpleNamespace(device=torch.device("cuda"), shape=(1, 3, 4), dtype=torch.float32)
     assert kernels.ops.resolve("samu", "auto", fake, 16) == ("chunk", {"chunk_size": 16})
+    # a Backend's own chunk_size, overridden by the call's
+    assert kernels.ops.resolve("rglru", kernels.Backend("chunk", chunk_size=8, block_d=16), x) == \
+        ("chunk", {"chunk_size": 8, "block_d": 16})
+    assert kernels.ops.resolve("rglru", kernels.Backend("chunk", chunk_size=8), x, 16) == ("chunk", {"chunk_size": 16})
+
+
+def test_backend_values_and_tuning_tables(tmp_path, monkeypatch):
+    _raises(lambda: kernels.Backend("chunk", table=kernels.TuningTable.from_dict({"schema": 1})), "table", "auto")
+    _raises(lambda: kernels.Backend("auto", chunk_size=8), "no launcher options", "auto")
+    _raises(lambda: kernels.rglru(*_rglru_small()[:4], backend=3), "backend", "kernels.Backend", "int")
+    _raises(lambda: kernels.TuningTable.from_dict({"schema": 2}), "schema 1")
+    _raises(lambda: kernels.TuningTable.from_dict({"schema": 1, "entries": [{"op": "rglru"}]}), "lacking")
+    assert kernels.Backend("serial") == "serial" and kernels.Backend("serial", chunk_size=8) != "serial"
+    assert hash(kernels.Backend("serial", chunk_size=8)) == hash(kernels.Backend("serial", chunk_size=8))
+    # the environment variable names a file that must exist (read once, on the first "auto" on a GPU)
+    monkeypatch.setenv("KERNELS_TUNING_TABLE", str(tmp_path / "missing.json"))
+    kernels.ops.tuning.env_table.cache_clear()
+    _raises(kernels.ops.tuning.env_table, "KERNELS_TUNING_TABLE", "missing.json")
+    monkeypatch.delenv("KERNELS_TUNING_TABLE")
+    kernels.ops.tuning.env_table.cache_clear()
+    # a Backend's options reach the launcher: serial with an unknown option is refused there
+    x, gx, ga, ap, _ = _rglru_small()
+    _raises(lambda: kernels.rglru(x, gx, ga, ap, backend=kernels.Backend("serial", tile=3)), "serial options", "tile")
+    y = kernels.rglru(x, gx, ga, ap, backend=kernels.Backend("serial", time_warps=1, chunk_size=8))[0]
+    assert parity.rel_err(y, kernels.rglru(x, gx, ga, ap, backend="reference")[0]) <= parity.BACKEND_TOL[torch.float32]
 
 
 def test_cu_seqlens_against_hand_written_segment_pos():

@@ -1,4 +1,4 @@
-"""Split-K weight-streaming linear (kernels.ops.decode.linear) in the Triton interpreter:
+"""Split-K weight-streaming linear (kernels.models.decode.linear) in the Triton interpreter:
 every prologue and epilogue with the K reduction split across programs (remainders in
 N, K and the last split, M not a power of two, M = 1), the weight tile as the dot's M
 operand (SWAP), results judged against float64 and the same computation in PyTorch
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import layers
-from kernels.ops import decode as dk
+from kernels.models import decode as dk
 
 from test_generation import _judge as judge_against_eager
 

@@ -13,7 +13,7 @@ import torch
 from kernels import generate, layers, parity, to_recurrentgemma
 from kernels.models import HawkConfig, HawkLM
 from kernels.models.generation import Decoder, Engine
-from kernels.ops import decode as dk
+from kernels.models import decode as dk
 
 V = 256
 # Few, large tiles: the interpreter pays per program.

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+import kernels
+
 from kernels import from_recurrentgemma, layers, parity, to_recurrentgemma
 from kernels.models import PRESETS, HawkCache, HawkConfig, HawkLM
 from kernels.ops import accounting, reference
@@ -161,6 +163,10 @@ def test_set_backend():
     assert all(b.recurrent_block.mixer.step_backend == "reference" for b in m.blocks)
     m.set_backend("chunk")
     assert {(b.recurrent_block.mixer.backend, b.recurrent_block.mixer.step_backend) for b in m.blocks} == {("chunk", "auto")}
+    chunk16 = kernels.Backend("chunk", chunk_size=16)
+    m.set_backend(chunk16, step_backend="blocked")
+    assert {(b.recurrent_block.mixer.backend, b.recurrent_block.mixer.step_backend) for b in m.blocks} == \
+        {(chunk16, "blocked")}
 
 
 def test_samu_initialisation():

@@ -76,13 +76,6 @@ def test_orders_run_each_comparison_both_ways():
     assert measure.orders(["a"]) == [("AB", ["a"])]
 
 
-def test_selection_skips_failures_and_keeps_the_first_of_ties():
-    res = {"x": {"median_ms": 2.0}, "y": None, "z": {"median_ms": 1.0}, "w": {"median_ms": 1.0}}
-    assert measure.select_fastest(res) == "z"
-    assert measure.rank(res) == ["z", "w", "x"]
-    assert measure.select_fastest({"y": None}) is None
-
-
 def test_measure_counts_one_call_then_times_fresh_calls():
     calls = []
 

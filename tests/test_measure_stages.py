@@ -61,15 +61,14 @@ def test_option_grids_follow_what_launchers_accept():
         pass
 
     grids = {"chunk": {"chunk_size": [16, 32], "block_d": [64]}, "*": {"num_warps": [2, 4]}}
-    assert tune.option_grid(explicit, "chunk", grids, None) == [{"chunk_size": 16}, {"chunk_size": 32}]
-    assert tune.option_grid(explicit, "serial", grids, None) == [{"num_warps": 2}, {"num_warps": 4}]
-    assert tune.option_grid(var, "chunk", grids, None) == [{"block_d": 64, "chunk_size": 16},
-                                                         {"block_d": 64, "chunk_size": 32}]
-    assert tune.option_grid(var, "x", grids, {"block_m": [16]}) == [{"block_m": 16}]
-    assert tune.option_grid(explicit, "x", grids, None, fixed={"num_warps"}) == [{}]
+    assert tune.option_grid(explicit, "chunk", grids) == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert tune.option_grid(explicit, "serial", grids) == [{"num_warps": 2}, {"num_warps": 4}]
+    assert tune.option_grid(var, "chunk", grids) == [{"block_d": 64, "chunk_size": 16},
+                                                   {"block_d": 64, "chunk_size": 32}]
+    assert tune.option_grid(explicit, "x", grids, fixed={"num_warps"}) == [{}]
     per_op = {**grids, "samu/chunk": {"chunk_size": [8]}}
-    assert tune.option_grid(explicit, "chunk", per_op, None, op="samu") == [{"chunk_size": 8}]
-    assert tune.option_grid(explicit, "chunk", per_op, None, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert tune.option_grid(explicit, "chunk", per_op, op="samu") == [{"chunk_size": 8}]
+    assert tune.option_grid(explicit, "chunk", per_op, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
     assert cases.chunk_variants("chunk", var, [16, 32]) == [{"chunk_size": 16}, {"chunk_size": 32}]
     assert cases.chunk_variants("serial", var, [16]) == [{}]
     assert cases.chunk_variants("serial", explicit, [16]) == [{}]
@@ -94,26 +93,32 @@ def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):
         # The table's figures come from the fresh runs, not from the probes that chose.
         assert fresh["role"] == "fresh" and e["fresh"]["median_ms"] == fresh["stats"]["median_ms"]
         assert fresh["samples_ms"] != best["samples_ms"]
-        assert tuning.lookup(e["op"], "float32", e["B"], e["T"], e["D"], table) == e
+        assert tuning.TuningTable(table).lookup(e["op"], "float32", e["B"], e["T"], e["D"]) == e
 
-    # backend="auto" on a GPU reads the table: dispatch with a CUDA-looking input.
-    serial_entry = {"op": "rglru", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560, "backend": "chunk",
-                    "chunk_size": 16, "options": {"block_d": 32}}
+    # backend="auto" on a GPU reads the table it is given, or the one $KERNELS_TUNING_TABLE
+    # names: dispatch with a CUDA-looking input.
+    chunk_entry = {"op": "rglru", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560, "backend": "chunk",
+                   "chunk_size": 16, "options": {"block_d": 32}}
     path = tmp_path / "gpu-table.json"
-    path.write_text(json.dumps({"schema": 1, "entries": [serial_entry], "decode": []}))
-    monkeypatch.setenv("KERNELS_TUNING_TABLE", str(path))
+    path.write_text(json.dumps({"schema": 1, "entries": [chunk_entry], "decode": []}))
     fake = types.SimpleNamespace(device=torch.device("cuda"), shape=(2, 4096, 2048), dtype=torch.bfloat16)
-    if "chunk" in kernels.backends("rglru"):
-        assert ops.resolve("rglru", "auto", fake) == ("chunk", {"block_d": 32, "chunk_size": 16})
+    want = ("chunk", {"block_d": 32, "chunk_size": 16})
+    assert ops.resolve("rglru", kernels.Backend("auto", table=tuning.TuningTable.load(path)), fake) == want
+    monkeypatch.setenv("KERNELS_TUNING_TABLE", str(path))
+    tuning.env_table.cache_clear()
+    assert ops.resolve("rglru", "auto", fake) == want
+    monkeypatch.delenv("KERNELS_TUNING_TABLE")
+    tuning.env_table.cache_clear()
+    assert ops.resolve("rglru", "auto", fake) == ("serial", {})
     assert ops.resolve("rglru", "auto", torch.zeros(1, 2, 8)) == ("reference", {})   # CPU: by design
     # A table tuned on another GPU is not used, with a warning naming both GPUs.
-    path.write_text(json.dumps({"schema": 1, "gpu": "GPU A", "entries": [serial_entry], "decode": []}))
-    if "chunk" in kernels.backends("rglru"):
-        monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU A")
-        assert ops.resolve("rglru", "auto", fake) == ("chunk", {"block_d": 32, "chunk_size": 16})
-        monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU B")
-        with pytest.warns(RuntimeWarning, match="tuned on 'GPU A', not on this 'GPU B'"):
-            assert ops.resolve("rglru", "auto", fake) == ("serial", {})
+    path.write_text(json.dumps({"schema": 1, "gpu": "GPU A", "entries": [chunk_entry], "decode": []}))
+    monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU A")
+    assert ops.resolve("rglru", kernels.Backend("auto", table=tuning.TuningTable.load(path)), fake) == want
+    monkeypatch.setattr(ops, "_gpu_name", lambda device: "GPU B")
+    with pytest.warns(RuntimeWarning, match="tuned on 'GPU A', not on this 'GPU B'"):
+        assert ops.resolve("rglru", kernels.Backend("auto", table=tuning.TuningTable.load(path)), fake) == \
+            ("serial", {})
 
 
 def test_inexact_and_failing_candidates_are_recorded_and_left_out(tmp_path, monkeypatch):
@@ -270,9 +275,12 @@ def test_infer_track_latency_and_throughput(smoke):
         if r["order"] == "BA":
             assert r["logical"]["counted_in"].endswith("-AB-N2")
     probes = [r for r in recs if r["role"] == "probe"]
-    assert {r["shapes"]["B"] for r in probes} == {1, 2}
+    assert {1, 2} <= {r["shapes"]["B"] for r in probes} <= {1, 2, 4}     # extended to max_batch at most
     thr = [r for r in recs if r["role"] == "fresh"]
     assert thr and all(r["selected_from"] for r in thr)
+    for r in thr:   # where and why the grid ended, per probe order
+        assert set(r["throughput_grid"]) == {"AB", "BA"}
+        assert all(("stopped rising" in w) or ("max_batch 4" in w) for w in r["throughput_grid"].values())
     assert {r["generated_tokens"] for r in thr} == {2, 3}
 
 
@@ -312,3 +320,21 @@ def test_a_failing_backend_does_not_stop_the_track(tmp_path, monkeypatch):
     assert by["boom"]["status"] == "failed" and "illegal memory access" in by["boom"]["error"]
     assert by["boom"]["samples_ms"] == [] and by["reference"]["status"] == "ok"
     assert restarts == ["track_scan"]            # a poisoning error restarts the process, which resumes
+
+
+@pytest.mark.parametrize("curve, cap, plateau, probed", [
+    ({1: 10, 4: 35, 8: 60, 16: 100, 32: 101}, 8192, "stopped rising: 100 at B=16, 101 at B=32", [1, 4, 8, 16, 32]),
+    ({1: 10, 4: 35, 8: 60, 16: "oom"}, 8192, "out of memory at B=16", [1, 4, 8]),
+    ({1: 10, 4: 35, 8: 60, 16: 100}, 16, "max_batch 16 reached", [1, 4, 8, 16]),
+])
+def test_throughput_grid_extends_until_tokens_per_s_stops_rising_or_memory_runs_out(curve, cap, plateau, probed):
+    asked = []
+
+    def probe_at(B):
+        asked.append(B)
+        v = curve[B]
+        return {"status": v, "shapes": {"B": B}} if v == "oom" else {"status": "ok", "shapes": {"B": B},
+                                                                     "tokens_per_s": float(v)}
+
+    got = track_infer.extend_grid(probe_at, {"batches": [4, 1, 8], "max_batch": cap})
+    assert plateau in got["plateau"] and got["batches"] == probed and asked == sorted(curve)[:len(asked)]

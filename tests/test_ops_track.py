@@ -34,6 +34,32 @@ def test_sm_clock_span_flags_slowdowns_and_clock_drops():
     assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1980, "reasons": 0x20})["throttled"] is True
 
 
+@pytest.mark.parametrize("eager_ms, device_ms, headline", [
+    (2.3, 0.5, "device"),      # host-heavy: eager over SHORT_MS, device time short
+    (0.3, 0.1, "device"),
+    (30.0, 20.0, "eager"),     # long on the device too: device time kept beside
+    (80.0, None, "eager"),     # over DEVICE_CLOCK_MAX_MS: no device clock
+])
+def test_the_device_time_decides_the_headline(monkeypatch, eager_ms, device_ms, headline):
+    def fake_eager(fn, reps, warmup, dev, **kw):
+        st = measure.summarize([eager_ms] * reps)
+        return {"samples_ms": [eager_ms] * reps, **st, "peak_bytes": 0, "base_bytes": 0, "clock": "cuda_event",
+                "reps_requested": reps, "warmup": warmup, "stopped_early": False}
+
+    def fake_device(fn, reps, calls, dev, graph=True):
+        assert device_ms is not None, "the device clock was tried for work over DEVICE_CLOCK_MAX_MS"
+        return {"samples_ms": [device_ms] * reps, **measure.summarize([device_ms] * reps), "method": "cuda_graph",
+                "calls_per_sample": calls, "graph_error": None}
+
+    monkeypatch.setattr(measure, "time_fn", fake_eager)
+    monkeypatch.setattr(measure, "device_time", fake_device)
+    f = measure.timing_fields(measure.measure(lambda: None, reps=4, warmup=1, device="cuda", count=False))
+    assert f["eager"]["median_ms"] == eager_ms
+    assert (f["device"] or {}).get("median_ms") == device_ms
+    assert f["clock"] == ("device:cuda_graph" if headline == "device" else "eager:cuda_event")
+    assert f["stats"]["median_ms"] == (device_ms if headline == "device" else eager_ms)
+
+
 @pytest.mark.cuda
 def test_short_work_gets_the_device_clock_by_graph_replay_or_back_to_back_launches():
     x = torch.randn(1 << 20, device="cuda")
@@ -67,14 +93,18 @@ def _fake_accelerated(forget, inputs):
     return torch.stack(ys, -1)
 
 
-@pytest.mark.parametrize("name", ["fla_fused_recurrent_hgrn", "accelerated_scan_triton"])
-def test_peer_layouts_resets_and_gradients_match_the_reference(monkeypatch, name):
+def _fake_peers(monkeypatch):
     fla, ops, hgrn = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.hgrn"))
-    hgrn.fused_recurrent_hgrn = hgrn.chunk_hgrn = _fake_fla
+    hgrn.fused_recurrent_hgrn = _fake_fla
     fla.ops, ops.hgrn = ops, hgrn
     for mod in (fla, ops, hgrn):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setitem(sys.modules, "accelerated_scan.scalar", types.SimpleNamespace(scan=_fake_accelerated))
+
+
+@pytest.mark.parametrize("name", ["fla_fused_recurrent_hgrn", "accelerated_scan_triton"])
+def test_peer_layouts_resets_and_gradients_match_the_reference(monkeypatch, name):
+    _fake_peers(monkeypatch)
     a, b, pos = cases.op_inputs("scan", 4, 21, 6, torch.float64, "cpu", requires_grad=True, resets=True)[:3]
     assert bool((pos[:, 1:] == 0).any()) and not bool((pos[:, 0] == 0).all())   # mid-row resets, continuations
     with pytest.raises(measure.Skip, match="CPU"):
@@ -111,6 +141,9 @@ def test_ops_track_gates_then_times_every_variant_in_both_orders(tmp_path):
         assert r["floor_bytes"] > 0 and r["floor_ms"] == pytest.approx(r["floor_bytes"] / 1e9 * 1e3)
         assert r["eager"]["samples_ms"] and r["clock"].startswith("eager:")
     assert any(k.startswith("grad_") for k in layer[0]["gate"]["max_rel_err"])
+    # the layer and the step have the preset's gate blocks (not its attention heads)
+    from kernels.models import HawkConfig
+    assert {r["shapes"]["blocks"] for r in layer + step} == {HawkConfig.preset("tiny").gate_blocks}
     assert "ops-scan-tiny-B2-D96-T9-fwd_bwd-ours-AB" in ids        # peers skipped on the CPU, ours timed
     assert records.read_jsonl(tmp_path / "ops.jsonl") == recs
 
@@ -122,3 +155,38 @@ def test_a_failed_gate_records_no_timing(tmp_path):
     for rec in recs:
         assert rec["status"] == "failed" and "inexact" in rec["error"]
         assert rec["samples_ms"] == [] and rec["stats"] is None and "eager" not in rec
+
+
+def test_peers_are_gated_in_fp32_and_their_track_dtype_error_is_recorded(tmp_path):
+    """The official layer's own BF16 arithmetic is not held to our kernels' tolerance:
+    its gate checks the wiring in FP32, its BF16 error is recorded beside."""
+    s = _settings(ops=["rglru_layer"], dtype="bfloat16", check_tolerance=3e-2)
+    recs = track_ops.track(s, "cpu-smoke", tmp_path / "d", tmp_path / "o.jsonl", None)
+    assert recs and all(r["status"] == "ok" for r in recs), [r["error"] for r in recs if r["status"] != "ok"]
+    for r in recs:
+        g = r["gate"]
+        if r["peer"]:
+            assert (g["dtype"], g["tolerance"], g["timed_dtype"]) == ("float32", track_ops.PEER_GATE_TOL, "bfloat16")
+            assert max(g["max_rel_err"].values()) < 1e-4 < max(g["timed_dtype_rel_err"].values())
+            assert set(g["max_rel_err"]) == set(g["timed_dtype_rel_err"])
+            assert len(g["max_rel_err"]) > (2 if r["op"] == "rglru_layer" else 1)      # gradients gated too
+        else:
+            assert g["dtype"] == "bfloat16" and "timed_dtype_rel_err" not in g
+    assert {r["op"] for r in recs if r["peer"]} == {"rglru_layer", "rglru_step"}
+    import aggregate
+
+    text, plots = aggregate.ops_section(recs, tmp_path / "plots")
+    assert "timed-dtype err" in text and "float32 " in text and "bfloat16 " in text and plots == ["ops.png"]
+
+
+def test_a_miswired_peer_fails_its_fp32_gate(tmp_path, monkeypatch):
+    _fake_peers(monkeypatch)
+    real = cases.Peer.output
+    monkeypatch.setattr(cases.Peer, "CPU_SKIP", {})
+    monkeypatch.setattr(cases.Peer, "output", lambda self: real(self).roll(1, 1))   # off by one step
+    s = _settings(ops=["scan"], modes=["fwd"], decode=None, dtype="bfloat16", check_tolerance=3e-2,
+                  scan_peers=["accelerated_scan_triton"])
+    recs = {r["variant"]: r for r in track_ops.track(s, "cpu-smoke", tmp_path / "d", tmp_path / "o.jsonl", None)}
+    assert recs["ours"]["status"] == "ok"
+    err = recs["peer:accelerated_scan_triton"]["error"]
+    assert recs["peer:accelerated_scan_triton"]["status"] == "failed" and "tolerance 1.0e-04" in err

@@ -16,26 +16,15 @@ pytestmark = pytest.mark.cuda
 B, T, D, H = 4, 2048, 2560, 16
 VARIANTS = [("serial", {}), ("chunk", {"chunk_size": 8}), ("chunk", {"chunk_size": 16}),
             ("chunk", {"chunk_size": 32}), ("chunk", {"chunk_size": 64}),
-            ("serial", {"prefetch": False, "block_d": 32}), ("serial", {"num_stages": 3, "block_t": 16}),
-            ("chunk", {"chunk_size": 8, "inner": "loop"}), ("chunk", {"chunk_size": 16, "inner": "loop"}),
-            ("chunk", {"chunk_size": 32, "inner": "loop", "block_d": 128, "num_warps": 1}),
-            ("chunk", {"chunk_size": 16, "inner": "loop", "fast_math": True}), ("serial", {"fast_math": True}),
-            ("serial", {"vec": 2, "block_t": 16, "num_warps": 2}),
-            ("serial", {"vec": 2, "block_t": 8, "num_warps": 2, "fast_math": True}),
-            ("chunk", {"fwd": "lookback", "chunk_size": 16, "vec": 8, "num_warps": 1}),
-            ("chunk", {"fwd": "lookback", "chunk_size": 64, "vec": 2, "num_warps": 2, "block_d": 64,
-                       "bwd": "lookback", "bwd_chunk": 32, "bwd_vec": 2, "bwd_warps": 2, "bwd_block_d": 64}),
-            ("serial", {"time_warps": 1}), ("serial", {"time_warps": 8, "block_t": 8, "num_stages": 1}),
-            ("serial", {"fast_math": True, "time_warps": 4, "block_t": 8, "num_stages": 3}),
-            ("serial", {"time_warps": 8, "block_t": 4, "vec": 4, "num_stages": 3}),
-            ("serial", {"time_warps": 4, "block_t": 8, "vec": 1})]
-IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_noprefetch", "serial_stages3", "chunk8loop",
-       "chunk16loop", "chunk32loop", "chunk16loop_fast", "serial_fast", "serial_vec2", "serial_vec2_fast",
-       "lookback_fwd", "lookback_fwd_bwd", "serial_tile", "split_w8_prefetch", "split_w4_fast", "split_w8_vec4",
-       "split_w4_vec1"]
-# Subsets for the slower checks: the default (split kernels), chunk 32, chunk 16 loop, the time-in-thread serial,
-# the one-pass look-back forward and backward, the tile serial (run 1's default), the split with register prefetch.
-SUBSET = [0, 3, 8, 12, 15, 16, 17]
+            ("serial", {"block_d": 32}), ("serial", {"time_warps": 1, "num_stages": 3, "chunk_size": 16}),
+            ("chunk", {"chunk_size": 32, "block_d": 128, "num_warps": 1}),
+            ("serial", {"time_warps": 1}), ("serial", {"time_warps": 8, "chunk_size": 8, "num_stages": 1}),
+            ("serial", {"time_warps": 8, "chunk_size": 4, "num_stages": 3})]
+IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_tile_bd32", "serial_tile_stages3",
+       "chunk32_bd128_w1", "serial_tile", "split_w8_prefetch", "split_w8_tt4"]
+# Subsets for the slower checks: the default (split kernels), chunk 32, the tile serial,
+# the split with register prefetch.
+SUBSET = [0, 3, 8, 9]
 NAMES = ["output", "final_state", "grad_x", "grad_gate_x", "grad_gate_a", "grad_a_param", "grad_initial_state"]
 
 
@@ -133,15 +122,13 @@ def test_int64_offsets(backend, opts):
     assert parity.rel_err(y[:, :k], y0) <= parity.BACKEND_TOL[torch.float32]
 
 
-SCAN_VARIANTS = [("serial", {}), ("serial", {"prefetch": False, "block_t": 64}), ("chunk", {"chunk_size": 32}),
-                 ("chunk", {"chunk_size": 16, "inner": "loop"}), ("serial", {"vec": 4, "block_t": 32, "num_warps": 2}),
-                 ("serial", {"time_warps": 1}), ("serial", {"time_warps": 4, "block_t": 16, "num_stages": 3}),
-                 ("serial", {"time_warps": 8, "block_t": 8, "vec": 1})]
+SCAN_VARIANTS = [("serial", {}), ("serial", {"time_warps": 1, "num_stages": 2, "chunk_size": 64}),
+                 ("chunk", {"chunk_size": 32}), ("serial", {"time_warps": 1}),
+                 ("serial", {"time_warps": 4, "chunk_size": 16, "num_stages": 3})]
 
 
 @pytest.mark.parametrize("backend,opts", SCAN_VARIANTS,
-                         ids=["serial", "serial_noprefetch", "chunk32", "chunk16loop", "serial_vec4", "serial_tile",
-                              "split_w4", "split_w8_vec1"])
+                         ids=["serial", "serial_tile_stages2", "chunk32", "serial_tile", "split_w4"])
 def test_scan_track_shape(backend, opts):
     # Section-4 scan shape in BF16 (FP32 accumulation): output, final state, both gradients.
     Bs, Ts, Ds = 8, 4096, 1024

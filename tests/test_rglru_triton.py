@@ -12,37 +12,34 @@ import torch
 import kernels
 from kernels import parity
 from kernels.ops import accounting, reference
-from kernels.ops.rglru_triton import common
+from kernels.ops.triton_utils import poisoned
 
 B, T, D = 2, 37, 24
 LONG_T, LONG_D = 150, 12     # K = 32: 5 chunks, K = 64: 3 chunks; the last one partial (22 steps)
 FP32_TOL = parity.BACKEND_TOL[torch.float32]
 FP64_TOL = 1e-12
 
-# (backend, options): serial with two time tiles; chunk 16 with the one-group prefix
-# and chunk 8 with a two-summary group so the outer prefix over groups runs; chunks of
-# 32 (the default K) and 64, inner scan and loop each, at T = LONG_T, D = LONG_D
-# (test_long_chunks_float64_is_exact: two channel blocks of 8, one partial, or one
-# partial block of 32), K = 64 with two-summary groups.
+# (backend, options): the serial tile kernels (time_warps 1, chosen by block_d) with time
+# tiles of 16 and 8; chunk 16 with the one-group prefix and chunk 8 with a two-summary
+# group so the outer prefix over groups runs; chunks of 32 (the default K) and 64 at
+# T = LONG_T, D = LONG_D (test_long_chunks_float64_is_exact: two channel blocks of 8,
+# one partial), K = 64 with two-summary groups. The split kernels: test_split_triton.py.
 VARIANTS = [
-    ("serial", {"block_t": 16, "block_d": 32}),
-    ("serial", {"block_t": 8, "block_d": 16, "prefetch": True}),
+    ("serial", {"chunk_size": 16, "block_d": 32}),
+    ("serial", {"chunk_size": 8, "block_d": 16}),
     ("chunk", {"chunk_size": 16, "block_d": 16}),
     ("chunk", {"chunk_size": 8, "group": 2, "block_d": 32}),
-    ("chunk", {"chunk_size": 8, "group": 2, "block_d": 16, "inner": "loop"}),
     ("chunk", {"chunk_size": 32, "block_d": 8}),
-    ("chunk", {"chunk_size": 32, "block_d": 32, "inner": "loop"}),
     ("chunk", {"chunk_size": 64, "group": 2, "block_d": 8}),
-    ("chunk", {"chunk_size": 64, "group": 2, "block_d": 32, "inner": "loop"}),
 ]
-IDS = ["serial16", "serial8", "chunk16", "chunk8g2", "chunk8loop", "chunk32", "chunk32loop", "chunk64g2",
-       "chunk64g2loop"]
-SHORT, LONG = slice(0, 5), slice(5, None)
+IDS = ["serial16", "serial8", "chunk16", "chunk8g2", "chunk32", "chunk64g2"]
+SHORT, LONG = slice(0, 4), slice(4, None)
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON", True)
+def poison():
+    with poisoned():
+        yield
 
 
 def positions(t=T):
@@ -117,7 +114,7 @@ def test_fp32_against_float64_reference(backend, opts):
     check(got, want, FP32_TOL)
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[1], VARIANTS[4]], ids=[IDS[1], IDS[4]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[1], VARIANTS[3]], ids=[IDS[1], IDS[3]])
 def test_float64_is_exact(backend, opts):
     # In float64 the kernels differ from the reference loop only by rounding order:
     # any slip in chunk composition, reset handling or the adjoint would show far above this.
@@ -164,7 +161,7 @@ def test_bf16_against_pytorch_at_bf16(backend, opts):
         assert parity.rel_err(g, w) <= tol, name
 
 
-@pytest.mark.parametrize("backend,opts", [VARIANTS[4]], ids=[IDS[4]])
+@pytest.mark.parametrize("backend,opts", [VARIANTS[3]], ids=[IDS[3]])
 def test_gradients_are_bitwise_reproducible(backend, opts):
     args, h0 = inputs(torch.float32, seed=4)
     pos = positions()
@@ -209,7 +206,7 @@ def test_dispatch_cu_seqlens_and_prefill_state():
     x, gx, ga, ap = (a[:1] if a.dim() == 3 else a for a in args)
     cu = torch.tensor([0, 9, 16, 30, T])
     want_y, want_h = reference.rglru(*(a.double() for a in (x, gx, ga, ap)),
-                                     kernels.ops._checks.cu_seqlens_to_segment_pos(cu, 1, T), None, True)
+                                     kernels.ops.checks.cu_seqlens_to_segment_pos(cu, 1, T), None, True)
     y, h = kernels.rglru(x, gx, ga, ap, cu_seqlens=cu, output_final_state=True, backend="chunk", chunk_size=8)
     assert h.dtype == torch.float32
     assert parity.rel_err(y, want_y) <= FP32_TOL and parity.rel_err(h, want_h) <= FP32_TOL
@@ -219,8 +216,10 @@ def test_bad_options_raise():
     args, h0 = inputs(torch.float32)
     with pytest.raises(ValueError, match="chunk_size"):
         kernels.rglru(*args, backend="chunk", chunk_size=12)
-    with pytest.raises(ValueError, match="block_t"):
-        kernels.backends("rglru")["serial"](*args, None, None, False, block_t=12)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kernels.backends("rglru")["serial"](*args, None, None, False, chunk_size=12)
+    with pytest.raises(ValueError, match="expected serial options"):
+        kernels.backends("rglru")["serial"](*args, None, None, False, vec=2)
     with pytest.raises(ValueError, match="expected chunk options"):
         kernels.backends("rglru")["chunk"](*args, None, None, False, chunk_size=8, tile=3)
 
@@ -290,59 +289,3 @@ def test_decode_steps_equal_forward():
     ys = [kernels.rglru_step(x[:, T0 + i], wx, bx, wa, ba, ap, state, pos[:, T0 + i] == 0, backend="fused")
           for i in range(n)]
     assert parity.rel_err(torch.stack(ys, 1), y_full[:, T0:]) <= FP32_TOL
-
-
-# The serial kernels with the time axis inside each thread (vec > 0: vec channels per
-# thread, BD = 32 * num_warps * vec): tiles of 8 (five tiles for T = 37, resets at
-# t = 0, inside tiles, on tile edges 8, 16, 32, in a run, at T - 1) and of 16 with prefetch.
-VEC_VARIANTS = [("serial", {"block_t": 8, "vec": 2, "num_warps": 1}),
-                ("serial", {"block_t": 16, "vec": 2, "num_warps": 1, "prefetch": True})]
-VEC_IDS = ["serial8vec2", "serial16vec2pf"]
-
-
-# One dtype per variant (CI time): tiles of 8 in float64 (to rounding), 16 with prefetch in FP32.
-@pytest.mark.parametrize("backend,opts,dtype", [(*VEC_VARIANTS[0], torch.float64), (*VEC_VARIANTS[1], torch.float32)],
-                         ids=VEC_IDS)
-def test_vec_layout_fp32_and_float64(backend, opts, dtype):
-    args, h0 = inputs(dtype, seed=1)
-    pos = positions()
-    want = run(reference.rglru, [a.double() for a in args], h0.double(), pos)
-    tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
-    check(run(kernels.backends("rglru")[backend], args, h0, pos, **opts), want, tol)
-
-
-def test_vec_layout_several_channel_blocks_no_state():
-    # D = 72 with 64 channels per program: a full and a partial channel block.
-    torch.manual_seed(5)
-    x, gx, ga = (torch.randn(1, 21, 72, dtype=torch.float64) for _ in range(3))
-    a_param = kernels.layers.rnn_param_init(torch.empty(72, dtype=torch.float64))
-    args = [x, gx, ga, a_param]
-    want = run(reference.rglru, args, None, None, final=False)
-    got = run(kernels.backends("rglru")["serial"], args, None, None, final=False, block_t=8, vec=2, num_warps=1)
-    assert got[1] is None
-    check([got[0], None, *got[2:]], [want[0], None, *want[2:]], FP64_TOL)
-
-
-def test_vec_layout_bf16_and_bitwise_reproducible():
-    args, h0 = inputs(torch.bfloat16, seed=3)
-    pos = positions()
-    exact = run(reference.rglru, [a.double() for a in args], h0.double(), pos)
-    yard = run(reference.rglru, args, h0, pos)
-    fn, opts = kernels.backends("rglru")["serial"], VEC_VARIANTS[0][1]
-    got = run(fn, args, h0, pos, **opts)
-    for name, g, y, w in zip(NAMES, got, yard, exact):
-        assert parity.rel_err(g, w) <= max(parity.LOWP_FACTOR * parity.rel_err(y, w), 1e-6), name
-    again = run(fn, args, h0, pos, **opts)
-    for name, a, b in zip(NAMES, got, again):
-        assert torch.equal(a, b), name
-
-
-def test_vec_layout_bad_options_raise():
-    args, _ = inputs(torch.float32)
-    fn = kernels.backends("rglru")["serial"]
-    with pytest.raises(ValueError, match="vec"):
-        fn(*args, None, None, False, vec=3)
-    with pytest.raises(ValueError, match="block_d"):
-        fn(*args, None, None, False, vec=2, num_warps=1, block_d=32)
-    with pytest.raises(ValueError, match="vec"):
-        kernels.backends("scan")["serial"](args[0], args[1], None, None, False, vec=True)

@@ -16,28 +16,23 @@ import pytest
 import torch
 
 from kernels.ops import reference
-from kernels.ops.samu_triton import BACKENDS, STEPS, poisoned
+from kernels.ops.samu import BACKENDS, STEPS
+from kernels.ops.triton_utils import poisoned
 
 pytestmark = pytest.mark.cuda
 
 B, T, D = 4, 2048, 2560
 M = D // 2
-# (backend, chunk_size, launcher options); ids backend-K[-fused][-group][-bm<block_m>w<num_warps>]
+# (backend, chunk_size, launcher options); ids backend-K[-bm<block_m>w<num_warps>]
 # as bench_samu.label names them (the benchmark times only the variants that pass)
 CONFIGS = [("serial", 32, {}), ("chunk", 8, {}), ("chunk", 16, {}), ("chunk", 32, {}), ("chunk", 64, {}),
            ("chunk", 16, {"block_m": 64, "num_warps": 1}), ("chunk", 16, {"block_m": 128, "num_warps": 1}),
-           ("chunk", 16, {"block_m": 128, "num_warps": 2}), ("chunk", 32, {"block_m": 128, "num_warps": 1}),
-           ("chunk", 16, {"fuse_controls": True}),
-           ("chunk", 16, {"fuse_controls": True, "block_m": 128, "num_warps": 1}),
-           ("chunk", 32, {"fuse_controls": True, "block_m": 128, "num_warps": 1}),
-           ("chunk", 16, {"prefix": "group"}), ("chunk", 32, {"prefix": "group"})]
+           ("chunk", 16, {"block_m": 128, "num_warps": 2}), ("chunk", 32, {"block_m": 128, "num_warps": 1})]
 
 
 def config_id(c):
     name, chunk, opts = c
-    out = f"{name}-{chunk}" + ("-fused" if opts.get("fuse_controls") else "")
-    out += f"-{opts['prefix']}" if opts.get("prefix", "fill") != "fill" else ""
-    return out + (f"-bm{opts['block_m']}w{opts.get('num_warps')}" if "block_m" in opts else "")
+    return f"{name}-{chunk}" + (f"-bm{opts['block_m']}w{opts.get('num_warps')}" if "block_m" in opts else "")
 NAMES = ["x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "initial_state"]
 
 
@@ -116,8 +111,7 @@ def test_bf16_gate(backend, chunk, opts, refs):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("opts", [{}, {"fuse_controls": True, "block_m": 128, "num_warps": 1}],
-                         ids=["default", "fused-bm128w1"])
+@pytest.mark.parametrize("opts", [{}, {"block_m": 128, "num_warps": 1}], ids=["default", "bm128w1"])
 def test_deterministic(opts, refs):
     inputs, seg, _, _ = refs
     a = run(BACKENDS["samu"]["chunk"], leaves(inputs), seg, chunk_size=16, **opts)

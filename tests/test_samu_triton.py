@@ -14,7 +14,8 @@ import torch
 
 import kernels
 from kernels.ops import accounting, reference
-from kernels.ops.samu_triton import BACKENDS, STEPS, poisoned
+from kernels.ops.samu import BACKENDS, STEPS
+from kernels.ops.triton_utils import poisoned
 
 B, T, D = 2, 37, 24
 M = D // 2
@@ -322,59 +323,9 @@ def test_bad_num_warps():
                                       num_warps=nw)
 
 
-@pytest.mark.parametrize("chunk", [8, 64])
-def test_fused_controls_match_reference(chunk, ref64):
-    """The controller fused into the chunk summary (fuse_controls=True): float64 to
-    rounding for the output, final state and every gradient, resets inside and across
-    chunks, initial state; the prefill path too; bitwise deterministic in FP32."""
-    p = leaves(make_inputs(torch.float64))
-    with poisoned():
-        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=chunk, fuse_controls=True)
-    assert_close_all(got, ref64, 1e-11)
-    inputs = make_inputs(torch.float32, seed=7)
-    y_ref, h_ref = call(reference.samu, leaves(inputs, torch.float64))
-    with torch.no_grad(), poisoned(), accounting.counting() as c:
-        y, h = call(BACKENDS["samu"]["chunk"], inputs, chunk_size=chunk, fuse_controls=True)
-    assert rel(y, y_ref) < 2e-6 and rel(h, h_ref) < 2e-6
-    assert "samu_controls_fwd" not in c.by_kernel and "samu_chunk_summary_ctrl" in c.by_kernel
-    runs = [run(BACKENDS["samu"]["chunk"], leaves(inputs), chunk_size=chunk, fuse_controls=True) for _ in range(2)]
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    for k in GRAD_NAMES:
-        assert torch.equal(runs[0][2][k], runs[1][2][k]), k
-
-
-
-@pytest.mark.parametrize("chunk,opts", [(8, {}), (16, {"fuse_controls": True, "block_m": 64, "num_warps": 1})])
-def test_prefix_group_matches_reference(chunk, opts, ref64):
-    """prefix="group" (each replay composes the earlier chunks of its group itself; the
-    default "fill" runs in every other test): float64 to rounding, every gradient, resets,
-    initial state, two groups of chunks (K = 8: 5 chunks in groups of 4); the prefill
-    without the fill pass (and with it by default); bitwise deterministic in FP32."""
-    p = leaves(make_inputs(torch.float64))
-    with poisoned():
-        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=chunk, prefix="group", **opts)
-    assert_close_all(got, ref64, 1e-11)
-    inputs = make_inputs(torch.float32, seed=7)
-    y_ref, h_ref = call(reference.samu, leaves(inputs, torch.float64))
-    with torch.no_grad(), poisoned(), accounting.counting() as c:
-        y, h = call(BACKENDS["samu"]["chunk"], inputs, chunk_size=chunk, prefix="group", **opts)
-    assert rel(y, y_ref) < 2e-6 and rel(h, h_ref) < 2e-6 and "samu_prefix_fill" not in c.by_kernel
-    with torch.no_grad(), accounting.counting() as c:
-        call(BACKENDS["samu"]["chunk"], inputs, chunk_size=chunk, **opts)
-    assert "samu_prefix_fill" in c.by_kernel
-    runs = [run(BACKENDS["samu"]["chunk"], leaves(inputs), chunk_size=chunk, prefix="group", **opts)
-            for _ in range(2)]
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    for k in GRAD_NAMES:
-        assert torch.equal(runs[0][2][k], runs[1][2][k]), k
-    with pytest.raises(ValueError, match="prefix"):
-        call(BACKENDS["samu"]["chunk"], inputs, prefix="tree")
-
-
 @pytest.mark.parametrize("backend,chunk,opts", [("serial", 16, {}), ("chunk", 8, {}),
-                                                ("chunk", 8, {"fuse_controls": True}),
-                                                ("chunk", 16, {"prefix": "group"})],
-                         ids=["serial16", "chunk8", "chunk8fused", "chunk16group"])
+                                                ("chunk", 16, {"num_warps": 1})],
+                         ids=["serial16", "chunk8", "chunk16w1"])
 def test_odd_modes_several_mode_blocks(backend, chunk, opts, ref64_wide):
     """M = 35 (odd) over two mode blocks of 32, the second partial: float64 to rounding
     for the output, final state and every gradient, with SEGMENT_POS's resets inside and

@@ -7,20 +7,18 @@ import torch
 import kernels
 from kernels import parity
 from kernels.ops import reference
-from kernels.ops.rglru_triton import common
+from kernels.ops.triton_utils import poisoned
 from test_rglru_triton import B, D, T, positions
 
-VARIANTS = [("serial", {"block_t": 16, "block_d": 32, "prefetch": True}), ("chunk", {"chunk_size": 16, "block_d": 16}),
-            ("chunk", {"chunk_size": 8, "group": 2, "block_d": 32}),
-            ("chunk", {"chunk_size": 16, "block_d": 16, "inner": "loop"}),
-            ("serial", {"block_t": 16, "vec": 2, "num_warps": 1, "prefetch": True})]
-# (the vec layout's tiles of 8 are tested for the RG-LRU in test_rglru_triton.py)
-IDS = ["serial16", "chunk16", "chunk8g2", "chunk16loop", "serial16vec2pf"]
+VARIANTS = [("serial", {"chunk_size": 16, "block_d": 32}), ("chunk", {"chunk_size": 16, "block_d": 16}),
+            ("chunk", {"chunk_size": 8, "group": 2, "block_d": 32})]
+IDS = ["serial16", "chunk16", "chunk8g2"]
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON", True)
+def poison():
+    with poisoned():
+        yield
 
 
 def inputs(dtype, seed=0):

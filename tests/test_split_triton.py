@@ -1,5 +1,5 @@
 """The serial backend's split kernels (time across warps, option time_warps,
-kernels/ops/rglru_triton/split.py; the serial default) against the float64 reference,
+kernels/ops/rglru/split.py; the serial default) against the float64 reference,
 on the CPU interpreter; outputs poisoned with NaN.
 
 Two layouts: W = 2 warps of 8 steps (tiles of 16) with register prefetch at T = 37,
@@ -15,15 +15,16 @@ import torch
 import kernels
 from kernels import parity
 from kernels.ops import accounting, reference
-from kernels.ops.rglru_triton import common, fused_recurrent
+from kernels.ops.rglru import fused_recurrent
+from kernels.ops.triton_utils import poisoned
 
 from test_rglru_triton import document_positions, run
 
 B = 2
 FP32_TOL = parity.BACKEND_TOL[torch.float32]
 FP64_TOL = 1e-12
-ODD = {"T": 37, "D": 24, "opts": {"time_warps": 2, "block_t": 8}}
-EVEN = {"T": 32, "D": 64, "opts": {"time_warps": 4, "block_t": 2, "num_stages": 2, "vec": 2}}
+ODD = {"T": 37, "D": 24, "opts": {"time_warps": 2, "chunk_size": 8}}
+EVEN = {"T": 32, "D": 64, "opts": {"time_warps": 4, "chunk_size": 2, "num_stages": 2}}
 # Resets at tile and warp edges (8, 16, 24, 32), inside segments (5, 13, 27), at a warp
 # edge inside a tile (2, 10 for W = 4 x 2), in runs (20-22), at t = 0 (row 1) and at the
 # last step of the odd shape (36); row 0 continues an earlier document.
@@ -31,8 +32,9 @@ STARTS = ((2, 5, 8, 16, 20, 21, 22, 32, 36), (0, 1, 10, 13, 24, 27))
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON", True)
+def poison():
+    with poisoned():
+        yield
 
 
 def make(op, T, D, dtype, seed):
@@ -77,16 +79,6 @@ def test_float64_is_exact(op, shape):
         assert parity.rel_err(g, w) <= FP64_TOL, i
 
 
-@pytest.mark.parametrize("op,shape", [("rglru", {**ODD, "opts": {**ODD["opts"], "vec": 1}}),
-                                      ("scan", {**EVEN, "opts": {"time_warps": 4, "block_t": 2, "vec": 1}})],
-                         ids=["rglru-odd", "scan-even"])
-def test_one_channel_per_lane_is_exact(op, shape):
-    # vec 1: the [BD, W, TT] memory order (32 channels per program, one per lane).
-    got, want = compare(op, shape, torch.float64, seed=6)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert parity.rel_err(g, w) <= FP64_TOL, i
-
-
 def test_no_resets_no_state():
     got, want = compare("rglru", EVEN, torch.float64, seed=2, h0=False, resets=False, final=False)
     assert got[1] is None
@@ -116,16 +108,16 @@ def test_gradients_are_bitwise_reproducible():
 def test_default_is_split_and_launches():
     # The serial default runs the split kernels; a tile layout asked for runs the tile
     # kernels. One launch forward, one backward plus the a_param reduction.
-    cfg = fused_recurrent._config(B, 37, 24, False)
+    cfg = fused_recurrent.config(B, 37, 24, False)
     assert cfg["TW"] == fused_recurrent.SPLIT_DEFAULT["rglru"]["time_warps"] > 1 and cfg["TT"] == 8 and cfg["WS"]
-    assert not fused_recurrent._config(B, 37, 24, False, block_t=4)["WS"]
-    assert fused_recurrent._config(B, 37, 24, True)["TW"] == fused_recurrent.SPLIT_DEFAULT["scan"]["time_warps"]
-    assert fused_recurrent._config(B, 37, 24, False, block_d=32)["TW"] == 1
-    assert fused_recurrent._config(B, 37, 24, False, time_warps=1)["TW"] == 1
+    assert not fused_recurrent.config(B, 37, 24, False, chunk_size=4)["WS"]
+    assert fused_recurrent.config(B, 37, 24, True)["TW"] == fused_recurrent.SPLIT_DEFAULT["scan"]["time_warps"]
+    assert fused_recurrent.config(B, 37, 24, False, block_d=32)["TW"] == 1
+    assert fused_recurrent.config(B, 37, 24, False, time_warps=1)["TW"] == 1
     # an RG-LRU forward without gradient defaults to the tile kernels (faster there)
-    assert fused_recurrent._config(B, 37, 24, False, grad=False)["TW"] == 1
-    assert fused_recurrent._config(B, 37, 24, False, grad=False, time_warps=2)["TW"] == 2
-    assert fused_recurrent._config(B, 37, 24, True, grad=False)["TW"] > 1
+    assert fused_recurrent.config(B, 37, 24, False, grad=False)["TW"] == 1
+    assert fused_recurrent.config(B, 37, 24, False, grad=False, time_warps=2)["TW"] == 2
+    assert fused_recurrent.config(B, 37, 24, True, grad=False)["TW"] > 1
     args, h0 = make("rglru", ODD["T"], ODD["D"], torch.float32, 5)
     leaves = [a.clone().requires_grad_() for a in args]
     with accounting.counting() as c:
@@ -139,16 +131,16 @@ def test_default_is_split_and_launches():
 
 
 def test_pipeline_stages_fit_shared_memory():
-    # 232448 bytes (an H100 / H200): the RG-LRU backward at W = 4, block_t 32 holds 4 FP32
+    # 232448 bytes (an H100 / H200): the RG-LRU backward at W = 4, chunk_size 32 holds 4 FP32
     # tiles of 32 KiB per stage; three stages do not fit, two do.
-    cfg = fused_recurrent._config(B, 64, 256, False, block_t=32)
+    cfg = fused_recurrent.config(B, 64, 256, False, chunk_size=32)
     fit = fused_recurrent._fit_stages(cfg, 4, 4, True, 232448)
     assert cfg["STAGES"] == 3 and fit["STAGES"] == 2 and not fit["PREFETCH"]
     assert fused_recurrent._fit_stages(cfg, 2, 4, True, 232448) is cfg
     low = fused_recurrent._fit_stages(cfg, 8, 4, True, 100_000)          # float64: register prefetch
     assert low["STAGES"] == 1 and low["PREFETCH"]
     assert fused_recurrent._fit_stages(cfg, 4, 4, True, None) is cfg     # no device limit (CPU)
-    explicit = fused_recurrent._config(B, 64, 256, False, block_t=32, num_stages=3)
+    explicit = fused_recurrent.config(B, 64, 256, False, chunk_size=32, num_stages=3)
     with pytest.raises(ValueError, match="num_stages"):
         fused_recurrent._fit_stages(explicit, 4, 4, True, 232448)
 
@@ -156,13 +148,10 @@ def test_pipeline_stages_fit_shared_memory():
 @pytest.mark.parametrize("opts,match", [
     ({"time_warps": 3}, "time_warps"),
     ({"time_warps": 32}, "time_warps"),
-    ({"time_warps": 2, "vec": 0}, "vec"),
-    ({"time_warps": 1, "vec": 1}, "vec"),
-    ({"time_warps": 2, "vec": 3}, "vec"),
-    ({"time_warps": 2, "num_warps": 4}, "num_warps"),
-    ({"time_warps": 2, "vec": 2, "block_d": 32}, "block_d"),
-    ({"time_warps": 2, "block_t": 6}, "block_t"),
-    ({"time_warps": 2, "block_t": 128}, "block_t"),
+    ({"time_warps": 2, "vec": 2}, "serial options"),
+    ({"time_warps": 2, "block_d": 32}, "block_d"),
+    ({"time_warps": 2, "chunk_size": 6}, "chunk_size"),
+    ({"time_warps": 2, "chunk_size": 128}, "chunk_size"),
     ({"time_warps": 2, "num_stages": 5}, "num_stages"),
 ])
 def test_bad_options(opts, match):

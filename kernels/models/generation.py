@@ -26,7 +26,7 @@ input, so each generated token comes from exactly one step.
 Step kernels (`kernels=`):
     "model"  the layers' own decode path (HawkLM.step: PyTorch ops and the mixer's
              step op); any device and dtype;
-    "fused"  library matmuls plus fused row kernels (kernels.ops.decode): RMSNorm with
+    "fused"  library matmuls plus fused row kernels (kernels.models.decode): RMSNorm with
              the residual add, the conv step, GeLU gating; the mixer's step op;
     "gemm"   weight-streaming split-K linears with the row work fused into their
              prologues and epilogues (four launches and the mixer step per layer), for
@@ -37,7 +37,7 @@ Step kernels (`kernels=`):
 PDL (`pdl=None`) is on for "gemm" on Hopper and newer GPUs (measured faster there).
 All of them compute HawkLM.step's function with its roundings (FP32 summation order
 may differ; "gemm" rounds the normalised matmul input before the 1 / rms factor, see
-kernels.ops.decode). A graph holds the parameter and cache storage it was captured with: build a
+kernels.models.decode). A graph holds the parameter and cache storage it was captured with: build a
 new engine after moving or re-creating the model's parameters.
 """
 
@@ -50,9 +50,9 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..ops import _step_backend
-from ..ops import decode as dk
-from ..ops._checks import is_integer_dtype, shape_str
+from .. import layers, ops
+from . import decode as dk
+from ..ops.checks import is_integer_dtype, shape_str
 from .hawk import HawkCache, HawkLM
 
 KERNELS = ("auto", "model", "fused", "gemm")
@@ -149,13 +149,19 @@ class Engine:
     capture and replay the step (default: on CUDA); `pdl`: programmatic dependent
     launch between the weight-streaming linears (None: on compute capability >= 9);
     `linear_configs`: tile options of those linears by role ("xy", "out", "up",
-    "down", "logits"; see kernels.ops.decode.default_config)."""
+    "down", "logits"; see kernels.models.decode.default_config); `backend`, `step_backend`:
+    when given, the mixer kernels (names or kernels.Backend values, e.g.
+    Backend("auto", table=...)) set on the model's mixers (layers.set_backend) for the
+    prefill and the step."""
 
     def __init__(self, model: HawkLM, *, kernels: str = "auto", graphs: bool | None = None, pdl: bool | None = None,
                  prefill_chunk: int = 1024, bos_id: int = BOS_ID, pad_id: int = 0,
-                 linear_configs: dict | None = None):
+                 linear_configs: dict | None = None, backend=None, step_backend=None):
         if not isinstance(model, HawkLM):
             raise ValueError(f"expected model to be a HawkLM, got {type(model).__name__}")
+        if backend is not None or step_backend is not None:
+            mixer = model.blocks[0].recurrent_block.mixer
+            layers.set_backend(model, mixer.backend if backend is None else backend, step_backend)
         if kernels not in KERNELS:
             raise ValueError(f"expected kernels in {list(KERNELS)}, got {kernels!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -235,9 +241,8 @@ class Engine:
         kernels = self._kernels_for(B)
         mixer = self.model.blocks[0].recurrent_block.mixer
         x = torch.empty(B, self.model.config.lru_width, dtype=self.dtype, device=self.device)
-        from .. import ops
-
-        fn = _step_backend(self.model.config.mixer, mixer.step_backend, x)
+        fn = ops.resolve_step(self.model.config.mixer, mixer.step_backend, x)
+        fn = getattr(fn, "func", fn)
         step = next((n for n, f in ops.step_backends(self.model.config.mixer).items() if f is fn), None)
         return {"kernels": kernels, "mixer_step_backend": step, "graphs": self.graphs,
                 "pdl": self.pdl and kernels == "gemm", "prefill_chunk": self.prefill_chunk,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import layers
-from ..ops._checks import check_segment_pos, check_tensor, is_integer_dtype, shape_str
+from ..ops.checks import check_segment_pos, check_tensor, is_integer_dtype, shape_str
 from .config import HawkConfig
 from .train import linear_cross_entropy
 
@@ -57,9 +57,10 @@ def _check_token_range(name, t, vocab_size):
 
 
 class HawkLM(nn.Module):
-    """Hawk LM. `backend` selects the mixer kernels ("auto", "reference", Triton names)."""
+    """Hawk LM. `backend` selects the mixer kernels: a name ("auto", "reference", a Triton
+    backend) or a kernels.Backend value (e.g. Backend("auto", table=TuningTable.load(p)))."""
 
-    def __init__(self, config: HawkConfig, backend: str = "auto", device=None, dtype=None):
+    def __init__(self, config: HawkConfig, backend="auto", device=None, dtype=None):
         super().__init__()
         if not isinstance(config, HawkConfig):
             raise ValueError(f"expected config to be a HawkConfig, got {type(config).__name__}")
@@ -79,7 +80,7 @@ class HawkLM(nn.Module):
         for m in (*self.blocks, self.final_norm):
             m.reset_parameters()
 
-    def set_backend(self, backend: str, step_backend: str | None = None) -> "HawkLM":
+    def set_backend(self, backend, step_backend=None) -> "HawkLM":
         """Use `backend` (sequences) and `step_backend` (decode) in every mixer; plugs
         kernels in without touching model code (see kernels.layers.set_backend)."""
         return layers.set_backend(self, backend, step_backend)

@@ -1,22 +1,23 @@
-"""Public ops: one signature per recurrence, backends chosen by name.
+"""Public ops: one signature per recurrence, the kernel chosen by a value.
 
-Backends: "reference" (PyTorch, autograd), the Triton backends each kernel
-module registers ("serial", "chunk", ...) and the PyTorch associative scans of
-kernels.ops.assoc ("assoc", and "assoc_bf16", inexact by design: see
-`inexact_backends`). "auto" reads the tuning table
-(kernels.ops.tuning) and falls back to the fastest exact default for the device.
+`backend` is a name or a `Backend` (kernels.ops.tuning): "reference" (PyTorch,
+autograd), the Triton backends each kernel module registers ("serial", "chunk", ...)
+and the PyTorch associative scans of kernels.ops.assoc ("assoc", and "assoc_bf16",
+inexact by design: see `inexact_backends`). "auto" reads the tuning table the caller
+passes in `Backend("auto", table=...)` (or the one $KERNELS_TUNING_TABLE names) and
+falls back to the fastest exact default for the device; on the CPU it is the
+reference. The resolution of a call is cached per (op, backend, dtype, shape, device).
 Every op returns (y, final_state or None).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 
-from . import reference, tuning
-from ._checks import (
+from . import assoc, reference, tuning
+from .checks import (
     CHUNK_SIZES,
     COMPLEX_DTYPES,
     FLOAT_DTYPES,
@@ -29,46 +30,52 @@ from ._checks import (
     shape_str,
     state_dtype,
 )
+from .tuning import Backend, TuningTable
 
 # Modules that provide backends. Each exposes BACKENDS = {op: {name: fn}}, may expose
 # STEPS = {op: {name: fn}} for decode steps and INEXACT = {names} for backends that are
-# inexact by design (timed as diagnostics, never chosen).
-PROVIDERS = ("kernels.ops.rglru_triton", "kernels.ops.samu_triton", "kernels.ops.assoc")
+# inexact by design (timed as diagnostics, never chosen). The Triton packages are
+# imported here, before the ops of the same names (rglru, samu) are defined below, so
+# that those names stay the functions; without Triton they are left out.
+PROVIDERS = []
+try:
+    from . import rglru as _rglru_kernels
+    from . import samu as _samu_kernels
+
+    PROVIDERS += [_rglru_kernels, _samu_kernels]
+except ModuleNotFoundError as e:
+    if e.name != "triton":
+        raise
+PROVIDERS.append(assoc)
 
 
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
 # Backends that take `chunk_size` (an int in CHUNK_SIZES for both, with and without
-# gradients): the chunk length of "chunk", the time tile of "serial" (RG-LRU/scan: the
-# steps per warp, an alias of block_t; SAMU: its tile and checkpoint length).
+# gradients): the chunk length of "chunk", the time tile of "serial" (RG-LRU/scan: its
+# time tile, per warp with time_warps > 1; SAMU: its tile and checkpoint length).
 CHUNK_SIZE_BACKENDS = ("chunk", "serial")
-
-
-def _provider_modules():
-    """The importable modules of PROVIDERS (a provider that is not installed is skipped;
-    an import error inside one is raised)."""
-    for name in PROVIDERS:
-        try:
-            yield importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
 
 
 @functools.cache
 def _provided(table: str) -> dict[str, dict]:
     out: dict[str, dict] = {}
-    for mod in _provider_modules():
+    for mod in PROVIDERS:
         for op, fns in getattr(mod, table, {}).items():
             out.setdefault(op, {}).update(fns)
     return out
 
 
+_BACKENDS = {op: {"reference": getattr(reference, op), **_provided("BACKENDS").get(op, {})}
+             for op in ("rglru", "samu", "scan")}
+_STEPS = {op: {"reference": getattr(reference, f"{op}_step"), **_provided("STEPS").get(op, {})}
+          for op in ("rglru", "samu")}
+
+
 def backends(op: str) -> dict:
     """Name -> callable for every backend of `op` ("rglru", "samu", "scan")."""
-    ref = {"rglru": reference.rglru, "samu": reference.samu, "scan": reference.scan}
-    if op not in ref:
+    if op not in ("rglru", "samu", "scan"):
         raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
-    return {"reference": ref[op], **_provided("BACKENDS").get(op, {})}
+    return _BACKENDS[op]
 
 
 @functools.cache
@@ -76,20 +83,16 @@ def inexact_backends() -> frozenset:
     """Backend names that are inexact by design (e.g. BF16 accumulation): the audit
     records their errors without gating them, and nothing selects them."""
     out = set()
-    for mod in _provider_modules():
+    for mod in PROVIDERS:
         out |= set(getattr(mod, "INEXACT", ()))
     return frozenset(out)
 
 
 def step_backends(op: str) -> dict:
-    ref = {"rglru": reference.rglru_step, "samu": reference.samu_step}
-    if op not in ref:
+    """Name -> callable for every decode step backend of `op` ("rglru", "samu")."""
+    if op not in ("rglru", "samu"):
         raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
-    return {"reference": ref[op], **_provided("STEPS").get(op, {})}
-
-
-def _chunk_opts(name: str, chunk_size) -> dict:
-    return {} if chunk_size is None or name not in CHUNK_SIZE_BACKENDS else {"chunk_size": chunk_size}
+    return _STEPS[op]
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,39 +101,45 @@ def _gpu_name_of(index: int) -> str:
 
 
 def _gpu_name(device: torch.device) -> str | None:
-    """The CUDA device's name, as the tune stage records it (cached: no query per call);
-    None where CUDA is not available."""
-    if not torch.cuda.is_available():
-        return None
+    """The CUDA device's name, as the tune stage records it (cached: no query per call)."""
     return _gpu_name_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
-    """(backend name, launcher options) for a call; "auto" consults the tuning table
-    (kernels.ops.tuning; a table tuned on another GPU is not used).
+def resolve(op: str, backend, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
+    """(backend name, launcher options) for a call of `op` on x [B, T, D]; cached.
 
     chunk_size applies only to the backends of CHUNK_SIZE_BACKENDS ("chunk": the chunk
-    length; "serial": its time tile), an int in CHUNK_SIZES (8, 16, 32, 64), checked here
-    for every backend. Naming another backend together with a chunk_size raises
-    ValueError. With "auto" it is a preference: passed on when the backend chosen
-    takes it (it overrides a tuning-table entry's chunk_size), dropped otherwise, as on
-    the CPU, where "auto" is always the reference."""
+    length; "serial": its time tile), an int in CHUNK_SIZES (8, 16, 32, 64) checked here
+    for every backend, and overrides a Backend's own chunk_size. Naming
+    another backend together with a chunk_size raises ValueError. With "auto" it is a
+    preference: passed on when the backend chosen takes it (it overrides a tuning-table
+    entry's chunk_size), dropped otherwise, as on the CPU, where "auto" is the reference."""
+    if chunk_size is not None:     # before the cache: 8.0 and True hash as 8 and 1
+        check_chunk_size(chunk_size)
+    b = Backend.of(backend)
+    B, T, D = x.shape
+    env = tuning.env_table() if b.name == "auto" and b.table is None else None
+    return _resolve(op, b, env, x.dtype, B, T, D, x.device, chunk_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(op, b: Backend, env_table, dtype, B, T, D, device, chunk_size):
     avail = backends(op)
-    if backend != "auto":
-        if backend not in avail:
-            raise ValueError(f"expected backend in {['auto', *avail]} for {op}, got {backend!r}")
-        if chunk_size is not None and backend not in CHUNK_SIZE_BACKENDS:
+    if b.name != "auto":
+        if b.name not in avail:
+            raise ValueError(f"expected backend in {['auto', *avail]} for {op}, got {b.name!r}")
+        if chunk_size is not None and b.name not in CHUNK_SIZE_BACKENDS:
             raise ValueError(f"expected chunk_size only with backend in {['auto', *CHUNK_SIZE_BACKENDS]} "
                              f"(it applies to the chunk backend, and to serial as its time tile), "
-                             f"got chunk_size={chunk_size!r} with backend {backend!r}")
-    if chunk_size is not None:
-        check_chunk_size(chunk_size)
-    if backend != "auto":
-        return backend, _chunk_opts(backend, chunk_size)
-    if x.device.type != "cuda":
+                             f"got chunk_size={chunk_size!r} with backend {b.name!r}")
+        return b.name, {**b.options, **_chunk_opts(b.name, chunk_size)}
+    if device.type != "cuda":
         return "reference", {}
-    B, T, D = x.shape
-    entry = tuning.lookup(op, str(x.dtype).removeprefix("torch."), B, T, D, gpu=_gpu_name(x.device))
+    table = b.table if b.table is not None else env_table
+    entry = None
+    if table is not None:
+        entry = table.lookup(op, str(dtype).removeprefix("torch."), B, T, D,
+                             gpu=_gpu_name(device) if table.gpu else None)
     if entry is not None and entry["backend"] in avail:
         opts = dict(entry.get("options", {}))
         if entry.get("chunk_size") is not None:
@@ -143,6 +152,10 @@ def resolve(op: str, backend: str, x: torch.Tensor, chunk_size=None) -> tuple[st
         if name in avail:
             return name, _chunk_opts(name, chunk_size)
     return "reference", {}
+
+
+def _chunk_opts(name: str, chunk_size) -> dict:
+    return {} if chunk_size is None or name not in CHUNK_SIZE_BACKENDS else {"chunk_size": chunk_size}
 
 
 def _positions(x, segment_pos, cu_seqlens):
@@ -178,8 +191,7 @@ def rglru(
     segment_pos = _positions(x, segment_pos, cu_seqlens)
     _check_state(initial_state, B, D, state_dtype(x.dtype))
     name, opts = resolve("rglru", backend, x, chunk_size)
-    fn = backends("rglru")[name]
-    return fn(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, **opts)
+    return backends("rglru")[name](x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, **opts)
 
 
 def _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, **others):
@@ -217,8 +229,7 @@ def samu(
     segment_pos = _positions(x, segment_pos, cu_seqlens)
     _check_state(initial_state, B, M, state_dtype(x.dtype, complex_state=True))
     name, opts = resolve("samu", backend, x, chunk_size)
-    fn = backends("samu")[name]
-    return fn(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
+    return backends("samu")[name](x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
               segment_pos, initial_state, output_final_state, **opts)
 
 
@@ -239,27 +250,30 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
         sd = state_dtype(b.dtype)
     _check_state(initial_state, B, D, sd)
     name, opts = resolve("scan", backend, b, chunk_size)
-    fn = backends("scan")[name]
-    return fn(a, b, segment_pos, initial_state, output_final_state, **opts)
+    return backends("scan")[name](a, b, segment_pos, initial_state, output_final_state, **opts)
 
 
-def _step_backend(op, backend, x):
+def resolve_step(op: str, backend, x: torch.Tensor):
+    """The decode step callable of `op` for a call on x [B, D] (options of a Backend
+    bound to it): "auto" takes the fused Triton step on CUDA, the reference elsewhere."""
+    return _resolve_step(op, Backend.of(backend), x.device.type)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_step(op, b: Backend, device_type):
     avail = step_backends(op)
-    if backend == "auto":
-        if x.device.type == "cuda":
-            for name in ("fused", "triton"):
-                if name in avail:
-                    return avail[name]
-        return avail["reference"]
-    if backend not in avail:
-        raise ValueError(f"expected backend in {['auto', *avail]} for {op}_step, got {backend!r}")
-    return avail[backend]
+    if b.name == "auto":
+        return avail["fused"] if device_type == "cuda" and "fused" in avail else avail["reference"]
+    if b.name not in avail:
+        raise ValueError(f"expected backend in {['auto', *avail]} for {op}_step, got {b.name!r}")
+    return functools.partial(avail[b.name], **b.options) if b.options else avail[b.name]
 
 
-def step_has_backward(op: str, backend: str, device) -> bool:
+def step_has_backward(op: str, backend, device) -> bool:
     """Whether the decode step `backend` of `op` ("auto" resolved for `device`) is
     differentiable: the reference is; the Triton steps have no backward."""
-    return _step_backend(op, backend, torch.empty(0, device=device)) is step_backends(op)["reference"]
+    fn = _resolve_step(op, Backend.of(backend), torch.device(device).type)
+    return getattr(fn, "func", fn) is step_backends(op)["reference"]
 
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
@@ -284,7 +298,7 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
     check_same_device(x=x, state=state, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w,
                       gate_a_b=gate_a_b, a_param=a_param, reset=reset)
-    return _step_backend("rglru", backend, x)(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset)
+    return resolve_step("rglru", backend, x)(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset)
 
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto"):
@@ -301,9 +315,9 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     if reset is not None:
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
     _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state=state, reset=reset)
-    return _step_backend("samu", backend, x)(x, phase_dir, radial_dir, phase_amp, radial_amp,
+    return resolve_step("samu", backend, x)(x, phase_dir, radial_dir, phase_amp, radial_amp,
                                              nu_log, theta_log, state, reset)
 
 
-__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends",
-           "step_has_backward", "resolve", "reference", "tuning"]
+__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends", "inexact_backends",
+           "resolve", "resolve_step", "step_has_backward", "reference", "tuning", "Backend", "TuningTable"]

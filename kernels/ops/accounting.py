@@ -2,8 +2,8 @@
 
 Every launcher calls `record(...)` once per kernel launch with the bytes its
 kernel logically reads and writes (tensor sizes at their dtypes, not hardware
-counters). Nothing is kept unless a `counting()` block is active, so the hot
-path pays one global lookup.
+counters), behind `if accounting.on():`, so that outside a `counting()` block the
+hot path pays one function call and computes no sizes.
 
     with accounting.counting() as c:
         y, h = kernels.rglru(...)
@@ -32,6 +32,11 @@ class Counter:
             "logical_launches": self.launches,
             "logical_by_kernel": dict(self.by_kernel),
         }
+
+
+def on() -> bool:
+    """Whether a `counting()` block is active."""
+    return bool(_active)
 
 
 def record(kernel: str, bytes_read: int, bytes_written: int, launches: int = 1) -> None:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rglru_triton import common
+from .triton_utils import empty
 
 BT, BE = 64, 128
 
@@ -85,7 +85,7 @@ class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, pos):
         B, T, E = x.shape
-        y = common.empty(x.shape, x.dtype, x.device)
+        y = empty(x.shape, x.dtype, x.device)
         _conv_fwd[_grid(B, T, E)](x, w, b, x if pos is None else pos, y, T, E, w.shape[0], pos is not None,
                                   x.dtype == torch.float64, BT, BE)
         ctx.save_for_backward(x, w, pos)
@@ -97,9 +97,9 @@ class _CausalConv1d(torch.autograd.Function):
         x, w, pos = ctx.saved_tensors
         B, T, E = x.shape
         W, NT, dy = w.shape[0], triton.cdiv(T, BT), dy.contiguous()
-        dx = common.empty(x.shape, x.dtype, x.device)
+        dx = empty(x.shape, x.dtype, x.device)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        dwp = common.empty((B * NT, W + 1, E), acc, x.device)
+        dwp = empty((B * NT, W + 1, E), acc, x.device)
         _conv_bwd[_grid(B, T, E)](x, w, x if pos is None else pos, dy, dx, dwp, T, E, NT, W, pos is not None,
                                   x.dtype == torch.float64, BT, BE)
         d = dwp.sum(0)

@@ -1,35 +1,36 @@
-"""The tuning table that `backend="auto"` reads.
+"""Kernel choice as a value: `Backend` (a backend name and its launcher options) and
+`TuningTable` (what backend="auto" reads).
 
-The pipeline's tune stage writes it (default `results/tune/tuning.json`, or the
-path in the environment variable KERNELS_TUNING_TABLE). Schema version 1:
+    table = TuningTable.load("tuning.json")                 # or TuningTable.from_dict(doc)
+    y, h = kernels.rglru(..., backend=Backend("auto", table=table))
+    y, h = kernels.rglru(..., backend=Backend("chunk", chunk_size=16))
+
+backend="auto" consults the table the caller passes (`Backend("auto", table=...)`), else
+the table at the path in the environment variable KERNELS_TUNING_TABLE (read once, at
+the first "auto" call on a GPU), else nothing: then a fixed default per op applies. A
+table tuned on another GPU than the caller's (both names known, different) is not used:
+a warning names both, once per pair. Schema version 1:
 
     {"schema": 1, "gpu": "<name>", "entries": [
         {"op": "rglru" | "samu" | "scan", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560,
          "backend": "chunk", "chunk_size": 32, "options": {...launcher keyword arguments...}}]}
 
-Lookup takes the entry of the same op and dtype nearest in log(B*T) and log(D).
-A table tuned on another GPU than the caller's (both names known, different) is not
-used: a warning names both, once per pair. Without a table (or without a matching
-entry) a fixed default applies.
+Lookup takes the entry of the same op and dtype nearest in log(B*T) and log(D); it is
+cached per (op, dtype, B, T, D, GPU), so a call pays one dictionary look-up.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import warnings
-from functools import lru_cache
 from pathlib import Path
 
 SCHEMA = 1
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PATH = REPO_ROOT / "results" / "tune" / "tuning.json"
+ENV = "KERNELS_TUNING_TABLE"
 REQUIRED_KEYS = ("op", "dtype", "B", "T", "D", "backend")
-
-
-def table_path() -> Path:
-    return Path(os.environ.get("KERNELS_TUNING_TABLE", DEFAULT_PATH))
 
 
 def validate_table(table: dict) -> dict:
@@ -38,46 +39,135 @@ def validate_table(table: dict) -> dict:
     for i, e in enumerate(table.get("entries", [])):
         missing = [k for k in REQUIRED_KEYS if k not in e]
         if missing:
-            raise ValueError(f"tuning table entry {i} lacks keys {missing}: {e}")
+            raise ValueError(f"expected every tuning table entry with keys {list(REQUIRED_KEYS)}, got entry {i} "
+                             f"lacking {missing}: {e}")
     return table
 
 
-@lru_cache(maxsize=8)
-def _load(path: str, mtime: float) -> dict:
-    with open(path) as f:
-        return validate_table(json.load(f))
+class TuningTable:
+    """The entries of a tuning table (schema above) and the GPU they were tuned on."""
+
+    def __init__(self, doc: dict, source: str = "given"):
+        validate_table(doc)
+        self.gpu = doc.get("gpu")
+        self.entries = tuple(doc.get("entries", ()))
+        self.source = source
+        self._found: dict = {}
+
+    @classmethod
+    def load(cls, path) -> "TuningTable":
+        with open(path) as f:
+            return cls(json.load(f), source=str(path))
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "TuningTable":
+        return cls(doc)
+
+    def __repr__(self) -> str:
+        return f"TuningTable({self.source!r}, gpu={self.gpu!r}, {len(self.entries)} entries)"
+
+    def lookup(self, op: str, dtype: str, B: int, T: int, D: int, gpu: str | None = None) -> dict | None:
+        """The entry for a call, or None. `gpu`: the caller's GPU name (None: not checked)."""
+        key = (op, dtype, B, T, D, gpu)
+        if key not in self._found:
+            self._found[key] = self._nearest(op, dtype, B, T, D, gpu)
+        return self._found[key]
+
+    def _nearest(self, op, dtype, B, T, D, gpu):
+        if gpu and self.gpu and self.gpu != gpu:
+            _warn_other_gpu(self.gpu, gpu, self.source)
+            return None
+        cands = [e for e in self.entries if e["op"] == op and e["dtype"] == dtype]
+        if not cands:
+            return None
+
+        def dist(e):
+            return abs(math.log(max(e["B"] * e["T"], 1) / max(B * T, 1))) + abs(math.log(max(e["D"], 1) / max(D, 1)))
+
+        return min(cands, key=dist)
 
 
-def load_table(path: Path | None = None) -> dict | None:
-    p = Path(path) if path is not None else table_path()
-    if not p.is_file():
+@functools.lru_cache(maxsize=None)
+def _warn_other_gpu(tuned: str, gpu: str, source: str) -> None:
+    warnings.warn(f"the tuning table {source} was tuned on {tuned!r}, not on this {gpu!r}: backend='auto' uses "
+                  f"its built-in defaults (tune on this GPU and pass that table)", RuntimeWarning, stacklevel=5)
+
+
+@functools.cache
+def env_table() -> TuningTable | None:
+    """The table at $KERNELS_TUNING_TABLE, read once per process (None when unset)."""
+    path = os.environ.get(ENV)
+    if not path:
         return None
-    return _load(str(p), p.stat().st_mtime)
+    if not Path(path).is_file():
+        raise ValueError(f"expected ${ENV} to name a tuning table file, got {path!r} (no such file)")
+    return TuningTable.load(path)
 
 
-@lru_cache(maxsize=None)
-def _warn_other_gpu(tuned: str, gpu: str, path: str) -> None:
-    warnings.warn(f"the tuning table {path} was tuned on {tuned!r}, not on this {gpu!r}: backend='auto' uses "
-                  f"its built-in defaults (run the pipeline's tune stage on this GPU, or point "
-                  f"KERNELS_TUNING_TABLE at a table for it)", RuntimeWarning, stacklevel=4)
+class Backend:
+    """A kernel choice: a backend name ("auto", "reference", a Triton backend) and the
+    launcher options it runs with; "auto" may carry the `table` it consults. Immutable
+    and hashable, so that the resolution of a call can be cached on it."""
+
+    __slots__ = ("name", "options", "table", "_key")
+
+    def __init__(self, name: str = "auto", table: TuningTable | None = None, **options):
+        if not isinstance(name, str):
+            raise ValueError(f"expected a backend name (str), got {type(name).__name__}")
+        if table is not None and (name != "auto" or not isinstance(table, TuningTable)):
+            raise ValueError(f"expected table (a TuningTable) only with the backend 'auto', got "
+                             f"{type(table).__name__} with {name!r}")
+        if name == "auto" and options:
+            raise ValueError(f"expected no launcher options with the backend 'auto' (the table chooses them), "
+                             f"got {sorted(options)}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "options", dict(options))
+        object.__setattr__(self, "table", table)
+        object.__setattr__(self, "_key", (name, tuple(sorted(options.items())), id(table)))
+
+    def __setattr__(self, key, value):
+        raise AttributeError("Backend is immutable")
+
+    def __reduce__(self):
+        return _backend, (self.name, self.table, tuple(self.options.items()))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __eq__(self, other):
+        if isinstance(other, str):
+            return not self.options and self.table is None and self.name == other
+        return isinstance(other, Backend) and self._key == other._key and self.table is other.table
+
+    def __hash__(self):
+        # a plain name hashes as its string, so that Backend("chunk") == "chunk" in sets too
+        return hash(self.name) if not self.options and self.table is None else hash(self._key)
+
+    def __repr__(self):
+        opts = "".join(f", {k}={v!r}" for k, v in sorted(self.options.items()))
+        tab = f", table={self.table!r}" if self.table is not None else ""
+        return f"Backend({self.name!r}{tab}{opts})"
+
+    @classmethod
+    def of(cls, value) -> "Backend":
+        """A Backend from a Backend or a name."""
+        if isinstance(value, Backend):
+            return value
+        if not isinstance(value, str):
+            raise ValueError(f"expected backend to be a name (str) or a kernels.Backend, got {type(value).__name__}")
+        return _named(value)
 
 
-def lookup(op: str, dtype: str, B: int, T: int, D: int, table: dict | None = None,
-           gpu: str | None = None) -> dict | None:
-    """The entry for a call, or None. `gpu`: the caller's GPU name (None: not checked)."""
-    path = "given" if table is not None else str(table_path())
-    table = table if table is not None else load_table()
-    if not table:
-        return None
-    tuned = table.get("gpu")
-    if gpu and tuned and tuned != gpu:
-        _warn_other_gpu(tuned, gpu, path)
-        return None
-    cands = [e for e in table.get("entries", []) if e["op"] == op and e["dtype"] == dtype]
-    if not cands:
-        return None
+def _backend(name, table, options) -> Backend:
+    return Backend(name, table=table, **dict(options))
 
-    def dist(e):
-        return abs(math.log(max(e["B"] * e["T"], 1) / max(B * T, 1))) + abs(math.log(max(e["D"], 1) / max(D, 1)))
 
-    return min(cands, key=dist)
+@functools.lru_cache(maxsize=None)
+def _named(name) -> Backend:
+    return Backend(name)
+
+
+__all__ = ["Backend", "TuningTable", "env_table", "validate_table", "ENV", "SCHEMA"]

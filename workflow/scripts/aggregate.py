@@ -52,6 +52,8 @@ def flatten(recs: list[dict]):
         for k in records.LOGICAL_KEYS:
             row[f"logical.{k}"] = (r.get("logical") or {}).get(k)
         row["peak_bytes"] = r.get("peak_bytes")
+        row["clock"] = r.get("clock")
+        row["throughput_grid"] = json.dumps(r["throughput_grid"], sort_keys=True) if r.get("throughput_grid") else None
         row["counters"] = json.dumps(r["counters"], sort_keys=True) if r.get("counters") else None
         row["gpu"] = (r.get("gpu") or {}).get("name", "CPU")
         row["commit"] = r["commit"]["sha"][:12]
@@ -138,7 +140,7 @@ def stage_tables(df) -> str:
     for name, g in df.groupby("stage", sort=True):
         ids = ident_cols(g)
         ok = g[g["status"] == "ok"].sort_values([*ids, "mixer", "variant", "order"], na_position="first")
-        cols = [*ids, "mixer", "variant", "order", "n_samples", "p10_ms", "median_ms", "p95_ms", *FIGURES,
+        cols = [*ids, "mixer", "variant", "order", "n_samples", "clock", "p10_ms", "median_ms", "p95_ms", *FIGURES,
                 "floor_ms", "x_floor", "logical.bytes_read", "logical.bytes_written", "logical.launches",
                 "logical.param_bytes", "logical.state_bytes", "peak_bytes"]
         out.append(f"### {name}\n\n{len(ok)} configurations measured; bytes and launches are logical "
@@ -358,24 +360,21 @@ def summary_section(df) -> str:
                          "tokens/s": _pair(g[g["generated_tokens"] == n], "tokens_per_s", "{:.0f}")})
         out.append("**Inference throughput** at the best probed batch size (fresh trajectories):\n\n"
                    + pd.DataFrame(rows).fillna(MISSING).to_markdown(index=False) + "\n")
+        if "throughput_grid" in thr.columns:
+            ends = thr.dropna(subset=["throughput_grid"]).drop_duplicates(["mixer", "throughput_grid"])
+            out.append("Where the batch-size grid ended (per probe order):\n\n" + "\n".join(
+                f"- {r['mixer']}: " + "; ".join(f"{o}: {why}" for o, why in json.loads(r["throughput_grid"]).items())
+                for _, r in ends.iterrows()) + "\n")
 
     sc = ok[ok["stage"] == "scan"]
     if not sc.empty and "fraction_of_floor" in sc.columns:
         rows = []
-        own = sc[(sc["peer"] != True) & (sc["exact"] != False)] if "exact" in sc.columns else sc[sc["peer"] != True]  # noqa: E712
-        peers = sc[sc["peer"] == True]  # noqa: E712
-        op_of = own["mixer"].fillna("scan") if not own.empty else own
-        for (op, T), g in own.groupby([op_of, "shape.T"], sort=True):
+        own = sc[sc["exact"] != False] if "exact" in sc.columns else sc  # noqa: E712
+        for (op, T), g in own.groupby([own["mixer"].fillna("scan"), "shape.T"], sort=True):
             best = g.loc[g["median_ms"].idxmin()]
-            row = {"op": op, "T": int(T), "fastest exact backend": best["variant"], "order": best["order"],
-                   "median ms": _cell(best["median_ms"]), "of floor": _cell(best["fraction_of_floor"], "{:.0%}")}
-            if op == "scan" and not peers.empty:
-                pg = peers[peers["shape.T"] == T]
-                if not pg.empty:
-                    pb = pg.loc[pg["median_ms"].idxmin()]
-                    row.update({"fastest peer": pb["variant"], "peer ms": _cell(pb["median_ms"]),
-                                "peer of floor": _cell(pb["fraction_of_floor"], "{:.0%}")})
-            rows.append(row)
+            rows.append({"op": op, "T": int(T), "fastest exact backend": best["variant"], "order": best["order"],
+                         "median ms": _cell(best["median_ms"]), "clock": best.get("clock", MISSING),
+                         "of floor": _cell(best["fraction_of_floor"], "{:.0%}")})
         out.append("**Scan track** (forward; fastest of either order):\n\n"
                    + pd.DataFrame(rows).fillna(MISSING).to_markdown(index=False) + "\n")
     return "\n".join(out)
@@ -495,7 +494,10 @@ def ops_rows(recs: list[dict]) -> list[dict]:
         clocks = [(r.get("sm_clock") or {}).get("throttled") for r in ok.values()]
         row.update({"clock": first.get("clock", ""), "floor ms": f"{floor:.4g}" if floor else "",
                     "of floor": f"{floor / min(meds):.2f}" if floor else "",
-                    "gate max err": f"{max(first['gate']['max_rel_err'].values()):.1e}" if first else "",
+                    "gate": (f"{first['gate']['dtype']} {max(first['gate']['max_rel_err'].values()):.1e}"
+                             if first else ""),
+                    "timed-dtype err": (f"{max(first['gate']['timed_dtype_rel_err'].values()):.1e}"
+                                        if "timed_dtype_rel_err" in first.get("gate", {}) else ""),
                     "throttled": "" if None in clocks or not clocks else "yes" if any(clocks) else "no"})
         failed = [r for r in orders.values() if r["status"] != "ok"]
         row["error"] = failed[0]["error"][:120] if failed else ""
@@ -513,9 +515,10 @@ def ops_section(recs: list[dict], folder: Path) -> tuple[str, list[str]]:
         return "## Ops\n\n_no ops records_\n", []
     df = pd.DataFrame(rows)
     text = ("## Ops\n\nThe ops as users call them (`backend=\"auto\"`) and their peers, in both run orders; "
-            "medians in ms with P10-P95 of the headline clock (`clock`: the device clock for work under 2 ms, "
+            "medians in ms with P10-P95 of the headline clock (`clock`: the device clock where device time is under 2 ms, "
             "eager otherwise), the eager median beside it; `of floor` is the memory floor over the faster "
-            "order's median; every timed variant passed its gate first.\n\n"
+            "order's median; every timed variant passed its gate first (`gate`: its dtype and largest error "
+            "against float64; a peer is gated in FP32 and its error in the track's dtype is shown beside).\n\n"
             + df[[c for c in df.columns if (df[c] != "").any()]].to_markdown(index=False, disable_numparse=True) + "\n")
     import matplotlib
 

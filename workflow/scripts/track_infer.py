@@ -11,16 +11,16 @@ model's eager `step`.
 - Latency: batch B (16), an empty prompt and a prompt of P tokens (4096), one
   trajectory to the longest length with the time read at every length (128 ..
   4096 generated tokens); SAMU -> RG-LRU and RG-LRU -> SAMU order.
-- Throughput: 64-step probes over the batch sizes of the profile (out-of-memory
-  is recorded, the stage goes on), then each mixer's best batch sizes (by probe
-  tokens/s) through fresh trajectories of 512 .. 4096 steps in both orders.
+- Throughput: 64-step probes over the batch sizes of the profile, extended by
+  doubling B until tokens/s stops rising or memory runs out (`extend_grid`; the
+  records say where and why the grid ended), then each mixer's best batch sizes
+  (by probe tokens/s) through fresh trajectories of 512 .. 4096 steps in both orders.
   Only completed trajectories are reported: a failed or out-of-memory
   trajectory is a record with that status and no figures.
 """
 
 
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -107,7 +107,7 @@ class Decoder:
 
 
 def resolved_backends(model, B: int, prompt: int, device) -> dict:
-    """The backends `auto` resolves to for this model: prefill op and decode step."""
+    """The backends the model's mixer backends resolve to: prefill op and decode step."""
     import torch
 
     import kernels
@@ -116,9 +116,10 @@ def resolved_backends(model, B: int, prompt: int, device) -> dict:
     cfg = model.config
     dtype = next(model.parameters()).dtype
     x = torch.empty(B, max(prompt, 1), cfg.lru_width, dtype=dtype, device=device)
-    name, opts = ops.resolve(cfg.mixer, "auto", x)
     mixer = model.blocks[0].recurrent_block.mixer
-    step_fn = ops._step_backend(cfg.mixer, getattr(mixer, "step_backend", "auto"), x[:, 0])
+    name, opts = ops.resolve(cfg.mixer, mixer.backend, x)
+    step_fn = ops.resolve_step(cfg.mixer, mixer.step_backend, x[:, 0])
+    step_fn = getattr(step_fn, "func", step_fn)
     step = next((n for n, f in kernels.step_backends(cfg.mixer).items() if f is step_fn), None)
     return {"prefill": name, "prefill_options": opts, "step": step}
 
@@ -136,7 +137,7 @@ def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
     return min(cands, key=lambda e: abs(math.log(max(e["B"], 1) / max(B, 1))))
 
 
-def build_model(preset: str, mixer: str, settings: dict, device, backend: str = "auto"):
+def build_model(preset: str, mixer: str, settings: dict, device, backend="auto"):
     import torch
 
     from kernels.models import HawkConfig, HawkLM
@@ -171,7 +172,7 @@ def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, p
     out = {}
     for k, n in enumerate(runs[0]["checkpoints"]):
         samples = [r["cumulative_ms"][k] for r in runs]
-        st = measure.stats_of(samples)
+        st = measure.summarize(samples)
         out[n] = {
             "samples_ms": samples,
             "stats": st,
@@ -188,14 +189,44 @@ def trajectory_fields(dec: Decoder, checkpoints: list[int], reps: int, device, p
     return out
 
 
+def extend_grid(probe_at, thr: dict) -> dict:
+    """Probe the profile's batch sizes in rising order, then keep doubling B while
+    tokens/s still rises by more than `plateau_rise` (default 2 %) up to `max_batch`;
+    stop at the first failure (out of memory). {"records": the completed probes,
+    "plateau": why the grid ends, with the batch sizes that decide it}."""
+    batches, rise, cap = sorted(thr["batches"]), thr.get("plateau_rise", 0.02), thr.get("max_batch", 8192)
+    done, i, why = [], 0, None
+    while i < len(batches):
+        B, rec = batches[i], probe_at(batches[i])
+        if rec is None:
+            why = f"not probed from B={B} on (the stage's time budget)"
+            break
+        if rec["status"] != "ok":
+            why = f"{'out of memory' if rec['status'] == 'oom' else 'failed'} at B={B}"
+            break
+        done.append(rec)
+        if i == len(batches) - 1:
+            prev = done[-2]["tokens_per_s"] if len(done) > 1 else 0.0
+            if rec["tokens_per_s"] <= prev * (1 + rise):
+                why = (f"tokens/s stopped rising: {prev:.0f} at B={done[-2]['shapes']['B']}, "
+                       f"{rec['tokens_per_s']:.0f} at B={B} (under +{rise:.0%})")
+            elif 2 * B > cap:
+                why = f"max_batch {cap} reached, tokens/s still rising at B={B}"
+            else:
+                batches.append(2 * B)
+        i += 1
+    return {"records": done, "plateau": why, "batches": [r["shapes"]["B"] for r in done]}
+
+
 def main(job):
     import torch
 
     settings = job.params["settings"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tuned = Path(job.input.table)
-    os.environ["KERNELS_TUNING_TABLE"] = str(tuned.resolve())
-    table = json.loads(tuned.read_text())
+    import kernels
+
+    table = json.loads(Path(job.input.table).read_text())
+    auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(table))
     runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
                             restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
     preset, mixers = settings["preset"], settings["mixers"]
@@ -207,7 +238,7 @@ def main(job):
         if mixer not in models:
             models.clear()
             measure.release(device)
-            models[mixer] = build_model(preset, mixer, settings, device)
+            models[mixer] = build_model(preset, mixer, settings, device, auto)
         return models[mixer]
 
     def base(mixer, B, prompt):
@@ -221,9 +252,9 @@ def main(job):
         def body():
             m = model(mixer)
             choice = decode_choice(table, mixer, B)
-            # The decode table picks the step kernel by batch size (launcher options
-            # such as warps stay at the kernel's defaults: the layers take a name).
-            m.set_backend("auto", step_backend=choice["backend"] if choice else "auto")
+            # The decode table picks the step kernel and its launcher options by batch size.
+            step = kernels.Backend(choice["backend"], **choice.get("options", {})) if choice else "auto"
+            m.set_backend(auto, step_backend=step)
             dec = Decoder(m, B, prompt, settings["vocab"], device, use_engine,
                           graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
             try:
@@ -251,16 +282,18 @@ def main(job):
 
     thr = settings.get("throughput") or {}
     if thr:
-        probe = {}
+        probe, grid = {}, {}
         for order, seq in measure.orders(mixers):
             for mixer in seq:
-                for B in thr["batches"]:
-                    n = thr["probe_steps"]
-                    recs = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [n], 1, order,
-                                 {"role": "probe", "sequence": list(seq)})
-                    for rec in recs.values():
-                        if rec is not None and rec["status"] == "ok":
-                            probe.setdefault(mixer, {}).setdefault(B, []).append(rec)
+                def probe_at(B, mixer=mixer, order=order, seq=seq):
+                    got = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [thr["probe_steps"]], 1,
+                                order, {"role": "probe", "sequence": list(seq)})
+                    return next(iter(got.values()), None)
+
+                grid[(mixer, order)] = extend_grid(probe_at, thr)
+                for rec in grid[(mixer, order)]["records"]:
+                    probe.setdefault(mixer, {}).setdefault(rec["shapes"]["B"], []).append(rec)
+                measure.log_line(None, f"infer: {mixer} {order}: {grid[(mixer, order)]['plateau']}")
         best = {}
         for mixer in mixers:
             scores = {B: statistics.median(r["tokens_per_s"] for r in rs) for B, rs in probe.get(mixer, {}).items()}
@@ -268,12 +301,13 @@ def main(job):
             measure.log_line(None, f"infer: {mixer} best batch sizes by probe tokens/s: {best[mixer]}")
         for order, seq in measure.orders(mixers):
             for mixer in seq:
+                plateau = {o: grid[(mixer, o)]["plateau"] for m, o in grid if m == mixer}
                 for B in best.get(mixer, []):
                     sel = sorted(r["config_id"] for r in probe[mixer][B])
                     group(f"infer-throughput-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, sorted(thr["lengths"]),
                           thr.get("reps", 1), order,
                           {"role": "fresh", "sequence": list(seq), "selected_from": sel,
-                           "selected_by": "highest probe tokens/s"})
+                           "selected_by": "highest probe tokens/s", "throughput_grid": plateau})
     recs = runner.finish(job.output.records)
     print(f"track_infer: {len(recs)} records", flush=True)
 

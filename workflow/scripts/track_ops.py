@@ -1,22 +1,20 @@
 """Ops track -> results/tracks/ops/records.jsonl (SPEC 5, track 0).
 
-The ops as users call them (`backend="auto"`), beside their peers in the same
+The ops as users call them (`backend="auto"`) beside their peers in the same
 process, at the training shapes of the profile's presets (B, T, D = the preset's
-RG-LRU width, with resets):
-- `scan`: kernels.scan against accelerated-scan (Triton; warp where it compiles)
-  and flash-linear-attention's fused recurrent HGRN (resets as sequence bounds);
-- `rglru`: kernels.rglru from gate logits;
-- `rglru_layer`: our RG-LRU layer (gates + op) against the official recurrentgemma
-  torch layer with the same weights;
-- `samu`: kernels.samu;
-forward ("fwd", no autograd) and forward + backward to every input ("fwd_bwd");
-and the decode steps `rglru_step` (against the official layer at T = 1) and
-`samu_step` at the profile's batch sizes. Each case runs its variants in both
-orders. Every variant is gated first, at the real shape: output (and gradients)
-against the float64 reference within the profile's tolerance; a failed gate is a
-failed record without timings. Each record carries the harness's clocks (device
-and eager), the SM clock and the memory floor: logical bytes (cases.floor_bytes)
-over the probe's copy bandwidth.
+RG-LRU width, with resets), forward ("fwd", no autograd) and forward + backward
+to every input ("fwd_bwd"): `scan` against accelerated-scan and
+flash-linear-attention's fused recurrent HGRN (resets as sequence bounds),
+`rglru` from gate logits, `rglru_layer` (gates + op) against the official
+recurrentgemma layer with the same weights, `samu`; and the decode steps
+`rglru_step` (against the official layer at T = 1) and `samu_step`. Each case
+runs its variants in both orders. Every variant is gated first, at the real
+shape, outputs and gradients against the float64 reference: ours in the track's
+dtype within the profile's tolerance; a peer in FP32 within PEER_GATE_TOL (the
+gate checks that we call it correctly; its own BF16 arithmetic is not ours to
+judge), its error in the track's dtype recorded beside. A failed gate is a failed
+record without timings. Records carry the harness's clocks, the SM clock and the
+memory floor: logical bytes (cases.floor_bytes) over the probe's copy bandwidth.
 
     python workflow/scripts/track_ops.py --standalone --profile h200 --out DIR
 
@@ -25,17 +23,21 @@ runs the track outside Snakemake (it measures the copy bandwidth itself).
 
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
 
 from common import cases, measure, stage
 
+PEER_GATE_DTYPE, PEER_GATE_TOL = "float32", 1e-4
+
 
 class Case:
-    """One comparison: `variants` maps a variant name to a function that builds
-    (call, gate) -- the timed no-argument call and a gate that returns
-    {check: max relative error} or raises -- plus the floor's byte count."""
+    """One comparison: `variants` maps a variant name to `make(dtype)`, which builds
+    (call, errors) in that dtype -- the timed no-argument call and a function giving
+    {check: max relative error against the float64 reference} -- plus the floor's
+    byte count."""
 
     def __init__(self, name: str, shapes: dict, mode: str, variants: dict, floor: int):
         self.name, self.shapes, self.mode, self.variants, self.floor = name, shapes, mode, variants, floor
@@ -46,14 +48,15 @@ class Case:
         return f"ops-{self.name}-{s.get('preset', 'step')}-{dims}-{self.mode}"
 
 
-def _double(args: list, grad: bool) -> list:
+def cast(args: list, dtype, grad: bool = False) -> list:
+    """Fresh leaves of the floating-point tensors among `args` in `dtype`."""
     import torch
 
-    return [a.detach().double().requires_grad_(grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
+    return [a.detach().to(dtype).requires_grad_(grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
             else a for a in args]
 
 
-def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype, tol: float) -> Case:
+def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype) -> Case:
     """kernels.<op> (and for scan its peers) against the float64 reference."""
     import torch
 
@@ -63,7 +66,7 @@ def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype, tol
     B, T = s["B"], s["T"]
     args = cases.op_inputs(op, B, T, D, dtype, device, requires_grad=grad, resets=s.get("resets", True))
     fn = getattr(kernels, op)
-    ref = _double(args, grad)
+    ref = cast(args, torch.float64, grad)
     y_ref = fn(*ref, backend="reference")[0]
     grad_out = torch.randn(B, T, D, device=device, dtype=dtype) if grad else None
     if grad and op == "samu":
@@ -71,32 +74,36 @@ def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype, tol
     g_ref = torch.autograd.grad(y_ref, cases.grad_targets(ref), grad_out.double()) if grad else ()
     y_ref = y_ref.detach()
 
-    def ours():
-        call = cases.make_call(fn, args, {}, mode, grad_out)
+    def inputs(dt):
+        return (args, grad_out) if dt == dtype else (cast(args, dt, grad), grad_out.to(dt) if grad else None)
 
-        def gate():
-            errs = {"output": cases.check_close("output", cases.make_call(fn, args, {}, "fwd")(), y_ref, tol)}
-            for i, (got, want) in enumerate(zip(call() if grad else (), g_ref)):
-                errs[f"grad{i}"] = cases.check_close(f"gradient {i}", got, want, tol)
+    def ours(dt):
+        a, go = inputs(dt)
+        call = cases.make_call(fn, a, {}, mode, go)
+
+        def errors():
+            errs = {"output": cases.rel_err(cases.make_call(fn, a, {}, "fwd")(), y_ref)}
+            errs.update({f"grad{i}": cases.rel_err(got, want) for i, (got, want) in
+                         enumerate(zip(call() if grad else (), g_ref))})
             return errs
-        return call, gate
+        return call, errors
 
     def peer(name):
-        def build():
-            p = cases.Peer(name, args[0], args[1], args[2], grad)
+        def make(dt):
+            a, go = inputs(dt)
+            p = cases.Peer(name, a[0], a[1], a[2], grad)
             if grad:
-                p.set_grad_out(grad_out)
+                p.set_grad_out(go)
 
-            def gate():
-                errs = {"output": cases.check_close("output", p.output(), y_ref, tol)}
+            def errors():
+                errs = {"output": cases.rel_err(p.output(), y_ref)}
                 if grad:
-                    reset = (args[2] == 0)[..., None]
                     ga, gb = p.grads()
-                    errs["grad_a"] = cases.check_close("gradient of a", ga, g_ref[0].masked_fill(reset, 0), tol)
-                    errs["grad_b"] = cases.check_close("gradient of b", gb, g_ref[1], tol)
+                    errs["grad_a"] = cases.rel_err(ga, g_ref[0].masked_fill((args[2] == 0)[..., None], 0))
+                    errs["grad_b"] = cases.rel_err(gb, g_ref[1])
                 return errs
-            return p.call, gate
-        return build
+            return p.call, errors
+        return make
 
     variants = {"ours": ours}
     if op == "scan":
@@ -105,96 +112,99 @@ def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype, tol
     return Case(op, shapes, mode, variants, cases.floor_bytes(args[:2] if op == "scan" else args, y_ref.to(dtype), mode))
 
 
-def layer_case(preset: str, D: int, heads: int, mode: str, s: dict, device, dtype, tol: float) -> Case:
+def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dtype) -> Case:
     """Our RG-LRU layer against the official one (same weights, rounded to `dtype`),
     both against our layer's float64 reference run."""
     import torch
 
+    import kernels
+
     grad = mode == "fwd_bwd"
     B, T = s["B"], s["T"]
-    official, ours, ref = cases.official_rglru(D, heads, dtype, device)
+    official, ref = cases.official_rglru(D, blocks, dtype, device)
     g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(B, T, D, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
+    x = torch.randn(B, T, D, generator=g).to(device=device, dtype=dtype)
     pos = cases.positions(B, T, device, s.get("resets", True))
     grad_out = torch.randn(B, T, D, generator=g).to(device=device, dtype=dtype) if grad else None
-    x64 = x.detach().double().requires_grad_(grad)
+    x64 = x.double().requires_grad_(grad)
     y_ref = ref(x64, pos)[0]
     g_ref = torch.autograd.grad(y_ref, [x64, *ref.parameters()], grad_out.double()) if grad else ()
+    ours = kernels.from_recurrentgemma(official)
 
-    def variant(m):
-        def build():
-            targets = [x, *m.parameters()]
+    def variant(module):
+        def make(dt):
+            m, xd = copy.deepcopy(module).to(dt), x.to(dt).requires_grad_(grad)
+            targets, go = [xd, *m.parameters()], grad_out.to(dt) if grad else None
 
             def call():
                 if not grad:
                     with torch.no_grad():
-                        return m(x, pos)[0]
-                return torch.autograd.grad(m(x, pos)[0], targets, grad_out)
+                        return m(xd, pos)[0]
+                return torch.autograd.grad(m(xd, pos)[0], targets, go)
 
-            def gate():
+            def errors():
                 with torch.no_grad():
-                    errs = {"output": cases.check_close("output", m(x, pos)[0], y_ref, tol)}
+                    errs = {"output": cases.rel_err(m(xd, pos)[0], y_ref)}
                 names = ["x", *(n for n, _ in m.named_parameters())]
-                for n, got, want in zip(names, call() if grad else (), g_ref):
-                    errs[f"grad_{n}"] = cases.check_close(f"gradient of {n}", got, want, tol)
+                errs.update({f"grad_{n}": cases.rel_err(got, want) for n, got, want in
+                             zip(names, call() if grad else (), g_ref)})
                 return errs
-            return call, gate
-        return build
+            return call, errors
+        return make
 
-    shapes = {"preset": preset, "B": B, "T": T, "D": D, "heads": heads, "resets": s.get("resets", True)}
-    floor = cases.floor_bytes([x, *ours.parameters()], y_ref.to(dtype), mode)
+    shapes = {"preset": preset, "B": B, "T": T, "D": D, "blocks": blocks, "resets": s.get("resets", True)}
+    floor = cases.floor_bytes([x, *(p.to(dtype) for p in official.parameters())], y_ref.to(dtype), mode)
     return Case("rglru_layer", shapes, mode, {"ours": variant(ours), "peer:recurrentgemma": variant(official)}, floor)
 
 
-def step_case(op: str, B: int, D: int, heads: int, s: dict, device, dtype, tol: float) -> Case:
-    """kernels.<op>_step (and for RG-LRU the official layer at T = 1 from a cache)
-    after 4 steps from a zero state against the float64 reference steps."""
+def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> Case:
+    """kernels.<op>_step (and for RG-LRU the official layer at T = 1 from a cache),
+    4 steps from a zero state against the float64 reference steps."""
     import torch
 
     import kernels
 
     fn = getattr(kernels, f"{op}_step")
-    args, state0 = cases.step_inputs(op, B, D, heads, dtype, device)
-    ref_args, ref_state = _double(args, False), state0.to(torch.complex128 if state0.is_complex() else torch.float64)
+    args, state0 = cases.step_inputs(op, B, D, blocks, dtype, device)
+    ref_args, ref_state = cast(args, torch.float64), state0.to(torch.complex128 if state0.is_complex() else torch.float64)
     for _ in range(4):
         y_ref = fn(*ref_args, ref_state, None, backend="reference")
 
-    def ours():
-        state = state0.clone()
+    def ours(dt):
+        a, state = cast(args, dt), state0.clone()
 
-        def gate():
+        def errors():
             st = state0.clone()
             for _ in range(4):
-                y = fn(*args, st, None)
-            return {"output": cases.check_close("output after 4 steps", y, y_ref, tol),
-                    "state": cases.check_close("state after 4 steps", st, ref_state, tol)}
-        return (lambda: fn(*args, state, None)), gate
+                y = fn(*a, st, None)
+            return {"output": cases.rel_err(y, y_ref), "state": cases.rel_err(st, ref_state)}
+        return (lambda: fn(*a, state, None)), errors
 
-    def official():
-        m, _, _ = cases.official_rglru(D, heads, dtype, device)
+    def official(dt):
+        m, _ = cases.official_rglru(D, blocks, dt, device)
         with torch.no_grad():
-            m.input_gate.w.copy_(args[1]), m.input_gate.b.copy_(args[2])
-            m.a_gate.w.copy_(args[3]), m.a_gate.b.copy_(args[4]), m.a_param.copy_(args[5])
-        x, pos, h0 = args[0][:, None], torch.ones(B, 1, dtype=torch.int64, device=device), state0.clone()
+            for p, v in zip((m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param), args[1:]):
+                p.copy_(v)
+        m = m.to(dt)
+        x, pos = args[0][:, None].to(dt), torch.ones(B, 1, dtype=torch.int64, device=device)
 
         def call():
             with torch.no_grad():
-                return m(x, pos, h0)[0]
+                return m(x, pos, state0.clone())[0]
 
-        def gate():
+        def errors():
             h = state0.clone()
             with torch.no_grad():
                 for _ in range(4):
                     y, h = m(x, pos, h)
-            return {"output": cases.check_close("output after 4 steps", y[:, 0], y_ref, tol),
-                    "state": cases.check_close("state after 4 steps", h, ref_state, tol)}
-        return call, gate
+            return {"output": cases.rel_err(y[:, 0], y_ref), "state": cases.rel_err(h, ref_state)}
+        return call, errors
 
     variants = {"ours": ours}
     if op == "rglru" and "recurrentgemma" in s.get("step_peers", []):
         variants["peer:recurrentgemma"] = official
     floor = cases.floor_bytes(args, y_ref.to(dtype)) + 2 * cases.nbytes([state0])
-    return Case(f"{op}_step", {"B": B, "D": D, "heads": heads}, "step", variants, floor)
+    return Case(f"{op}_step", {"B": B, "D": D, "blocks": blocks}, "step", variants, floor)
 
 
 def plan(s: dict, device):
@@ -203,62 +213,72 @@ def plan(s: dict, device):
 
     from kernels.models import HawkConfig
 
-    dtype, tol = getattr(torch, s["dtype"]), s["check_tolerance"]
+    dtype = getattr(torch, s["dtype"])
     out = []
     for preset in s["presets"]:
-        cfg = HawkConfig.preset(preset)
+        c = HawkConfig.preset(preset)
         for mode in s["modes"]:
             for op in s["ops"]:
                 if op == "rglru_layer":
-                    out.append(lambda p=preset, c=cfg, m=mode: layer_case(p, c.lru_width, c.num_heads, m, s, device,
-                                                                          dtype, tol))
+                    out.append(lambda p=preset, c=c, m=mode: layer_case(p, c.lru_width, c.gate_blocks, m, s, device, dtype))
                 else:
-                    out.append(lambda o=op, p=preset, c=cfg, m=mode: op_case(o, p, c.lru_width, m, s, device, dtype, tol))
+                    out.append(lambda o=op, p=preset, c=c, m=mode: op_case(o, p, c.lru_width, m, s, device, dtype))
     dec = s.get("decode") or {}
     if dec:
-        cfg = HawkConfig.preset(dec["preset"])
+        c = HawkConfig.preset(dec["preset"])
         for op in dec["ops"]:
             for B in dec["batches"]:
-                out.append(lambda o=op, b=B: step_case(o, b, cfg.lru_width, cfg.num_heads, {**s, **dec}, device,
-                                                       dtype, tol))
+                out.append(lambda o=op, b=B: step_case(o, b, c.lru_width, c.gate_blocks, {**s, **dec}, device, dtype))
     return out
 
 
+def gated(case: Case, name: str, s: dict):
+    """(timed call, the record's `gate`): ours gated in the track's dtype; a peer in
+    PEER_GATE_DTYPE (in the track's dtype where it does not run in that one), its
+    errors in the track's dtype recorded ungated."""
+    import torch
+
+    make, dtype = case.variants[name], getattr(torch, s["dtype"])
+    gate = {"passed": True, "against": "float64 reference", "dtype": s["dtype"], "tolerance": s["check_tolerance"]}
+    if name != "ours" and s["dtype"] != PEER_GATE_DTYPE:
+        try:
+            errs = make(getattr(torch, PEER_GATE_DTYPE))[1]()
+        except Exception as exc:  # noqa: BLE001 - a peer without that dtype is gated in the track's
+            gate["gate_dtype_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        else:
+            gate.update(dtype=PEER_GATE_DTYPE, tolerance=PEER_GATE_TOL, max_rel_err=cases.checked(errs, PEER_GATE_TOL))
+            call, errors = make(dtype)
+            return call, {**gate, "timed_dtype": s["dtype"], "timed_dtype_rel_err": errors()}
+    call, errors = make(dtype)
+    return call, {**gate, "max_rel_err": cases.checked(errors(), s["check_tolerance"])}
+
+
 def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | None, device) -> None:
-    names = list(case.variants)
-    for order, seq in measure.orders(names):
+    for order, seq in measure.orders(list(case.variants)):
         for name in seq:
             cid = f"{case.tag()}-{name.replace(':', '-')}-{order}"
             reuse = runner.ok(f"{case.tag()}-{name.replace(':', '-')}-AB") if order == "BA" else None
 
             def body(name=name, reuse=reuse):
-                call, gate = case.variants[name]()
-                errs = gate()
+                call, gate = gated(case, name, s)
                 logical = measure.reuse_logical(reuse)
-                m = measure.measure(call, s["reps"], s["warmup"], device, count=logical is None,
-                                    budget_s=s.get("budget_s_per_config"))
-                f = measure.timing_fields(m)
-                f["logical"] = f["logical"] or logical
-                f["logical"]["floor_bytes"] = case.floor
+                f = measure.timing_fields(measure.measure(call, s["reps"], s["warmup"], device, count=logical is None,
+                                                          budget_s=s.get("budget_s_per_config")))
+                f["logical"] = {**(f["logical"] or logical), "floor_bytes": case.floor}
                 floor_ms = case.floor / bandwidth * 1e3 if bandwidth else None
-                f.update(gate={"passed": True, "max_rel_err": errs, "tolerance": s["check_tolerance"],
-                               "against": "float64 reference"},
-                         floor_bytes=case.floor, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
+                f.update(gate=gate, floor_bytes=case.floor, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
                          fraction_of_floor=floor_ms / f["stats"]["median_ms"] if floor_ms else None)
                 return f
 
             # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.
             runner.run(cid, body, shapes=case.shapes, op=case.name, mixer=None,
-                       backend="auto" if name == "ours" else name,
-                       variant=name, peer=name != "ours", mode=case.mode, order=order, sequence=seq,
-                       dtype=s["dtype"])
+                       backend="auto" if name == "ours" else name, variant=name, peer=name != "ours",
+                       mode=case.mode, order=order, sequence=seq, dtype=s["dtype"])
 
 
 def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float | None, restart=None,
           lock_clocks: bool = False) -> list:
-    import torch
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = measure.device_of()
     runner = measure.Runner("ops", profile, records_dir, settings.get("budget_s"), device, restart=restart,
                             lock_clocks=lock_clocks)
     for build in plan(settings, device):
@@ -307,8 +327,7 @@ def standalone(argv) -> None:
     del buf, dst
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (bytes read + written)", flush=True)
     out = Path(args.out)
-    recs = track(prof["ops"], args.profile, out / "records.d", out / "records.jsonl", bandwidth)
-    for r in recs:
+    for r in track(prof["ops"], args.profile, out / "records.d", out / "records.jsonl", bandwidth):
         st, eg = r.get("stats") or {}, r.get("eager") or {}
         print(f"{r['config_id']:<72} {r['status']:<6} {st.get('median_ms', float('nan')):9.4f} ms "
               f"({r.get('clock')}; eager {eg.get('median_ms', float('nan')):.4f}; "

@@ -26,17 +26,15 @@ projection, over the probe's measured BF16 matmul rate) and logical figures.
 
 
 import json
-import os
 from pathlib import Path
 
-from common import atomic, cases, measure, stage
+from common import cases, measure, stage
 from common.cases import chunk_variants, opt_tag
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
     """(backend, options) diagnostics of one mixer; chunked backends once per chunk
-    size (on a GPU through a one-entry tuning table, since the model layers take a
-    backend name only; the CPU's `auto` is always the reference)."""
+    size on a GPU (one option set each on the CPU, where the interpreter is slow)."""
     import kernels
 
     fns = kernels.backends(mixer)
@@ -51,21 +49,10 @@ def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> 
     return out
 
 
-def forced_table(path: Path, mixer: str, name: str, opts: dict) -> Path:
-    """A tuning table whose only entries (both activation dtypes) pick `name` with
-    `opts` for this mixer at every shape; the model then runs with backend="auto"."""
-    entries = [{"op": mixer, "dtype": dt, "B": 1, "T": 1, "D": 1, "backend": name,
-                "chunk_size": opts.get("chunk_size"),
-                "options": {k: v for k, v in opts.items() if k != "chunk_size"}}
-               for dt in ("bfloat16", "float32")]
-    atomic.write_json(path, {"schema": 1, "entries": entries})
-    return path
-
-
 class Setup:
     """A model, its optimiser and a batch of random tokens: one timed step."""
 
-    def __init__(self, preset: str, mixer: str, T: int, B: int, settings: dict, device, backend: str = "auto",
+    def __init__(self, preset: str, mixer: str, T: int, B: int, settings: dict, device, backend="auto",
                  official: bool = False, seed: int = 0):
         import torch
 
@@ -161,9 +148,9 @@ def main(job):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gates = json.loads(Path(job.input.gates).read_text())
     env = json.loads(Path(job.input.environment).read_text())
-    tuned = str(Path(job.input.table).resolve())
-    os.environ["KERNELS_TUNING_TABLE"] = tuned
-    tmp = Path("results/.tmp/train-tables")
+    import kernels
+
+    tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
     runner = measure.Runner("train", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
                             restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
@@ -178,14 +165,9 @@ def main(job):
                 "dtype": settings.get("autocast") or "float32"}
 
     def setup(preset, T, B, mixer, name, opts):
-        """The model with backend `name`; launcher options go through a one-entry
-        tuning table (the layers take a backend name only) read by backend="auto"."""
-        if opts:
-            table = forced_table(tmp / f"{mixer}-{name}{opt_tag(opts)}.json", mixer, name, opts)
-            os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
-            return Setup(preset, mixer, T, B, settings, device, backend="auto")
-        os.environ["KERNELS_TUNING_TABLE"] = tuned
-        return Setup(preset, mixer, T, B, settings, device, backend=name)
+        """The model with backend `name` and its launcher options ("auto": the tuning table)."""
+        backend = tuned if name == "auto" else kernels.Backend(name, **opts)
+        return Setup(preset, mixer, T, B, settings, device, backend=backend)
 
     # On a GPU the PyTorch per-step reference is the slow one; on the CPU it is what
     # the architecture comparison measures, so it runs first there.
@@ -220,10 +202,7 @@ def main(job):
         reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
 
         def body(make=make, reps=reps, warmup=warmup, reuse=reuse):
-            try:
-                return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
-            finally:
-                os.environ["KERNELS_TUNING_TABLE"] = tuned
+            return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
 
         runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
                    role="diagnostic", exact=name in cases.exact_backend_names(
@@ -277,11 +256,8 @@ def main(job):
                 reuse = runner.ok(cid[:-2] + "AB") if order == "BA" else None
 
                 def body(make=make, reuse=reuse):
-                    try:
-                        return timed(make, settings["fresh_reps"], settings["warmup"], settings, device,
-                                     matmul_rate, peak_rate, reuse)
-                    finally:
-                        os.environ["KERNELS_TUNING_TABLE"] = tuned
+                    return timed(make, settings["fresh_reps"], settings["warmup"], settings, device,
+                                 matmul_rate, peak_rate, reuse)
 
                 runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=order,
                            role="fresh", exact=True, selected_from=sel, selected_by=why, sequence=list(seq))

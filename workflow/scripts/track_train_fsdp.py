@@ -34,7 +34,6 @@ failed by the stage, which then starts torchrun again to resume.
 
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -99,7 +98,7 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
     first = per_rank[0]
     n = min(len(r["timing"]["samples_ms"]) for r in per_rank)
     samples = [max(r["timing"]["samples_ms"][i] for r in per_rank) for i in range(n)]
-    stats = {**first["timing"]["stats"], **measure.stats_of(samples)}
+    stats = {**first["timing"]["stats"], **measure.summarize(samples)}
     step_s = stats["median_ms"] * 1e-3
     params, tokens = first["parameters"], world * B * T
     flops = 6 * params * tokens
@@ -156,7 +155,6 @@ def worker(job_file: str) -> None:
 
     import track_train
     from common import fsdp
-    from common.cases import opt_tag
 
     job = stage.Job.from_json(json.loads(Path(job_file).read_text()))
     work = Path(job_file).parent
@@ -165,8 +163,9 @@ def worker(job_file: str) -> None:
     if world != settings["world_size"]:
         raise RuntimeError(f"expected {settings['world_size']} ranks (train.world_size), torchrun started {world}")
     fs = fsdp_settings(settings)
-    tuned = str(Path(job.input.table).resolve())
-    os.environ["KERNELS_TUNING_TABLE"] = tuned
+    import kernels
+
+    tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     env = json.loads(Path(job.input.environment).read_text())
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
     autocast = settings.get("autocast")
@@ -175,17 +174,10 @@ def worker(job_file: str) -> None:
     runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device,
                                                 lock_clocks=job.lock_clocks) if rank == 0 else None
     budget = measure.Budget(fs["budget_s"])
-    tables = work / f"tables-rank{rank}"
 
     def make(item):
-        if item["options"]:
-            table = track_train.forced_table(tables / f"{item['mixer']}-{item['backend']}{opt_tag(item['options'])}.json",
-                                             item["mixer"], item["backend"], item["options"])
-            os.environ["KERNELS_TUNING_TABLE"] = str(table.resolve())
-            backend = "auto"
-        else:
-            os.environ["KERNELS_TUNING_TABLE"] = tuned
-            backend = item["backend"]
+        name = item["backend"]
+        backend = tuned if name == "auto" else kernels.Backend(name, **item["options"])
         s = track_train.Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
                               backend=backend)
         return fsdp.distribute(s, rank, world, param_dtype)
@@ -201,7 +193,6 @@ def worker(job_file: str) -> None:
                     "param_dtype": autocast or "float32"}
         finally:
             del s
-            os.environ["KERNELS_TUNING_TABLE"] = tuned
             measure.release(device)
 
     def body(item) -> dict:

@@ -11,8 +11,7 @@ import math
 
 OPS = ("rglru", "samu", "scan")
 STEP_OPS = ("rglru", "samu")
-SCAN_PEERS = ("recurrentgemma", "fla_chunk_hgrn", "fla_fused_recurrent_hgrn", "accelerated_scan_triton",
-              "accelerated_scan_warp")
+SCAN_PEERS = ("fla_fused_recurrent_hgrn", "accelerated_scan_triton", "accelerated_scan_warp")
 
 
 def positions(B: int, T: int, device, resets: bool = False):
@@ -126,13 +125,19 @@ def rel_err(got, want) -> float:
     return err / scale if scale > 0 else err
 
 
+def checked(errs: dict, tol: float) -> dict:
+    """`errs` ({check: max relative error}), or AssertionError naming the first check
+    over `tol` or not finite."""
+    for name, err in errs.items():
+        if not err <= tol:
+            raise AssertionError(f"inexact: {name} differs from the reference by {err:.3e} (max relative), "
+                                 f"tolerance {tol:.1e}")
+    return errs
+
+
 def check_close(name: str, got, want, tol: float) -> float:
     """The max relative error of `got` against `want`; AssertionError above `tol`."""
-    err = rel_err(got, want)
-    if not math.isfinite(err) or err > tol:
-        raise AssertionError(f"inexact: {name} differs from the reference by {err:.3e} (max relative), "
-                             f"tolerance {tol:.1e}")
-    return err
+    return checked({name: rel_err(got, want)}, tol)[name]
 
 
 def grad_targets(args: list) -> list:
@@ -223,62 +228,47 @@ class Peer:
     layout, prepared outside every timed window: `call()` runs it (forward, or with
     `grad` the backward to its inputs too); `output()` / `grads()` give the output
     and the gradients of a and b in [B, T, D] for the gate (gradients of a at reset
-    positions are zero there, where a is unused). Resets become a zero gate or, for
-    flash-linear-attention, sequence boundaries (cu_seqlens)."""
+    positions are zero there, where a is unused). Resets become a zero gate
+    (accelerated-scan) or sequence boundaries (flash-linear-attention's cu_seqlens)."""
 
     CPU_SKIP = {"accelerated_scan_triton": "its Triton scan takes 2048-wide blocks (minutes a call in the "
                                            "interpreter)", "accelerated_scan_warp": "a CUDA extension",
-                "fla_fused_recurrent_hgrn": "its kernels autotune, which needs a GPU driver",
-                "fla_chunk_hgrn": "its kernels autotune, which needs a GPU driver"}
+                "fla_fused_recurrent_hgrn": "its kernels autotune, which needs a GPU driver"}
 
     def __init__(self, name: str, a, b, segment_pos, grad: bool = False, allow_cpu: bool = False):
         import torch
 
+        from common.measure import Skip
+
+        if name not in SCAN_PEERS:
+            raise ValueError(f"expected a peer in {list(SCAN_PEERS)}, got {name!r}")
         if b.device.type != "cuda" and name in self.CPU_SKIP and not allow_cpu:
-            from common.measure import Skip
-
             raise Skip(f"peer {name} not run on the CPU: {self.CPU_SKIP[name]}")
-
-        self.name, self.grad, self.reset = name, grad, segment_pos == 0
+        self.grad, self.reset = grad, segment_pos == 0
         B, T, D = b.shape
-        self.to_btd = self.from_btd = lambda t: t
-        self.grad_a = lambda ga, inputs: ga
-        a_in = a.detach().masked_fill(self.reset[..., None], 0)
         try:
-            if name == "recurrentgemma":
-                from kernels import parity
+            if name == "fla_fused_recurrent_hgrn":
+                from fla.ops.hgrn import fused_recurrent_hgrn
 
-                rnn_scan = parity.load_official().layers.rnn_scan
-                self.inputs = [a.detach().to(b.dtype), b.detach()]
-                self.fn = lambda a_, b_: rnn_scan(b_, a_, self.reset, None)[0]
-            elif name.startswith("fla_"):
-                from fla.ops import hgrn
-
-                if name == "fla_chunk_hgrn" and bool(self.reset[:, 1:].any()):
-                    raise ImportError("chunk_hgrn takes no sequence boundaries, and the rows have resets")
                 starts = self.reset.reshape(-1).clone()
                 starts[:: T] = True
                 cu = torch.cat([starts.nonzero()[:, 0], torch.tensor([B * T], device=b.device)])
                 # log-gates kept in FP32; one flattened row split into documents
                 self.inputs = [torch.log(a.detach().float()).reshape(1, B * T, D), b.detach().reshape(1, B * T, D)]
-                f = hgrn.fused_recurrent_hgrn if name == "fla_fused_recurrent_hgrn" else hgrn.chunk_hgrn
-                kw = {"cu_seqlens": cu} if name == "fla_fused_recurrent_hgrn" else {}
-                self.fn = lambda g_, x_: f(x_, g_, **kw)[0]
+                self.fn = lambda g_, x_: fused_recurrent_hgrn(x_, g_, cu_seqlens=cu)[0]
                 self.to_btd, self.from_btd = (lambda t: t.reshape(B, T, D)), (lambda t: t.reshape(1, B * T, D))
                 self.grad_a = lambda gg, inputs: gg / inputs[0].exp()
-            elif name.startswith("accelerated_scan"):
-                if name.endswith("triton"):
-                    from accelerated_scan.scalar import scan as s
-                else:
-                    from accelerated_scan.warp import scan as s
-                self.inputs = [a_in.to(b.dtype).transpose(1, 2).contiguous(), b.detach().transpose(1, 2).contiguous()]
-                self.fn = s
-                self.to_btd = self.from_btd = lambda t: t.transpose(1, 2)
             else:
-                raise ValueError(f"expected a peer in {list(SCAN_PEERS)}, got {name!r}")
+                if name.endswith("triton"):
+                    from accelerated_scan.scalar import scan
+                else:
+                    from accelerated_scan.warp import scan
+                a_in = a.detach().masked_fill(self.reset[..., None], 0)
+                self.inputs = [a_in.to(b.dtype).transpose(1, 2).contiguous(), b.detach().transpose(1, 2).contiguous()]
+                self.fn = scan
+                self.to_btd = self.from_btd = lambda t: t.transpose(1, 2)
+                self.grad_a = lambda ga, inputs: ga
         except ImportError as e:
-            from common.measure import Skip
-
             raise Skip(f"peer {name} not available ({e})") from None
         self.inputs = [t.requires_grad_(grad) for t in self.inputs]
         self.grad_out = None
@@ -307,10 +297,10 @@ class Peer:
         return ga.masked_fill(self.reset[..., None], 0), self.to_btd(gb)
 
 
-def official_rglru(D: int, heads: int, dtype, device, seed: int = 0):
-    """(the official recurrentgemma torch RG-LRU layer in `dtype`, ours in `dtype` and
-    ours in float64 with the reference backend), all with the same weights (rounded
-    to `dtype`); raises measure.Skip when recurrentgemma is not installed."""
+def official_rglru(D: int, blocks: int, dtype, device, seed: int = 0):
+    """(the official recurrentgemma torch RG-LRU layer in FP32 with its weights
+    rounded to `dtype`, our layer in float64 with the reference backend and the same
+    weights); raises measure.Skip when recurrentgemma is not installed."""
     import torch
 
     import kernels
@@ -324,9 +314,8 @@ def official_rglru(D: int, heads: int, dtype, device, seed: int = 0):
 
         raise Skip(f"recurrentgemma not available ({e})") from None
     torch.manual_seed(seed)
-    official = rg.RGLRU(D, heads, device=device)
+    official = rg.RGLRU(D, blocks, device=device)
     with torch.no_grad():
         for p in official.parameters():
             p.copy_(p.to(dtype))
-    ref = kernels.from_recurrentgemma(official, backend="reference").double()
-    return official.to(dtype), kernels.from_recurrentgemma(official).to(dtype), ref
+    return official, kernels.from_recurrentgemma(official, backend="reference").double()

@@ -6,12 +6,14 @@ the caller outside every timed window):
    under the launchers' byte accounting and torch.profiler (`logical`, labelled);
 2. eager clock: `reps` calls as a user makes them, each between two CUDA events
    (perf_counter on the CPU), host work included, the allocator's peak reset first;
-3. device clock, on a GPU for work whose eager median is under SHORT_MS: `calls`
-   calls captured in one CUDA graph, each sample one replay (method "cuda_graph"),
-   or where capture fails `calls` back-to-back launches between two events
+3. device clock, on a GPU for work whose eager median is under DEVICE_CLOCK_MAX_MS
+   (host-heavy calls can take far longer eagerly than on the device): `calls` calls
+   captured in one CUDA graph, each sample one replay (method "cuda_graph"), or
+   where capture fails `calls` back-to-back launches between two events
    ("back_to_back"); a sample is the window divided by `calls`;
-4. the headline (`samples_ms`, `stats`, `clock`) is the device clock where there is
-   one, else the eager clock; both keep raw samples and P10 / median / P95;
+4. the headline (`samples_ms`, `stats`, `clock`) is the device clock where its
+   median is under SHORT_MS, else the eager clock; both keep raw samples and
+   P10 / median / P95;
 5. the SM clock (NVML) before and after the configuration, `throttled` when a
    power or thermal slowdown was reported or the clock fell by over 5 %.
 `Runner` runs a stage's configurations: resume, failures as records, time budget,
@@ -45,7 +47,8 @@ from kernels.ops import accounting
 STATUS_OK, STATUS_OOM, STATUS_FAILED = "ok", "oom", "failed"
 # Exit status of a stage worker whose failure left the CUDA context unusable.
 POISONED_EXIT = 75
-SHORT_MS = 2.0          # work under this per call gets the device clock as headline
+SHORT_MS = 2.0              # device time under this per call is the headline
+DEVICE_CLOCK_MAX_MS = 50.0  # the device clock is taken for work whose eager median is under this
 DEVICE_WINDOW_MS = 1.0  # a device-clock sample covers about this much work
 LOGICAL_BASIS = (
     "logical: bytes from the launchers' own accounting of the tensors each kernel reads "
@@ -96,8 +99,6 @@ def summarize(samples: list[float]) -> dict:
     return {"n": len(samples), "p10_ms": percentile(samples, 10), "median_ms": statistics.median(samples),
             "p95_ms": percentile(samples, 95), "mean_ms": statistics.fmean(samples), "min_ms": min(samples)}
 
-
-stats_of = summarize
 
 
 # --------------------------------------------------------------------- clocks
@@ -315,8 +316,8 @@ def clocks(device=None) -> Clocks:
 
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
             min_reps: int = 3, count: bool = True, device_clock: bool | None = None, graph: bool = True) -> dict:
-    """Warm up, count one call, time `reps` eager calls and, for short work on a GPU
-    (or when `device_clock` says so), `reps` device-clock samples. Returns
+    """Warm up, count one call, time `reps` eager calls and, on a GPU for work under
+    DEVICE_CLOCK_MAX_MS (or as `device_clock` says), `reps` device-clock samples. Returns
     {"timing": headline samples and stats with "eager", "device", "sm_clock"},
     "logical": logical_counts or None}."""
     dev = device_of(device)
@@ -331,19 +332,24 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     before = clk.sample()
     eager = time_fn(fn, reps, 0, dev, budget_s=budget_s, min_reps=min(min_reps, reps))
     eager["warmup"] = max(warmup, 1)
-    if device_clock is None:
-        device_clock = eager["median_ms"] < SHORT_MS
     dtime = None
-    if device_clock and dev.type == "cuda":
+    if dev.type == "cuda" and (eager["median_ms"] < DEVICE_CLOCK_MAX_MS if device_clock is None else device_clock):
         calls = max(1, min(200, math.ceil(DEVICE_WINDOW_MS / max(eager["min_ms"], 1e-3))))
         dtime = device_time(fn, eager["n"], calls, dev, graph)
-    head = dtime or eager
+    head = dtime if headline_is_device(dtime) else eager
     t = {**{k: eager[k] for k in ("peak_bytes", "base_bytes", "reps_requested", "warmup", "stopped_early")},
          **{k: head[k] for k in ("samples_ms", "n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
-         "clock": f"device:{dtime['method']}" if dtime else f"eager:{eager['clock']}",
+         "clock": f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}",
          "eager": {"samples_ms": eager["samples_ms"], **summarize(eager["samples_ms"]), "clock": eager["clock"]},
          "device": dtime, "sm_clock": clk.span(before, clk.sample())}
     return {"timing": t, "logical": logical}
+
+
+def headline_is_device(dtime: dict | None) -> bool:
+    """Whether the device clock is the headline: short work (device median under
+    SHORT_MS), decided by the device time, not by the eager time that host work
+    inflates."""
+    return dtime is not None and dtime["median_ms"] < SHORT_MS
 
 
 def timing_fields(m: dict) -> dict:
@@ -362,18 +368,6 @@ def orders(names: Sequence) -> list[tuple[str, list]]:
     """Both run orders of a comparison: ("AB", names) then ("BA", reversed)."""
     names = list(names)
     return [("AB", names)] if len(names) < 2 else [("AB", names), ("BA", names[::-1])]
-
-
-def select_fastest(results: dict, key: str = "median_ms") -> str | None:
-    """Name of the fastest entry of {name: stats or None}; None entries (failed) are
-    skipped, ties keep the first name."""
-    ranked = rank(results, key)
-    return ranked[0] if ranked else None
-
-
-def rank(results: dict, key: str = "median_ms") -> list[str]:
-    ok = [(n, t[key]) for n, t in results.items() if t is not None]
-    return [n for n, _ in sorted(ok, key=lambda kv: kv[1])]
 
 
 # ------------------------------------------------------------ logical counts
@@ -520,14 +514,16 @@ def summarize_counters(rows: list[dict]) -> dict:
             "achieved_occupancy_pct_mean": (sum(occ) / len(occ)) if occ else None}
 
 
-def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, ncu: str = "ncu") -> list[dict] | None:
+def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, ncu: str = "ncu",
+                 env: dict | None = None) -> list[dict] | None:
     """Run `argv` (a worker running n_configs configurations once each, each call
-    between two mark_boundary() calls, set-up outside them) under Nsight Compute;
-    one counter summary per configuration, or None when it fails."""
+    between two mark_boundary() calls, set-up outside them; `env` added to its
+    environment) under Nsight Compute; one counter summary per configuration, or
+    None when it fails."""
     ncu = shutil.which(ncu) or ("/usr/local/cuda/bin/ncu" if os.path.isfile("/usr/local/cuda/bin/ncu") else ncu)
     cmd = [ncu, "--csv", "--page", "raw", "--metrics", ",".join(NCU_METRICS.values()), *argv]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
     except (OSError, subprocess.SubprocessError):
         return None
     # Groups after each marker alternate: a call, then the next configuration's set-up.

@@ -71,7 +71,8 @@ class Job:
     def lock_clocks(self) -> bool:
         """Whether the timing stages try to lock the SM clock (the profile's
         probe.lock_clocks; off unless the GPU's owner allows changing its clocks)."""
-        return bool(self.config["profiles"][self.profile]["probe"].get("lock_clocks", False))
+        probe = self.config.get("profiles", {}).get(self.profile, {}).get("probe", {})
+        return bool(probe.get("lock_clocks", False))
 
     @classmethod
     def from_snakemake(cls, smk, script: str) -> "Job":

@@ -14,7 +14,6 @@ Complex FP32 states travel as torch.view_as_real pairs [..., M, 2].
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -22,32 +21,9 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-
-_POISON = [False]
-
-
-@contextlib.contextmanager
-def poisoned():
-    """Allocate every kernel output filled with NaN (tests: an unwritten element fails)."""
-    _POISON.append(True)
-    try:
-        yield
-    finally:
-        _POISON.pop()
-
-
-def alloc(shape, dtype, device):
-    if _POISON[-1]:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def tl_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+from ..triton_utils import acc_dtype, next_pow2
+from ..triton_utils import empty as alloc
+from ..triton_utils import tl_acc as tl_dtype
 
 
 def scalar_param(v, device, dtype) -> torch.Tensor:
@@ -56,10 +32,6 @@ def scalar_param(v, device, dtype) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v.reshape(1).to(device=device, dtype=dtype)
     return torch.full((1,), float(v), device=device, dtype=dtype)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def check_block_m(bm):
@@ -139,7 +111,8 @@ def mode_table(nu_log, theta_log, acc):
     tab = alloc((M, 8), acc, nu_log.device)
     BM = 128
     _mode_table_kernel[(triton.cdiv(M, BM),)](nu_log, theta_log, tab, M, BM=BM, ACC=tl_dtype(acc), num_warps=4)
-    accounting.record("samu_mode_table", accounting.nbytes(nu_log, theta_log), accounting.nbytes(tab))
+    if accounting.on():
+        accounting.record("samu_mode_table", accounting.nbytes(nu_log, theta_log), accounting.nbytes(tab))
     return tab
 
 
@@ -389,8 +362,9 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos):
     _controls_fwd_kernel[(triton.cdiv(ntok, BLOCK_T),)](
         x, phase_dir, radial_dir, phase_amp, radial_amp, seg, ctrl, aux, ntok, D, 1.0 / math.sqrt(D // 2),
         HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, ACC=tl_dtype(acc), num_warps=4)
-    accounting.record("samu_controls_fwd", accounting.nbytes(x, phase_dir, radial_dir, segment_pos),
-                      accounting.nbytes(ctrl, aux))
+    if accounting.on():
+        accounting.record("samu_controls_fwd", accounting.nbytes(x, phase_dir, radial_dir, segment_pos),
+                          accounting.nbytes(ctrl, aux))
     return ctrl, aux
 
 
@@ -533,8 +507,9 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
         _controls_bwd_kernel[(ntb,)](
             dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,
             BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
-        accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
-                          accounting.nbytes(dx, colpart, scalpart))
+        if accounting.on():
+            accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
+                              accounting.nbytes(dx, colpart, scalpart))
     else:
         colpart.zero_()
         scalpart.zero_()
@@ -547,6 +522,7 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     _finalize_kernel[(ndb + triton.cdiv(2 * M, BLOCK_C),)](
         colpart, scalpart, ppart, phase_dir, radial_dir, pa, ra, dpd, drd, damp, dmode, max(ntb, 1),
         ppart.shape[0], D, M, scale, ndb, BLOCK_R=16, BLOCK_C=BLOCK_C, ACC=tl_dtype(acc), num_warps=4)
-    accounting.record("samu_finalize", accounting.nbytes(colpart, scalpart, ppart, phase_dir, radial_dir),
-                      accounting.nbytes(dpd, drd, damp, dmode))
+    if accounting.on():
+        accounting.record("samu_finalize", accounting.nbytes(colpart, scalpart, ppart, phase_dir, radial_dir),
+                          accounting.nbytes(dpd, drd, damp, dmode))
     return dx, dpd, drd, damp, dmode

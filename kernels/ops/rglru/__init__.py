@@ -5,25 +5,22 @@ Backends (the reference signatures of kernels.ops):
 - "serial" (fused_recurrent.py, split.py): state-stationary, one program per (sequence,
   channel block) walking time in tiles; one launch forward, one (+ the a_param
   reduction) backward; reads every input once per pass. By default each tile's time
-  axis is split across the program's warps, each warp's steps in its registers
-  (option time_warps, split.py); time_warps=1 (and, by default, an RG-LRU forward
-  without gradient) runs the tile kernels.
+  axis is split across the program's warps (split.py); time_warps=1 (and, by default,
+  an RG-LRU forward without gradient) runs the tile kernels.
 - "chunk" (chunk.py): exact two-level chunked algorithm, chunk_size K in 8, 16, 32, 64;
-  parallel over chunks as well as channels. Opt-in options fwd="lookback" and
-  bwd="lookback" (lookback.py): single-pass forward and backward with decoupled
-  look-back (inputs read once); correct on the H200 but slower than serial there
-  (results/kernels/rglru/README.md), so neither a default, a tuning entry nor an audit
-  backend.
+  parallel over chunks as well as channels.
 Inside both, the gate activations, log a, a, the clipped-sqrt multiplier and the write
 exist only in registers; forward keeps for backward nothing of shape [B, T, D] besides
 the inputs (FP32 states at tile or chunk boundaries only). BF16/FP16 tensors at the
 boundary, FP32 accumulation (float64 for float64 inputs). The bare scan takes real
 inputs; complex inputs are passed to the PyTorch reference.
 Decode: STEPS["rglru"]["fused"] (step.py).
+Tiers: Triton kernels and their launchers (fused_recurrent.py, split.py, chunk.py,
+step.py), one autograd.Function and the torch.library custom ops that torch.compile
+traces (function.py; step.py registers the decode step's op).
 """
 
-from .chunk import chunk_rglru, chunk_scan
-from .fused_recurrent import fused_recurrent_rglru, fused_recurrent_scan
+from .function import chunk_rglru, chunk_scan, fused_recurrent_rglru, fused_recurrent_scan
 from .step import rglru_step
 
 BACKENDS = {

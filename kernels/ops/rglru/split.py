@@ -1,56 +1,33 @@
-"""Serial kernels with the time axis split across warps (serial backend, option
+"""Serial kernels with the time axis split across warps (the serial backend's default,
 time_warps = W > 1).
 
-A program owns BD = 32 * vec channels of one sequence, as with option vec, and walks
-time in tiles of W * TT steps (TT = block_t). Warp w holds the TT consecutive steps
-w * TT .. w * TT + TT - 1 of a tile, each thread vec adjacent channels with those TT
-steps in its registers. The tile is addressed in a memory order that makes Triton's
-coalescing choose that layout (split_offsets: [W, TT, BD] for vec >= 2, [BD, W, TT] for
-vec 1, one channel per lane, twice the programs of vec 2; checked in the sm_90 TTGIR),
-and tl.permute relabels the same registers as [TT, W, BD] (common.mem_order) for the
-scans along axis 0.
-Offsets are int32 from one int64 base per tile; when T and D are multiples of the tile
-(EVEN) no element masks are formed (static sm_90 count of the bare-scan forward: 41
-instructions per element against 83 with int64 offsets and masks). num_stages > 1
+A program owns BD = 64 channels of one sequence (2 per lane) and walks time in tiles of
+W * TT steps (TT = chunk_size). Warp w holds the TT consecutive steps w * TT ..
+w * TT + TT - 1 of a tile, each thread its two channels' TT steps in registers: the tile
+is addressed in memory order [W, TT, BD], which makes Triton's coalescing choose that
+layout, and tl.permute relabels the same registers as [TT, W, BD] (common.mem_order)
+for the scans along axis 0. Offsets are int32 from one int64 base per tile; when T and
+D are multiples of the tile (EVEN) no element masks are formed. num_stages > 1
 pipelines the loads through shared memory (cp.async); num_stages = 1 prefetches the
 next tile into registers instead.
 
-Per tile, forward:
-1. each warp scans its TT steps in registers (tl.associative_scan along axis 0, a
-   serial loop without shuffles or shared memory) from a zero state;
-2. the W segment maps (their last rows, [W, BD]) are composed across warps by one small
-   associative scan that carries the exclusive and the inclusive composition together
-   (common.affine_excl), in shared memory;
-3. the state entering segment w is its exclusive prefix applied to the carry; the
-   outputs are stored and the carry becomes the inclusive composition of all W
-   segments applied to it.
-The backward walks the tiles in reverse with the same split. With block_t >= 8 (WS) the
-forward saved the state entering every warp's segment, so each warp recomputes its
-states on its own, and the warps hold the segments last first (seg = W - 1 - w), so the
-segments' reverse adjoint maps compose across warps by a forward scan (Triton's reverse
-scan across warps costs lane shuffles). With shorter segments the forward saved the
-state entering each tile, and the states are recomputed with the forward's steps 1-3
-and the adjoint composed by a reverse scan. Then the gradients as in the other backends
-(common.tile_grads_given); the a_param partials stay per warp until the end.
+Per tile, forward: (1) each warp scans its TT steps in registers from a zero state;
+(2) the W segment maps ([W, BD]) are composed across warps by one small associative
+scan carrying the exclusive and the inclusive composition (common.affine_excl);
+(3) the state entering segment w is its exclusive prefix applied to the carry; the
+outputs are stored and the carry becomes the inclusive composition applied to it.
+The backward walks the tiles in reverse with the same split. With TT >= 8 (WS) the
+forward saved the state entering every warp's segment ([B, T / TT, D] FP32), so each
+warp recomputes its states alone and the warps hold the segments last first, so that
+their reverse adjoint maps compose across warps by a forward scan; with shorter
+segments the forward saved the state entering each tile and the backward recomputes
+states with steps 1-3. The gradients are common.tile_grads_given's; the a_param
+partials stay per warp until the end.
 
-Why: option vec alone keeps every thread on a serial chain of T / vec-channel steps
-with B * D / vec threads in all, too few to cover memory latency (run 2); the split
-multiplies the threads by W while each element still costs an in-register scan step,
-and only 1 / TT of the elements take part in the cross-warp composition. Inputs are
-read once per pass, outputs written once, plus the FP32 states kept for backward:
-[B, NT * W, D] with WS (one per segment, NT = ceil(T / (W * TT)): 1/8 of an FP32
-activation at block_t 8), else [B, NT, D].
-
-Measured on an H200 (results/kernels/rglru/README.md, run 5; device time of graph
-replay): bare scan at B=8, D=1024 with W=8, TT=8, 4 stages: 70/76/79/81% of the memory
-floor at T = 2048/4096/8192/16384 (tile kernels 42-45%, accelerated-scan 77-89%);
-RG-LRU at B=4, T=2048, D=2560 with W=4, TT=8, 3 stages: fwd+bwd 0.374 ms, 0.288 ms with
-fast_math (tile kernels 0.533 / 0.455 ms). What is left: one program per 64 channels
-(128 programs at the scan shape, 1 per SM) and 11 barriers per tile (pipelined loads,
-the cross-warp composition and its layout changes; sm_90 SASS of the loop bodies).
-vec 1 (32 channels per program, twice the programs, 5-7 barriers per tile in its sm_90
-loops, two-byte BF16 loads, too narrow for cp.async) is exact on the CPU interpreter but
-not yet measured on a GPU.
+Why: one thread per channel column alone leaves B * D / 2 threads on serial chains,
+too few to cover memory latency; the split multiplies the threads by W while each
+element still costs one in-register scan step, and only 1 / TT of the elements take
+part in the cross-warp composition. Inputs are read once per pass, outputs written once.
 """
 
 from __future__ import annotations
@@ -65,50 +42,40 @@ def even(T: int, D: int, cfg: dict) -> bool:
     """Whether T and D are multiples of the tile (no element masks), after checking that a
     tile's int32 offsets cannot overflow."""
     if (cfg["BT"] + 1) * D >= 2 ** 31:
-        raise ValueError(f"expected (time_warps * block_t + 1) * D < 2**31 for the split kernels' int32 tile "
+        raise ValueError(f"expected (time_warps * chunk_size + 1) * D < 2**31 for the split kernels' int32 tile "
                          f"offsets, got D = {D} with a tile of {cfg['BT']} steps")
     return T % cfg["BT"] == 0 and D % cfg["BD"] == 0
 
 
 @triton.jit
-def split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, EVEN: tl.constexpr, MO: tl.constexpr):
+def split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, EVEN: tl.constexpr):
     """The tile of steps t0 .. t0 + W * TT - 1, warp row w holding segment seg[w]: [W, TT]
     time steps t0 + seg[w] * TT + i, the tile's first element (int64 scalar), element
-    offsets from it in memory order (int32: one wide multiply-add per address) and the
-    mask (EVEN: T and D are multiples of the tile, so only whole tiles outside [0, T),
-    which the prefetch reaches, are masked, by one uniform predicate).
+    offsets from it in memory order [W, TT, BD] (int32: one wide multiply-add per
+    address) and the mask (EVEN: T and D are multiples of the tile, so only whole tiles
+    outside [0, T), which the prefetch reaches, are masked, by one uniform predicate).
 
-    Memory order MO 1, [W, TT, BD] (vec >= 2): the last axis is contiguous, so Triton's
-    coalescing puts lanes along it; the others have equal contiguity and Triton orders
-    such dims by position, so the warps go along axis 0 and axis 1 stays in each
-    thread's registers. MO 2, [BD, W, TT] (vec 1): every axis has contiguity 1, so the
-    order is by position: lanes along the channels, warps along axis 1, time in
-    registers (checked in the sm_90 TTGIR). common.mem_order relabels either as the
-    [TT, W, BD] view the scans use."""
+    The last axis is contiguous, so Triton's coalescing puts lanes along it; the others
+    have equal contiguity and Triton orders such dims by position, so the warps go along
+    axis 0 and axis 1 stays in each thread's registers. common.mem_order relabels it as
+    the [TT, W, BD] view the scans use."""
     rt = seg * TT + im
     t = t0 + rt
     base = (i_b * T + t0) * D
-    if MO == 2:
-        rel = (rt * D)[None, :, :] + o_d[:, None, None]
-        if EVEN:
-            m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
-        else:
-            m = ((t >= 0) & (t < T))[None, :, :] & m_d[:, None, None]
+    rel = (rt * D)[:, :, None] + o_d[None, None, :]
+    if EVEN:
+        m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
     else:
-        rel = (rt * D)[:, :, None] + o_d[None, None, :]
-        if EVEN:
-            m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
-        else:
-            m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
+        m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
     return t, base, rel, m
 
 
 @triton.jit
 def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, IS_SCAN: tl.constexpr,
-               HAS_RESET: tl.constexpr, EVEN: tl.constexpr, MO: tl.constexpr):
+               HAS_RESET: tl.constexpr, EVEN: tl.constexpr):
     """The tile's inputs as stored, [TT, W, BD], and its positions [TT, W]; as
     common.load_raw."""
-    t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN, MO)
+    t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN)
     if HAS_RESET:
         p = tl.load(pos + i_b * T + t, mask=(t >= 0) & (t < T), other=1)
     else:
@@ -121,7 +88,7 @@ def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexp
         r0 = tl.load(x + base + rel, mask=m, other=0.0)
         r1 = tl.load(gx + base + rel, mask=m, other=0.0)
         r2 = tl.load(ga + base + rel, mask=m, other=0.0)
-    return mem_order(r0, MO), mem_order(r1, MO), mem_order(r2, MO), tl.trans(p)
+    return mem_order(r0, True), mem_order(r1, True), mem_order(r2, True), tl.trans(p)
 
 
 @triton.jit
@@ -189,8 +156,8 @@ def split_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
-    STAGES: tl.constexpr, EVEN: tl.constexpr, WS: tl.constexpr, MO: tl.constexpr,
-    ACC: tl.constexpr, RNE: tl.constexpr, FAST: tl.constexpr, VEC: tl.constexpr,
+    STAGES: tl.constexpr, EVEN: tl.constexpr, WS: tl.constexpr,
+    ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr,
 ):
     i_b, o_d, m_d, sp, h = program_start(ap, h0, D, BD, VEC, IS_SCAN, HAS_H0, ACC)
     ii = tl.arange(0, TT)[:, None]
@@ -199,26 +166,24 @@ def split_fwd_kernel(
     BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
     if PREFETCH:
-        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN,
-                                   MO)
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
     for i_t in tl.range(0, NT, num_stages=STAGES):
         t0 = i_t * BT
         if SAVE and not WS:
             tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
-        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN, MO)
+        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, wcol, TT, EVEN)
         if PREFETCH:
             n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 + BT, T, D, o_d, m_d, im, wcol, TT, IS_SCAN,
-                                         HAS_RESET, EVEN, MO)
+                                         HAS_RESET, EVEN)
         else:
-            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET,
-                                       EVEN, MO)
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, IS_SCAN, HAS_RESET, EVEN)
         valid = tl.trans(t < T)[:, :, None]
         keep = (p != 0)[:, :, None]
-        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC, FAST)
+        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
         hh, h_prev, h, hw = split_states(a, b, h, ii, wcol, TT, W, False, ACC)
         if SAVE and WS:
             tl.store(hs + ((i_b * NT + i_t) * W + wcol) * D + o_d[None, :], hw, mask=m_d[None, :])
-        tl.store(y + base + rel, out(mem_order(hh, MO), y, RNE), mask=m)
+        tl.store(y + base + rel, out(mem_order(hh, True), y, RNE), mask=m)
         if PREFETCH:
             r0, r1, r2, p = n0, n1, n2, n_p
     if STORE_HT:
@@ -230,8 +195,8 @@ def split_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-    EVEN: tl.constexpr, WS: tl.constexpr, MO: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
-    FAST: tl.constexpr, VEC: tl.constexpr,
+    EVEN: tl.constexpr, WS: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     i_b, o_d, m_d, sp, r = program_start(ap, dht, D, BD, VEC, IS_SCAN, HAS_DHT, ACC)
     ii = tl.arange(0, TT)[:, None]
@@ -249,29 +214,27 @@ def split_bwd_kernel(
     NT = tl.cdiv(T, BT)
     if PREFETCH:
         t_last = (NT - 1) * BT
-        t_l, base_l, rel, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, seg, TT, EVEN, MO)
-        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET,
-                                   EVEN, MO)
-        dyr = mem_order(tl.load(dy + base_l + rel, mask=m, other=0.0), MO)
+        t_l, base_l, rel, m = split_offsets(i_b, t_last, T, D, o_d, m_d, im, seg, TT, EVEN)
+        r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET, EVEN)
+        dyr = mem_order(tl.load(dy + base_l + rel, mask=m, other=0.0), True)
         hin = load_entry(hs, i_b, NT - 1, NT, D, o_d, m_d, seg, W, WS)
     for j in tl.range(0, NT, num_stages=STAGES):
         i_t = NT - 1 - j
         t0 = i_t * BT
-        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN, MO)
+        t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN)
         if PREFETCH:
-            t_n, base_n, reln, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, EVEN, MO)
+            t_n, base_n, reln, mn = split_offsets(i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, EVEN)
             n0, n1, n2, n_p = split_load(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, IS_SCAN,
-                                         HAS_RESET, EVEN, MO)
-            n_dy = mem_order(tl.load(dy + base_n + reln, mask=mn, other=0.0), MO)
+                                         HAS_RESET, EVEN)
+            n_dy = mem_order(tl.load(dy + base_n + reln, mask=mn, other=0.0), True)
             n_hin = load_entry(hs, i_b, tl.maximum(i_t - 1, 0), NT, D, o_d, m_d, seg, W, WS)
         else:
-            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET,
-                                       EVEN, MO)
-            dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), MO)
+            r0, r1, r2, p = split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT, IS_SCAN, HAS_RESET, EVEN)
+            dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), True)
             hin = load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W, WS)
         valid = tl.trans(t < T)[:, :, None]
         keep = (p != 0)[:, :, None]
-        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC, FAST)
+        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
         if WS:
             h, hprev = warp_states(a, b, hin, IS_SCAN, ACC)
         else:
@@ -293,7 +256,7 @@ def split_bwd_kernel(
         rw = xa * r[None, :] + xb
         r_first, dsp_t = tile_grads_given(dyv, dx + base, dgx + base, dga + base, rel, m, valid, keep, a, b, xv,
                                           sx, sa, mult, u, h, hprev, rw, ea, eb, ia, ib, sp, ii, IS_SCAN, ACC, RNE,
-                                          FAST, MO)
+                                          True)
         # the carry leaving the tile at its first step: the first segment's
         r = row_of(ja * r[None, :] + jb, seg, 0)
         if not IS_SCAN:

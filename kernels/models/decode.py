@@ -38,19 +38,15 @@ before touching anything its predecessors write.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import accounting
-from ._checks import is_integer_dtype
+from ..ops import accounting
+from ..ops.checks import is_integer_dtype
+from ..ops.triton_utils import INTERPRET, rne_bf16
 
-# Triton's CPU interpreter truncates FP32 -> BF16 where the GPU rounds to nearest even;
-# under the interpreter the kernels round by hand (see `_rnd`).
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_STOP_TOKENS = 8
 LINEAR_MAX_ROWS = 64
 
@@ -61,9 +57,7 @@ def _rnd(v, TY: tl.constexpr, RNE: tl.constexpr):
     if TY == tl.float32:
         return v
     elif RNE and TY == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return rne_bf16(v)
     else:
         return v.to(TY).to(tl.float32)
 
@@ -518,7 +512,8 @@ def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
     _no_alias("xn", xn, strict=(("x", x), ("table", table)))
     _no_alias("x", x, strict=(("table", table),))
     embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=triton.next_power_of_2(D), RNE=INTERPRET)
-    accounting.record("embed_rmsnorm", accounting.nbytes(tokens, x, scale), accounting.nbytes(x, xn))
+    if accounting.on():
+        accounting.record("embed_rmsnorm", accounting.nbytes(tokens, x, scale), accounting.nbytes(x, xn))
     return x, xn
 
 
@@ -533,7 +528,8 @@ def add_rmsnorm(h, x, scale, eps, xn=None):
     xn = torch.empty_like(x) if xn is None else _check_out("xn", xn, M, D, x.dtype, x.device)
     _no_alias("xn", xn, strict=(("x", x),), elementwise=(("h", h),))
     add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=triton.next_power_of_2(D), RNE=INTERPRET)
-    accounting.record("add_rmsnorm", accounting.nbytes(h, x, scale), accounting.nbytes(x, xn))
+    if accounting.on():
+        accounting.record("add_rmsnorm", accounting.nbytes(h, x, scale), accounting.nbytes(x, xn))
     return xn
 
 
@@ -579,8 +575,9 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     conv_step_kernel[(triton.cdiv(E, BC), triton.cdiv(M, BM))](
         x, x.stride(0), conv_state, conv_w, conv_b, rst if rst is not None else conv_state, y, M, E,
         HAS_RESET=rst is not None, CW=CW, BM=BM, BC=BC, RNE=INTERPRET)
-    accounting.record("conv_step", accounting.nbytes(x, conv_state, conv_w, conv_b, rst),
-                      accounting.nbytes(y, conv_state))
+    if accounting.on():
+        accounting.record("conv_step", accounting.nbytes(x, conv_state, conv_w, conv_b, rst),
+                          accounting.nbytes(y, conv_state))
     return y
 
 
@@ -595,7 +592,8 @@ def gelu_mul(a, b, y=None):
     BM, BF = 16, 512
     gelu_mul_kernel[(triton.cdiv(F, BF), triton.cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F,
                                                               BM=BM, BF=BF, RNE=INTERPRET)
-    accounting.record("gelu_mul", 2 * accounting.nbytes(y), accounting.nbytes(y))
+    if accounting.on():
+        accounting.record("gelu_mul", 2 * accounting.nbytes(y), accounting.nbytes(y))
     return y
 
 
@@ -631,7 +629,8 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     BM = 128
     advance_kernel[(triton.cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
                                           stops, pad_id, M, S=stops.shape[0], BM=BM)
-    accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
+    if accounting.on():
+        accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
 
 
 # Fastest tiles of the H200 sweep (results/generation/linear_sweep_h200.json) for the five
@@ -854,8 +853,9 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_option(pdl),
     )
     wbytes = accounting.nbytes(w, bias, w2, bias2)
-    accounting.record("linear", wbytes + accounting.nbytes(a, a2, residual, cstate) * (2 if epilogue == EPI_XY else 1),
-                      accounting.nbytes(out, out2, cstate))
+    if accounting.on():
+        accounting.record("linear", wbytes + accounting.nbytes(a, a2, residual, cstate) * (2 if epilogue == EPI_XY else 1),
+                          accounting.nbytes(out, out2, cstate))
     if epilogue == EPI_XY:
         return out, out2
     return out

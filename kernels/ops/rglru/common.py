@@ -17,48 +17,12 @@ both the exclusive and the inclusive composition through one associative scan.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import accounting
-from .._checks import no_double_backward
-
-# Tests set this to allocate every output with NaN, so an element a kernel fails to
-# write cannot pass a comparison.
-POISON = os.environ.get("KERNELS_POISON", "") == "1"
-# Triton's CPU interpreter truncates FP32 -> BF16 where the GPU rounds to nearest even;
-# under the interpreter the stores round explicitly (see `out`), so CPU tests judge
-# the same arithmetic as the GPU runs.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def empty(shape, dtype, device):
-    if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def fast(cfg: dict, x: torch.Tensor) -> bool:
-    """Approximate gate math: asked for, FP32 accumulation, and compiled for a GPU (the
-    interpreter has no PTX)."""
-    return bool(cfg.get("FAST")) and x.dtype != torch.float64 and not INTERPRET
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def tl_acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def check_pow2(name: str, value, lo: int, hi: int) -> int:
-    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
-        raise ValueError(f"expected {name} to be a power of two in [{lo}, {hi}], got {value!r}")
-    return value
+from ..triton_utils import INTERPRET, acc_dtype, empty, out, tl_acc
 
 
 @triton.jit
@@ -73,77 +37,6 @@ def affine_excl(ea1, eb1, ia1, ib1, ea2, eb2, ia2, ib2):
     # segment but its last one, "inclusive" composes all of them. One map alone is
     # (identity, itself). The pair of a concatenation L R is (ex_R o in_L, in_R o in_L).
     return ia1 * ea2, ea2 * ib1 + eb2, ia1 * ia2, ia2 * ib1 + ib2
-
-
-@triton.jit
-def out(v, ptr, RNE: tl.constexpr):
-    """v cast to ptr's element type; RNE: round BF16 to nearest even by hand (the
-    truncating conversion then keeps the already rounded value)."""
-    ty = ptr.dtype.element_ty
-    if RNE and ty == tl.bfloat16:
-        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = bits.to(tl.float32, bitcast=True)
-    return v.to(ty)
-
-
-@triton.jit
-def _ex2(x):
-    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _rcp(x):
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _sqrt(x):
-    return tl.inline_asm_elementwise("sqrt.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _rsqrt(x):
-    return tl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-# The gate math. FAST (FP32 on the GPU only): the hardware approximations (ex2, rcp,
-# sqrt, rsqrt .approx.ftz: a few ulp, denormals flushed) without the range guards of the
-# exact forms, about half the instructions of the coefficients.
-@triton.jit
-def g_exp(x, FAST: tl.constexpr):
-    if FAST:
-        return _ex2(x * 1.4426950408889634)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def g_sigmoid(x, FAST: tl.constexpr):
-    if FAST:
-        return _rcp(1.0 + _ex2(x * -1.4426950408889634))
-    else:
-        return tl.sigmoid(x)
-
-
-@triton.jit
-def g_sqrt(x, FAST: tl.constexpr):
-    if FAST:
-        return _sqrt(x)
-    else:
-        return tl.sqrt(x)
-
-
-@triton.jit
-def g_rsqrt(x, FAST: tl.constexpr):
-    if FAST:
-        return _rsqrt(x)
-    else:
-        return tl.rsqrt(x)
 
 
 @triton.jit
@@ -245,17 +138,17 @@ def load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN: tl.constexp
 
 
 @triton.jit
-def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr):
+def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
     """Coefficients of a loaded tile, in registers: (valid, keep, a, b, xv, sx, sa, mult,
     u). Rows past T are identity maps (a = 1, b = 0); `keep` is False at resets."""
     valid = ((t0 + rows) < T)[:, None]
     keep = (p != 0)[:, None]
-    a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN, ACC, FAST)
+    a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN, ACC)
     return valid, keep, a, b, xv, sx, sa, mult, u
 
 
 @triton.jit
-def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr):
+def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
     """coeffs given the row masks `valid` (inside the sequence) and `keep` (no reset),
     already shaped to broadcast against the tile (any rank; ap_sp broadcasts from the
     last axis): (a, b, xv, sx, sa, mult, u)."""
@@ -271,12 +164,12 @@ def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
         u = a
     else:
         xv = r0.to(ACC)
-        sx = g_sigmoid(r1.to(ACC), FAST)
-        sa = g_sigmoid(r2.to(ACC), FAST)
+        sx = tl.sigmoid(r1.to(ACC))
+        sa = tl.sigmoid(r2.to(ACC))
         log_a = -8.0 * sa * ap_sp
-        a = g_exp(log_a, FAST)
+        a = tl.exp(log_a)
         u = one_minus_sq(a, log_a)
-        mult = tl.where(keep, g_sqrt(u, FAST), 1.0)
+        mult = tl.where(keep, tl.sqrt(u), 1.0)
         a = tl.where(keep & valid, a, tl.where(valid, 0.0, 1.0))
         b = xv * sx * mult
     return a, b, xv, sx, sa, mult, u
@@ -284,7 +177,7 @@ def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
 
 @triton.jit
 def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
-              IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr):
+              IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
     """Loads the tile of rows t0 .. t0 + BT - 1 and forms its coefficients in registers.
 
     RG-LRU: x, gx, ga are the input and the two gate logits, ap_sp = softplus(a_param)
@@ -293,13 +186,13 @@ def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
     """
     off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
     r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
-    valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN, ACC, FAST)
+    valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN, ACC)
     return off, m, valid, keep, a, b, xv, sx, sa, mult, u
 
 
 @triton.jit
 def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
-           IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr):
+           IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
     """The transition a_t of a tile alone (as load_tile forms it): (off, m, a)."""
     t = t0 + rows
     m_t = t < T
@@ -308,7 +201,7 @@ def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
     if IS_SCAN:
         a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
     else:
-        a = g_exp(-8.0 * g_sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC), FAST) * sp[None, :], FAST)
+        a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp[None, :])
     if HAS_RESET:
         p = tl.load(pos + i_b * T + t, mask=m_t, other=1)
         a = tl.where((p != 0)[:, None], a, 0.0)
@@ -333,25 +226,24 @@ def tile_states(a, b, hin, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
-               FAST: tl.constexpr, FLIP: tl.constexpr = False):
+               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
     """Adjoint of one tile given its states. dyv: [BT, BD] dL/dy as loaded (0 past T);
     h: h_t; hprev: h_{t-1} (scan only); r: [BD] mu at the row after the tile. Stores the
     activation gradients and returns (mu at the tile's first row [BD], the tile's
-    d softplus(a_param) partial [BD]). FLIP: run the reverse scan as flip, forward scan,
-    flip (same result; for tiles whose time axis lies inside each thread, where the
-    flips are register renaming and Triton's reverse scan would add lane shuffles)."""
+    d softplus(a_param) partial [BD])."""
     dyv = dyv.to(ACC)
-    ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, FLIP)
+    ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, False)
     return tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
-                            ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE, FAST)
+                            ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE)
 
 
 @triton.jit
 def adjoint_scans(dyv, a, ACC: tl.constexpr, FLIP: tl.constexpr):
     """The tile's reverse adjoint maps from its end (dyv FP32): lam_t = dy_t + ea_t r +
     eb_t for the carry r entering after the tile, and (ia, ib) whose first row is the
-    tile's map r -> mu at its first row (tile_grads' FLIP explains the flip)."""
+    tile's map r -> mu at its first row. FLIP: run the reverse scan as flip, forward scan,
+    flip (same result; for tiles whose time axis lies inside each thread, where the flips
+    are register renaming and Triton's reverse scan would add lane shuffles)."""
     ad = a * dyv
     if FLIP:
         ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), tl.flip(a, 0),
@@ -369,11 +261,8 @@ def adjoint_scans(dyv, a, ACC: tl.constexpr, FLIP: tl.constexpr):
 @triton.jit
 def mem_order(v, SPLIT: tl.constexpr):
     """A split tile (split.py) between its scan order [TT, W, BD] and its memory order
-    (the same registers relabelled): SPLIT 1 [W, TT, BD], SPLIT 2 [BD, W, TT] (one
-    channel per lane); other tiles (SPLIT 0) unchanged."""
-    if SPLIT == 2:
-        return tl.permute(v, (2, 1, 0))
-    elif SPLIT:
+    [W, TT, BD] (the same registers relabelled); other tiles (SPLIT False) unchanged."""
+    if SPLIT:
         return tl.permute(v, (1, 0, 2))
     else:
         return v
@@ -382,8 +271,8 @@ def mem_order(v, SPLIT: tl.constexpr):
 @triton.jit
 def tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
                      ea, eb, ia, ib, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
-                     FAST: tl.constexpr, SPLIT: tl.constexpr = False):
-    """tile_grads once the adjoint scans are known (see adjoint_scans). SPLIT (1 or 2, see
+                     SPLIT: tl.constexpr = False):
+    """tile_grads once the adjoint scans are known (see adjoint_scans). SPLIT (see
     mem_order): a split tile (split.py): values in scan order, off and m in memory order,
     r [W, BD]."""
     lam = dyv + ea * r[None, :] + eb
@@ -399,7 +288,7 @@ def tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, m
         tl.store(dgx + off, out(mem_order(gxm * xv * sx * (1.0 - sx), SPLIT), dgx, RNE), mask=m)
         # a h_{t-1} = h_t - b_t; d/dlog_a of a is a, of u = 1 - a^2 is -2 a^2; the
         # sqrt's derivative is clipped as in the official SqrtBoundDerivative.
-        du = lam * xv * sx * g_rsqrt(tl.maximum(4.0 * u, 1e-6), FAST)
+        du = lam * xv * sx * tl.rsqrt(tl.maximum(4.0 * u, 1e-6))
         dlog = tl.where(keep & valid, lam * (h - b) - 2.0 * a * a * du, 0.0)
         tl.store(dga + off, out(mem_order(dlog * (-8.0 * sp[None, :]) * sa * (1.0 - sa), SPLIT), dga, RNE), mask=m)
         dsp = tl.sum(dlog * (-8.0 * sa), axis=0)
@@ -434,7 +323,8 @@ def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
     BD = min(256, triton.next_power_of_2(max(D, 1)))      # D = 0: one empty program, no division by 0
     reduce_dap_kernel[(triton.cdiv(D, BD),)](part, a_param, dap, R, D, BR=16, BD=BD,
                                              ACC=tl_acc(part.dtype), RNE=INTERPRET, num_warps=4)
-    accounting.record("rglru_reduce_dap", accounting.nbytes(part, a_param), accounting.nbytes(dap))
+    if accounting.on():
+        accounting.record("rglru_reduce_dap", accounting.nbytes(part, a_param), accounting.nbytes(dap))
     return dap
 
 
@@ -447,40 +337,10 @@ def blocks_for(n_programs_per_block, D: int, lo: int = 16, hi: int = 64, target:
     return max(lo, min(bd, triton.next_power_of_2(D)))
 
 
-def recurrence_function(name: str, forward, backward, doc: str):
-    """The autograd Function shared by the serial and chunked backends.
-
-    forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg) ->
-    (y, final state, saved state tensor); backward(x, gx, ga, a_param, pos, saved, dy,
-    dht, has_h0, is_scan, cfg) -> (dx, dgx, dga, dh0, a_param partials). is_scan True
-    runs the bare scan (x = b, gx = b, ga = a, a_param None)."""
-
-    def fwd(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
-        # The kernels index every tensor as contiguous (a_param by channel, pos and h0 by
-        # row): a strided view (a_param = w[::2], an expanded vector) would be misread.
-        x, gx, ga = x.contiguous(), gx.contiguous(), ga.contiguous()
-        a_param = None if a_param is None else a_param.contiguous()
-        pos = None if pos is None else pos.contiguous()
-        h0 = None if h0 is None else h0.contiguous()
-        save = any(ctx.needs_input_grad)
-        y, ht, saved = forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
-        if save:
-            ctx.save_for_backward(x, gx, ga, a_param, pos, saved)
-            ctx.is_scan, ctx.cfg, ctx.has_h0 = is_scan, cfg, h0 is not None
-        return y, ht
-
-    def bwd(ctx, dy, dht):
-        no_double_backward()
-        x, gx, ga, a_param, pos, saved = ctx.saved_tensors
-        dy = dy.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        dx, dgx, dga, dh0, part = backward(x, gx, ga, a_param, pos, saved, dy, dht, ctx.has_h0,
-                                           ctx.is_scan, ctx.cfg)
-        dap = None
-        if not ctx.is_scan and ctx.needs_input_grad[3]:
-            dap = reduce_dap(part, a_param)
-        return dx, dgx, dga, dap, None, dh0, None, None, None
-
-    return type(name, (torch.autograd.Function,),
-                {"__doc__": doc, "forward": staticmethod(fwd), "backward": staticmethod(bwd)})
-
+def empty_sequence(x, h0, output_final_state):
+    """(y [B, 0, D], the final state: h0 or zeros when asked) of a T = 0 call."""
+    B, _, D = x.shape
+    h = None
+    if output_final_state:
+        h = h0 if h0 is not None else torch.zeros(B, D, dtype=acc_dtype(x.dtype), device=x.device)
+    return x.new_zeros(B, 0, D), h

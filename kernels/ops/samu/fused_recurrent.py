@@ -14,10 +14,9 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from .._checks import check_chunk_size
-from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair,
-                     mode_consts, store_pair, store_param_partials, tl_dtype)
-from .function import samu_apply
+from ..triton_utils import check_chunk_size
+from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair, mode_consts, store_pair,
+                     store_param_partials, tl_dtype)
 
 # Steps unrolled inside the time loops (the rest stays a loop; see common.fwd_steps).
 FWD_UNROLL = 8
@@ -81,56 +80,58 @@ def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, c
     store_param_partials(ppart, b, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
 
 
-class SerialPlan:
-    """Launchers of the serial algorithm; K is the tile (and checkpoint) length."""
+OPTIONS = ("chunk_size", "block_m", "num_warps")
 
-    def __init__(self, chunk_size: int = 32, block_m: int = 32, num_warps=None):
-        self.K = check_chunk_size(chunk_size)
-        self.BM = check_block_m(block_m)
-        self.NW = check_num_warps(num_warps, self.BM)
 
-    def forward(self, x, ctrl, modes, h0, need_states):
-        B, T, D = x.shape
-        M, K, BM = D // 2, self.K, self.BM
-        acc = ctrl.dtype
-        N = triton.cdiv(T, K)
-        y = alloc(x.shape, x.dtype, x.device)
-        hT = alloc((B, M, 2), acc, x.device)
-        states = alloc((B, N, M, 2), acc, x.device) if need_states else None
-        _serial_fwd_kernel[(triton.cdiv(M, BM), B)](
-            x, ctrl, modes, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
-            T, N, D, M, K=K, U=FWD_UNROLL, BM=BM, HAS_H0=h0 is not None, STORE_STATES=need_states, ACC=tl_dtype(acc),
-            num_warps=self.NW)
+def config(backend: str, chunk_size=None, block_m=32, num_warps=None, **unknown) -> dict:
+    """Launch configuration of the serial (default tile 32) or chunk (default K 16) backend."""
+    if unknown:
+        raise ValueError(f"expected {backend} options among {list(OPTIONS)}, got {sorted(unknown)}")
+    K = check_chunk_size((32 if backend == "serial" else 16) if chunk_size is None else chunk_size)
+    bm = check_block_m(block_m)
+    return {"backend": backend, "K": K, "BM": bm, "NW": check_num_warps(num_warps, bm)}
+
+
+def saved_shape(cfg: dict, B: int, T: int, M: int) -> tuple:
+    """The states kept for backward: the one entering every tile or chunk [B, N, M, 2]."""
+    return (B, triton.cdiv(T, cfg["K"]), M, 2)
+
+
+def serial_forward(x, ctrl, modes, h0, need_states, cfg):
+    B, T, D = x.shape
+    M, K, BM = D // 2, cfg["K"], cfg["BM"]
+    acc = ctrl.dtype
+    N = triton.cdiv(T, K)
+    y = alloc(x.shape, x.dtype, x.device)
+    hT = alloc((B, M, 2), acc, x.device)
+    states = alloc((B, N, M, 2), acc, x.device) if need_states else None
+    _serial_fwd_kernel[(triton.cdiv(M, BM), B)](
+        x, ctrl, modes, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
+        T, N, D, M, K=K, U=FWD_UNROLL, BM=BM, HAS_H0=h0 is not None, STORE_STATES=need_states, ACC=tl_dtype(acc),
+        num_warps=cfg["NW"])
+    if accounting.on():
         accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, modes, h0),
                           accounting.nbytes(y, hT, states))
-        return y, hT, states
+    return y, hT, states
 
-    def backward(self, x, dy, ctrl, modes, states, gh):
-        B, T, D = x.shape
-        M, K, BM = D // 2, self.K, self.BM
-        acc = ctrl.dtype
-        N = triton.cdiv(T, K)
-        nmb = triton.cdiv(M, BM)
-        dxw = alloc(x.shape, acc, x.device)
-        dpart = alloc((B * T, nmb, 2), acc, x.device)
-        ppart = alloc((B, M, 2), acc, x.device)
-        dh0 = alloc((B, M, 2), acc, x.device)
-        ckpt = alloc((B * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
-        ckpt_bytes = accounting.nbytes(ckpt)
-        _serial_bwd_kernel[(nmb, B)](
-            x, dy, ctrl, modes, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
-            T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc),
-            num_warps=self.NW)
-        # ckpt: each program's slots, written and read back once per tile (N tiles)
+def serial_backward(x, dy, ctrl, modes, states, gh, cfg):
+    B, T, D = x.shape
+    M, K, BM = D // 2, cfg["K"], cfg["BM"]
+    acc = ctrl.dtype
+    N = triton.cdiv(T, K)
+    nmb = triton.cdiv(M, BM)
+    dxw = alloc(x.shape, acc, x.device)
+    dpart = alloc((B * T, nmb, 2), acc, x.device)
+    ppart = alloc((B, M, 2), acc, x.device)
+    dh0 = alloc((B, M, 2), acc, x.device)
+    ckpt = alloc((B * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
+    ckpt_bytes = accounting.nbytes(ckpt)
+    _serial_bwd_kernel[(nmb, B)](
+        x, dy, ctrl, modes, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
+        T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc),
+        num_warps=cfg["NW"])
+    # ckpt: each program's slots, written and read back once per tile (N tiles)
+    if accounting.on():
         accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh) + N * ckpt_bytes,
                           accounting.nbytes(dxw, dpart, ppart, dh0) + N * ckpt_bytes)
-        return dxw, dpart, ppart, dh0
-
-
-def fused_recurrent_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
-                         initial_state=None, output_final_state=False, chunk_size=32, block_m=32, num_warps=None):
-    """Serial SAMU (reference signature). x: [B, T, D], D = 2M; returns (y [B, T, D],
-    final state [B, M] complex or None). chunk_size: tile/checkpoint length (8..64);
-    block_m, num_warps as for the chunk backend."""
-    return samu_apply(SerialPlan(chunk_size, block_m, num_warps), x, phase_dir, radial_dir, phase_amp, radial_amp,
-                      nu_log, theta_log, segment_pos, initial_state, output_final_state)
+    return dxw, dpart, ppart, dh0

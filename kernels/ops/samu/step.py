@@ -14,14 +14,17 @@ No host synchronisation and no allocation besides y: capturable in a CUDA graph.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import accounting
-from .._checks import check_tensor, no_grad_inputs
-from .common import acc_dtype, load_pair, mode_consts64, next_pow2, relu, store_pair, tanh, tl_dtype, transition
+from ..checks import check_tensor, no_grad_inputs
+from ..triton_utils import acc_dtype, next_pow2
+from ..triton_utils import tl_acc as tl_dtype
+from .common import load_pair, mode_consts64, relu, store_pair, tanh, transition
 
 ROW_MIN_BATCH = 64
 
@@ -96,8 +99,6 @@ def _amp(v, x):
 
 
 def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset):
-    no_grad_inputs(layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
-                   radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     B, D = x.shape
     M = D // 2
     if not state.is_contiguous():
@@ -123,10 +124,35 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
         BM = 128
         _step_kernel[(triton.cdiv(M, BM), B)](*args, HAS_RESET=reset is not None, ROW=False,
                                               BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=4)
-    accounting.record(f"samu_step_{layout}",
-                      accounting.nbytes(x, phase_dir, radial_dir, nu_log, theta_log, sr, reset),
-                      accounting.nbytes(sr, y))
+    if accounting.on():
+        accounting.record(f"samu_step_{layout}",
+                          accounting.nbytes(x, phase_dir, radial_dir, nu_log, theta_log, sr, reset),
+                          accounting.nbytes(sr, y))
     return y
+
+
+@torch.library.custom_op("kernels::samu_step", mutates_args=("state",))
+def _step_op(x: torch.Tensor, phase_dir: torch.Tensor, radial_dir: torch.Tensor, phase_amp: torch.Tensor,
+             radial_amp: torch.Tensor, nu_log: torch.Tensor, theta_log: torch.Tensor, state: torch.Tensor,
+             reset: Optional[torch.Tensor], layout: str) -> torch.Tensor:
+    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+
+
+@_step_op.register_fake
+def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, layout):
+    return torch.empty_like(x)
+
+
+def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, name=None):
+    """Under torch.compile the custom op kernels::samu_step (the state mutated in
+    place), the launcher otherwise. No backward: an input that requires grad under grad
+    mode raises ValueError naming the step (`name`, default the layout)."""
+    no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
+                   radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernels.samu_step(x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
+                                           nu_log, theta_log, state, reset, layout)
+    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
 
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
@@ -134,18 +160,16 @@ def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
     updated in place; reset: [B] bool. Returns y [B, D] in x's dtype. No backward: an
     input that requires grad under grad mode raises ValueError (decode under
     torch.no_grad())."""
-    return _launch("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+    return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
 
 
 def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
     """Decode step, one program per (sequence, 128 modes). Same contract as samu_step_row."""
-    return _launch("blocked", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+    return _step("blocked", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
 
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
     """Decode step with the layout measured fastest for the batch size (see ROW_MIN_BATCH)."""
     check_tensor("x", x, ndim=2)
-    no_grad_inputs("fused", x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
-                   radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     layout = "row" if x.shape[0] >= ROW_MIN_BATCH else "blocked"
-    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+    return _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, "fused")

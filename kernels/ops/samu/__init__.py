@@ -5,16 +5,13 @@ Backends (the reference signature of kernels.ops.samu):
 - "serial" (fused_recurrent.py): state-stationary, one program per (sequence, mode
   block) walking time in unrolled tiles; the adjoint walks back over the tiles.
 - "chunk" (chunk.py): exact two-level chunked algorithm, chunk_size K in 8, 16, 32, 64,
-  with a linear-work grouped prefix over the chunk summaries (prefix="fill", the
-  default). Launcher options (exact, for tuning; results/kernels/samu/README.md has
-  their H200 times): block_m, num_warps (modes per thread), fuse_controls (controller
-  inside the summary), prefix "fill" / "group" (chunk states written by one more prefix
-  pass / composed by each replay from its group's earlier chunks, N^1.5 work);
-  fwd="lookback" (lookback.py, opt-in): a single-pass forward with decoupled look-back
-  (x read from DRAM once, one launch) under the unchanged chunk backward.
+  with a linear-work grouped prefix over the chunk summaries. Launcher options (exact,
+  for tuning): chunk_size, block_m, num_warps (modes per thread).
 Shared (common.py): the per-token controller (one pass over x: both projections,
 norms, tanh, exp(eta), cos/sin(delta), resets), its backward and the deterministic
-parameter reductions; function.py: the autograd operator around a plan.
+parameter reductions. Tiers: Triton kernels and launchers (fused_recurrent.py, chunk.py,
+step.py), one autograd.Function and the torch.library custom ops (function.py; step.py
+registers the decode step's op).
 Inside the recurrence the transition, the write and relu exist only in registers;
 forward keeps for backward only [B, T] controls and [B, T/K, M] complex states. The
 backward's scratch: the FP32 write gradient [B, T, D] (dx itself when x is FP32; for
@@ -29,13 +26,11 @@ Decode (step.py): STEPS["samu"] = "row" (one program per sequence), "blocked" (o
 program per sequence and mode block) and "fused" (picks between them by batch size).
 """
 
-from .chunk import chunk_samu
-from .common import poisoned
-from .fused_recurrent import fused_recurrent_samu
+from .function import chunk_samu, fused_recurrent_samu
 from .step import samu_step, samu_step_blocked, samu_step_row
 
 BACKENDS = {"samu": {"serial": fused_recurrent_samu, "chunk": chunk_samu}}
 STEPS = {"samu": {"fused": samu_step, "row": samu_step_row, "blocked": samu_step_blocked}}
 
 __all__ = ["BACKENDS", "STEPS", "chunk_samu", "fused_recurrent_samu", "samu_step", "samu_step_row",
-           "samu_step_blocked", "poisoned"]
+           "samu_step_blocked"]

@@ -11,13 +11,16 @@ allocation besides y: the step can be captured in a CUDA graph. Batch 1..512.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import accounting
-from .._checks import no_grad_inputs
-from .common import INTERPRET, empty, one_minus_sq, out, softplus, tl_acc
+from ..checks import no_grad_inputs
+from ..triton_utils import INTERPRET, empty, out, tl_acc
+from .common import one_minus_sq, softplus
 
 
 @triton.jit
@@ -90,10 +93,33 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
                block_b=None, block_j=32, block_k=32, num_warps=4):
     """x: [B, D]; gate_*_w: [H, W, W] (W = D / H); gate_*_b: [H, W]; a_param: [D];
     state: [B, D] FP32 (float64 for float64 x), contiguous, updated in place; reset: [B]
-    bool or None. Returns y [B, D] in x's dtype. No backward: an input that requires
-    grad under grad mode raises ValueError (decode under torch.no_grad())."""
+    bool or None. Returns y [B, D] in x's dtype. Under torch.compile the custom op
+    kernels::rglru_step (state mutated in place) runs the same launcher. No backward: an
+    input that requires grad under grad mode raises ValueError (decode under
+    torch.no_grad())."""
     no_grad_inputs("fused", x=x, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w, gate_a_b=gate_a_b,
                    a_param=a_param, state=state)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernels.rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset,
+                                            block_b or 0, block_j, block_k, num_warps)
+    return _launch(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, block_b, block_j, block_k,
+                   num_warps)
+
+
+@torch.library.custom_op("kernels::rglru_step", mutates_args=("state",))
+def _step_op(x: torch.Tensor, wx: torch.Tensor, bx: torch.Tensor, wa: torch.Tensor, ba: torch.Tensor,
+             a_param: torch.Tensor, state: torch.Tensor, reset: Optional[torch.Tensor], block_b: int, block_j: int,
+             block_k: int, num_warps: int) -> torch.Tensor:
+    return _launch(x, wx, bx, wa, ba, a_param, state, reset, block_b or None, block_j, block_k, num_warps)
+
+
+@_step_op.register_fake
+def _(x, wx, bx, wa, ba, a_param, state, reset, block_b, block_j, block_k, num_warps):
+    return torch.empty_like(x)
+
+
+def _launch(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, block_b, block_j, block_k,
+            num_warps):
     B, D = x.shape
     H, W, _ = gate_x_w.shape
     if not state.is_contiguous():
@@ -118,6 +144,7 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
         RNE=INTERPRET,
         num_warps=num_warps,
     )
-    accounting.record("rglru_step", accounting.nbytes(x, wx, bx, wa, ba, a_param, state, rst),
-                      accounting.nbytes(state, y))
+    if accounting.on():
+        accounting.record("rglru_step", accounting.nbytes(x, wx, bx, wa, ba, a_param, state, rst),
+                          accounting.nbytes(state, y))
     return y

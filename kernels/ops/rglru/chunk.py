@@ -1,0 +1,271 @@
+"""Exact two-level chunked RG-LRU and affine scan (chunk sizes K = 8, 16, 32, 64).
+
+Forward, three launches:
+1. summary: each (sequence, chunk, channel block) composes its K maps into one,
+   h_out = P h_in + Q (P <- a_t P, Q <- a_t Q + b_t), from inputs formed in registers;
+2. prefix over the NC = ceil(T / K) chunk summaries, linear work: groups of G
+   summaries are composed locally (an associative scan inside the group gives every
+   chunk's exclusive prefix), an outer serial prefix carries the state from group to
+   group in order, and the local correction applies the carried state to the group's
+   exclusive prefixes; the result is the state entering every chunk, S [B, NC, D] FP32
+   (kept for backward: 4 / K bytes per element) and the final state;
+3. replay: every chunk recomputes its inputs and scans from its entering state.
+Backward, the same algebra on the adjoint (see common.py): summary of the maps
+(a_t, a_t dy_t) per chunk, a reverse prefix from dL/dh_T (its last carry is dL/dh0),
+a replay that recomputes the chunk's states from S and stores every gradient, and the
+deterministic reduction of the per-(sequence, chunk) a_param partials.
+
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import accounting
+from ..triton_utils import INTERPRET, acc_dtype, check_chunk_size, check_pow2, empty, out, tl_acc
+from .common import affine, affine_excl, first_row, last_row, load_a, load_tile, softplus, tile_grads
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def chunk_fwd_summary_kernel(
+    x, gx, ga, ap, pos, P, Q, T, D, NC,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = tl.arange(0, K)
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
+        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+    # [K, BD]
+    A, Bs = tl.associative_scan((a, b), 0, affine)
+    o = (i_b * NC + i_c) * D + o_d
+    tl.store(P + o, last_row(A, rows, K), mask=m_d)
+    tl.store(Q + o, last_row(Bs, rows, K), mask=m_d)
+
+
+@triton.jit(do_not_specialize=["NC"])
+def chunk_prefix_kernel(
+    P, Q, h0, S, hN, NC, D,
+    REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HN: tl.constexpr, G: tl.constexpr, BD: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # One program per (sequence, channel block); REVERSE runs the adjoint's prefix from
+    # the last chunk to the first.
+    i_d, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = tl.arange(0, G)
+    if HAS_H0:
+        carry = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
+    else:
+        carry = tl.zeros([BD], ACC)
+    NG = tl.cdiv(NC, G)
+    for j in range(0, NG):
+        if REVERSE:
+            g = NG - 1 - j
+        else:
+            g = j
+        c = g * G + rows
+        m_c = c < NC
+        off = (i_b * NC + c[:, None]) * D + o_d[None, :]
+        m = m_c[:, None] & m_d[None, :]
+        # [G, BD]; chunks past NC are identity maps
+        p = tl.load(P + off, mask=m, other=1.0)
+        q = tl.load(Q + off, mask=m, other=0.0)
+        p = tl.where(m_c[:, None], p, 1.0)
+        q = tl.where(m_c[:, None], q, 0.0)
+        ea, eb, ia, ib = tl.associative_scan((tl.full(p.shape, 1.0, ACC), tl.zeros(p.shape, ACC), p, q),
+                                             0, affine_excl, reverse=REVERSE)
+        tl.store(S + off, ea * carry[None, :] + eb, mask=m)
+        if REVERSE:
+            carry = first_row(ia * carry[None, :] + ib, rows)
+        else:
+            carry = last_row(ia * carry[None, :] + ib, rows, G)
+    if STORE_HN:
+        tl.store(hN + i_b * D + o_d, carry, mask=m_d)
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def chunk_fwd_replay_kernel(
+    x, gx, ga, ap, pos, S, y, T, D, NC,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = tl.arange(0, K)
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    hin = tl.load(S + (i_b * NC + i_c) * D + o_d, mask=m_d, other=0.0)
+    off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
+        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+    A, Bs = tl.associative_scan((a, b), 0, affine)
+    tl.store(y + off, out(A * hin[None, :] + Bs, y, RNE), mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def chunk_bwd_summary_kernel(
+    ga, ap, pos, dy, P, Q, T, D, NC,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    # The chunk's adjoint map mu_first = P r + Q over (a_t, a_t dy_t), reverse order.
+    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = tl.arange(0, K)
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    off, m, a = load_a(ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+    dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
+    A, Bs = tl.associative_scan((a, a * dyv), 0, affine, reverse=True)
+    o = (i_b * NC + i_c) * D + o_d
+    tl.store(P + o, first_row(A, rows), mask=m_d)
+    tl.store(Q + o, first_row(Bs, rows), mask=m_d)
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def chunk_bwd_replay_kernel(
+    x, gx, ga, ap, pos, S, R, dy, dx, dgx, dga, dsp_part, T, D, NC,
+    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    rows = tl.arange(0, K)
+    if IS_SCAN:
+        sp = tl.zeros([BD], ACC)
+    else:
+        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    o = (i_b * NC + i_c) * D + o_d
+    hin = tl.load(S + o, mask=m_d, other=0.0)
+    r = tl.load(R + o, mask=m_d, other=0.0)
+    off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
+        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+    if IS_SCAN:
+        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
+                                             0, affine_excl)
+        hprev = ea * hin[None, :] + eb
+        h = hprev
+    else:
+        A, Bs = tl.associative_scan((a, b), 0, affine)
+        h = A * hin[None, :] + Bs
+        hprev = h
+    r0, dsp = tile_grads(tl.load(dy + off, mask=m, other=0.0), dx, dgx, dga, off, m, valid, keep, a, b, xv, sx,
+                         sa, mult, u, h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
+    if not IS_SCAN:
+        tl.store(dsp_part + o, dsp, mask=m_d)
+
+
+OPTIONS = ("chunk_size", "block_d", "num_warps", "group")
+
+
+def config(B, T, D, is_scan, chunk_size=None, block_d=None, num_warps=None, group=None, grad=True, **unknown):
+    if unknown:
+        raise ValueError(f"expected chunk options among {list(OPTIONS)}, got {sorted(unknown)}")
+    K = check_chunk_size(32 if chunk_size is None else chunk_size)
+    NC = triton.cdiv(T, K)
+    bd = 64 if block_d is None else check_pow2("block_d", block_d, 8, 1024)
+    nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
+    return {"backend": "chunk", "K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw,
+            "G": max(2, min(64, triton.next_power_of_2(NC))) if group is None else check_pow2("group", group, 2, 1024)}
+
+
+def _prefix(P, Q, init, need_final, reverse, cfg):
+    B, NC, D = P.shape
+    S = empty((B, NC, D), P.dtype, P.device)
+    hN = empty((B, D), P.dtype, P.device) if need_final else None
+    BD = min(128, max(8, triton.next_power_of_2(D)))
+    chunk_prefix_kernel[(triton.cdiv(D, BD), B)](
+        P, Q, init if init is not None else P, S, hN if hN is not None else S, NC, D,
+        REVERSE=reverse, HAS_H0=init is not None, STORE_HN=need_final, G=cfg["G"], BD=BD,
+        ACC=tl_acc(P.dtype), num_warps=4,
+    )
+    if accounting.on():
+        accounting.record("chunk_prefix_bwd" if reverse else "chunk_prefix_fwd", accounting.nbytes(P, Q, init),
+                          accounting.nbytes(S, hN))
+    return S, hN
+
+
+def _act_bytes(is_scan, x, pos):
+    n = x.numel() * x.element_size()
+    return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
+
+
+def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+    """Launchers of the forward (S is needed by the replay, so kept whatever `save`).
+    Scan mode: x = b, ga = a. Returns (y, ht, S)."""
+    B, T, D = x.shape
+    K, BD = cfg["K"], cfg["BD"]
+    NC = triton.cdiv(T, K)
+    acc = acc_dtype(x.dtype)
+    ap = a_param if a_param is not None else x
+    p = pos if pos is not None else x
+    grid = (triton.cdiv(D, BD), NC, B)
+    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
+              
+              num_warps=cfg["num_warps"])
+    P = empty((B, NC, D), acc, x.device)
+    Q = empty((B, NC, D), acc, x.device)
+    chunk_fwd_summary_kernel[grid](x, gx, ga, ap, p, P, Q, T, D, NC, **kw)
+    extra = None if is_scan else a_param
+    if accounting.on():
+        accounting.record("chunk_fwd_summary", _act_bytes(is_scan, x, pos) + accounting.nbytes(extra),
+                          accounting.nbytes(P, Q))
+    S, ht = _prefix(P, Q, h0, output_final_state, False, cfg)
+    y = empty((B, T, D), x.dtype, x.device)
+    chunk_fwd_replay_kernel[grid](x, gx, ga, ap, p, S, y, T, D, NC, **kw)
+    if accounting.on():
+        accounting.record("chunk_fwd_replay", _act_bytes(is_scan, x, pos) + accounting.nbytes(S, extra),
+                          accounting.nbytes(y))
+    return y, ht, S
+
+
+def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
+    """Launchers of the backward. Returns (dx, dgx, dga, dh0, dsp_part)."""
+    B, T, D = x.shape
+    K, BD = cfg["K"], cfg["BD"]
+    NC = triton.cdiv(T, K)
+    acc = acc_dtype(x.dtype)
+    ap = a_param if a_param is not None else x
+    p = pos if pos is not None else x
+    grid = (triton.cdiv(D, BD), NC, B)
+    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
+              
+              num_warps=cfg["num_warps"])
+    extra = None if is_scan else a_param
+    P = empty((B, NC, D), acc, x.device)
+    Q = empty((B, NC, D), acc, x.device)
+    chunk_bwd_summary_kernel[grid](ga, ap, p, dy, P, Q, T, D, NC, **kw)
+    if accounting.on():
+        accounting.record("chunk_bwd_summary", accounting.nbytes(ga, dy, pos, extra), accounting.nbytes(P, Q))
+    R, dh0 = _prefix(P, Q, dht, need_dh0, True, cfg)
+    dx = empty((B, T, D), x.dtype, x.device)
+    dga = empty((B, T, D), ga.dtype, x.device)
+    dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
+    part = None if is_scan else empty((B * NC, D), acc, x.device)
+    chunk_bwd_replay_kernel[grid](
+        x, gx, ga, ap, p, S, R, dy, dx, dgx if dgx is not None else dx, dga, part if part is not None else S,
+        T, D, NC, **kw)
+    if accounting.on():
+        accounting.record("chunk_bwd_replay", _act_bytes(is_scan, x, pos) + accounting.nbytes(S, R, dy, extra),
+                          accounting.nbytes(dx, dgx, dga, part))
+    return dx, dgx, dga, dh0, part
+
+
+def saved_shape(cfg: dict, B: int, T: int, D: int) -> tuple:
+    """What the forward keeps for backward: the state entering every chunk [B, NC, D]."""
+    return (B, triton.cdiv(T, cfg["K"]), D)

@@ -1,0 +1,201 @@
+"""The differentiable RG-LRU and bare scan over the serial and chunked launchers, and
+the backend functions with the reference signature.
+
+Two doors to the same launchers:
+- eager calls run `RecurrenceFunction` (one explicit torch.autograd.Function);
+- under torch.compile the custom ops kernels::rglru_fwd / kernels::rglru_bwd run
+  instead: fake (meta) implementations give their output shapes and the backward is
+  registered with torch.library.register_autograd, so a compiled model traces the mixer
+  as one graph node (no graph break). A launcher configuration travels to the ops as
+  a string (triton_utils.spec_of).
+Both keep for backward the inputs and the FP32 states of `saved_shape` only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..checks import no_double_backward
+from ..triton_utils import acc_dtype, cfg_of, spec_of
+from . import chunk, fused_recurrent
+from .common import empty_sequence, reduce_dap
+
+_BACKENDS = {"serial": fused_recurrent, "chunk": chunk}
+
+
+@functools.lru_cache(maxsize=1024)
+def _config(backend, B, T, D, is_scan, grad, opts):
+    return _BACKENDS[backend].config(B, T, D, is_scan, grad=grad, **dict(opts))
+
+
+def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+    # The kernels index every tensor as contiguous (a_param by channel, pos and h0 by
+    # row): a strided view (a_param = w[::2], an expanded vector) would be misread.
+    x, ga = x.contiguous(), ga.contiguous()
+    gx = x if gx is None else gx.contiguous()
+    a_param = None if a_param is None else a_param.contiguous()
+    pos = None if pos is None else pos.contiguous()
+    h0 = None if h0 is None else h0.contiguous()
+    fwd = _BACKENDS[cfg["backend"]]
+    launch = fwd.serial_forward if cfg["backend"] == "serial" else fwd.chunk_forward
+    return launch(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
+
+
+def _backward(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg):
+    """(dx, dgx, dga, da_param, dh0); None where there is none."""
+    x, ga = x.contiguous(), ga.contiguous()
+    gx = x if gx is None else gx.contiguous()
+    a_param = None if a_param is None else a_param.contiguous()
+    pos = None if pos is None else pos.contiguous()
+    dy = dy.contiguous()
+    dht = None if dht is None else dht.contiguous()
+    fwd = _BACKENDS[cfg["backend"]]
+    launch = fwd.serial_backward if cfg["backend"] == "serial" else fwd.chunk_backward
+    dx, dgx, dga, dh0, part = launch(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg)
+    dap = None if is_scan or a_param is None else reduce_dap(part, a_param)
+    return dx, dgx, dga, dap, dh0
+
+
+class RecurrenceFunction(torch.autograd.Function):
+    """RG-LRU (is_scan False: x, gate_x, gate_a, a_param) or the bare scan (True: x = b,
+    gx None, ga = a) through the launchers `cfg` names."""
+
+    @staticmethod
+    def forward(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
+        save = any(ctx.needs_input_grad)
+        y, ht, saved = _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
+        if save:
+            ctx.save_for_backward(x, gx, ga, a_param, pos, saved)
+            ctx.is_scan, ctx.cfg, ctx.has_h0 = is_scan, cfg, h0 is not None
+        return y, ht
+
+    @staticmethod
+    def backward(ctx, dy, dht):
+        no_double_backward()
+        x, gx, ga, a_param, pos, saved = ctx.saved_tensors
+        dx, dgx, dga, dap, dh0 = _backward(x, gx, ga, a_param, pos, saved, dy, dht, ctx.has_h0, ctx.is_scan,
+                                           ctx.cfg)
+        return dx, dgx, dga, dap, None, dh0, None, None, None
+
+
+def _none(t: Tensor) -> Optional[Tensor]:
+    # custom ops return no None: an empty tensor stands for "none"
+    return None if t.numel() == 0 and t.dim() == 1 else t
+
+
+def _nothing(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+@torch.library.custom_op("kernels::rglru_fwd", mutates_args=())
+def rglru_fwd(x: Tensor, gx: Optional[Tensor], ga: Tensor, a_param: Optional[Tensor], pos: Optional[Tensor],
+              h0: Optional[Tensor], save: bool, is_scan: bool, spec: str) -> tuple[Tensor, Tensor, Tensor]:
+    y, ht, saved = _forward(x, gx, ga, a_param, pos, h0, True, save, is_scan, cfg_of(spec))
+    return y, ht, (saved if save else _nothing(ht))
+
+
+@rglru_fwd.register_fake
+def _(x, gx, ga, a_param, pos, h0, save, is_scan, spec):
+    B, T, D = x.shape
+    cfg, acc = cfg_of(spec), acc_dtype(x.dtype)
+    saved = x.new_empty(_BACKENDS[cfg["backend"]].saved_shape(cfg, B, T, D) if save else (0,), dtype=acc)
+    return torch.empty_like(x), x.new_empty(B, D, dtype=acc), saved
+
+
+@torch.library.custom_op("kernels::rglru_bwd", mutates_args=())
+def rglru_bwd(x: Tensor, gx: Optional[Tensor], ga: Tensor, a_param: Optional[Tensor], pos: Optional[Tensor],
+              saved: Tensor, dy: Tensor, dht: Optional[Tensor], need_dh0: bool, is_scan: bool,
+              spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = _backward(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg_of(spec))
+    return tuple(_nothing(x) if g is None else g for g in grads)
+
+
+@rglru_bwd.register_fake
+def _(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, spec):
+    B, _, D = x.shape
+    dgx = _nothing(x) if is_scan else torch.empty_like(x)
+    dap = _nothing(x) if is_scan or a_param is None else torch.empty_like(a_param)
+    dh0 = x.new_empty(B, D, dtype=acc_dtype(x.dtype)) if need_dh0 else _nothing(x)
+    return torch.empty_like(x), dgx, torch.empty_like(ga), dap, dh0
+
+
+def _setup_context(ctx, inputs, output):
+    x, gx, ga, a_param, pos, h0, save, is_scan, spec = inputs
+    ctx.save_for_backward(x, gx, ga, a_param, pos, output[2])
+    ctx.is_scan, ctx.spec, ctx.has_h0 = is_scan, spec, h0 is not None
+
+
+def _op_backward(ctx, dy, dht, _):
+    x, gx, ga, a_param, pos, saved = ctx.saved_tensors
+    dy = torch.zeros_like(x) if dy is None else dy
+    dx, dgx, dga, dap, dh0 = torch.ops.kernels.rglru_bwd(x, gx, ga, a_param, pos, saved, dy, dht, ctx.has_h0,
+                                                         ctx.is_scan, ctx.spec)
+    return dx, _none(dgx), dga, _none(dap), None, (dh0 if ctx.has_h0 else None), None, None, None
+
+
+torch.library.register_autograd("kernels::rglru_fwd", _op_backward, setup_context=_setup_context)
+
+
+def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
+    """(y, final state or None) through the custom op under torch.compile, through
+    RecurrenceFunction otherwise."""
+    if not torch.compiler.is_compiling():
+        return RecurrenceFunction.apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gx, ga, a_param, h0))
+    y, ht, _ = torch.ops.kernels.rglru_fwd(x, gx, ga, a_param, pos, h0, save, is_scan,
+                                           spec_of(cfg))
+    return y, (ht if output_final_state else None)
+
+
+def _run(backend, x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts):
+    B, T, D = x.shape
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, gate_x, gate_a, a_param, initial_state))
+    cfg = _config(backend, B, T, D, False, grad, tuple(sorted(opts.items())))
+    if T == 0:
+        return empty_sequence(x, initial_state, output_final_state)
+    return apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, cfg)
+
+
+def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opts):
+    if b.is_complex():
+        from .. import reference
+
+        return reference.scan(a, b, segment_pos, initial_state, output_final_state)
+    B, T, D = b.shape
+    cfg = _config(backend, B, T, D, True, True, tuple(sorted(opts.items())))
+    if T == 0:
+        return empty_sequence(b, initial_state, output_final_state)
+    a = a.to(b.dtype) if a.dtype != b.dtype else a
+    return apply(b, None, a, None, segment_pos, initial_state, output_final_state, True, cfg)
+
+
+def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,
+                          output_final_state=False, **opts):
+    """RG-LRU from gate logits through the serial kernels; the reference signature.
+    x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
+    [B, D] FP32. Options: fused_recurrent.OPTIONS. Returns (y [B, T, D], final state
+    [B, D] or None)."""
+    return _run("serial", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts)
+
+
+def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
+                **opts):
+    """RG-LRU through the chunked kernels; as fused_recurrent_rglru, options
+    chunk.OPTIONS (chunk_size in 8, 16, 32, 64, default 32)."""
+    return _run("chunk", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts)
+
+
+def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
+    """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets) through the serial kernels, real
+    inputs (complex ones go to the PyTorch reference); a is taken in b's dtype."""
+    return _run_scan("serial", a, b, segment_pos, initial_state, output_final_state, opts)
+
+
+def chunk_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
+    """The bare scan through the chunked kernels; as fused_recurrent_scan."""
+    return _run_scan("chunk", a, b, segment_pos, initial_state, output_final_state, opts)

@@ -1,0 +1,175 @@
+"""The differentiable SAMU operator over the serial and chunked launchers, and the
+backend functions with the reference signature.
+
+    forward:  controls_fwd, mode_table -> serial/chunk forward (y, final state, states)
+    backward: serial/chunk backward -> controls_bwd (every gradient)
+
+Two doors to the same launchers, as for the RG-LRU (kernels/ops/rglru/function.py):
+eager calls run `SamuFunction` (one explicit torch.autograd.Function); under
+torch.compile the custom ops kernels::samu_fwd / kernels::samu_bwd run instead, with
+fake implementations and a backward registered by torch.library.register_autograd.
+Complex states cross the ops as torch.view_as_real pairs [B, M, 2].
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..checks import no_double_backward
+from ..triton_utils import acc_dtype, cfg_of, spec_of
+from . import chunk, fused_recurrent
+from .common import controls_bwd, controls_fwd, mode_table, scalar_param
+
+_LAUNCH = {"serial": (fused_recurrent.serial_forward, fused_recurrent.serial_backward),
+           "chunk": (chunk.chunk_forward, chunk.chunk_backward)}
+
+
+@functools.lru_cache(maxsize=256)
+def _config(backend, opts):
+    return fused_recurrent.config(backend, **dict(opts))
+
+
+def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, cfg):
+    """(y, final state [B, M, 2], ctrl, aux, modes, states or None); pa, ra: [1] tensors
+    in the accumulation dtype, h0: [B, M, 2] or None."""
+    x = x.contiguous()
+    phase_dir, radial_dir = phase_dir.contiguous(), radial_dir.contiguous()
+    pos = None if pos is None else pos.contiguous()
+    h0 = None if h0 is None else h0.contiguous()
+    modes = mode_table(nu_log.contiguous(), theta_log.contiguous(), acc_dtype(x.dtype))
+    ctrl, aux = controls_fwd(x, phase_dir, radial_dir, pa, ra, pos)
+    y, h, states = _LAUNCH[cfg["backend"]][0](x, ctrl, modes, h0, save, cfg)
+    return y, h, ctrl, aux, modes, states
+
+
+def _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh, cfg):
+    """(dx, d phase_dir, d radial_dir, d amplitudes [2], d (nu_log, theta_log) [M, 2],
+    d h0 [B, M, 2]) in the accumulation dtype (dx in x's)."""
+    dy = dy.contiguous()
+    dh = None if dh is None else dh.contiguous()
+    dxw, dpart, ppart, dh0 = _LAUNCH[cfg["backend"]][1](x, dy, ctrl, modes, states, dh, cfg)
+    dx, dpd, drd, damp, dmode = controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra)
+    return dx, dpd, drd, damp, dmode, dh0
+
+
+def _param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log):
+    return (dpd.to(phase_dir.dtype), drd.to(radial_dir.dtype), damp[0:1], damp[1:2],
+            dmode[:, 0].to(nu_log.dtype), dmode[:, 1].to(theta_log.dtype))
+
+
+class SamuFunction(torch.autograd.Function):
+    """SAMU through the launchers `cfg` names; pa, ra: [1] amplitude tensors in the
+    accumulation dtype; h0: the initial state as [B, M, 2] or None."""
+
+    @staticmethod
+    def forward(ctx, x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, cfg):
+        save = any(ctx.needs_input_grad)
+        y, h, ctrl, aux, modes, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0,
+                                                  save, cfg)
+        if save:
+            ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states)
+            ctx.cfg, ctx.has_h0 = cfg, h0 is not None
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        no_double_backward()
+        x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
+        dx, dpd, drd, damp, dmode, dh0 = _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy,
+                                                   dh, ctx.cfg)
+        return (dx, *_param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log), None,
+                dh0 if ctx.has_h0 else None, None)
+
+
+@torch.library.custom_op("kernels::samu_fwd", mutates_args=())
+def samu_fwd(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: Tensor, nu_log: Tensor,
+             theta_log: Tensor, pos: Optional[Tensor], h0: Optional[Tensor], save: bool,
+             spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    y, h, ctrl, aux, modes, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
+                                              cfg_of(spec))
+    return y, h, ctrl, aux, modes, (states if save else h.new_empty(0))
+
+
+@samu_fwd.register_fake
+def _(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec):
+    B, T, D = x.shape
+    M, acc = D // 2, acc_dtype(x.dtype)
+    states = fused_recurrent.saved_shape(cfg_of(spec), B, T, M) if save else (0,)
+    return (torch.empty_like(x), x.new_empty(B, M, 2, dtype=acc), x.new_empty(B * T, 4, dtype=acc),
+            x.new_empty(B * T, 2, dtype=acc), x.new_empty(M, 8, dtype=acc), x.new_empty(states, dtype=acc))
+
+
+@torch.library.custom_op("kernels::samu_bwd", mutates_args=())
+def samu_bwd(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: Tensor, ctrl: Tensor, aux: Tensor,
+             modes: Tensor, states: Tensor, dy: Tensor, dh: Optional[Tensor],
+             spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh, cfg_of(spec))
+
+
+@samu_bwd.register_fake
+def _(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh, spec):
+    B, T, D = x.shape
+    M, acc = D // 2, acc_dtype(x.dtype)
+    return (torch.empty_like(x), x.new_empty(D + 1, dtype=acc), x.new_empty(D + 1, dtype=acc),
+            x.new_empty(2, dtype=acc), x.new_empty(M, 2, dtype=acc), x.new_empty(B, M, 2, dtype=acc))
+
+
+def _setup_context(ctx, inputs, output):
+    x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec = inputs
+    ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, *output[2:])
+    ctx.spec, ctx.has_h0 = spec, h0 is not None
+
+
+def _op_backward(ctx, dy, dh, *_):
+    x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
+    dy = torch.zeros_like(x) if dy is None else dy
+    dx, dpd, drd, damp, dmode, dh0 = torch.ops.kernels.samu_bwd(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes,
+                                                                states, dy, dh, ctx.spec)
+    return (dx, *_param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log), None,
+            dh0 if ctx.has_h0 else None, None, None)
+
+
+torch.library.register_autograd("kernels::samu_fwd", _op_backward, setup_context=_setup_context)
+
+
+def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
+         initial_state, output_final_state, opts):
+    cfg = _config(backend, tuple(sorted(opts.items())))
+    acc = acc_dtype(x.dtype)
+    pa = scalar_param(phase_amp, x.device, acc)
+    ra = scalar_param(radial_amp, x.device, acc)
+    # a conjugate view (h.conj()) has no real view for the kernels: materialise it
+    h0 = None if initial_state is None else torch.view_as_real(initial_state.resolve_conj())
+    args = (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*args, h0))
+    if torch.compiler.is_compiling():
+        y, h, *_ = torch.ops.kernels.samu_fwd(*args, segment_pos, h0, grad, spec_of(cfg))
+    elif grad:
+        y, h = SamuFunction.apply(*args, segment_pos, h0, cfg)
+    else:       # the prefill: no states kept
+        y, h, *_ = _forward(*args, segment_pos, h0, False, cfg)
+    # torch.complex, not a complex view: the backward of view_as_complex cannot take the
+    # cotangent of h.conj() (a conjugate view has no real view); [B, M], one small copy
+    return y, (torch.complex(h[..., 0], h[..., 1]) if output_final_state else None)
+
+
+def fused_recurrent_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
+                         initial_state=None, output_final_state=False, **opts):
+    """Serial SAMU (reference signature). x: [B, T, D], D = 2M; returns (y [B, T, D],
+    final state [B, M] complex or None). Options fused_recurrent.OPTIONS: chunk_size
+    (tile and checkpoint length, 8..64, default 32), block_m, num_warps."""
+    return _run("serial", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
+                initial_state, output_final_state, opts)
+
+
+def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
+               initial_state=None, output_final_state=False, **opts):
+    """Two-level chunked SAMU (reference signature); options as fused_recurrent_samu's:
+    chunk_size K in 8, 16, 32, 64 (default 16), block_m modes per program, num_warps
+    (None: block_m // 32, one mode per thread; fewer: several adjacent modes per thread)."""
+    return _run("chunk", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
+                initial_state, output_final_state, opts)

@@ -1,0 +1,95 @@
+"""What every Triton kernel module shares: the interpreter switch, the accumulation
+dtype rule, BF16 round-to-nearest-even under the interpreter, output allocation
+(NaN-poisoned in tests) and launch-parameter checks.
+
+- Accumulation: FP32 for BF16/FP16/FP32 tensors, float64 for float64 ones.
+- Triton's CPU interpreter (TRITON_INTERPRET=1, read once at import) truncates
+  FP32 -> BF16 where the GPU rounds to nearest even; kernels receive RNE=INTERPRET and
+  round by hand (`out`, `rne_bf16`), so CPU tests judge the arithmetic the GPU runs.
+- `poisoned()` (tests; or KERNELS_POISON=1) allocates every kernel output filled with
+  NaN, so an element a kernel fails to write cannot pass a comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_chunk_size  # noqa: F401 (the one chunk_size check, for the kernel modules)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_POISON = [os.environ.get("KERNELS_POISON", "") == "1"]
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Allocate every kernel output filled with NaN inside the block."""
+    _POISON.append(True)
+    try:
+        yield
+    finally:
+        _POISON.pop()
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    if _POISON[-1]:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def check_pow2(name: str, value, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"expected {name} to be a power of two in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def spec_of(cfg: dict) -> str:
+    """A launch configuration (str, int and bool values) as the string a custom op
+    carries ("BD=64,backend=serial,..."; plain string formatting, which torch.compile
+    traces)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(cfg.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def cfg_of(spec: str) -> dict:
+    """The configuration of spec_of's string."""
+    out = {}
+    for item in spec.split(","):
+        k, v = item.split("=", 1)
+        out[k] = v == "True" if v in ("True", "False") else int(v) if v.lstrip("-").isdigit() else v
+    return out
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def rne_bf16(v):
+    """FP32 v rounded to the nearest BF16 (ties to even), returned as FP32."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def out(v, ptr, RNE: tl.constexpr):
+    """v cast to ptr's element type for a store; RNE: BF16 rounded to nearest even by
+    hand (the truncating conversion then keeps the already rounded value)."""
+    ty = ptr.dtype.element_ty
+    if RNE and ty == tl.bfloat16:
+        v = rne_bf16(v.to(tl.float32))
+    return v.to(ty)
