@@ -152,9 +152,7 @@ def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
         y, h = SamuFunction.apply(*args, segment_pos, h0, cfg)
     else:       # the prefill: no states kept
         y, h, *_ = _forward(*args, segment_pos, h0, False, cfg)
-    # torch.complex, not a complex view: the backward of view_as_complex cannot take the
-    # cotangent of h.conj() (a conjugate view has no real view); [B, M], one small copy
-    return y, (torch.complex(h[..., 0], h[..., 1]) if output_final_state else None)
+    return y, (torch.view_as_complex(h) if output_final_state else None)
 
 
 def fused_recurrent_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
