@@ -472,18 +472,24 @@ def _rglru_outputs(fn, inputs, grad=True):
     if not grad:
         return [y, h]
     g = torch.Generator().manual_seed(1)
-    wy, wh = (torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) for t in (y, h))
+    wy, wh = (torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device, t.dtype) for t in (y, h))
     return [y, h, *torch.autograd.grad((y * wy).sum() + (h * wh).sum(), leaves)]
 
 
 @pytest.mark.parametrize("a_param", [-10.0, -12.0])
 def test_long_memory_precision_of_every_rglru_backend(a_param):
-    # a_param -10 / -12: a = exp(-8 sigmoid(gate_a) softplus(a_param)) within ~1e-4 of 1, where
-    # 1 - a^2 from the rounded a keeps few digits. FP32 kernels stay within 2x of the FP32
-    # reference's own error (both against float64) in y, h and every gradient.
+    check_long_memory_precision(a_param, "cpu")
+
+
+def check_long_memory_precision(a_param, device):
+    """a_param -10 / -12: a = exp(-8 sigmoid(gate_a) softplus(a_param)) within ~1e-4 of 1,
+    where 1 - a^2 from the rounded a keeps few digits. FP32 kernels stay within 2x of the
+    FP32 reference's own error (both against float64) in y, h and every gradient, and in
+    the decode step (test_rglru_gpu runs this on the GPU)."""
     torch.manual_seed(9)
     B, T, D = 2, 21, 12
     inputs = [torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(B, T, D), torch.full((D,), a_param)]
+    inputs = [t.to(device) for t in inputs]
     names = ["y", "h", "dx", "dgate_x", "dgate_a", "da_param"]
     fns = kernels.backends("rglru")
     for grad in (True, False):                 # without gradient serial runs other (tile) kernels
@@ -494,8 +500,8 @@ def test_long_memory_precision_of_every_rglru_backend(a_param):
             for n, g, w, r in zip(names, got, want, ref):
                 assert parity.rel_err(g, w) <= 2 * r, (backend, grad, n, parity.rel_err(g, w), r)
     # The decode step's multiplier sqrt(1 - a^2).
-    s = _step_inputs("rglru", B=2, D=12)
-    s["a_param"] = torch.full((12,), a_param)
+    s = {n: t.to(device) for n, t in _step_inputs("rglru", B=2, D=12).items()}
+    s["a_param"] = torch.full((12,), a_param, device=device)
     s64 = {n: t.double() for n, t in s.items()}
     want = kernels.rglru_step(**s64, backend="reference")
     ref = parity.rel_err(kernels.rglru_step(**{**s, "state": s["state"].clone()}, backend="reference"), want)
