@@ -4,7 +4,7 @@ The stage helper (workflow/scripts/common/stage.py) calls `run` for every stage
 when `container.runtime` is docker. The repository is mounted read-only at its
 own path and `results/` read-write on top of it, the command runs as the host
 user (so results stay owned by whoever ran the pipeline), every GPU of the host
-is requested when there is one, and no network is attached (a stage fetches
+(or the listed ones) is requested when there is one, and no network is attached (a stage fetches
 nothing). Works with any engine that speaks the
 Docker API (DOCKER_HOST=unix:///run/podman/podman.sock for podman).
 
@@ -22,9 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(image: str, command: list[str], *, repo: str | os.PathLike = REPO_ROOT, results: str | os.PathLike | None = None,
-        env: dict | None = None, gpus: bool = False, stream=None) -> int:
+        env: dict | None = None, gpus: bool | list[str] = False, stream=None) -> int:
     """Run `command` in a fresh container of `image`, stream its output to
-    `stream` (default stdout) and return its exit status."""
+    `stream` (default stdout) and return its exit status. `gpus`: True for every
+    GPU of the host, a list for those device indices (or UUIDs) only."""
     import docker
     from docker.types import DeviceRequest
 
@@ -43,7 +44,8 @@ def run(image: str, command: list[str], *, repo: str | os.PathLike = REPO_ROOT, 
         working_dir=str(repo),
         volumes={str(repo): {"bind": str(repo), "mode": "ro"}, str(results): {"bind": str(results), "mode": "rw"}},
         environment={"HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})},
-        device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])] if gpus else None,
+        device_requests=[DeviceRequest(device_ids=list(gpus), capabilities=[["gpu"]]) if isinstance(gpus, list)
+                         else DeviceRequest(count=-1, capabilities=[["gpu"]])] if gpus else None,
         ipc_mode="host" if gpus else None,
         network_mode="none",
     )

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,3 +46,20 @@ def env() -> dict:
 
 def snakemake(cwd: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env())
+
+
+def run_and_kill(cwd: Path, args: list[str], when, timeout: float):
+    """Start `snakemake args` in `cwd` and SIGKILL its whole process group (a lost
+    node: no clean-up at all) as soon as `when(cwd)` returns something other than
+    None. Returns (that value or None if the run ended first, the run's output)."""
+    proc = subprocess.Popen([*SNAKEMAKE, *args], cwd=cwd, env=env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + timeout
+    found = None
+    while time.time() < deadline and proc.poll() is None:
+        found = when(cwd)
+        if found is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    return found, proc.communicate(timeout=60)[0]

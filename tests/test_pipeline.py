@@ -131,7 +131,13 @@ def test_dockerfile_lints():
                          cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     text = (REPO / "containers" / "Dockerfile").read_text()
-    assert re.search(r"FROM \$\{BASE_IMAGE\}", text) and re.search(r"@sha256:[0-9a-f]{64}", text)
+    assert re.search(r"FROM \$\{BASE_IMAGE\}", text) and re.search(r"pip install .*--require-hashes.*requirements\.lock", text)
+    # every package of the lock is pinned to a version and to the hashes of its files
+    lock = (REPO / "containers" / "requirements.lock").read_text()
+    blocks = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)((?: \\\n +--hash=sha256:[0-9a-f]{64})+)", lock, re.M)
+    names = re.findall(r"^[A-Za-z0-9_.-]+", lock, re.M)
+    assert len(blocks) == len(names) > 100 and {"torch", "triton"} <= set(names)
+    assert dict((n, v) for n, v, _ in blocks)["triton"] == "3.6.0"
 
 
 # ---- profiles -----------------------------------------------------------------
@@ -432,6 +438,11 @@ def test_recovery_clears_a_killed_runs_leftovers(tmp_path):
     assert recovery.is_snakemake(["/x/.venv/bin/python", "-m", "snakemake", "--cores", "1"])
     assert recovery.is_snakemake(["/usr/bin/python3", "/x/bin/snakemake", "all"])
     assert not recovery.is_snakemake(["python", "/x/.snakemake/scripts/tmpab12.probe.py"])
+    # a job of a cluster run: never the controller, never clears anything
+    for argv in (["python", "-m", "snakemake", "--mode", "remote", "--nolock", "all"],
+                 ["snakemake", "--mode=subprocess", "all"]):
+        assert not recovery.executes(argv) and recovery.job_mode(argv), argv
+    assert not recovery.job_mode(["snakemake", "--mode", "default", "all"])
 
     smk = tmp_path / ".snakemake"
     (smk / "locks").mkdir(parents=True)
@@ -446,7 +457,7 @@ def test_recovery_clears_a_killed_runs_leftovers(tmp_path):
     (smk / "incomplete" / base64.urlsafe_b64encode(b"results/tune/tuning.json").decode()).write_text("")
     (smk / "incomplete" / base64.urlsafe_b64encode(b"results/tune/missing.jsonl").decode()).write_text("")
     done = recovery.recover(tmp_path)
-    assert done == {"locks": ["0.input.lock"], "outputs": ["results/tune/tuning.json"]}
+    assert done == {"locks": ["0.input.lock"], "outputs": ["results/tune/tuning.json"], "jobs": []}
     assert not out.exists() and kept.exists()
     assert not list((smk / "locks").iterdir()) and not list((smk / "incomplete").iterdir())
-    assert recovery.recover(tmp_path) == {"locks": [], "outputs": []}
+    assert recovery.recover(tmp_path) == {"locks": [], "outputs": [], "jobs": []}

@@ -5,18 +5,15 @@ and a tampered copy does not; and a deliberately failing gate stops the
 pipeline before any timing stage."""
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
 
-from pipeline_util import SNAKEMAKE, copy_repo, env, snakemake
+from pipeline_util import copy_repo, run_and_kill, snakemake
 
 from common import records  # noqa: E402
 
@@ -41,17 +38,7 @@ def _mid_stage(repo: Path):
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     repo = copy_repo(tmp_path_factory.mktemp("smoke"))
-    proc = subprocess.Popen([*SNAKEMAKE, *COMMAND], cwd=repo, env=env(), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 600
-    killed_in = None
-    while time.time() < deadline and proc.poll() is None:
-        killed_in = _mid_stage(repo)
-        if killed_in is not None:
-            os.killpg(proc.pid, signal.SIGKILL)  # a lost node: no clean-up at all
-            break
-        time.sleep(0.2)
-    first_out = proc.communicate(timeout=60)[0]
+    killed_in, first_out = run_and_kill(repo, COMMAND, _mid_stage, timeout=600)
     assert killed_in is not None, f"the run ended before any measuring stage wrote a record:\n{first_out[-3000:]}"
     before = {
         "early": {p: (repo / p).stat().st_mtime_ns for p in EARLY_OUTPUTS if (repo / p).exists()},

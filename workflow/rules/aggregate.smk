@@ -37,6 +37,10 @@ rule aggregate:
         log_path("aggregate"),
     benchmark:
         benchmark_path("aggregate")
+    resources:
+        gpu=stage_resource("aggregate", "gpu"),
+        mem_mb=stage_resource("aggregate", "mem_mb"),
+        runtime=stage_resource("aggregate", "runtime"),
     params:
         profile=PROFILE,
     script:

@@ -11,6 +11,10 @@ rule archive:
         log_path("archive"),
     benchmark:
         benchmark_path("archive")
+    resources:
+        gpu=stage_resource("archive", "gpu"),
+        mem_mb=stage_resource("archive", "mem_mb"),
+        runtime=stage_resource("archive", "runtime"),
     params:
         profile=PROFILE,
         image=config["container"]["image"],

@@ -16,6 +16,10 @@ rule audit:
         log_path("audit"),
     benchmark:
         benchmark_path("audit")
+    resources:
+        gpu=stage_resource("audit", "gpu"),
+        mem_mb=stage_resource("audit", "mem_mb"),
+        runtime=stage_resource("audit", "runtime"),
     params:
         profile=PROFILE,
         settings=section("audit"),

@@ -40,16 +40,19 @@ print(cost.summary(PROFILE, PROFILE_CONFIG), file=sys.stderr)
 try:
     config_check.require_device(PROFILE, PROFILE_CONFIG, _GPUS)
 except ValueError as e:
-    if executes(sys.argv):
+    # The controller of a cluster run (--jobs for an executor that sends every job
+    # elsewhere: resource_settings.nodes) needs no GPU: its jobs run on GPU nodes.
+    if executes(sys.argv) and workflow.resource_settings.nodes is None:
         raise WorkflowError(str(e)) from None
     print(f"warning: {e}", file=sys.stderr)
 
 
 if executes(sys.argv):
     _recovered = recover(Path.cwd())
-    if _recovered["locks"] or _recovered["outputs"]:
+    if any(_recovered.values()):
         print(
             f"Resuming a killed run: released locks {_recovered['locks']}, "
+            f"cancelled SLURM jobs {_recovered['jobs']}, "
             f"removed incomplete outputs {_recovered['outputs']}.",
             file=sys.stderr,
         )
@@ -113,6 +116,37 @@ def log_path(rule):
 
 def benchmark_path(rule):
     return f"results/benchmarks/{rule}.tsv"
+
+
+# What each stage's job needs: whether it measures on a GPU (one whole GPU, `gpu`),
+# host memory (`mem_mb`) and wall time in minutes (`runtime`). On a cluster every
+# stage is a SLURM job asking for these (workflow/profiles/slurm). On one node `gpu`
+# counts against `--resources gpu=N`; without it N is 1, so that one GPU stage runs
+# at a time (README, "Several GPUs"). The GPU profiles' figures; cpu-smoke needs
+# no GPU and little memory.
+if "gpu" not in workflow.global_resources:
+    workflow.register_resource("gpu", 1)
+STAGE_RESOURCES = {
+    "probe": {"gpu": 1, "mem_mb": 16000, "runtime": 30},
+    "audit": {"gpu": 1, "mem_mb": 32000, "runtime": 60},
+    "tune": {"gpu": 1, "mem_mb": 32000, "runtime": 240},
+    "track": {"gpu": 1, "mem_mb": 64000, "runtime": 480},
+    "track_fsdp": {
+        "gpu": PROFILE_CONFIG["train"].get("world_size", 1),
+        "mem_mb": 128000,
+        "runtime": 480,
+    },
+    "aggregate": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
+    "archive": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
+}
+SMOKE_RESOURCES = {"gpu": 0, "mem_mb": 2000, "runtime": 30}
+
+
+def stage_resource(stage, name):
+    """One resource of a stage's job in the active profile (see STAGE_RESOURCES)."""
+    if PROFILE_CONFIG["audit"]["device"] == "cpu":
+        return SMOKE_RESOURCES[name]
+    return STAGE_RESOURCES[stage][name]
 
 
 def section(name):

@@ -9,6 +9,10 @@ rule probe:
         log_path("probe"),
     benchmark:
         benchmark_path("probe")
+    resources:
+        gpu=stage_resource("probe", "gpu"),
+        mem_mb=stage_resource("probe", "mem_mb"),
+        runtime=stage_resource("probe", "runtime"),
     params:
         profile=PROFILE,
         settings=section("probe"),

@@ -9,6 +9,10 @@ rule track_scan:
         log_path("track_scan"),
     benchmark:
         benchmark_path("track_scan")
+    resources:
+        gpu=stage_resource("track", "gpu"),
+        mem_mb=stage_resource("track", "mem_mb"),
+        runtime=stage_resource("track", "runtime"),
     params:
         profile=PROFILE,
         section="scan",
@@ -29,6 +33,10 @@ rule track_train:
         log_path("track_train"),
     benchmark:
         benchmark_path("track_train")
+    resources:
+        gpu=stage_resource("track", "gpu"),
+        mem_mb=stage_resource("track", "mem_mb"),
+        runtime=stage_resource("track", "runtime"),
     params:
         profile=PROFILE,
         section="train",
@@ -49,6 +57,10 @@ rule track_train_fsdp:
         log_path("track_train_fsdp"),
     benchmark:
         benchmark_path("track_train_fsdp")
+    resources:
+        gpu=stage_resource("track_fsdp", "gpu"),
+        mem_mb=stage_resource("track_fsdp", "mem_mb"),
+        runtime=stage_resource("track_fsdp", "runtime"),
     params:
         profile=PROFILE,
         section="train",
@@ -69,6 +81,10 @@ rule track_infer:
         log_path("track_infer"),
     benchmark:
         benchmark_path("track_infer")
+    resources:
+        gpu=stage_resource("track", "gpu"),
+        mem_mb=stage_resource("track", "mem_mb"),
+        runtime=stage_resource("track", "runtime"),
     params:
         profile=PROFILE,
         section="infer",
@@ -91,6 +107,10 @@ rule track_ops:
         log_path("track_ops"),
     benchmark:
         benchmark_path("track_ops")
+    resources:
+        gpu=stage_resource("track", "gpu"),
+        mem_mb=stage_resource("track", "mem_mb"),
+        runtime=stage_resource("track", "runtime"),
     params:
         profile=PROFILE,
         section="ops",

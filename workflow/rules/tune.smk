@@ -13,6 +13,10 @@ rule tune:
         log_path("tune"),
     benchmark:
         benchmark_path("tune")
+    resources:
+        gpu=stage_resource("tune", "gpu"),
+        mem_mb=stage_resource("tune", "mem_mb"),
+        runtime=stage_resource("tune", "runtime"),
     params:
         profile=PROFILE,
         section="tune",

@@ -11,6 +11,12 @@ belong to a live run, so the locks are released and the outputs marked
 incomplete are deleted, which makes Snakemake run their jobs again.
 Configurations finished inside a stage live in records.d, which is never a
 declared output, so they survive.
+
+On a SLURM cluster the killed controller's jobs outlive it. The next controller
+cancels them (`scancel`) before it submits anything, so that a stage never runs
+twice at once (two writers, and two timing jobs competing for a node). The
+Snakemake processes inside jobs (`--mode remote` or `subprocess`) never take
+locks and never clear anything.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 
@@ -28,9 +37,19 @@ def is_snakemake(cmdline: list[str]) -> bool:
     return any(a == "-m" and b == "snakemake" for a, b in zip(head, head[1:]))
 
 
+def job_mode(argv: list[str]) -> bool:
+    """Whether a snakemake command line is one job run for a controller (the
+    `--mode remote` / `--mode subprocess` that executors start)."""
+    for a, b in zip(argv, [*argv[1:], ""]):
+        mode = a.split("=", 1)[1] if a.startswith("--mode=") else b if a == "--mode" else None
+        if mode is not None and mode != "default":
+            return True
+    return False
+
+
 def other_runs(workdir: Path) -> list[int]:
-    """PIDs of Snakemake processes, other than this one and its ancestors, whose
-    working directory is `workdir`."""
+    """PIDs of controlling Snakemake processes (not jobs of one), other than this
+    one and its ancestors, whose working directory is `workdir`."""
     import psutil
 
     me = psutil.Process()
@@ -39,7 +58,8 @@ def other_runs(workdir: Path) -> list[int]:
     for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
         try:
             info = p.info
-            if info["pid"] in mine or not info["cmdline"] or not is_snakemake(info["cmdline"]):
+            cmdline = info["cmdline"]
+            if info["pid"] in mine or not cmdline or not is_snakemake(cmdline) or job_mode(cmdline):
                 continue
             if info["cwd"] and Path(info["cwd"]).resolve() == workdir.resolve():
                 found.append(info["pid"])
@@ -58,7 +78,10 @@ NON_EXECUTING = (
 
 def executes(argv: list[str]) -> bool:
     """Whether a snakemake command line runs jobs (not a dry run, lint, graph,
-    report or listing), so that clearing a killed run's leftovers is its business."""
+    report or listing) as the controller (not as one job of a cluster run), so that
+    clearing a killed run's leftovers is its business."""
+    if job_mode(argv):
+        return False
     for a in argv[1:]:
         if a in ("-n", "-l") or a.split("=", 1)[0] in NON_EXECUTING or a.startswith("--list"):
             return False
@@ -82,14 +105,49 @@ def incomplete_outputs(workdir: Path) -> dict[Path, Path]:
     return out
 
 
+def slurm_jobs(workdir: Path) -> list[str]:
+    """IDs of this user's queued or running SLURM jobs that Snakemake's SLURM
+    executor submitted (comment `rule_<name>...`) from `workdir`; [] without SLURM."""
+    if shutil.which("squeue") is None:
+        return []
+    out = subprocess.run(["squeue", "--me", "--noheader", "--format=%i|%Z|%k"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return []
+    jobs = []
+    for line in out.stdout.splitlines():
+        job_id, _, rest = line.strip().partition("|")
+        job_dir, _, comment = rest.partition("|")
+        if comment.startswith("rule_") and job_dir and Path(job_dir).resolve() == workdir.resolve():
+            jobs.append(job_id)
+    return jobs
+
+
+def cancel_slurm_jobs(workdir: Path, timeout_s: float = 120) -> list[str]:
+    """Cancel the jobs `slurm_jobs` finds and wait until they have left the queue."""
+    jobs = slurm_jobs(workdir)
+    if not jobs:
+        return []
+    subprocess.run(["scancel", *jobs], check=True, timeout=60)
+    deadline = time.monotonic() + timeout_s
+    while set(jobs) & set(slurm_jobs(workdir)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"SLURM jobs {jobs} of a killed run are still in the queue {timeout_s:.0f} s after scancel")
+        time.sleep(1)
+    return jobs
+
+
 def recover(workdir: str | os.PathLike) -> dict[str, list[str]]:
-    """Release stale locks and delete outputs a killed run left marked incomplete,
-    unless another Snakemake run works in `workdir`. Returns what was done."""
+    """Release stale locks, cancel the killed run's SLURM jobs and delete outputs
+    it left marked incomplete, unless another Snakemake run works in `workdir`.
+    Returns what was done."""
     workdir = Path(workdir)
     locks = sorted((workdir / ".snakemake" / "locks").glob("*.lock"))
     incomplete = incomplete_outputs(workdir)
     if not (locks or incomplete) or other_runs(workdir):
-        return {"locks": [], "outputs": []}
+        return {"locks": [], "outputs": [], "jobs": []}
+    # Cancelled first: a job still running could write an output after it is deleted.
+    jobs = cancel_slurm_jobs(workdir)
     for p in locks:
         p.unlink(missing_ok=True)
     removed = []
@@ -98,4 +156,4 @@ def recover(workdir: str | os.PathLike) -> dict[str, list[str]]:
             output.unlink()
             removed.append(os.path.relpath(output, workdir))
         marker.unlink(missing_ok=True)
-    return {"locks": [p.name for p in locks], "outputs": removed}
+    return {"locks": [p.name for p in locks], "outputs": removed, "jobs": jobs}

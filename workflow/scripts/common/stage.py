@@ -29,7 +29,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import atomic
+from . import atomic, devices
 from .facts import REPO_ROOT
 
 IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
@@ -62,6 +62,7 @@ class Job:
     log: str | None = None
     wildcards: dict = field(default_factory=dict)
     threads: int = 1
+    gpus: int = 0  # the rule's `gpu` resource
 
     @property
     def profile(self) -> str:
@@ -91,6 +92,7 @@ class Job:
             log=str(smk.log[0]) if len(smk.log) else None,
             wildcards={k: str(v) for k, v in smk.wildcards.items()},
             threads=int(smk.threads),
+            gpus=int(smk.resources.get("gpu", 0)),
         )
 
     def to_json(self) -> dict:
@@ -160,6 +162,19 @@ def docker_runner():
     return mod
 
 
+def pin_gpu(job: Job) -> None:
+    """Give a GPU stage its devices (common/devices.py) and log which."""
+    if job.gpus < 1:
+        return
+    from .profile import gpu_names
+
+    claimed = devices.claim_gpus(REPO_ROOT / "results" / ".tmp" / "gpus", len(gpu_names()), job.gpus)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        how = "claimed" if claimed is not None else "given by the environment"
+        print(f"[stage] {job.rule} runs on GPU {visible!r} (CUDA_VISIBLE_DEVICES, {how})", flush=True)
+
+
 def _run_in_docker(job: Job) -> None:
     from .profile import gpu_names
 
@@ -175,7 +190,7 @@ def _run_in_docker(job: Job) -> None:
         repo=REPO_ROOT,
         results=results,
         env={IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ}},
-        gpus=bool(gpu_names()),
+        gpus=visible.split(",") if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) else bool(gpu_names()),
     )
     job_file.unlink(missing_ok=True)
     if status != 0:
@@ -195,6 +210,7 @@ def run(main, snakemake=None) -> None:
     job = Job.from_snakemake(snakemake, _script_path(snakemake))
     with log_to(job.log):
         try:
+            pin_gpu(job)
             if job.config["container"]["runtime"] == "docker" and not os.environ.get(IN_CONTAINER):
                 _run_in_docker(job)
             else:
