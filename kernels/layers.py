@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .ops.checks import check_segment_pos, check_tensor, shape_str, state_dtype
+from .ops.checks import check_segment_pos, check_tensor, no_grad_inputs, shape_str, state_dtype
 
 MIXERS = ("rglru", "samu")
 
@@ -366,7 +366,12 @@ class RecurrentBlock(nn.Module):
         return out, (RecurrentCache(conv_state, rnn_state) if return_cache else None)
 
     def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None) -> torch.Tensor:
-        """One token. x: [B, D]; cache updated in place; reset: [B] bool. Returns [B, D]."""
+        """One token. x: [B, D]; cache updated in place; reset: [B] bool. Returns [B, D].
+        With a Triton mixer step (no backward) an input or parameter that requires grad
+        under grad mode raises ValueError before any cache tensor changes."""
+        step = self.mixer.step_backend
+        if torch.is_grad_enabled() and not ops.step_has_backward(self.mixer_name, step, x.device):
+            no_grad_inputs(ops.Backend.of(step).name, x=x, **dict(self.named_parameters()))
         y = gelu(self.linear_y(x))
         xb = self.conv_1d.step(self.linear_x(x), cache.conv_state, reset)
         xb = self.mixer.step(xb, cache.rnn_state, reset)

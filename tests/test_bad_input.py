@@ -409,3 +409,175 @@ def test_python_float_amplitudes_keep_float64():
         y = kernels.samu_step(x[:, 0], pd, rd, amp, amp, nu, th, s, backend=backend)
         y_t = kernels.samu_step(x[:, 0], pd, rd, amp_t, amp_t, nu, th, s_t, backend=backend)
         assert torch.equal(y, y_t) and torch.equal(s, s_t), backend
+
+
+# --- Edges: gradients through decode steps, long memory, conjugate cotangents, model arguments.
+
+
+def _step_inputs(op, B=3, D=8, H=2):
+    """Keyword inputs of one decode step (every tensor a leaf that does not require grad)."""
+    torch.manual_seed(7)
+    x = torch.randn(B, D)
+    if op == "rglru":
+        W = D // H
+        return dict(x=x, gate_x_w=torch.randn(H, W, W), gate_x_b=torch.randn(H, W), gate_a_w=torch.randn(H, W, W),
+                    gate_a_b=torch.randn(H, W), a_param=layers.rnn_param_init(torch.empty(D)),
+                    state=torch.randn(B, D))
+    names = ["phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log"]
+    p = dict(zip(names, [t.detach() for t in layers.SAMU(D)._params()]))
+    return dict(x=x, **p, state=torch.randn(B, D // 2, dtype=torch.complex64))
+
+
+STEP_FNS = {"rglru": kernels.rglru_step, "samu": kernels.samu_step}
+
+
+@pytest.mark.parametrize("op,backend", [("rglru", "fused"), ("samu", "fused"), ("samu", "row"), ("samu", "blocked")])
+def test_triton_decode_steps_refuse_inputs_that_require_grad(op, backend):
+    # The Triton steps have no backward: an input that requires grad under grad mode
+    # raises (its gradient would silently stay None); under no_grad the step runs.
+    good = _step_inputs(op)
+    want_state = good["state"].clone()
+    want = STEP_FNS[op](**{**good, "state": want_state}, backend=backend)
+    for n, t in good.items():
+        if not (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())):
+            continue
+        inputs = {**good, "state": good["state"].clone(), n: t.clone().requires_grad_()}
+        _raises(lambda: STEP_FNS[op](**inputs, backend=backend), n, "requires_grad", "no_grad", "reference")
+        with torch.no_grad():
+            y = STEP_FNS[op](**inputs, backend=backend)
+        assert torch.equal(y, want) and not y.requires_grad, n
+        assert torch.equal(inputs["state"], want_state), n
+
+
+@pytest.mark.parametrize("mixer,backend", [("rglru", "fused"), ("samu", "fused"), ("samu", "row"),
+                                           ("samu", "blocked")])
+def test_hawk_step_with_a_triton_step_refuses_gradients(mixer, backend):
+    torch.manual_seed(8)
+    m = HawkLM(HawkConfig.preset("tiny", mixer=mixer)).set_backend("reference", backend)
+    tokens, pos = torch.tensor([1, 2]), torch.tensor([0, 3])
+    cache = m.init_cache(2)
+    _raises(lambda: m.step(tokens, pos, cache), "requires_grad", "no_grad")
+    with torch.no_grad():
+        got = m.step(tokens, pos, cache)
+        want = m.set_backend("reference", "reference").step(tokens, pos, m.init_cache(2))
+    assert parity.rel_err(got, want) <= parity.BACKEND_TOL[torch.float32]
+
+
+def _rglru_outputs(fn, inputs, grad=True):
+    """y, the final state and (grad) the gradients of x, gate_x, gate_a, a_param of a
+    fixed random projection of both."""
+    leaves = [t.clone().requires_grad_(grad) for t in inputs]
+    with torch.set_grad_enabled(grad):
+        y, h = fn(*leaves, None, None, True)
+    if not grad:
+        return [y, h]
+    g = torch.Generator().manual_seed(1)
+    wy, wh = (torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device, t.dtype) for t in (y, h))
+    return [y, h, *torch.autograd.grad((y * wy).sum() + (h * wh).sum(), leaves)]
+
+
+@pytest.mark.parametrize("a_param", [-10.0, -12.0])
+def test_long_memory_precision_of_every_rglru_backend(a_param):
+    check_long_memory_precision(a_param, "cpu")
+
+
+def check_long_memory_precision(a_param, device):
+    """a_param -10 / -12: a = exp(-8 sigmoid(gate_a) softplus(a_param)) within ~1e-4 of 1,
+    where 1 - a^2 from the rounded a keeps few digits. FP32 kernels stay within 2x of the
+    FP32 reference's own error (both against float64) in y, h and every gradient, and in
+    the decode step (test_rglru_gpu runs this on the GPU)."""
+    torch.manual_seed(9)
+    B, T, D = 2, 21, 12
+    inputs = [torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(B, T, D), torch.full((D,), a_param)]
+    inputs = [t.to(device) for t in inputs]
+    names = ["y", "h", "dx", "dgate_x", "dgate_a", "da_param"]
+    fns = kernels.backends("rglru")
+    for grad in (True, False):                 # without gradient serial runs other (tile) kernels
+        want = _rglru_outputs(fns["reference"], [t.double() for t in inputs], grad)
+        ref = [parity.rel_err(g, w) for g, w in zip(_rglru_outputs(fns["reference"], inputs, grad), want)]
+        for backend in ("serial", "chunk"):
+            got = _rglru_outputs(fns[backend], inputs, grad)
+            for n, g, w, r in zip(names, got, want, ref):
+                assert parity.rel_err(g, w) <= 2 * r, (backend, grad, n, parity.rel_err(g, w), r)
+    # The decode step's multiplier sqrt(1 - a^2).
+    s = {n: t.to(device) for n, t in _step_inputs("rglru", B=2, D=12).items()}
+    s["a_param"] = torch.full((12,), a_param, device=device)
+    s64 = {n: t.double() for n, t in s.items()}
+    want = kernels.rglru_step(**s64, backend="reference")
+    ref = parity.rel_err(kernels.rglru_step(**{**s, "state": s["state"].clone()}, backend="reference"), want)
+    got = kernels.rglru_step(**{**s, "state": s["state"].clone()}, backend="fused")
+    assert parity.rel_err(got, want) <= 2 * ref, (parity.rel_err(got, want), ref)
+
+
+@pytest.mark.parametrize("backend", ["reference", "serial", "chunk"])
+def test_samu_gradient_through_the_conjugate_final_state(backend):
+    torch.manual_seed(10)
+    p = [t.detach() for t in layers.SAMU(4)._params()]
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    w = torch.randn(2, 2, dtype=torch.complex64)
+    h0 = torch.randn(2, 2, dtype=torch.complex64, requires_grad=True)
+    grads = []
+    for conj in (True, False):
+        _, h = kernels.samu(x, *p, initial_state=h0, output_final_state=True, backend=backend)
+        # Re(conj(h) w) = Re(h conj(w)): the same loss with and without a pending conjugation.
+        loss = (h.conj() * w).real.sum() if conj else (h * w.conj()).real.sum()
+        grads.append(torch.autograd.grad(loss, [x, h0]))
+    for g, g_plain in zip(*grads):
+        assert torch.allclose(g, g_plain, rtol=1e-6, atol=1e-7)
+    _, h = kernels.samu(x, *p, initial_state=h0, output_final_state=True, backend=backend)
+    torch.autograd.grad(h.conj().real.sum() + (h.conj() * w).imag.sum(), [x, h0])
+
+
+def test_chunk_size_one_range_checked_once():
+    x = torch.randn(1, 8, 4)
+    xg = x.clone().requires_grad_()
+    p = _samu_params(4)
+    for backend in ("serial", "chunk"):
+        for cs in (12, 128, 4, 0, -8, 8.0, True, "16", None.__class__):
+            for call in (lambda: kernels.rglru(x, x, x, torch.zeros(4), backend=backend, chunk_size=cs),
+                         lambda: kernels.rglru(xg, x, x, torch.zeros(4), backend=backend, chunk_size=cs),
+                         lambda: kernels.scan(x.abs(), x, backend=backend, chunk_size=cs),
+                         lambda: kernels.samu(x, *p, backend=backend, chunk_size=cs),
+                         lambda: kernels.rglru(x, x, x, torch.zeros(4), backend="auto", chunk_size=cs)):
+                msg = _raises(call, "chunk_size", "[8, 16, 32, 64]", repr(cs))
+                assert "block_t" not in msg
+        # one range with and without gradients (serial runs other kernels without)
+        y = kernels.rglru(x, x, x, torch.zeros(4), backend=backend, chunk_size=8)[0]
+        yg = kernels.rglru(xg, x, x, torch.zeros(4), backend=backend, chunk_size=8)[0]
+        assert parity.rel_err(yg, y) <= parity.BACKEND_TOL[torch.float32]
+        assert torch.autograd.grad(yg.sum(), xg)[0].shape == x.shape
+    # launchers called directly: the same check
+    for fn in (kernels.backends("rglru")["serial"], kernels.backends("samu")["chunk"]):
+        args = (x, x, x, torch.zeros(4)) if fn is kernels.backends("rglru")["serial"] else (x, *p)
+        _raises(lambda: fn(*args, chunk_size=16.0), "chunk_size", "16.0")
+
+
+def test_hawk_token_arguments(model):
+    V = model.config.vocab_size
+    tokens, pos = torch.zeros(2, 5, dtype=torch.int64), torch.arange(5).expand(2, 5)
+    cache = model.init_cache(2)
+    for bad, lo, hi in ((tokens + V, V, V), (tokens - 1, -1, -1)):
+        bad = bad.clone()
+        bad[0, 0] = 0
+        _raises(lambda: model(bad, pos), "tokens", f"[0, {V})", f"{lo}", f"{hi}")
+        _raises(lambda: model.step(bad[:, 1], pos[:, 1], cache), "tokens", f"[0, {V})")
+        _raises(lambda: model.generate(bad, 2), "prompt_tokens", f"[0, {V})")
+    for dt in (torch.uint8, torch.int16, torch.int8):
+        _raises(lambda: model(tokens.to(dt), pos), "tokens", "int64", str(dt))
+        _raises(lambda: model.step(tokens[:, 0].to(dt), pos[:, 0], cache), "tokens", str(dt))
+        _raises(lambda: model.generate(tokens.to(dt), 2), "prompt_tokens", str(dt))
+    model(tokens.int(), pos.int())                                      # int32 is taken
+    _raises(lambda: model(tokens, None), "segment_pos", "None")
+    _raises(lambda: model.step(tokens[:, 0], None, cache), "segment_pos", "None")
+    _raises(lambda: model(tokens[:, :0], pos[:, :0]), "tokens", "T >= 1", "[2, 0]")
+    _raises(lambda: model("ab", pos), "tokens", "Tensor", "str")
+
+
+def test_engine_prompts_that_are_not_token_ids(model):
+    from kernels.models.generation import Engine
+
+    eng = Engine(model, kernels="model")
+    _raises(lambda: eng.generate(["ab"], 3), "prompt 0", "integer token ids", "'ab'")
+    _raises(lambda: eng.generate([[1, 2], "ab"], 3), "prompt 1", "'ab'")
+    _raises(lambda: eng.generate([[1, 2]], 3, stop_tokens="x"), "stop_tokens", "'x'")
+    assert eng.generate([[1, 2]], 2).shape == (1, 2)

@@ -197,3 +197,11 @@ def test_step_cuda_graph():
         y_ref = reference.rglru_step(xs[i], *w, s_ref, resets[i])
         assert parity.rel_err(state, s_ref) <= parity.BACKEND_TOL[torch.float32]
         assert parity.rel_err(y_out, y_ref) <= 2.0 ** -8
+
+
+@pytest.mark.parametrize("a_param", [-10.0, -12.0])
+def test_long_memory_precision_on_the_gpu(a_param):
+    # 1 - a^2 near a = 1 through the GPU's exp and log (test_bad_input runs it on the interpreter)
+    from test_bad_input import check_long_memory_precision
+
+    check_long_memory_precision(a_param, "cuda")

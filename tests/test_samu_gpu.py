@@ -150,3 +150,32 @@ def test_decode_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, y_eager) and torch.equal(state, state_eager)
+
+
+@pytest.mark.parametrize("backend", ["serial", "chunk"])
+def test_nan_propagates_as_in_the_reference(backend):
+    # relu(NaN) is NaN in torch.relu; a GPU max that returns the non-NaN operand gives 0.
+    # A NaN token in row 0 (every mode NaN from there) and a NaN mode of row 1's initial
+    # state (that mode alone): y, the final state and every gradient are NaN exactly where
+    # the reference's are, in the sequence op and in every decode step layout.
+    inputs = make_inputs(b=2, t=37, d=64, seed=5)
+    inputs["x"] = inputs["x"].float()
+    inputs["x"][0, 7, 3] = float("nan")
+    inputs["initial_state"][1, 5] = complex(float("nan"), 0.0)
+    outs = {}
+    for name, fn in (("reference", reference.samu), (backend, BACKENDS["samu"][backend])):
+        ts = [inputs[k].clone().requires_grad_() for k in NAMES]
+        y, h = fn(*ts[:7], None, ts[7], True)
+        grads = torch.autograd.grad(y.sum() + h.real.sum(), ts)
+        outs[name] = {"y": y, "h": h, **{f"d{k}": g for k, g in zip(NAMES, grads)}}
+    assert torch.isnan(outs["reference"]["y"][1]).any() and not torch.isnan(outs["reference"]["y"][1]).all()
+    for k, want in outs["reference"].items():
+        assert torch.equal(torch.isnan(outs[backend][k]), torch.isnan(want)), k
+    params = [inputs[k] for k in NAMES[1:7]]
+    x0 = inputs["x"][:, 7].contiguous()
+    s_ref = inputs["initial_state"].clone()
+    y_ref = reference.samu_step(x0, *params, s_ref)
+    for layout in ("fused", "row", "blocked"):
+        s = inputs["initial_state"].clone()
+        y = STEPS["samu"][layout](x0, *params, s)
+        assert torch.equal(torch.isnan(y), torch.isnan(y_ref)) and torch.equal(torch.isnan(s), torch.isnan(s_ref)), layout

@@ -123,9 +123,20 @@ def _is_int(t: torch.Tensor) -> bool:
     return is_integer_dtype(t.dtype)
 
 
+def _as_ids(v, name: str) -> torch.Tensor:
+    """torch.as_tensor of token ids given as a sequence, tensor or array; anything torch
+    cannot read as numbers (a string, a ragged list) raises ValueError naming `name`."""
+    if isinstance(v, (str, bytes)):
+        raise ValueError(f"expected {name} a sequence of integer token ids, got {v!r} ({type(v).__name__})")
+    try:
+        return torch.as_tensor(v)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"expected {name} a sequence of integer token ids, got {v!r} ({e})") from None
+
+
 def _token_list(tokens, name: str) -> list[int]:
     """Token ids given as a sequence, tensor or array -> a list of ints (no rounding)."""
-    t = torch.as_tensor(tokens)
+    t = _as_ids(tokens, name)
     if t.numel() == 0:
         return []
     if t.dim() > 1 or not _is_int(t):
@@ -262,7 +273,7 @@ class Engine:
                                  "carries its own lengths)")
             seqs = []
             for i, p in enumerate(prompts):
-                q = torch.as_tensor(p)
+                q = _as_ids(p, f"prompt {i}")
                 if q.numel() and (q.dim() != 1 or not _is_int(q)):
                     raise ValueError(f"expected prompt {i} a sequence of integer token ids, got "
                                      f"{shape_str(q)} {q.dtype}")

@@ -37,10 +37,25 @@ class HawkCache:
         return HawkCache([layers.RecurrentCache(c.conv_state.clone(), c.rnn_state.clone()) for c in self.layers])
 
 
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
 def _check_tokens(name, t, shape):
     check_tensor(name, t, shape=shape)
-    if not is_integer_dtype(t.dtype):
-        raise ValueError(f"expected {name} with an integer dtype, got {t.dtype}")
+    if t.dtype not in TOKEN_DTYPES:
+        kind = "an integer dtype the embedding does not take" if is_integer_dtype(t.dtype) else "not integer"
+        raise ValueError(f"expected {name} with dtype in {[str(d) for d in TOKEN_DTYPES]}, got {t.dtype} ({kind})")
+
+
+def _check_token_range(name, t, vocab_size):
+    """Token ids in [0, vocab_size) (reads two numbers back to the host; skipped while
+    torch.compile traces and under CUDA-graph capture, where no value can be read)."""
+    if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if t.numel():
+        lo, hi = (int(v) for v in t.aminmax())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"expected {name} (token ids) in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
 class HawkLM(nn.Module):
@@ -108,8 +123,9 @@ class HawkLM(nn.Module):
     def forward(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
         """tokens, segment_pos: [B, T] integer (segment_pos = position in the document,
-        0 at each document start); cache: state before these tokens (None = empty).
-        Returns (logits [B, T, V], cache after the tokens or None)."""
+        0 at each document start), T >= 1, tokens int64/int32 in [0, vocab_size); cache:
+        state before these tokens (None = empty). Returns (logits [B, T, V], cache after
+        the tokens or None)."""
         x, new = self.hidden(tokens, segment_pos, cache, return_cache)
         return self.logits(x), new
 
@@ -129,8 +145,12 @@ class HawkLM(nn.Module):
         """forward before the final norm and output projection: (x [B, T, D], cache)."""
         _check_tokens("tokens", tokens, (None, None))
         B, T = tokens.shape
+        if T < 1:
+            raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(tokens)}")
+        check_tensor("segment_pos", segment_pos, shape=(B, T))
         check_segment_pos(segment_pos, B, T)
         self._check_device(tokens=tokens, segment_pos=segment_pos)
+        _check_token_range("tokens", tokens, self.config.vocab_size)
         if cache is not None:
             self._check_cache(cache, B)
         x = self.embed(tokens)
@@ -142,12 +162,14 @@ class HawkLM(nn.Module):
 
     def step(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache) -> torch.Tensor:
         """One decode step: tokens, segment_pos [B] (0 starts a new document in that row);
-        `cache` is updated in place. Returns logits [B, V]."""
+        `cache` is updated in place. Returns logits [B, V]. The Triton step backends (the
+        default on CUDA) have no backward: with them, decode under torch.no_grad()."""
         _check_tokens("tokens", tokens, (None,))
         B = tokens.shape[0]
         check_tensor("segment_pos", segment_pos, shape=(B,))
         check_segment_pos(segment_pos.view(B, 1), B, 1)
         self._check_device(tokens=tokens, segment_pos=segment_pos)
+        _check_token_range("tokens", tokens, self.config.vocab_size)
         self._check_cache(cache, B)
         reset = segment_pos == 0
         x = self.embed(tokens)
@@ -171,6 +193,7 @@ class HawkLM(nn.Module):
         if temperature < 0:
             raise ValueError(f"expected temperature >= 0, got {temperature}")
         self._check_device(prompt_tokens=prompt_tokens)
+        _check_token_range("prompt_tokens", prompt_tokens, self.config.vocab_size)
         out = prompt_tokens.new_empty(B, max_new_tokens)
         if max_new_tokens == 0:
             return out

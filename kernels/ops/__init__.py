@@ -18,8 +18,10 @@ import torch
 
 from . import assoc, reference, tuning
 from .checks import (
+    CHUNK_SIZES,
     COMPLEX_DTYPES,
     FLOAT_DTYPES,
+    check_chunk_size,
     check_same_device,
     check_scalar,
     check_segment_pos,
@@ -48,8 +50,9 @@ PROVIDERS.append(assoc)
 
 
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
-# Backends that take `chunk_size`: the chunk length of "chunk", the time tile of "serial"
-# (RG-LRU/scan: its time tile; SAMU: its tile and checkpoint length).
+# Backends that take `chunk_size` (an int in CHUNK_SIZES for both, with and without
+# gradients): the chunk length of "chunk", the time tile of "serial" (RG-LRU/scan: its
+# time tile, per warp with time_warps > 1; SAMU: its tile and checkpoint length).
 CHUNK_SIZE_BACKENDS = ("chunk", "serial")
 
 
@@ -106,10 +109,13 @@ def resolve(op: str, backend, x: torch.Tensor, chunk_size=None) -> tuple[str, di
     """(backend name, launcher options) for a call of `op` on x [B, T, D]; cached.
 
     chunk_size applies only to the backends of CHUNK_SIZE_BACKENDS ("chunk": the chunk
-    length; "serial": its time tile) and overrides a Backend's own chunk_size. Naming
+    length; "serial": its time tile), an int in CHUNK_SIZES (8, 16, 32, 64) checked here
+    for every backend, and overrides a Backend's own chunk_size. Naming
     another backend together with a chunk_size raises ValueError. With "auto" it is a
     preference: passed on when the backend chosen takes it (it overrides a tuning-table
     entry's chunk_size), dropped otherwise, as on the CPU, where "auto" is the reference."""
+    if chunk_size is not None:     # before the cache: 8.0 and True hash as 8 and 1
+        check_chunk_size(chunk_size)
     b = Backend.of(backend)
     B, T, D = x.shape
     env = tuning.env_table() if b.name == "auto" and b.table is None else None
@@ -263,11 +269,20 @@ def _resolve_step(op, b: Backend, device_type):
     return functools.partial(avail[b.name], **b.options) if b.options else avail[b.name]
 
 
+def step_has_backward(op: str, backend, device) -> bool:
+    """Whether the decode step `backend` of `op` ("auto" resolved for `device`) is
+    differentiable: the reference is; the Triton steps have no backward."""
+    fn = _resolve_step(op, Backend.of(backend), torch.device(device).type)
+    return getattr(fn, "func", fn) is step_backends(op)["reference"]
+
+
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
     """One RG-LRU decode step with both block-diagonal gate matvecs.
     x: [B, D]; gate_*_w: [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D], all floating
     and on x's device; state: [B, D] FP32, updated in place; reset: [B] bool.
-    Returns y [B, D]."""
+    Returns y [B, D]. The Triton step ("fused", "auto" on CUDA) has no backward: an
+    input that requires grad under grad mode raises ValueError (decode under
+    torch.no_grad(); train with `rglru`)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     check_tensor("state", state, shape=(B, D), dtypes=(state_dtype(x.dtype),))
@@ -288,7 +303,10 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto"):
     """One SAMU decode step. x: [B, D]; parameters as for `samu`; state: [B, M]
-    complex64, updated in place; reset: [B] bool. Returns y [B, D]."""
+    complex64, updated in place; reset: [B] bool. Returns y [B, D]. The Triton steps
+    ("fused", "row", "blocked"; "auto" on CUDA) have no backward: an input that requires
+    grad under grad mode raises ValueError (decode under torch.no_grad(); train with
+    `samu`)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     if D % 2 or D == 0:
@@ -302,4 +320,4 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
 
 
 __all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends", "inexact_backends",
-           "resolve", "resolve_step", "reference", "tuning", "Backend", "TuningTable"]
+           "resolve", "resolve_step", "step_has_backward", "reference", "tuning", "Backend", "TuningTable"]

@@ -3,10 +3,15 @@ expected and what was received."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 COMPLEX_DTYPES = (torch.complex128, torch.complex64)
+# chunk_size of every backend that takes it: the chunk length K of "chunk", the time
+# tile of "serial" (RG-LRU/scan: per warp; SAMU: tile and checkpoint length).
+CHUNK_SIZES = (8, 16, 32, 64)
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -103,3 +108,24 @@ def no_double_backward():
         raise ValueError("expected create_graph=False with the Triton backends (their backward is not "
                          "differentiable: higher-order gradients would silently lose terms; use "
                          "backend='reference' for them), got create_graph=True")
+
+
+def no_grad_inputs(step: str, **tensors):
+    """Raise where grad mode is on and an input requires grad: the Triton decode step
+    `step` has no backward, so the gradients of its inputs would silently stay None."""
+    if not torch.is_grad_enabled():
+        return
+    for n, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"expected no input requiring grad with the Triton decode step {step!r} (it has no "
+                             f"backward: gradients would be silently dropped); run it under torch.no_grad() "
+                             f"or use backend='reference', got {n} with requires_grad=True")
+
+
+def check_chunk_size(chunk_size) -> int:
+    """chunk_size: an int in CHUNK_SIZES, the same range with and without gradients."""
+    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+            or chunk_size not in CHUNK_SIZES):
+        raise ValueError(f"expected chunk_size an int in {list(CHUNK_SIZES)}, got {chunk_size!r} "
+                         f"({type(chunk_size).__name__})")
+    return int(chunk_size)

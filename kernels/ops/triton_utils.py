@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_chunk_size  # noqa: F401 (the one chunk_size check, for the kernel modules)
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _POISON = [os.environ.get("KERNELS_POISON", "") == "1"]
-CHUNK_SIZES = (8, 16, 32, 64)
 
 
 @contextlib.contextmanager
@@ -53,12 +54,6 @@ def check_pow2(name: str, value, lo: int, hi: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo or value > hi or value & (value - 1):
         raise ValueError(f"expected {name} to be a power of two in [{lo}, {hi}], got {value!r}")
     return value
-
-
-def check_chunk_size(chunk_size) -> int:
-    if chunk_size not in CHUNK_SIZES or isinstance(chunk_size, bool):
-        raise ValueError(f"expected chunk_size in {list(CHUNK_SIZES)}, got {chunk_size!r}")
-    return chunk_size
 
 
 def spec_of(cfg: dict) -> str:

@@ -85,6 +85,18 @@ def softplus(x):
 
 
 @triton.jit
+def one_minus_sq(a, log_a):
+    # 1 - a^2 for a = exp(log_a) <= 1. Near a = 1 (long memory) 1 - a*a from the rounded a
+    # keeps few digits; -expm1(2 log_a) by Kahan's trick, expm1(z) = (e - 1) z / log(e)
+    # with e = a*a, is accurate there: (e - 1) / log(e) hardly depends on e's rounding and
+    # z = 2 log_a is exact. Far from 1 (z <= -1) there is no cancellation.
+    e = a * a
+    z = 2.0 * log_a
+    near = (z > -1.0) & (e < 1.0)
+    return tl.where(near, (1.0 - e) * (z / tl.log(tl.where(near, e, 0.5))), tl.where(z > -1.0, -z, 1.0 - e))
+
+
+@triton.jit
 def last_row(v, rows, BT: tl.constexpr):
     # [BT, BD] -> [BD]: the row BT - 1 (a sum of one non-zero term, exact).
     return tl.sum(tl.where(rows[:, None] == BT - 1, v, 0.0), axis=0)
@@ -154,8 +166,9 @@ def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
         xv = r0.to(ACC)
         sx = tl.sigmoid(r1.to(ACC))
         sa = tl.sigmoid(r2.to(ACC))
-        a = tl.exp(-8.0 * sa * ap_sp)
-        u = 1.0 - a * a
+        log_a = -8.0 * sa * ap_sp
+        a = tl.exp(log_a)
+        u = one_minus_sq(a, log_a)
         mult = tl.where(keep, tl.sqrt(u), 1.0)
         a = tl.where(keep & valid, a, tl.where(valid, 0.0, 1.0))
         b = xv * sx * mult

@@ -13,9 +13,9 @@ run the adjoint scan (common.py), store the gradients, and carry mu_t = a_t lam_
 previous tile. The a_param gradient is a per-program partial [B, D] reduced in a fixed
 order.
 
-Options (at most four, each a tuning-table field): chunk_size (steps per warp segment
-with W > 1, default 8; the tile with W = 1, default 64 for the RG-LRU, 128 for the
-scan), time_warps, block_d (channels per program, W = 1 only) and num_stages
+Options (at most four, each a tuning-table field): chunk_size (in CHUNK_SIZES with
+either family: steps per warp segment with W > 1, default 8; the tile with W = 1,
+default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (channels per program, W = 1 only) and num_stages
 (software-pipelined loads; 1 prefetches the next tile into registers).
 """
 
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .. import accounting
 from . import split
-from ..triton_utils import INTERPRET, acc_dtype, check_pow2, empty, out, tl_acc
+from ..triton_utils import INTERPRET, acc_dtype, check_chunk_size, check_pow2, empty, out, tl_acc
 from .common import affine, blocks_for, coeffs, last_row, load_raw, program_start, tile_grads, tile_offsets, tile_states
 
 
@@ -124,6 +124,8 @@ def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num
     if unknown:
         raise ValueError(f"expected serial options among {list(OPTIONS)}, got {sorted(unknown)}")
     stages_set = num_stages is not None
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
     if time_warps is None:
         tile = block_d is not None or (not is_scan and not grad)
         time_warps = 1 if tile else SPLIT_DEFAULT["scan" if is_scan else "rglru"]["time_warps"]
@@ -137,13 +139,13 @@ def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num
         if block_d is not None:
             raise ValueError(f"expected block_d only with time_warps = 1 (the split kernels own 64 channels), "
                              f"got block_d={block_d!r} with time_warps={tw}")
-        tt = check_pow2("chunk_size", 8 if chunk_size is None else chunk_size, 1, 64)
+        tt = 8 if chunk_size is None else chunk_size
         # WS: the forward saves the state entering every warp's segment ([B, T / TT, D]
         # FP32, at most 1/8 of an FP32 activation for TT >= 8), so the backward recomputes
         # states per warp without the cross-warp step; shorter segments save per tile.
         return {"backend": "serial", "BT": tt * tw, "TT": tt, "BD": 64, "num_warps": tw, "STAGES": ns,
                 "PREFETCH": ns == 1, "WS": tt >= 8, "VEC": 2, "TW": tw, "STAGES_SET": stages_set}
-    bt = check_pow2("chunk_size", (128 if is_scan else 64) if chunk_size is None else chunk_size, 8, 256)
+    bt = (128 if is_scan else 64) if chunk_size is None else chunk_size
     bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     return {"backend": "serial", "BT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1, "VEC": 0,
             "TW": 1, "WS": False}

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from .. import accounting
+from ..checks import no_grad_inputs
 from ..triton_utils import INTERPRET, empty, out, tl_acc
-from .common import softplus
+from .common import one_minus_sq, softplus
 
 
 @triton.jit
@@ -63,8 +64,9 @@ def rglru_step_kernel(
     sx = tl.sigmoid(accx + tl.load(bx + d, mask=m_j, other=0.0).to(ACC)[None, :])
     sa = tl.sigmoid(acca + tl.load(ba + d, mask=m_j, other=0.0).to(ACC)[None, :])
     sp = softplus(tl.load(ap + d, mask=m_j, other=0.0).to(ACC))
-    a = tl.exp(-8.0 * sa * sp[None, :])
-    mult = tl.sqrt(1.0 - a * a)
+    log_a = -8.0 * sa * sp[None, :]
+    a = tl.exp(log_a)
+    mult = tl.sqrt(one_minus_sq(a, log_a))
     if HAS_RESET:
         rst = (tl.load(reset + o_b, mask=m_b, other=0) != 0)[:, None]
         a = tl.where(rst, 0.0, a)
@@ -92,7 +94,11 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     """x: [B, D]; gate_*_w: [H, W, W] (W = D / H); gate_*_b: [H, W]; a_param: [D];
     state: [B, D] FP32 (float64 for float64 x), contiguous, updated in place; reset: [B]
     bool or None. Returns y [B, D] in x's dtype. Under torch.compile the custom op
-    kernels::rglru_step (state mutated in place) runs the same launcher."""
+    kernels::rglru_step (state mutated in place) runs the same launcher. No backward: an
+    input that requires grad under grad mode raises ValueError (decode under
+    torch.no_grad())."""
+    no_grad_inputs("fused", x=x, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w, gate_a_b=gate_a_b,
+                   a_param=a_param, state=state)
     if torch.compiler.is_compiling():
         return torch.ops.kernels.rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset,
                                             block_b or 0, block_j, block_k, num_warps)

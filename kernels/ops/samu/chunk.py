@@ -200,8 +200,8 @@ def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
             dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
             hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
             pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
-            gr = tl.where(hr > 0.0, dyr, 0.0)
-            gi = tl.where(hi > 0.0, dyi, 0.0)
+            gr = tl.where(hr <= 0.0, 0.0, dyr)
+            gi = tl.where(hi <= 0.0, 0.0, dyi)
             qr += pr * gr + pi * gi
             qi += pr * gi - pi * gr
     store_pair(P, idx, pr, pi, mask_m)

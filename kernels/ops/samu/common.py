@@ -52,6 +52,14 @@ def check_num_warps(nw, bm):
 
 
 @triton.jit
+def relu(h):
+    # NaN propagates, as in torch.relu (tl.maximum's default returns the non-NaN operand
+    # on the GPU, turning NaN into 0). The backwards pass dy where not h <= 0, NaN
+    # included, as torch's threshold_backward does.
+    return tl.maximum(h, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def tanh(x):
     # libdevice's tanh does not run in the interpreter.
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
@@ -158,8 +166,8 @@ def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu,
             if PROD:
                 pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
             if WRITE_Y:
-                tl.store(y_b + row + offs_m, tl.maximum(hr, 0.0).to(y_b.dtype.element_ty), mask=lm)
-                tl.store(y_b + row + M + offs_m, tl.maximum(hi, 0.0).to(y_b.dtype.element_ty), mask=lm)
+                tl.store(y_b + row + offs_m, relu(hr).to(y_b.dtype.element_ty), mask=lm)
+                tl.store(y_b + row + M + offs_m, relu(hi).to(y_b.dtype.element_ty), mask=lm)
     return hr, hi, pr, pi
 
 
@@ -206,8 +214,8 @@ def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ct
         dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
         xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
         xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
-        lr = tl.where(hs_r[U - jj] > 0.0, dyr, 0.0) + Rr
-        li = tl.where(hs_i[U - jj] > 0.0, dyi, 0.0) + Ri
+        lr = tl.where(hs_r[U - jj] <= 0.0, 0.0, dyr) + Rr
+        li = tl.where(hs_i[U - jj] <= 0.0, 0.0, dyi) + Ri
         tl.store(dxw_b + row + offs_m, gam * lr, mask=lm)
         tl.store(dxw_b + row + M + offs_m, gam * li, mask=lm)
         # G = lam conj(h_{t-1}); dL/dlog|a| = Re(G conj a), dL/darg a = Im(G conj a)

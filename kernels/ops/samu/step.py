@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..checks import check_tensor
+from ..checks import check_tensor, no_grad_inputs
 from ..triton_utils import acc_dtype, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
-from .common import load_pair, mode_consts64, store_pair, tanh, transition
+from .common import load_pair, mode_consts64, relu, store_pair, tanh, transition
 
 ROW_MIN_BATCH = 64
 
@@ -66,8 +66,8 @@ def _step_modes(x_b, y_b, s_b, nu_log, theta_log, E, ck, sk, m0, M, BM: tl.const
     xi = tl.load(x_b + M + offs_m, mask=mask_m, other=0.0).to(ACC)
     hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
     store_pair(s_b, offs_m, hr, hi, mask_m)
-    tl.store(y_b + offs_m, tl.maximum(hr, 0.0).to(y_b.dtype.element_ty), mask=mask_m)
-    tl.store(y_b + M + offs_m, tl.maximum(hi, 0.0).to(y_b.dtype.element_ty), mask=mask_m)
+    tl.store(y_b + offs_m, relu(hr).to(y_b.dtype.element_ty), mask=mask_m)
+    tl.store(y_b + M + offs_m, relu(hi).to(y_b.dtype.element_ty), mask=mask_m)
 
 
 @triton.jit(do_not_specialize=["D", "M"])
@@ -143,9 +143,12 @@ def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state,
     return torch.empty_like(x)
 
 
-def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset):
+def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, name=None):
     """Under torch.compile the custom op kernels::samu_step (the state mutated in
-    place), the launcher otherwise."""
+    place), the launcher otherwise. No backward: an input that requires grad under grad
+    mode raises ValueError naming the step (`name`, default the layout)."""
+    no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
+                   radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     if torch.compiler.is_compiling():
         return torch.ops.kernels.samu_step(x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
                                            nu_log, theta_log, state, reset, layout)
@@ -154,7 +157,9 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
     """Decode step, one program per sequence. x: [B, D]; state: [B, M] complex64,
-    updated in place; reset: [B] bool. Returns y [B, D] in x's dtype."""
+    updated in place; reset: [B] bool. Returns y [B, D] in x's dtype. No backward: an
+    input that requires grad under grad mode raises ValueError (decode under
+    torch.no_grad())."""
     return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
 
 
@@ -167,4 +172,4 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     """Decode step with the layout measured fastest for the batch size (see ROW_MIN_BATCH)."""
     check_tensor("x", x, ndim=2)
     layout = "row" if x.shape[0] >= ROW_MIN_BATCH else "blocked"
-    return _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+    return _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, "fused")
