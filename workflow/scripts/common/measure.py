@@ -117,6 +117,17 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
             "stopped_early": stopped}
 
 
+def _heal_rng(dev) -> None:
+    """A capture that failed leaves the default CUDA generator marked as capturing, and
+    every later random draw raises "Offset increment outside graph capture"; one trivial
+    capture that completes resets it."""
+    x = torch.zeros(1, device=dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    torch.cuda.synchronize(dev)
+
+
 def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) -> dict:
     """The device clock: `calls` calls captured in one CUDA graph, replayed `reps` times
     (after two untimed replays), or where capture fails `calls` back-to-back launches
@@ -140,6 +151,7 @@ def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) ->
         g, why = None, f"{type(exc).__name__}: {exc}"[:500]
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(dev)
+        _heal_rng(dev)
 
     def window():
         if g is not None:
