@@ -91,25 +91,30 @@ def test_compiled_training_and_decode_steps(mixer, backend, step):
 @pytest.mark.parametrize("mixer", ["rglru", "samu"])
 def test_compiled_training_step_on_gpu(mixer):
     """The 400m width at a short sequence, default inductor backend, BF16 autocast:
-    fullgraph compile, the loss and every gradient equal to the eager model's."""
+    fullgraph compile; the loss and every gradient are judged against the FP32 step,
+    the compiled error at most 3x the eager BF16 step's own (BF16 rule)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = HawkLM(HawkConfig.preset("400m", mixer=mixer, num_layers=2), backend="auto", device="cuda")
     tokens = torch.randint(0, 32000, (2, 256), device="cuda")
     pos = torch.arange(256, device="cuda").expand(2, 256)
 
+    def grads_of(fn):
+        m.zero_grad()
+        loss = fn(tokens, pos)
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
     def step(tokens, pos):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return loss_of(m, tokens, pos)
 
-    loss = step(tokens, pos)
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in m.named_parameters()}
-    m.zero_grad()
-    got = torch.compile(step, fullgraph=True)(tokens, pos)
-    got.backward()
-    torch.testing.assert_close(got, loss, rtol=2e-2, atol=2e-2)
-    for n, p in m.named_parameters():
-        assert torch.isfinite(p.grad).all(), n
-        rel = (p.grad - want[n]).norm() / want[n].norm().clamp_min(1e-12)
-        assert rel < 5e-2, (n, float(rel))
+    ref_loss, ref = grads_of(lambda t, p: loss_of(m, t, p))
+    eager_loss, eager = grads_of(step)
+    got_loss, got = grads_of(torch.compile(step, fullgraph=True))
+    assert abs(got_loss - ref_loss) <= 3 * abs(eager_loss - ref_loss) + 1e-3 * abs(ref_loss)
+    for n in ref:
+        assert torch.isfinite(got[n]).all(), n
+        scale = ref[n].norm().clamp_min(1e-12)
+        err_got, err_eager = (got[n] - ref[n]).norm() / scale, (eager[n] - ref[n]).norm() / scale
+        assert err_got <= 3 * err_eager + 1e-3, (n, float(err_got), float(err_eager))
