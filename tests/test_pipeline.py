@@ -461,3 +461,20 @@ def test_recovery_clears_a_killed_runs_leftovers(tmp_path):
     assert not out.exists() and kept.exists()
     assert not list((smk / "locks").iterdir()) and not list((smk / "incomplete").iterdir())
     assert recovery.recover(tmp_path) == {"locks": [], "outputs": [], "jobs": []}
+
+
+def test_source_digest_names_the_code_not_the_outputs(tmp_path):
+    from common import facts
+
+    for name in ("kernels/ops", "workflow/scripts", "results/runs", "envs"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "kernels/ops/a.py").write_text("x = 1\n")
+    (tmp_path / "config.yaml").write_text("profile: auto\n")
+    first = facts.source_digest(tmp_path)
+    (tmp_path / "results/runs/r.json").write_text("{}")
+    (tmp_path / "kernels/ops/__pycache__").mkdir()
+    (tmp_path / "kernels/ops/__pycache__/a.pyc").write_bytes(b"\0")
+    assert facts.source_digest(tmp_path) == first
+    (tmp_path / "kernels/ops/a.py").write_text("x = 2\n")
+    assert facts.source_digest(tmp_path) != first
+    assert facts.commit()["source_sha256"] == facts.source_digest()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import platform
+import sys
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -20,15 +22,30 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+SOURCE = ("Snakefile", "config.yaml", "pyproject.toml", "envs", "kernels", "workflow")
+
+
+def source_digest(root: Path = REPO_ROOT) -> str:
+    """sha256 over the paths and bytes of the source that produces a record (SOURCE,
+    no caches): it names the code even where the git metadata beside it is stale or
+    missing (a copied tree); `python workflow/scripts/common/facts.py DIR` prints it."""
+    h = hashlib.sha256()
+    files = [p for name in SOURCE for p in ([root / name] if (root / name).is_file() else sorted((root / name).rglob("*")))]
+    for p in files:
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
+            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 @lru_cache(maxsize=1)
 def commit() -> dict:
-    """{"sha": full hash or "unknown", "dirty": bool or None}. Files under results/
-    are outputs, not source, so they do not make the tree dirty."""
+    """{"sha": full hash or "unknown", "dirty": bool or None, "source_sha256"}. Files
+    under results/ are outputs, not source, so they do not make the tree dirty."""
     sha = _git("rev-parse", "HEAD")
     if sha is None:
-        return {"sha": "unknown", "dirty": None}
+        return {"sha": "unknown", "dirty": None, "source_sha256": source_digest()}
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
-    return {"sha": sha, "dirty": bool(status)}
+    return {"sha": sha, "dirty": bool(status), "source_sha256": source_digest()}
 
 
 def commit_time() -> int:
@@ -54,3 +71,7 @@ def gpu() -> dict | None:
     p = torch.cuda.get_device_properties(0)
     return {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_bytes": p.total_memory,
             "sm_count": p.multi_processor_count, "count": torch.cuda.device_count()}
+
+
+if __name__ == "__main__":
+    print(source_digest(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else REPO_ROOT))
