@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..ops import accounting
 from ..ops.checks import is_integer_dtype
-from ..ops.triton_utils import INTERPRET, rne_bf16
+from ..ops.triton_utils import INTERPRET, cdiv, next_pow2, rne_bf16
 
 MAX_STOP_TOKENS = 8
 LINEAR_MAX_ROWS = 64
@@ -410,7 +410,7 @@ def linear_kernel(
 
 
 def _rows_block(M: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(M)))
+    return min(64, max(16, next_pow2(M)))
 
 
 def _check_2d(name, t, M, N, dtype=None, device=None):
@@ -511,7 +511,7 @@ def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
     xn = torch.empty_like(x) if xn is None else _check_out("xn", xn, M, D, table.dtype, dev)
     _no_alias("xn", xn, strict=(("x", x), ("table", table)))
     _no_alias("x", x, strict=(("table", table),))
-    embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=triton.next_power_of_2(D), RNE=INTERPRET)
+    embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
     if accounting.on():
         accounting.record("embed_rmsnorm", accounting.nbytes(tokens, x, scale), accounting.nbytes(x, xn))
     return x, xn
@@ -527,7 +527,7 @@ def add_rmsnorm(h, x, scale, eps, xn=None):
     _no_alias("x", x, elementwise=(("h", h),))
     xn = torch.empty_like(x) if xn is None else _check_out("xn", xn, M, D, x.dtype, x.device)
     _no_alias("xn", xn, strict=(("x", x),), elementwise=(("h", h),))
-    add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=triton.next_power_of_2(D), RNE=INTERPRET)
+    add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
     if accounting.on():
         accounting.record("add_rmsnorm", accounting.nbytes(h, x, scale), accounting.nbytes(x, xn))
     return xn
@@ -572,7 +572,7 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     y = torch.empty(M, E, dtype=x.dtype, device=x.device) if y is None else _check_out("y", y, M, E, x.dtype, x.device)
     _no_alias("y", y, strict=(("conv_state", conv_state),), elementwise=(("x", x),))
     BM, BC = 16, 256
-    conv_step_kernel[(triton.cdiv(E, BC), triton.cdiv(M, BM))](
+    conv_step_kernel[(cdiv(E, BC), cdiv(M, BM))](
         x, x.stride(0), conv_state, conv_w, conv_b, rst if rst is not None else conv_state, y, M, E,
         HAS_RESET=rst is not None, CW=CW, BM=BM, BC=BC, RNE=INTERPRET)
     if accounting.on():
@@ -590,7 +590,7 @@ def gelu_mul(a, b, y=None):
     y = torch.empty(M, F, dtype=a.dtype, device=a.device) if y is None else _check_out("y", y, M, F, a.dtype, a.device)
     _no_alias("y", y, elementwise=(("a", a), ("b", b)))
     BM, BF = 16, 512
-    gelu_mul_kernel[(triton.cdiv(F, BF), triton.cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F,
+    gelu_mul_kernel[(cdiv(F, BF), cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F,
                                                               BM=BM, BF=BF, RNE=INTERPRET)
     if accounting.on():
         accounting.record("gelu_mul", 2 * accounting.nbytes(y), accounting.nbytes(y))
@@ -627,7 +627,7 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
             _no_alias(n, t, strict=(("nxt", nxt),))
     nxt, stops = nxt.contiguous(), stops.contiguous()
     BM = 128
-    advance_kernel[(triton.cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
+    advance_kernel[(cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
                                           stops, pad_id, M, S=stops.shape[0], BM=BM)
     if accounting.on():
         accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
@@ -665,8 +665,8 @@ def default_config(cols: int, K: int, rows: int = 16) -> dict:
     if tuned is not None:
         return dict(base, **tuned)
     bn = 128 if cols >= 128 * 200 else 64 if cols >= 64 * 80 else 32
-    split = max(1, min(triton.cdiv(K, 512), round(256 / triton.cdiv(cols, bn))))
-    return dict(base, BN=bn, BK=min(128, max(16, triton.next_power_of_2(K))), SPLIT=split, SWAP=int(bn >= 64),
+    split = max(1, min(cdiv(K, 512), round(256 / cdiv(cols, bn))))
+    return dict(base, BN=bn, BK=min(128, max(16, next_pow2(K))), SPLIT=split, SWAP=int(bn >= 64),
                 num_warps=8 if bn >= 64 else 4)
 
 
@@ -690,15 +690,15 @@ def _fit_smem(cfg: dict, BM: int, gated: bool, esize: int) -> dict:
 
 def _reduce_group(split: int, BM: int, BN: int) -> int:
     # partial tiles loaded at once by the reducing program: <= 8192 floats in registers
-    return max(1, min(triton.next_power_of_2(split), 8192 // (BM * BN)))
+    return max(1, min(next_pow2(split), 8192 // (BM * BN)))
 
 
 def split_plan(K: int, BK: int, split: int) -> tuple[int, int]:
     """(KS, splits): K per program, a multiple of BK, and the number of K splits."""
     if split < 1:
         raise ValueError(f"expected SPLIT >= 1, got {split}")
-    ks = triton.cdiv(triton.cdiv(K, split), BK) * BK
-    return ks, triton.cdiv(K, ks)
+    ks = cdiv(cdiv(K, split), BK) * BK
+    return ks, cdiv(K, ks)
 
 
 class Workspace:
@@ -795,7 +795,7 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     if cfg["BN"] < 16 or cfg["BK"] < 16:
         raise ValueError(f"expected BN and BK >= 16 (the dot's smallest tile), got {cfg}")
     KS, split = split_plan(K, cfg["BK"], cfg["SPLIT"])
-    n_blocks = triton.cdiv(N, cfg["BN"])
+    n_blocks = cdiv(N, cfg["BN"])
     rst = None
     cstate = cw = cb = None
     CW = 1
@@ -847,7 +847,7 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         PRO=prologue, EPI=epilogue, HAS_BIAS=bias is not None, HAS_RESET=rst is not None, CW=CW,
         BM=BM, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, KS=KS, RG=_reduce_group(split, BM, cfg["BN"]),
         SWAP=int(bool(cfg["SWAP"])), PRE=int(bool(cfg["PRE"])), PF=int(bool(cfg["PF"]) and not INTERPRET),
-        LINES=triton.next_power_of_2(triton.cdiv(KS, 128 // w.element_size())), LINE=128 // w.element_size(),
+        LINES=next_pow2(cdiv(KS, 128 // w.element_size())), LINE=128 // w.element_size(),
         EARLY=int(bool(cfg["EARLY"])), DOT=_dot_mode(dt),
         RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_option(pdl),

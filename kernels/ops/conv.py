@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import empty
+from .triton_utils import cdiv, empty
 
 BT, BE = 64, 128
 
@@ -78,7 +78,7 @@ def _conv_bwd(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dwp_ptr, T, E, NT, W: tl.co
 
 
 def _grid(B, T, E):
-    return triton.cdiv(T, BT), triton.cdiv(E, BE), B
+    return cdiv(T, BT), cdiv(E, BE), B
 
 
 class _CausalConv1d(torch.autograd.Function):
@@ -96,7 +96,7 @@ class _CausalConv1d(torch.autograd.Function):
     def backward(ctx, dy):
         x, w, pos = ctx.saved_tensors
         B, T, E = x.shape
-        W, NT, dy = w.shape[0], triton.cdiv(T, BT), dy.contiguous()
+        W, NT, dy = w.shape[0], cdiv(T, BT), dy.contiguous()
         dx = empty(x.shape, x.dtype, x.device)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         dwp = empty((B * NT, W + 1, E), acc, x.device)

@@ -74,7 +74,16 @@ def cfg_of(spec: str) -> dict:
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of two >= n (1 for n <= 1), in plain integer arithmetic:
+    triton.next_power_of_2 and triton.cdiv are constexpr functions whose host call
+    costs microseconds, paid on every launch."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (host side; see next_pow2)."""
+    return -(-a // b)
 
 
 @triton.jit

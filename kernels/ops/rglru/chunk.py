@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import INTERPRET, acc_dtype, check_chunk_size, check_pow2, empty, out, tl_acc
+from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, next_pow2, out, tl_acc
 from .common import affine, affine_excl, first_row, last_row, load_a, load_tile, softplus, tile_grads
 
 
@@ -177,19 +177,19 @@ def config(B, T, D, is_scan, chunk_size=None, block_d=None, num_warps=None, grou
     if unknown:
         raise ValueError(f"expected chunk options among {list(OPTIONS)}, got {sorted(unknown)}")
     K = check_chunk_size(32 if chunk_size is None else chunk_size)
-    NC = triton.cdiv(T, K)
+    NC = cdiv(T, K)
     bd = 64 if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     nw = 4 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
-    return {"backend": "chunk", "K": K, "BD": min(bd, max(8, triton.next_power_of_2(D))), "num_warps": nw,
-            "G": max(2, min(64, triton.next_power_of_2(NC))) if group is None else check_pow2("group", group, 2, 1024)}
+    return {"backend": "chunk", "K": K, "BD": min(bd, max(8, next_pow2(D))), "num_warps": nw,
+            "G": max(2, min(64, next_pow2(NC))) if group is None else check_pow2("group", group, 2, 1024)}
 
 
 def _prefix(P, Q, init, need_final, reverse, cfg):
     B, NC, D = P.shape
     S = empty((B, NC, D), P.dtype, P.device)
     hN = empty((B, D), P.dtype, P.device) if need_final else None
-    BD = min(128, max(8, triton.next_power_of_2(D)))
-    chunk_prefix_kernel[(triton.cdiv(D, BD), B)](
+    BD = min(128, max(8, next_pow2(D)))
+    chunk_prefix_kernel[(cdiv(D, BD), B)](
         P, Q, init if init is not None else P, S, hN if hN is not None else S, NC, D,
         REVERSE=reverse, HAS_H0=init is not None, STORE_HN=need_final, G=cfg["G"], BD=BD,
         ACC=tl_acc(P.dtype), num_warps=4,
@@ -210,11 +210,11 @@ def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan
     Scan mode: x = b, ga = a. Returns (y, ht, S)."""
     B, T, D = x.shape
     K, BD = cfg["K"], cfg["BD"]
-    NC = triton.cdiv(T, K)
+    NC = cdiv(T, K)
     acc = acc_dtype(x.dtype)
     ap = a_param if a_param is not None else x
     p = pos if pos is not None else x
-    grid = (triton.cdiv(D, BD), NC, B)
+    grid = (cdiv(D, BD), NC, B)
     kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
               
               num_warps=cfg["num_warps"])
@@ -238,11 +238,11 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     """Launchers of the backward. Returns (dx, dgx, dga, dh0, dsp_part)."""
     B, T, D = x.shape
     K, BD = cfg["K"], cfg["BD"]
-    NC = triton.cdiv(T, K)
+    NC = cdiv(T, K)
     acc = acc_dtype(x.dtype)
     ap = a_param if a_param is not None else x
     p = pos if pos is not None else x
-    grid = (triton.cdiv(D, BD), NC, B)
+    grid = (cdiv(D, BD), NC, B)
     kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
               
               num_warps=cfg["num_warps"])
@@ -268,4 +268,4 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
 
 def saved_shape(cfg: dict, B: int, T: int, D: int) -> tuple:
     """What the forward keeps for backward: the state entering every chunk [B, NC, D]."""
-    return (B, triton.cdiv(T, cfg["K"]), D)
+    return (B, cdiv(T, cfg["K"]), D)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import INTERPRET, acc_dtype, empty, out, tl_acc
+from ..triton_utils import INTERPRET, acc_dtype, cdiv, empty, next_pow2, out, tl_acc
 
 
 @triton.jit
@@ -320,8 +320,8 @@ def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
     part, a_param = part.contiguous(), a_param.contiguous()
     R, D = part.shape
     dap = empty((D,), a_param.dtype, part.device)
-    BD = min(256, triton.next_power_of_2(max(D, 1)))      # D = 0: one empty program, no division by 0
-    reduce_dap_kernel[(triton.cdiv(D, BD),)](part, a_param, dap, R, D, BR=16, BD=BD,
+    BD = min(256, next_pow2(max(D, 1)))      # D = 0: one empty program, no division by 0
+    reduce_dap_kernel[(cdiv(D, BD),)](part, a_param, dap, R, D, BR=16, BD=BD,
                                              ACC=tl_acc(part.dtype), RNE=INTERPRET, num_warps=4)
     if accounting.on():
         accounting.record("rglru_reduce_dap", accounting.nbytes(part, a_param), accounting.nbytes(dap))
@@ -332,9 +332,9 @@ def blocks_for(n_programs_per_block, D: int, lo: int = 16, hi: int = 64, target:
     """Channel block: the widest power of two in [lo, hi] that still gives at least
     `target` programs (4 per multiprocessor on an H200), else lo."""
     bd = hi
-    while bd > lo and n_programs_per_block * triton.cdiv(D, bd) < target:
+    while bd > lo and n_programs_per_block * cdiv(D, bd) < target:
         bd //= 2
-    return max(lo, min(bd, triton.next_power_of_2(D)))
+    return max(lo, min(bd, next_pow2(D)))
 
 
 def empty_sequence(x, h0, output_final_state):

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .. import accounting
 from . import split
-from ..triton_utils import INTERPRET, acc_dtype, check_chunk_size, check_pow2, empty, out, tl_acc
+from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, out, tl_acc
 from .common import affine, blocks_for, coeffs, last_row, load_raw, program_start, tile_grads, tile_offsets, tile_states
 
 
@@ -197,9 +197,9 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
     acc = acc_dtype(x.dtype)
     y = empty((B, T, D), x.dtype, x.device)
     ht = empty((B, D), acc, x.device) if output_final_state else None
-    NT = triton.cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg["WS"] else 1)
+    NT = cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg["WS"] else 1)
     hs = empty((B, NT, D), acc, x.device) if save else None
-    grid = (triton.cdiv(D, cfg["BD"]), B)
+    grid = (cdiv(D, cfg["BD"]), B)
     args = (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
             h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D)
     common = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
@@ -228,7 +228,7 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
     dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
     dh0 = empty((B, D), acc, x.device) if need_dh0 else None
     part = None if is_scan else empty((B, D), acc, x.device)
-    grid = (triton.cdiv(D, cfg["BD"]), B)
+    grid = (cdiv(D, cfg["BD"]), B)
     args = (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, hs, dy,
             dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
             dh0 if dh0 is not None else hs, part if part is not None else hs, T, D)
@@ -251,4 +251,4 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
 def saved_shape(cfg: dict, B: int, T: int, D: int) -> tuple:
     """What the forward keeps for backward: the FP32 state entering every tile (or warp
     segment, WS) [B, NT, D]."""
-    return (B, triton.cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg["WS"] else 1), D)
+    return (B, cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg["WS"] else 1), D)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import accounting
 from ..checks import no_grad_inputs
-from ..triton_utils import INTERPRET, empty, out, tl_acc
+from ..triton_utils import INTERPRET, cdiv, empty, next_pow2, out, tl_acc
 from .common import one_minus_sq, softplus
 
 
@@ -132,12 +132,12 @@ def _launch(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, bl
     # The kernel indexes a_param by channel and reset by row: strided views are copied.
     a_param = a_param.contiguous()
     mode = _mode(x, wx)
-    bb = block_b or min(64, max(16, triton.next_power_of_2(B)))
+    bb = block_b or min(64, max(16, next_pow2(B)))
     if mode == 2:
         bb, block_j, block_k = min(bb, 16), min(block_j, 16), min(block_k, 16)
     y = empty((B, D), x.dtype, x.device)
     rst = reset.contiguous().view(torch.uint8) if reset is not None else None
-    grid = (H * triton.cdiv(W, block_j), triton.cdiv(B, bb))
+    grid = (H * cdiv(W, block_j), cdiv(B, bb))
     rglru_step_kernel[grid](
         x, wx, bx, wa, ba, a_param, state, rst if rst is not None else state, y, B, D, W,
         HAS_RESET=reset is not None, MODE=mode, BB=bb, BJ=block_j, BK=block_k, ACC=tl_acc(state.dtype),

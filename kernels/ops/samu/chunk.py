@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
+from ..triton_utils import cdiv
 from .common import (alloc, bwd_chunk, fwd_steps, load_pair, mode_consts, next_pow2, store_pair, store_param_partials,
                      tl_dtype)
 from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
@@ -37,7 +38,7 @@ PREFIX_UNROLL = 4
 def group_sizes(n: int) -> tuple[int, int, int]:
     """(GS chunks per group, NG groups, NGP = NG rounded up to a power of two) for n chunks."""
     gs = next_pow2(max(1, math.ceil(math.sqrt(n))))
-    ng = triton.cdiv(n, gs)
+    ng = cdiv(n, gs)
     return gs, ng, next_pow2(ng)
 
 
@@ -239,7 +240,7 @@ def _prefix(A, Bv, init, S, conj, reverse):
     BG = alloc((B, ng, M, 2), acc, A.device)
     carry = alloc((B, ng, M, 2), acc, A.device)
     final = alloc((B, M, 2), acc, A.device)
-    nmb = triton.cdiv(M, PREFIX_BM)
+    nmb = cdiv(M, PREFIX_BM)
     V = min(gs, PREFIX_UNROLL)
     _group_kernel[(nmb, ng, B)](A, Bv, AG, BG, N, ng, M, GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse,
                                 ACC=tl_dtype(acc), num_warps=4)
@@ -263,8 +264,8 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
         return serial_forward(x, ctrl, modes, h0, need_states, cfg)
     M, K, BM = D // 2, cfg["K"], cfg["BM"]
     acc = ctrl.dtype
-    N = triton.cdiv(T, K)
-    grid = (triton.cdiv(M, BM), N, B)
+    N = cdiv(T, K)
+    grid = (cdiv(M, BM), N, B)
     P = alloc((B, N, M, 2), acc, x.device)
     Q = alloc((B, N, M, 2), acc, x.device)
     _summary_kernel[grid](x, ctrl, modes, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
@@ -287,8 +288,8 @@ def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
         return serial_backward(x, dy, ctrl, modes, states, gh, cfg)
     M, K, BM = D // 2, cfg["K"], cfg["BM"]
     acc = ctrl.dtype
-    N = triton.cdiv(T, K)
-    nmb = triton.cdiv(M, BM)
+    N = cdiv(T, K)
+    nmb = cdiv(M, BM)
     grid = (nmb, N, B)
     P = alloc((B, N, M, 2), acc, x.device)
     Qb = alloc((B, N, M, 2), acc, x.device)

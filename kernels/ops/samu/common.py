@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import acc_dtype, next_pow2
+from ..triton_utils import acc_dtype, cdiv, next_pow2
 from ..triton_utils import empty as alloc
 from ..triton_utils import tl_acc as tl_dtype
 
@@ -110,7 +110,7 @@ def mode_table(nu_log, theta_log, acc):
     M = nu_log.shape[0]
     tab = alloc((M, 8), acc, nu_log.device)
     BM = 128
-    _mode_table_kernel[(triton.cdiv(M, BM),)](nu_log, theta_log, tab, M, BM=BM, ACC=tl_dtype(acc), num_warps=4)
+    _mode_table_kernel[(cdiv(M, BM),)](nu_log, theta_log, tab, M, BM=BM, ACC=tl_dtype(acc), num_warps=4)
     if accounting.on():
         accounting.record("samu_mode_table", accounting.nbytes(nu_log, theta_log), accounting.nbytes(tab))
     return tab
@@ -359,7 +359,7 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos):
         return ctrl, aux
     BLOCK_T, BLOCK_D = 16, min(256, next_pow2(D))
     seg = segment_pos.contiguous() if segment_pos is not None else ctrl
-    _controls_fwd_kernel[(triton.cdiv(ntok, BLOCK_T),)](
+    _controls_fwd_kernel[(cdiv(ntok, BLOCK_T),)](
         x, phase_dir, radial_dir, phase_amp, radial_amp, seg, ctrl, aux, ntok, D, 1.0 / math.sqrt(D // 2),
         HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, ACC=tl_dtype(acc), num_warps=4)
     if accounting.on():
@@ -500,7 +500,7 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     scale = 1.0 / math.sqrt(M)
     dx = dxw if x.dtype == acc else alloc(x.shape, x.dtype, x.device)
     BLOCK_T, BLOCK_D = 32, min(128, next_pow2(D))
-    ntb = triton.cdiv(ntok, BLOCK_T) if ntok else 0
+    ntb = cdiv(ntok, BLOCK_T) if ntok else 0
     colpart = alloc((max(ntb, 1), 2 * D), acc, x.device)
     scalpart = alloc((max(ntb, 1), 8), acc, x.device)
     if ntb:
@@ -518,8 +518,8 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     damp = alloc((2,), acc, x.device)
     dmode = alloc((M, 2), acc, x.device)
     BLOCK_C = 128
-    ndb = triton.cdiv(D + 1, BLOCK_C)
-    _finalize_kernel[(ndb + triton.cdiv(2 * M, BLOCK_C),)](
+    ndb = cdiv(D + 1, BLOCK_C)
+    _finalize_kernel[(ndb + cdiv(2 * M, BLOCK_C),)](
         colpart, scalpart, ppart, phase_dir, radial_dir, pa, ra, dpd, drd, damp, dmode, max(ntb, 1),
         ppart.shape[0], D, M, scale, ndb, BLOCK_R=16, BLOCK_C=BLOCK_C, ACC=tl_dtype(acc), num_warps=4)
     if accounting.on():

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import check_chunk_size
+from ..triton_utils import cdiv, check_chunk_size
 from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair, mode_consts, store_pair,
                      store_param_partials, tl_dtype)
 
@@ -94,18 +94,18 @@ def config(backend: str, chunk_size=None, block_m=32, num_warps=None, **unknown)
 
 def saved_shape(cfg: dict, B: int, T: int, M: int) -> tuple:
     """The states kept for backward: the one entering every tile or chunk [B, N, M, 2]."""
-    return (B, triton.cdiv(T, cfg["K"]), M, 2)
+    return (B, cdiv(T, cfg["K"]), M, 2)
 
 
 def serial_forward(x, ctrl, modes, h0, need_states, cfg):
     B, T, D = x.shape
     M, K, BM = D // 2, cfg["K"], cfg["BM"]
     acc = ctrl.dtype
-    N = triton.cdiv(T, K)
+    N = cdiv(T, K)
     y = alloc(x.shape, x.dtype, x.device)
     hT = alloc((B, M, 2), acc, x.device)
     states = alloc((B, N, M, 2), acc, x.device) if need_states else None
-    _serial_fwd_kernel[(triton.cdiv(M, BM), B)](
+    _serial_fwd_kernel[(cdiv(M, BM), B)](
         x, ctrl, modes, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
         T, N, D, M, K=K, U=FWD_UNROLL, BM=BM, HAS_H0=h0 is not None, STORE_STATES=need_states, ACC=tl_dtype(acc),
         num_warps=cfg["NW"])
@@ -118,8 +118,8 @@ def serial_backward(x, dy, ctrl, modes, states, gh, cfg):
     B, T, D = x.shape
     M, K, BM = D // 2, cfg["K"], cfg["BM"]
     acc = ctrl.dtype
-    N = triton.cdiv(T, K)
-    nmb = triton.cdiv(M, BM)
+    N = cdiv(T, K)
+    nmb = cdiv(M, BM)
     dxw = alloc(x.shape, acc, x.device)
     dpart = alloc((B * T, nmb, 2), acc, x.device)
     ppart = alloc((B, M, 2), acc, x.device)

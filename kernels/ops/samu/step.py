@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
-from ..triton_utils import acc_dtype, next_pow2
+from ..triton_utils import acc_dtype, cdiv, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
 from .common import load_pair, mode_consts64, relu, store_pair, tanh, transition
 
@@ -122,7 +122,7 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
                            ACC=acc, num_warps=8)
     else:
         BM = 128
-        _step_kernel[(triton.cdiv(M, BM), B)](*args, HAS_RESET=reset is not None, ROW=False,
+        _step_kernel[(cdiv(M, BM), B)](*args, HAS_RESET=reset is not None, ROW=False,
                                               BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=4)
     if accounting.on():
         accounting.record(f"samu_step_{layout}",
