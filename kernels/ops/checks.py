@@ -19,11 +19,14 @@ def shape_str(t: torch.Tensor) -> str:
 
 
 def check_tensor(name: str, t, shape: tuple | None = None, dtypes=None, ndim: int | None = None):
+    # Every eager call runs these checks: the passing path is one comparison per
+    # property (torch.Size equals a tuple of ints); the element-wise walk below runs
+    # only for shapes with a wildcard (None) or a mismatch.
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"expected {name} to be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"expected {name} with {ndim} dimensions, got shape {shape_str(t)}")
-    if shape is not None:
+    if shape is not None and t.shape != shape:
         if t.dim() != len(shape) or any(e is not None and e != s for e, s in zip(shape, t.shape)):
             want = "[" + ", ".join("?" if e is None else str(e) for e in shape) + "]"
             raise ValueError(f"expected {name} of shape {want}, got {shape_str(t)}")
@@ -35,10 +38,14 @@ def check_tensor(name: str, t, shape: tuple | None = None, dtypes=None, ndim: in
 
 
 def check_same_device(**tensors):
-    devices = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
-    if len(set(devices.values())) > 1:
-        desc = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise ValueError(f"expected all tensors on one device, got {desc}")
+    device = None
+    for t in tensors.values():
+        if isinstance(t, torch.Tensor):
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                desc = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if isinstance(t, torch.Tensor))
+                raise ValueError(f"expected all tensors on one device, got {desc}")
 
 
 def check_segment_pos(segment_pos, B: int, T: int):

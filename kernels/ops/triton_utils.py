@@ -42,6 +42,31 @@ def empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def scratch(dtype, device, *shapes) -> list[torch.Tensor]:
+    """Buffers of `shapes` carved from one allocation (one allocator call on the host
+    path instead of one per buffer), each starting at a multiple of 256 bytes into the
+    allocation, so a kernel sees the pointer alignment of a fresh tensor. For buffers
+    that die together: a carved view keeps the whole allocation alive."""
+    n, views = _layout(dtype.itemsize, shapes)
+    buf = empty((n,), dtype, device)
+    return [buf.as_strided(shape, stride, off) for shape, stride, off in views]
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(itemsize: int, shapes: tuple) -> tuple[int, tuple]:
+    """(elements of the allocation, (shape, contiguous strides, offset) per buffer)."""
+    step = max(1, 256 // itemsize)
+    n, views = 0, []
+    for shape in shapes:
+        stride, size = [], 1
+        for e in reversed(shape):
+            stride.append(size)
+            size *= e
+        views.append((shape, tuple(reversed(stride)), n))
+        n += -(-size // step) * step
+    return n, tuple(views)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

@@ -66,6 +66,8 @@ class RecurrenceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
+        # an unused output's gradient arrives as None, not as a zero tensor filled per call
+        ctx.set_materialize_grads(False)
         save = any(ctx.needs_input_grad)
         y, ht, saved = _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
         if save:
@@ -77,6 +79,7 @@ class RecurrenceFunction(torch.autograd.Function):
     def backward(ctx, dy, dht):
         no_double_backward()
         x, gx, ga, a_param, pos, saved = ctx.saved_tensors
+        dy = torch.zeros_like(x) if dy is None else dy
         dx, dgx, dga, dap, dh0 = _backward(x, gx, ga, a_param, pos, saved, dy, dht, ctx.has_h0, ctx.is_scan,
                                            ctx.cfg)
         return dx, dgx, dga, dap, None, dh0, None, None, None
@@ -142,12 +145,15 @@ torch.library.register_autograd("kernels::rglru_fwd", _op_backward, setup_contex
 
 def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
     """(y, final state or None) through the custom op under torch.compile, through
-    RecurrenceFunction otherwise."""
+    RecurrenceFunction where a gradient is needed, straight through the launcher
+    otherwise (inference: no autograd node, no states kept)."""
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gx, ga, a_param, h0))
     if not torch.compiler.is_compiling():
-        return RecurrenceFunction.apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
-    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gx, ga, a_param, h0))
-    y, ht, _ = torch.ops.kernels.rglru_fwd(x, gx, ga, a_param, pos, h0, save, is_scan,
-                                           spec_of(cfg))
+        if grad:
+            return RecurrenceFunction.apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
+        y, ht, _ = _forward(x, gx, ga, a_param, pos, h0, output_final_state, False, is_scan, cfg)
+        return y, ht
+    y, ht, _ = torch.ops.kernels.rglru_fwd(x, gx, ga, a_param, pos, h0, grad, is_scan, spec_of(cfg))
     return y, (ht if output_final_state else None)
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import cdiv
+from ..triton_utils import cdiv, scratch
 from .common import (alloc, bwd_chunk, fwd_steps, load_pair, mode_consts, next_pow2, store_pair, store_param_partials,
                      tl_dtype)
 from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
@@ -230,15 +230,20 @@ def _bwd_kernel(x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D,
     store_param_partials(ppart, b * N + c, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
 
 
-def _prefix(A, Bv, init, S, conj, reverse):
+def prefix_shapes(B: int, N: int, M: int) -> tuple:
+    """Shapes of _prefix's scratch (AG, BG, carry) over N chunk maps."""
+    ng = group_sizes(N)[1]
+    return ((B, ng, M, 2),) * 3
+
+
+def _prefix(A, Bv, init, S, conj, reverse, work):
     """Grouped prefix over the chunk maps A, Bv [B, N, M, 2]: writes the state entering
-    every chunk to S (linear work) and returns the final one [B, M, 2]."""
+    every chunk to S (linear work) and returns the final one [B, M, 2]; work: the
+    scratch buffers of prefix_shapes."""
     B, N, M, _ = A.shape
     acc = A.dtype
     gs, ng, ngp = group_sizes(N)
-    AG = alloc((B, ng, M, 2), acc, A.device)
-    BG = alloc((B, ng, M, 2), acc, A.device)
-    carry = alloc((B, ng, M, 2), acc, A.device)
+    AG, BG, carry = work
     final = alloc((B, M, 2), acc, A.device)
     nmb = cdiv(M, PREFIX_BM)
     V = min(gs, PREFIX_UNROLL)
@@ -266,15 +271,14 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     acc = ctrl.dtype
     N = cdiv(T, K)
     grid = (cdiv(M, BM), N, B)
-    P = alloc((B, N, M, 2), acc, x.device)
-    Q = alloc((B, N, M, 2), acc, x.device)
+    P, Q, *work = scratch(acc, x.device, (B, N, M, 2), (B, N, M, 2), *prefix_shapes(B, N, M))
     _summary_kernel[grid](x, ctrl, modes, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
                           ACC=tl_dtype(acc), num_warps=cfg["NW"])
     if accounting.on():
         accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
     # the state entering every chunk, kept for the backward
     states = alloc((B, N, M, 2), acc, x.device)
-    hT = _prefix(P, Q, h0, states, conj=False, reverse=False)
+    hT = _prefix(P, Q, h0, states, conj=False, reverse=False, work=work)
     y = alloc(x.shape, x.dtype, x.device)
     _replay_kernel[grid](x, ctrl, modes, states, y, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
                          ACC=tl_dtype(acc), num_warps=cfg["NW"])
@@ -291,18 +295,17 @@ def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
     N = cdiv(T, K)
     nmb = cdiv(M, BM)
     grid = (nmb, N, B)
-    P = alloc((B, N, M, 2), acc, x.device)
-    Qb = alloc((B, N, M, 2), acc, x.device)
+    # scratch of this launcher (summaries, adjoints entering chunks, checkpoints, the
+    # prefix's groups) apart from the partials dpart, ppart, which live on in controls_bwd
+    P, Qb, R, ckpt, *work = scratch(acc, x.device, (B, N, M, 2), (B, N, M, 2), (B, N, M, 2),
+                                    (B * N * nmb * (K // BWD_UNROLL) * BM * 2,), *prefix_shapes(B, N, M))
+    dpart, ppart = scratch(acc, x.device, (B * T, nmb, 2), (B * N, M, 2))
     _bwd_summary_kernel[grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
                               ACC=tl_dtype(acc), num_warps=cfg["NW"])
     if accounting.on():
         accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
-    R = alloc((B, N, M, 2), acc, x.device)
-    dh0 = _prefix(P, Qb, gh, R, conj=True, reverse=True)
+    dh0 = _prefix(P, Qb, gh, R, conj=True, reverse=True, work=work)
     dxw = alloc(x.shape, acc, x.device)
-    dpart = alloc((B * T, nmb, 2), acc, x.device)
-    ppart = alloc((B * N, M, 2), acc, x.device)
-    ckpt = alloc((B * N * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
     _bwd_kernel[grid](x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb, K=K,
                       U=BWD_UNROLL, BM=BM, ACC=tl_dtype(acc), num_warps=cfg["NW"])
     # ckpt: every U-th state of the chunk, written and read back by the same program

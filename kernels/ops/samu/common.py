@@ -14,6 +14,7 @@ Complex FP32 states travel as torch.view_as_real pairs [..., M, 2].
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,17 +22,29 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import acc_dtype, cdiv, next_pow2
+from ..triton_utils import acc_dtype, cdiv, next_pow2, scratch
 from ..triton_utils import empty as alloc
 from ..triton_utils import tl_acc as tl_dtype
 
 
 def scalar_param(v, device, dtype) -> torch.Tensor:
     """Amplitude as a one-element tensor on the device without a host round trip
-    (capturable in a CUDA graph)."""
+    (capturable in a CUDA graph). A python float becomes a cached read-only constant (no
+    fill launch per call), except under torch.compile and during CUDA graph capture,
+    where a fresh tensor is filled (a capture records the fill without running it)."""
     if isinstance(v, torch.Tensor):
         return v.reshape(1).to(device=device, dtype=dtype)
-    return torch.full((1,), float(v), device=device, dtype=dtype)
+    v = float(v)
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.full((1,), v, device=device, dtype=dtype)
+    return _constant(v, math.copysign(1.0, v), device, dtype)
+
+
+@functools.cache
+def _constant(v, sign, device, dtype):
+    # One tensor per (value, sign, device, dtype), kept for the process's life: a CUDA
+    # graph captured reading one must never see it freed. sign keys -0.0 apart from 0.0.
+    return torch.full((1,), v, device=device, dtype=dtype)
 
 
 def check_block_m(bm):
@@ -501,8 +514,7 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     dx = dxw if x.dtype == acc else alloc(x.shape, x.dtype, x.device)
     BLOCK_T, BLOCK_D = 32, min(128, next_pow2(D))
     ntb = cdiv(ntok, BLOCK_T) if ntok else 0
-    colpart = alloc((max(ntb, 1), 2 * D), acc, x.device)
-    scalpart = alloc((max(ntb, 1), 8), acc, x.device)
+    colpart, scalpart = scratch(acc, x.device, (max(ntb, 1), 2 * D), (max(ntb, 1), 8))
     if ntb:
         _controls_bwd_kernel[(ntb,)](
             dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,

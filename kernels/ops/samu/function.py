@@ -67,6 +67,8 @@ class SamuFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, cfg):
+        # an unused output's gradient arrives as None, not as a zero tensor filled per call
+        ctx.set_materialize_grads(False)
         save = any(ctx.needs_input_grad)
         y, h, ctrl, aux, modes, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0,
                                                   save, cfg)
@@ -79,6 +81,7 @@ class SamuFunction(torch.autograd.Function):
     def backward(ctx, dy, dh):
         no_double_backward()
         x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
+        dy = torch.zeros_like(x) if dy is None else dy
         dx, dpd, drd, damp, dmode, dh0 = _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy,
                                                    dh, ctx.cfg)
         return (dx, *_param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log), None,

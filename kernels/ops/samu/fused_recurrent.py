@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import cdiv, check_chunk_size
+from ..triton_utils import cdiv, check_chunk_size, scratch
 from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair, mode_consts, store_pair,
                      store_param_partials, tl_dtype)
 
@@ -121,10 +121,9 @@ def serial_backward(x, dy, ctrl, modes, states, gh, cfg):
     N = cdiv(T, K)
     nmb = cdiv(M, BM)
     dxw = alloc(x.shape, acc, x.device)
-    dpart = alloc((B * T, nmb, 2), acc, x.device)
-    ppart = alloc((B, M, 2), acc, x.device)
     dh0 = alloc((B, M, 2), acc, x.device)
-    ckpt = alloc((B * nmb * (K // BWD_UNROLL) * BM * 2,), acc, x.device)
+    # scratch: the partials (read by controls_bwd right after this launcher), the checkpoints
+    dpart, ppart, ckpt = scratch(acc, x.device, (B * T, nmb, 2), (B, M, 2), (B * nmb * (K // BWD_UNROLL) * BM * 2,))
     ckpt_bytes = accounting.nbytes(ckpt)
     _serial_bwd_kernel[(nmb, B)](
         x, dy, ctrl, modes, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,

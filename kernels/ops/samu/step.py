@@ -24,7 +24,7 @@ from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
 from ..triton_utils import acc_dtype, cdiv, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
-from .common import load_pair, mode_consts64, relu, store_pair, tanh, transition
+from .common import load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
 ROW_MIN_BATCH = 64
 
@@ -95,7 +95,7 @@ def _amp(v, x):
     a python float in x's accumulation precision (float64 for float64 x)."""
     if isinstance(v, torch.Tensor):
         return v.reshape(1)
-    return torch.full((1,), float(v), device=x.device, dtype=acc_dtype(x.dtype))
+    return scalar_param(v, x.device, acc_dtype(x.dtype))
 
 
 def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset):

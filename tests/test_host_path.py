@@ -1,0 +1,136 @@
+"""The host path of an eager call, with every Triton launch replaced by a recording
+stub: the aten ops and kernel launches one call issues are counted (a torch dispatch
+mode sees every op that reaches the dispatcher), so that work added to the path a user
+pays on every call (an extra allocation, fill, copy or launch) fails here, without a
+time bound. The bounds are the counts of the current path."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernels
+from kernels.ops import triton_utils
+from kernels.ops.rglru import chunk as rglru_chunk
+from kernels.ops.rglru import common as rglru_common
+from kernels.ops.rglru import fused_recurrent as rglru_serial
+from kernels.ops.rglru import split as rglru_split
+from kernels.ops.rglru import step as rglru_step_mod
+from kernels.ops.samu import chunk as samu_chunk
+from kernels.ops.samu import common as samu_common
+from kernels.ops.samu import fused_recurrent as samu_serial
+from kernels.ops.samu import step as samu_step_mod
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """Every module-level Triton kernel of the op packages replaced by a stub whose
+    launch records the kernel's name and does nothing."""
+    launches = []
+    monkeypatch.setattr(triton_utils, "_POISON", [False])   # plain allocations, as users get them
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append(self.name)
+
+    for mod in (rglru_step_mod, rglru_serial, rglru_split, rglru_chunk, rglru_common, samu_step_mod, samu_common, samu_chunk,
+                samu_serial):
+        for name, obj in list(vars(mod).items()):
+            if name.endswith("_kernel") and hasattr(obj, "__getitem__"):
+                monkeypatch.setattr(mod, name, Stub(name))
+    return launches
+
+
+def _count(fn):
+    fn()        # warm the caches
+    with _Count() as c:
+        fn()
+    return c.ops
+
+
+def _step_args(B=4, D=64, H=4):
+    g = torch.Generator().manual_seed(0)
+    W = D // H
+    x = torch.randn(B, D, generator=g)
+    w = torch.randn(H, W, W, generator=g)
+    b = torch.randn(H, W, generator=g)
+    return x, w, b, torch.randn(D, generator=g)
+
+
+@torch.no_grad()
+def test_rglru_step_host_path(stubbed):
+    x, w, b, ap = _step_args()
+    state = torch.zeros(x.shape)
+    ops = _count(lambda: kernels.rglru_step(x, w, b, w, b, ap, state, backend="fused"))
+    assert stubbed[-1] == "rglru_step_kernel" and stubbed.count("rglru_step_kernel") == 2
+    assert ops == ["empty"], ops            # y; no copy of contiguous inputs, no fill
+
+
+@torch.no_grad()
+def test_samu_step_host_path(stubbed):
+    x, _, _, _ = _step_args()
+    D, M = x.shape[1], x.shape[1] // 2
+    g = torch.Generator().manual_seed(1)
+    pd, rd = torch.randn(D + 1, generator=g), torch.randn(D + 1, generator=g)
+    nu, th = torch.randn(M, generator=g), torch.randn(M, generator=g)
+    state = torch.zeros(x.shape[0], M, dtype=torch.complex64)
+    ops = _count(lambda: kernels.samu_step(x, pd, rd, 0.5, -0.25, nu, th, state, backend="fused"))
+    assert stubbed == ["_step_kernel"] * 2
+    # y and the real view of the state; python-float amplitudes are cached constants
+    assert sorted(ops) == ["empty_like", "view_as_real"], ops
+
+
+def _seq(B=2, T=16, D=64, grad=False):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randn(B, T, D, generator=g).requires_grad_(grad) for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend", ["serial", "chunk"])
+def test_rglru_scan_inference_host_path(stubbed, backend):
+    x, gx, ga = _seq()
+    ap = torch.randn(x.shape[-1])
+    a = ga.sigmoid()
+    # the output alone (serial), plus the chunk summaries (chunk): no autograd node, no
+    # copy of contiguous inputs
+    bound = 1 if backend == "serial" else 4
+    with torch.no_grad():
+        ops = _count(lambda: kernels.rglru(x, gx, ga, ap, backend=backend))
+    assert set(ops) == {"empty"} and len(ops) <= bound, ops
+    ops = _count(lambda: kernels.scan(a, x, backend=backend))
+    assert set(ops) == {"empty"} and len(ops) <= bound, ops
+
+
+def test_samu_train_host_path(stubbed):
+    x = _seq(grad=True)[0]
+    D, M = x.shape[-1], x.shape[-1] // 2
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(n, generator=g).requires_grad_() for n in (D + 1, D + 1, M, M)]
+    pd, rd, nu, th = params
+    dy = torch.ones_like(x)
+
+    def step():
+        y, _ = kernels.samu(x, pd, rd, 0.5, 0.5, nu, th, backend="chunk")
+        y.backward(dy)
+
+    stubbed.clear()
+    ops = _count(step)
+    # forward: mode table, controls, summary, 3 prefix kernels, replay; backward:
+    # summary, 3 prefix kernels, the backward, controls_bwd, finalize
+    assert len(stubbed) // 2 == 14, stubbed
+    # allocations (scratch carved from shared ones: as_strided views), the gradients'
+    # slices and their accumulation into .grad (the warm-up call left them set); no
+    # fill (an unused final state's gradient stays None), no copy
+    assert ops.count("empty") <= 16, ops
+    assert set(ops) <= {"empty", "as_strided", "slice", "select", "add_"}, ops
