@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, next_pow2, out, tl_acc
+from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, next_pow2, out, scratch,
+                            tl_acc)
 from .common import affine, affine_excl, first_row, last_row, load_a, load_tile, softplus, tile_grads
 
 
@@ -218,8 +219,7 @@ def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan
     kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
               
               num_warps=cfg["num_warps"])
-    P = empty((B, NC, D), acc, x.device)
-    Q = empty((B, NC, D), acc, x.device)
+    P, Q = scratch(acc, x.device, (B, NC, D), (B, NC, D))
     chunk_fwd_summary_kernel[grid](x, gx, ga, ap, p, P, Q, T, D, NC, **kw)
     extra = None if is_scan else a_param
     if accounting.on():
@@ -247,8 +247,7 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
               
               num_warps=cfg["num_warps"])
     extra = None if is_scan else a_param
-    P = empty((B, NC, D), acc, x.device)
-    Q = empty((B, NC, D), acc, x.device)
+    P, Q = scratch(acc, x.device, (B, NC, D), (B, NC, D))
     chunk_bwd_summary_kernel[grid](ga, ap, p, dy, P, Q, T, D, NC, **kw)
     if accounting.on():
         accounting.record("chunk_bwd_summary", accounting.nbytes(ga, dy, pos, extra), accounting.nbytes(P, Q))
