@@ -102,14 +102,14 @@ def test_rglru_scan_inference_host_path(stubbed, backend):
     x, gx, ga = _seq()
     ap = torch.randn(x.shape[-1])
     a = ga.sigmoid()
-    # the output alone (serial), plus the chunk summaries (chunk): no autograd node, no
-    # copy of contiguous inputs
+    # the output alone (serial); chunk: plus the summaries (one allocation, carved) and the
+    # chunk states; no autograd node, no copy of contiguous inputs
     bound = 1 if backend == "serial" else 3
     with torch.no_grad():
         ops = _count(lambda: kernels.rglru(x, gx, ga, ap, backend=backend))
-    assert set(ops) == {"empty"} and len(ops) <= bound, ops
+    assert set(ops) <= {"empty", "as_strided"} and ops.count("empty") <= bound, ops
     ops = _count(lambda: kernels.scan(a, x, backend=backend))
-    assert set(ops) == {"empty"} and len(ops) <= bound, ops
+    assert set(ops) <= {"empty", "as_strided"} and ops.count("empty") <= bound, ops
 
 
 def test_samu_train_host_path(stubbed):

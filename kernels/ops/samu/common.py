@@ -14,7 +14,6 @@ Complex FP32 states travel as torch.view_as_real pairs [..., M, 2].
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -37,14 +36,20 @@ def scalar_param(v, device, dtype) -> torch.Tensor:
     v = float(v)
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.full((1,), v, device=device, dtype=dtype)
-    return _constant(v, math.copysign(1.0, v), device, dtype)
+    key = (v, math.copysign(1.0, v), device, dtype)     # the sign keys -0.0 apart from 0.0
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = torch.full((1,), v, device=device, dtype=dtype)
+        # not a fake or traced tensor of a mode in force; NaN (never equal to itself as a
+        # key) is not cached, so the table cannot grow by one per call
+        if type(t) is torch.Tensor and v == v:
+            _CONSTANTS[key] = t
+    return t
 
 
-@functools.cache
-def _constant(v, sign, device, dtype):
-    # One tensor per (value, sign, device, dtype), kept for the process's life: a CUDA
-    # graph captured reading one must never see it freed. sign keys -0.0 apart from 0.0.
-    return torch.full((1,), v, device=device, dtype=dtype)
+# One tensor per (value, sign, device, dtype), kept for the process's life: a CUDA
+# graph captured reading one must never see it freed.
+_CONSTANTS: dict = {}
 
 
 def check_block_m(bm):
