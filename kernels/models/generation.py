@@ -32,8 +32,8 @@ Step kernels (`kernels=`):
              prologues and epilogues (four launches and the mixer step per layer), for
              B <= 64; larger batches use "fused";
     "auto"   on CUDA for bf16/fp16 models "gemm" up to AUTO_GEMM_MAX_ROWS rows and
-             "fused" above (the faster of the two on the H200 at preset 1.3b:
-             results/generation/summary.md), "fused" for fp32 models; "model" otherwise.
+             "fused" above (the faster of the two on the H200 at preset 1.3b), "fused"
+             for fp32 models; "model" otherwise.
 PDL (`pdl=None`) is on for "gemm" on Hopper and newer GPUs (measured faster there).
 All of them compute HawkLM.step's function with its roundings (FP32 summation order
 may differ; "gemm" rounds the normalised matmul input before the 1 / rms factor, see

@@ -146,8 +146,8 @@ def _resolve(op, b: Backend, env_table, dtype, B, T, D, device, chunk_size):
             opts["chunk_size"] = entry["chunk_size"]
         opts.update(_chunk_opts(entry["backend"], chunk_size))
         return entry["backend"], opts
-    # Without a table entry: the backend measured fastest at the training shape on the
-    # H200 (results/kernels/: RG-LRU and the bare scan serial, SAMU chunked).
+    # Without a table entry: the backend fastest at the training shape on an H200
+    # (RG-LRU and the bare scan serial, SAMU chunked); the tune stage re-measures it per GPU.
     for name in DEFAULT_ORDER[op]:
         if name in avail:
             return name, _chunk_opts(name, chunk_size)

@@ -111,7 +111,7 @@ def serial_bwd_kernel(
         tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
 
 
-# Defaults: the fastest exact configurations measured on an H200 (results/kernels/rglru):
+# Defaults: the fastest exact configurations on an H200 (the tune stage re-selects per GPU):
 # split kernels W = 4, 8 steps per warp, 3 stages (RG-LRU fwd+bwd at B=4, T=2048, D=2560)
 # and W = 8, 4 stages (the bare scan at B=8, D=1024); tile kernels 64 x 16 (RG-LRU) and
 # 128 x 32 (scan) with 4 warps and register prefetch.

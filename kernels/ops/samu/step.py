@@ -6,8 +6,8 @@ Two layouts of the same computation:
 - "blocked": one program per (sequence, block of modes); each program recomputes
   its sequence's two projections from the row in cache (more, smaller programs).
 "fused" takes "blocked" below ROW_MIN_BATCH sequences and "row" from there on; the
-threshold comes from the decode sweep in results/kernels/samu/summary_run2.md (H200,
-D = 2560: blocked is faster up to B = 32, row from B = 64).
+threshold is where the two crossed on an H200 at D = 2560 (blocked faster up to B = 32,
+row from B = 64); the tune stage's decode entries re-measure both per GPU.
 No host synchronisation and no allocation besides y: capturable in a CUDA graph.
 """
 
