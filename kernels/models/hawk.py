@@ -49,8 +49,11 @@ def _check_tokens(name, t, shape):
 
 def _check_token_range(name, t, vocab_size):
     """Token ids in [0, vocab_size) (reads two numbers back to the host; skipped while
-    torch.compile traces and under CUDA-graph capture, where no value can be read)."""
-    if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    torch.compile traces and under CUDA-graph capture, where no value can be read, and in
+    a CUDA training pass, where the read would stall the launch queue every step and the
+    embedding's device-side bounds check still stops an out-of-range id)."""
+    if torch.compiler.is_compiling() or (t.is_cuda and (torch.cuda.is_current_stream_capturing()
+                                                       or torch.is_grad_enabled())):
         return
     if t.numel():
         lo, hi = (int(v) for v in t.aminmax())
