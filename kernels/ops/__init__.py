@@ -1,13 +1,10 @@
 """Public ops: one signature per recurrence, the kernel chosen by a value.
 
-`backend` is a name or a `Backend` (kernels.ops.tuning): "reference" (PyTorch,
-autograd), the Triton backends each kernel module registers ("serial", "chunk", ...)
-and the PyTorch associative scans of kernels.ops.assoc ("assoc", and "assoc_bf16",
-inexact by design: see `inexact_backends`). "auto" reads the tuning table the caller
-passes in `Backend("auto", table=...)` (or the one $KERNELS_TUNING_TABLE names) and
-falls back to the fastest exact default for the device; on the CPU it is the
-reference. The resolution of a call is cached per (op, backend, dtype, shape, device).
-Every op returns (y, final_state or None).
+`backend` is a name or a `Backend` (kernels.ops.tuning): "reference" (PyTorch), the
+Triton backends ("serial", "chunk", ...) and the PyTorch associative scans ("assoc",
+"assoc_bf16": inexact by design). "auto" reads the caller's `Backend("auto", table=...)`
+or $KERNELS_TUNING_TABLE, else the fastest exact default for the device (the reference
+on the CPU); resolutions are cached. Every op returns (y, final_state or None).
 """
 
 from __future__ import annotations
@@ -17,26 +14,13 @@ import functools
 import torch
 
 from . import assoc, reference, tuning
-from .checks import (
-    CHUNK_SIZES,
-    COMPLEX_DTYPES,
-    FLOAT_DTYPES,
-    check_chunk_size,
-    check_same_device,
-    check_scalar,
-    check_segment_pos,
-    check_tensor,
-    cu_seqlens_to_segment_pos,
-    shape_str,
-    state_dtype,
-)
+from .checks import (COMPLEX_DTYPES, FLOAT_DTYPES, check_chunk_size, check_same_device, check_scalar,
+                     check_segment_pos, check_tensor, cu_seqlens_to_segment_pos, shape_str, state_dtype)
 from .tuning import Backend, TuningTable
 
-# Modules that provide backends. Each exposes BACKENDS = {op: {name: fn}}, may expose
-# STEPS = {op: {name: fn}} for decode steps and INEXACT = {names} for backends that are
-# inexact by design (timed as diagnostics, never chosen). The Triton packages are
-# imported here, before the ops of the same names (rglru, samu) are defined below, so
-# that those names stay the functions; without Triton they are left out.
+# Backend providers: BACKENDS = {op: {name: fn}}, optionally STEPS (decode steps) and
+# INEXACT (names never chosen). Imported before the ops rglru and samu are defined below,
+# so those names stay the functions; without Triton the Triton packages are left out.
 PROVIDERS = []
 try:
     from . import rglru as _rglru_kernels
@@ -50,9 +34,7 @@ PROVIDERS.append(assoc)
 
 
 DEFAULT_ORDER = {"rglru": ("serial", "chunk"), "scan": ("serial", "chunk"), "samu": ("chunk", "serial")}
-# Backends that take `chunk_size` (an int in CHUNK_SIZES for both, with and without
-# gradients): the chunk length of "chunk", the time tile of "serial" (RG-LRU/scan: its
-# time tile, per warp with time_warps > 1; SAMU: its tile and checkpoint length).
+# Backends taking `chunk_size` (checks.CHUNK_SIZES): chunk length or serial time tile.
 CHUNK_SIZE_BACKENDS = ("chunk", "serial")
 
 
@@ -80,8 +62,7 @@ def backends(op: str) -> dict:
 
 @functools.cache
 def inexact_backends() -> frozenset:
-    """Backend names that are inexact by design (e.g. BF16 accumulation): the audit
-    records their errors without gating them, and nothing selects them."""
+    """Backend names inexact by design: audited without gating, never selected."""
     out = set()
     for mod in PROVIDERS:
         out |= set(getattr(mod, "INEXACT", ()))
@@ -108,12 +89,9 @@ def _gpu_name(device: torch.device) -> str | None:
 def resolve(op: str, backend, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
     """(backend name, launcher options) for a call of `op` on x [B, T, D]; cached.
 
-    chunk_size applies only to the backends of CHUNK_SIZE_BACKENDS ("chunk": the chunk
-    length; "serial": its time tile), an int in CHUNK_SIZES (8, 16, 32, 64) checked here
-    for every backend, and overrides a Backend's own chunk_size. Naming
-    another backend together with a chunk_size raises ValueError. With "auto" it is a
-    preference: passed on when the backend chosen takes it (it overrides a tuning-table
-    entry's chunk_size), dropped otherwise, as on the CPU, where "auto" is the reference."""
+    chunk_size (checked here) overrides a Backend's or a table entry's; with another
+    backend than CHUNK_SIZE_BACKENDS it raises ValueError, except under "auto", where it
+    is dropped when the backend chosen does not take it (as on the CPU)."""
     if chunk_size is not None:     # before the cache: 8.0 and True hash as 8 and 1
         check_chunk_size(chunk_size)
     b = Backend.of(backend)
@@ -146,8 +124,7 @@ def _resolve(op, b: Backend, env_table, dtype, B, T, D, device, chunk_size):
             opts["chunk_size"] = entry["chunk_size"]
         opts.update(_chunk_opts(entry["backend"], chunk_size))
         return entry["backend"], opts
-    # Without a table entry: the backend fastest at the training shape on an H200
-    # (RG-LRU and the bare scan serial, SAMU chunked); the tune stage re-measures it per GPU.
+    # Without a table entry: the fastest at the training shape on an H200 (re-tuned per GPU).
     for name in DEFAULT_ORDER[op]:
         if name in avail:
             return name, _chunk_opts(name, chunk_size)
@@ -172,15 +149,11 @@ def _check_state(initial_state, B, width, dtype):
         check_tensor("initial_state", initial_state, shape=(B, width), dtypes=(dtype,))
 
 
-def rglru(
-    x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
-    backend="auto", chunk_size=None, cu_seqlens=None,
-):
-    """RG-LRU from gate logits. x, gate_x, gate_a: [B, T, D]; a_param: [D];
-    segment_pos: [B, T] integer (0 = document start; only zero matters: any other value,
-    negative ones included, continues the document, as in the reference) or cu_seqlens
-    [N+1] with B = 1;
-    initial_state: [B, D] FP32 (float64 for float64 x). Returns (y [B, T, D], h or None)."""
+def rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
+          backend="auto", chunk_size=None, cu_seqlens=None):
+    """RG-LRU from gate logits. x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos:
+    [B, T] integer (0 = document start, any other value continues) or cu_seqlens [N+1]
+    with B = 1; initial_state: [B, D] FP32 (float64 for float64 x). Returns (y, h or None)."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     B, T, D = x.shape
     check_tensor("gate_x", gate_x, shape=(B, T, D), dtypes=(x.dtype,))
@@ -195,9 +168,7 @@ def rglru(
 
 
 def _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, **others):
-    """SAMU's parameters against x [..., D] (D even, checked by the caller): directions
-    [D + 1], amplitudes python floats or one-element tensors, nu_log / theta_log [M], all
-    floating; every tensor, `others` (None skipped) included, on x's device."""
+    """SAMU's parameters against x [..., D]; every tensor, `others` included, on x's device."""
     D = x.shape[-1]
     M = D // 2
     check_tensor("phase_dir", phase_dir, shape=(D + 1,), dtypes=FLOAT_DTYPES)
@@ -210,15 +181,12 @@ def _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, 
                       radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, **others)
 
 
-def samu(
-    x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
-    initial_state=None, output_final_state=False, backend="auto", chunk_size=None, cu_seqlens=None,
-):
-    """SAMU. x: [B, T, D] with D = 2M even; phase_dir, radial_dir: [D + 1];
-    phase_amp, radial_amp: python floats or one-element tensors; nu_log, theta_log: [M];
-    every parameter floating, on x's device; segment_pos / cu_seqlens as for `rglru` (a
-    reset where segment_pos == 0, any other value continues); initial_state:
-    [B, M] complex64 (complex128 for float64 x). Returns (y [B, T, D], h or None)."""
+def samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
+         initial_state=None, output_final_state=False, backend="auto", chunk_size=None, cu_seqlens=None):
+    """SAMU. x: [B, T, D] with D = 2M even; phase_dir, radial_dir: [D + 1]; phase_amp,
+    radial_amp: floats or one-element tensors; nu_log, theta_log: [M]; segment_pos /
+    cu_seqlens as for `rglru`; initial_state: [B, M] complex64 (complex128 for float64
+    x). Returns (y [B, T, D], h or None)."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     B, T, D = x.shape
     if D % 2 or D == 0:
@@ -235,10 +203,9 @@ def samu(
 
 def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
          backend="auto", chunk_size=None, cu_seqlens=None):
-    """Diagonal affine scan h_t = a_t h_{t-1} + b_t (a_t = 0 at resets), real or complex.
-    a, b: [B, T, D], both floating or both complex (complex64/complex128); a may differ
-    from b in precision (it is converted to b's dtype); initial_state: [B, D] in the
-    state dtype. Returns (y in b's dtype, h or None)."""
+    """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets). a, b: [B, T, D], both real or both
+    complex (a taken in b's dtype); initial_state: [B, D] in the state dtype.
+    Returns (y in b's dtype, h or None)."""
     check_tensor("b", b, ndim=3, dtypes=FLOAT_DTYPES + COMPLEX_DTYPES)
     B, T, D = b.shape
     check_tensor("a", a, shape=(B, T, D), dtypes=COMPLEX_DTYPES if b.is_complex() else FLOAT_DTYPES)
@@ -254,8 +221,7 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
 
 
 def resolve_step(op: str, backend, x: torch.Tensor):
-    """The decode step callable of `op` for a call on x [B, D] (options of a Backend
-    bound to it): "auto" takes the fused Triton step on CUDA, the reference elsewhere."""
+    """The decode step callable of `op` for x [B, D] ("auto": fused on CUDA, else the reference)."""
     return _resolve_step(op, Backend.of(backend), x.device.type)
 
 
@@ -270,19 +236,16 @@ def _resolve_step(op, b: Backend, device_type):
 
 
 def step_has_backward(op: str, backend, device) -> bool:
-    """Whether the decode step `backend` of `op` ("auto" resolved for `device`) is
-    differentiable: the reference is; the Triton steps have no backward."""
+    """Whether the decode step `backend` of `op` on `device` is differentiable (the reference only)."""
     fn = _resolve_step(op, Backend.of(backend), torch.device(device).type)
     return getattr(fn, "func", fn) is step_backends(op)["reference"]
 
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
-    """One RG-LRU decode step with both block-diagonal gate matvecs.
-    x: [B, D]; gate_*_w: [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D], all floating
-    and on x's device; state: [B, D] FP32, updated in place; reset: [B] bool.
-    Returns y [B, D]. The Triton step ("fused", "auto" on CUDA) has no backward: an
-    input that requires grad under grad mode raises ValueError (decode under
-    torch.no_grad(); train with `rglru`)."""
+    """One RG-LRU decode step with both block-diagonal gate matvecs. x: [B, D]; gate_*_w:
+    [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D]; state: [B, D] FP32, updated in
+    place; reset: [B] bool. Returns y [B, D]. The Triton step has no backward: an input
+    requiring grad under grad mode raises ValueError."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     check_tensor("state", state, shape=(B, D), dtypes=(state_dtype(x.dtype),))
@@ -302,11 +265,8 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
 
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto"):
-    """One SAMU decode step. x: [B, D]; parameters as for `samu`; state: [B, M]
-    complex64, updated in place; reset: [B] bool. Returns y [B, D]. The Triton steps
-    ("fused", "row", "blocked"; "auto" on CUDA) have no backward: an input that requires
-    grad under grad mode raises ValueError (decode under torch.no_grad(); train with
-    `samu`)."""
+    """One SAMU decode step. x: [B, D]; parameters as for `samu`; state: [B, M] complex64,
+    updated in place; reset: [B] bool. Returns y [B, D]. No backward in the Triton steps."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     if D % 2 or D == 0:

@@ -1,9 +1,6 @@
-"""Logical byte and launch accounting for the Triton launchers.
-
-Every launcher calls `record(...)` once per kernel launch with the bytes its
-kernel logically reads and writes (tensor sizes at their dtypes, not hardware
-counters), behind `if accounting.on():`, so that outside a `counting()` block the
-hot path pays one function call and computes no sizes.
+"""Logical byte and launch accounting: every launcher calls `record(...)` per launch
+with the tensor bytes its kernel reads and writes, behind `if accounting.on():` (outside
+a `counting()` block the hot path computes no sizes).
 
     with accounting.counting() as c:
         y, h = kernels.rglru(...)
@@ -24,14 +21,6 @@ class Counter:
     bytes_written: int = 0
     launches: int = 0
     by_kernel: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {
-            "logical_bytes_read": self.bytes_read,
-            "logical_bytes_written": self.bytes_written,
-            "logical_launches": self.launches,
-            "logical_by_kernel": dict(self.by_kernel),
-        }
 
 
 def on() -> bool:

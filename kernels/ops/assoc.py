@@ -1,27 +1,13 @@
-"""Associative-scan backends in plain PyTorch: the parallel-prefix formulation of the
-recurrence, for the training track's implementation diagnostics (SPEC 5).
+"""Associative-scan backends in plain PyTorch (the training track's diagnostics, SPEC 5):
+all prefixes of the affine maps z -> a_t z + b_t by log2(T) rounds of recursive doubling
+(Hillis-Steele; round k: a_t <- a_t a_{t-2^k}, b_t <- a_t b_{t-2^k} + b_t), the initial
+state folded into b_0, resets as a_t = 0; autograd backward, every round's maps kept.
 
-h_t = a_t h_{t-1} + b_t is the composition of affine maps z -> a_t z + b_t, and
-composition is associative, so all prefixes come from log2(T) rounds of
-recursive doubling (Hillis-Steele): in round k every position t >= 2^k composes
-its running map with the one ending at t - 2^k,
-
-    a_t <- a_t a_{t-2^k},   b_t <- a_t b_{t-2^k} + b_t,
-
-and after the last round b_t is h_t (the initial state is folded into b_0 first,
-resets enter as a_t = 0). O(T log T) work, log2(T) dependent steps of full-width
-tensor arithmetic, autograd for the backward; every round's [B, T, D] maps are kept
-for backward, so memory grows with log2(T).
-
-- "assoc": maps combined in FP32 (complex64 for SAMU; float64 / complex128 for
-  float64 inputs), exact up to FP32 reassociation: gated by the audit like every
-  other backend.
-- "assoc_bf16": every round's maps rounded to BF16 (real and imaginary parts for
-  SAMU), the partly-BF16 accumulation some public scan kernels use; inexact by
-  design (listed in INEXACT), so it is timed and labelled as such but never chosen
-  by `auto`, the tuning stage or the architecture comparison.
-
-No launch options; the coefficients and outputs are those of kernels.ops.reference.
+- "assoc": maps in FP32 (complex64; float64 / complex128 for float64), exact up to
+  reassociation, audited like every backend;
+- "assoc_bf16": every round rounded to BF16, as some public scan kernels accumulate;
+  inexact by design (INEXACT): timed and labelled, never chosen.
+No launch options; coefficients and outputs are those of kernels.ops.reference.
 """
 
 from __future__ import annotations

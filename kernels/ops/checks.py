@@ -19,9 +19,7 @@ def shape_str(t: torch.Tensor) -> str:
 
 
 def check_tensor(name: str, t, shape: tuple | None = None, dtypes=None, ndim: int | None = None):
-    # Every eager call runs these checks: the passing path is one comparison per
-    # property (torch.Size equals a tuple of ints); the element-wise walk below runs
-    # only for shapes with a wildcard (None) or a mismatch.
+    # the passing path (every eager call) is one comparison per property
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"expected {name} to be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -31,9 +29,7 @@ def check_tensor(name: str, t, shape: tuple | None = None, dtypes=None, ndim: in
             want = "[" + ", ".join("?" if e is None else str(e) for e in shape) + "]"
             raise ValueError(f"expected {name} of shape {want}, got {shape_str(t)}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(
-            f"expected {name} with dtype in {[str(d) for d in dtypes]}, got {t.dtype}"
-        )
+        raise ValueError(f"expected {name} with dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     return t
 
 
@@ -62,8 +58,7 @@ def is_integer_dtype(dtype: torch.dtype) -> bool:
 
 
 def check_scalar(name: str, v, dtypes=FLOAT_DTYPES):
-    """A python real number or a one-element tensor (any shape, e.g. [] or [1]) of a
-    dtype in `dtypes` (the device is checked with the other tensors)."""
+    """A python real number or a one-element tensor of a dtype in `dtypes`."""
     if isinstance(v, torch.Tensor):
         if v.numel() != 1:
             raise ValueError(f"expected {name} to be a scalar (a float or a one-element tensor), "
@@ -77,9 +72,8 @@ def check_scalar(name: str, v, dtypes=FLOAT_DTYPES):
 
 
 def cu_seqlens_to_segment_pos(cu_seqlens: torch.Tensor, B: int, T: int, device=None) -> torch.Tensor:
-    """FlashAttention-style packed boundaries [N+1] (0, ..., T) -> segment_pos [1, T] int32
-    on `device` (default: cu_seqlens' device), computed there without a loop over the
-    sequences (the validation reads one flag back to the host)."""
+    """Packed boundaries [N+1] (0, ..., T) -> segment_pos [1, T] int32 on `device`
+    (default: cu_seqlens'), without a loop over the sequences."""
     check_tensor("cu_seqlens", cu_seqlens, ndim=1)
     if not is_integer_dtype(cu_seqlens.dtype):
         raise ValueError(f"expected cu_seqlens with an integer dtype, got {cu_seqlens.dtype}")
@@ -88,12 +82,9 @@ def cu_seqlens_to_segment_pos(cu_seqlens: torch.Tensor, B: int, T: int, device=N
     device = cu_seqlens.device if device is None else torch.device(device)
     cu = cu_seqlens.to(device, torch.int64)
     if cu.numel() < 2 or bool((cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any()):
-        raise ValueError(
-            f"expected cu_seqlens increasing from 0 to T = {T}, got {cu.tolist()}"
-        )
+        raise ValueError(f"expected cu_seqlens increasing from 0 to T = {T}, got {cu.tolist()}")
     t = torch.arange(T, dtype=torch.int64, device=device)
-    # Sequence of each step: the number of boundaries cu[1:] at or before it (empty
-    # sequences, cu[i] == cu[i + 1], own no step); its start is cu[that index].
+    # a step's sequence: the number of boundaries cu[1:] at or before it
     seq = torch.searchsorted(cu[1:], t, right=True)
     return (t - cu[seq]).view(1, T).to(torch.int32)
 
@@ -106,11 +97,9 @@ def state_dtype(x_dtype: torch.dtype, complex_state: bool = False) -> torch.dtyp
 
 
 def no_double_backward():
-    """Raise inside an autograd backward run with create_graph=True (grad mode is then on):
-    the Triton backwards are not differentiable, so the gradients they return carry no
-    graph, and a second-order term (a gradient penalty, a Hessian-vector product) would
-    silently drop out of the loss or be zero. (torch's once_differentiable is not enough:
-    torch.autograd.grad(..., inputs) prunes its error node and drops the term silently.)"""
+    """Raise inside a backward run with create_graph=True: the Triton backwards are not
+    differentiable, so a second-order term would silently drop out (torch's
+    once_differentiable is pruned away by torch.autograd.grad(..., inputs))."""
     if torch.is_grad_enabled():
         raise ValueError("expected create_graph=False with the Triton backends (their backward is not "
                          "differentiable: higher-order gradients would silently lose terms; use "
@@ -118,8 +107,7 @@ def no_double_backward():
 
 
 def no_grad_inputs(step: str, **tensors):
-    """Raise where grad mode is on and an input requires grad: the Triton decode step
-    `step` has no backward, so the gradients of its inputs would silently stay None."""
+    """Raise where grad mode is on and an input requires grad (decode steps have no backward)."""
     if not torch.is_grad_enabled():
         return
     for n, t in tensors.items():

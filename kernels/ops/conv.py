@@ -1,12 +1,8 @@
 """Fused Triton depthwise causal convolution of Hawk's recurrent block (layers.Conv1D
-without a cache) and its backward: one launch each way instead of a dozen
-elementwise passes over [B, T, E] FP32 copies.
-
-    y[t] = b + sum_{s < W} w[W-1-s] * x[t-s] * keep_s[t],
+without a cache) and its backward, one launch each way:
+    y[t] = b + sum_{s < W} w[W-1-s] x[t-s] keep_s[t],
     keep_s[t] = 1 iff t - s >= 0 and no document starts in (t-s, t] (segment_pos != 0),
-
-accumulated in FP32 (float64 for float64 inputs); y in x's dtype, dw and db in the
-parameters' dtype (partial sums per time tile in the accumulation dtype, then summed).
+accumulated in FP32 (float64 for float64); dw, db from per-tile partial sums.
 """
 
 from __future__ import annotations
@@ -108,9 +104,8 @@ class _CausalConv1d(torch.autograd.Function):
 
 def causal_conv1d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
                   segment_pos: torch.Tensor | None = None) -> torch.Tensor:
-    """Depthwise causal convolution (see the module docstring) with an empty history.
-    x: [B, T, E] contiguous; w: [W, E]; b: [E]; segment_pos: [B, T] integer or None (no
-    document starts). Returns y [B, T, E] in x's dtype."""
+    """The convolution with an empty history. x: [B, T, E] contiguous; w: [W, E]; b: [E];
+    segment_pos: [B, T] integer or None. Returns y [B, T, E] in x's dtype."""
     if x.dim() != 3 or not x.is_contiguous():
         raise ValueError(f"expected x a contiguous [B, T, E] tensor, got shape {list(x.shape)}")
     E = x.shape[2]

@@ -39,12 +39,9 @@ class SqrtBoundDerivative(torch.autograd.Function):
 
 
 def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False):
-    """h_t = a_t * h_{t-1} + b_t with a_t = 0 where segment_pos == 0.
-
-    a, b: [B, T, D] real or complex; initial_state: [B, D] in the state dtype.
-    Accumulates in float64/complex128 for float64/complex128 inputs, else FP32.
-    Returns y [B, T, D] in b's dtype and the final state [B, D] in the state dtype.
-    """
+    """h_t = a_t * h_{t-1} + b_t with a_t = 0 where segment_pos == 0. a, b: [B, T, D] real
+    or complex; initial_state: [B, D] in the state dtype (float64/complex128 for those
+    inputs, else FP32/complex64). Returns (y in b's dtype, final state)."""
     if b.is_complex():
         acc = torch.complex128 if b.dtype == torch.complex128 else torch.complex64
     else:
@@ -53,11 +50,7 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False):
     if reset is not None:
         a = torch.where(reset[..., None], torch.zeros_like(a), a)
     B, T, D = b.shape
-    h = (
-        torch.zeros(B, D, dtype=acc, device=b.device)
-        if initial_state is None
-        else initial_state.to(acc)
-    )
+    h = torch.zeros(B, D, dtype=acc, device=b.device) if initial_state is None else initial_state.to(acc)
     ys = []
     for t in range(T):
         h = a[:, t].to(acc) * h + b[:, t].to(acc)
@@ -82,10 +75,8 @@ def rglru_coefficients(x, gate_x, gate_a, a_param, segment_pos=None):
 
 def rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False):
     """RG-LRU from the two gate logits (official recurrentgemma semantics, SPEC 1.1).
-
     x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int (0 = reset);
-    initial_state: [B, D] FP32 (float64 for float64 inputs). y has x's dtype.
-    """
+    initial_state: [B, D] FP32 (float64 for float64 inputs). y has x's dtype."""
     a, b = rglru_coefficients(x, gate_x, gate_a, a_param, segment_pos)
     y, h = scan(a, b, segment_pos, initial_state, output_final_state)
     return y.to(x.dtype), h
@@ -130,26 +121,20 @@ def samu_coefficients(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, t
     return a, b
 
 
-def samu(
-    x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
-    segment_pos=None, initial_state=None, output_final_state=False,
-):
+def samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None, initial_state=None,
+         output_final_state=False):
     """SAMU (SPEC 1.2): complex diagonal recurrence of M = D/2 modes with shared controls.
-
     x: [B, T, D], D even; phase_dir, radial_dir: [D + 1]; phase_amp, radial_amp:
     scalars; nu_log, theta_log: [M]; initial_state: [B, M] complex64 (complex128
-    for float64 inputs). y = concat(relu(Re h), relu(Im h)) in x's dtype.
-    """
+    for float64 inputs). y = concat(relu(Re h), relu(Im h)) in x's dtype."""
     a, b = samu_coefficients(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos)
     h_all, h = scan(a, b, segment_pos, initial_state, output_final_state)
     y = torch.cat([torch.relu(h_all.real), torch.relu(h_all.imag)], dim=-1)
     return y.to(x.dtype), h
 
 
-def samu_real(
-    x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
-    segment_pos=None, initial_state=None, output_final_state=False,
-):
+def samu_real(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
+              initial_state=None, output_final_state=False):
     """SAMU written in real arithmetic only (polar transition, explicit real and
     imaginary parts): an independent formulation used to check `samu`."""
     acc = _acc(x)
@@ -176,10 +161,7 @@ def samu_real(
             keep = (segment_pos[:, t] != 0).to(acc)[:, None]
             mag = mag * keep
         ar, ai = mag * c, mag * s
-        hr, hi = (
-            ar * hr - ai * hi + gamma * xa[:, t, :M],
-            ar * hi + ai * hr + gamma * xa[:, t, M:],
-        )
+        hr, hi = ar * hr - ai * hi + gamma * xa[:, t, :M], ar * hi + ai * hr + gamma * xa[:, t, M:]
         outs.append(torch.cat([torch.relu(hr), torch.relu(hi)], dim=-1))
     y = torch.stack(outs, dim=1).to(x.dtype)
     h = torch.complex(hr, hi).to(torch.complex128 if acc == torch.float64 else torch.complex64)
@@ -195,12 +177,9 @@ def block_diagonal(x, w, b):
 
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None):
-    """One decode step of the RG-LRU layer including both block-diagonal gate matvecs.
-
-    x: [B, D]; gate_*_w: [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D];
-    state: [B, D] FP32, updated in place; reset: [B] bool or None.
-    Returns y [B, D] in x's dtype.
-    """
+    """One RG-LRU decode step with both block-diagonal gate matvecs. x: [B, D]; gate_*_w:
+    [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D]; state: [B, D] FP32, updated in
+    place; reset: [B] bool or None. Returns y [B, D] in x's dtype."""
     acc = state.dtype
     xa = x.to(acc)
     gx = block_diagonal(xa, gate_x_w.to(acc), gate_x_b.to(acc))

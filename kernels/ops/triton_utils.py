@@ -1,13 +1,8 @@
-"""What every Triton kernel module shares: the interpreter switch, the accumulation
-dtype rule, BF16 round-to-nearest-even under the interpreter, output allocation
-(NaN-poisoned in tests) and launch-parameter checks.
-
-- Accumulation: FP32 for BF16/FP16/FP32 tensors, float64 for float64 ones.
-- Triton's CPU interpreter (TRITON_INTERPRET=1, read once at import) truncates
-  FP32 -> BF16 where the GPU rounds to nearest even; kernels receive RNE=INTERPRET and
-  round by hand (`out`, `rne_bf16`), so CPU tests judge the arithmetic the GPU runs.
-- `poisoned()` (tests; or KERNELS_POISON=1) allocates every kernel output filled with
-  NaN, so an element a kernel fails to write cannot pass a comparison.
+"""What every Triton kernel module shares: FP32 accumulation (float64 for float64),
+output allocation (NaN-filled inside `poisoned()` or with KERNELS_POISON=1, so an
+unwritten element fails any comparison), launch-parameter checks, and BF16
+round-to-nearest-even by hand under the CPU interpreter (TRITON_INTERPRET=1), which
+truncates where the GPU rounds: kernels take RNE=INTERPRET and store through `out`.
 """
 
 from __future__ import annotations
@@ -43,10 +38,8 @@ def empty(shape, dtype, device) -> torch.Tensor:
 
 
 def scratch(dtype, device, *shapes) -> list[torch.Tensor]:
-    """Buffers of `shapes` carved from one allocation (one allocator call on the host
-    path instead of one per buffer), each starting at a multiple of 256 bytes into the
-    allocation, so a kernel sees the pointer alignment of a fresh tensor. For buffers
-    that die together: a carved view keeps the whole allocation alive."""
+    """Buffers of `shapes` carved from one allocation at 256-byte aligned offsets (one
+    allocator call); for buffers that die together."""
     n, views = _layout(dtype.itemsize, shapes)
     buf = empty((n,), dtype, device)
     return [buf.as_strided(shape, stride, off) for shape, stride, off in views]
@@ -82,9 +75,7 @@ def check_pow2(name: str, value, lo: int, hi: int) -> int:
 
 
 def spec_of(cfg: dict) -> str:
-    """A launch configuration (str, int and bool values) as the string a custom op
-    carries ("BD=64,backend=serial,..."; plain string formatting, which torch.compile
-    traces)."""
+    """A launch configuration as the string a custom op carries ("BD=64,backend=serial,...")."""
     return ",".join(f"{k}={v}" for k, v in sorted(cfg.items()))
 
 
@@ -99,9 +90,8 @@ def cfg_of(spec: str) -> dict:
 
 
 def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1), in plain integer arithmetic:
-    triton.next_power_of_2 and triton.cdiv are constexpr functions whose host call
-    costs microseconds, paid on every launch."""
+    """The smallest power of two >= n (1 for n <= 1); plain ints (triton's helpers cost
+    microseconds per host call)."""
     n = int(n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -121,8 +111,7 @@ def rne_bf16(v):
 
 @triton.jit
 def out(v, ptr, RNE: tl.constexpr):
-    """v cast to ptr's element type for a store; RNE: BF16 rounded to nearest even by
-    hand (the truncating conversion then keeps the already rounded value)."""
+    """v cast to ptr's element type for a store; RNE: BF16 rounded to nearest even first."""
     ty = ptr.dtype.element_ty
     if RNE and ty == tl.bfloat16:
         v = rne_bf16(v.to(tl.float32))

@@ -1,22 +1,17 @@
 """Kernel choice as a value: `Backend` (a backend name and its launcher options) and
-`TuningTable` (what backend="auto" reads).
+`TuningTable` (what backend="auto" reads), e.g.
+    kernels.rglru(..., backend=Backend("auto", table=TuningTable.load("tuning.json")))
+    kernels.rglru(..., backend=Backend("chunk", chunk_size=16))
 
-    table = TuningTable.load("tuning.json")                 # or TuningTable.from_dict(doc)
-    y, h = kernels.rglru(..., backend=Backend("auto", table=table))
-    y, h = kernels.rglru(..., backend=Backend("chunk", chunk_size=16))
-
-backend="auto" consults the table the caller passes (`Backend("auto", table=...)`), else
-the table at the path in the environment variable KERNELS_TUNING_TABLE (read once, at
-the first "auto" call on a GPU), else nothing: then a fixed default per op applies. A
-table tuned on another GPU than the caller's (both names known, different) is not used:
-a warning names both, once per pair. Schema version 1:
+"auto" consults the caller's table, else the one at $KERNELS_TUNING_TABLE (read once),
+else a fixed default per op. A table tuned on another GPU is not used (one warning per
+pair of names). Schema version 1:
 
     {"schema": 1, "gpu": "<name>", "entries": [
         {"op": "rglru" | "samu" | "scan", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560,
          "backend": "chunk", "chunk_size": 32, "options": {...launcher keyword arguments...}}]}
 
-Lookup takes the entry of the same op and dtype nearest in log(B*T) and log(D); it is
-cached per (op, dtype, B, T, D, GPU), so a call pays one dictionary look-up.
+Lookup takes the entry of the same op and dtype nearest in log(B*T) and log(D) (cached).
 """
 
 from __future__ import annotations
@@ -105,9 +100,8 @@ def env_table() -> TuningTable | None:
 
 
 class Backend:
-    """A kernel choice: a backend name ("auto", "reference", a Triton backend) and the
-    launcher options it runs with; "auto" may carry the `table` it consults. Immutable
-    and hashable, so that the resolution of a call can be cached on it."""
+    """A backend name and its launcher options ("auto" may carry a `table`); immutable and
+    hashable, so resolutions can be cached on it."""
 
     __slots__ = ("name", "options", "table", "_key")
 

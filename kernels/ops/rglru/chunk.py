@@ -14,7 +14,6 @@ Backward, the same algebra on the adjoint (see common.py): summary of the maps
 (a_t, a_t dy_t) per chunk, a reverse prefix from dL/dh_T (its last carry is dL/dh0),
 a replay that recomputes the chunk's states from S and stores every gradient, and the
 deterministic reduction of the per-(sequence, chunk) a_param partials.
-
 """
 
 from __future__ import annotations
@@ -25,30 +24,39 @@ import triton.language as tl
 from .. import accounting
 from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, next_pow2, out, scratch,
                             tl_acc)
-from .common import affine, affine_excl, first_row, last_row, load_a, load_tile, softplus, tile_grads
+from .common import (act_bytes, affine, excl_scan, first_row, last_row, load_a, load_tile, param_sp, tile_grads,
+                     tile_states)
+
+
+@triton.jit
+def chunk_start(ap, D, K: tl.constexpr, BD: tl.constexpr, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
+    """A (channel block, chunk, sequence) program's (i_c, i_b, channels, mask, rows, sp)."""
+    i_c, i_b = tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = tl.program_id(0) * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    return i_c, i_b, o_d, m_d, tl.arange(0, K), param_sp(ap, o_d, m_d, BD, IS_SCAN, ACC)
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
-def chunk_fwd_summary_kernel(
-    x, gx, ga, ap, pos, P, Q, T, D, NC,
+def chunk_fwd_kernel(
+    x, gx, ga, ap, pos, S, P, Q, T, D, NC, REPLAY: tl.constexpr,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     RNE: tl.constexpr,
 ):
-    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    rows = tl.arange(0, K)
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    # REPLAY False: the chunk's summary map h_out = P h_in + Q; True: y (in P) from the
+    # state S entering the chunk.
+    i_c, i_b, o_d, m_d, rows, sp = chunk_start(ap, D, K, BD, IS_SCAN, ACC)
+    o = (i_b * NC + i_c) * D + o_d
+    if REPLAY:
+        hin = tl.load(S + o, mask=m_d, other=0.0)
     off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
         x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
-    # [K, BD]
     A, Bs = tl.associative_scan((a, b), 0, affine)
-    o = (i_b * NC + i_c) * D + o_d
-    tl.store(P + o, last_row(A, rows, K), mask=m_d)
-    tl.store(Q + o, last_row(Bs, rows, K), mask=m_d)
+    if REPLAY:
+        tl.store(P + off, out(A * hin[None, :] + Bs, P, RNE), mask=m)
+    else:
+        tl.store(P + o, last_row(A, rows, K), mask=m_d)
+        tl.store(Q + o, last_row(Bs, rows, K), mask=m_d)
 
 
 @triton.jit(do_not_specialize=["NC"])
@@ -82,8 +90,7 @@ def chunk_prefix_kernel(
         q = tl.load(Q + off, mask=m, other=0.0)
         p = tl.where(m_c[:, None], p, 1.0)
         q = tl.where(m_c[:, None], q, 0.0)
-        ea, eb, ia, ib = tl.associative_scan((tl.full(p.shape, 1.0, ACC), tl.zeros(p.shape, ACC), p, q),
-                                             0, affine_excl, reverse=REVERSE)
+        ea, eb, ia, ib = excl_scan(p, q, ACC, REVERSE)
         tl.store(S + off, ea * carry[None, :] + eb, mask=m)
         if REVERSE:
             carry = first_row(ia * carry[None, :] + ib, rows)
@@ -94,41 +101,13 @@ def chunk_prefix_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
-def chunk_fwd_replay_kernel(
-    x, gx, ga, ap, pos, S, y, T, D, NC,
-    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
-):
-    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    rows = tl.arange(0, K)
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
-    hin = tl.load(S + (i_b * NC + i_c) * D + o_d, mask=m_d, other=0.0)
-    off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
-        x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
-    A, Bs = tl.associative_scan((a, b), 0, affine)
-    tl.store(y + off, out(A * hin[None, :] + Bs, y, RNE), mask=m)
-
-
-@triton.jit(do_not_specialize=["T", "NC"])
 def chunk_bwd_summary_kernel(
     ga, ap, pos, dy, P, Q, T, D, NC,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     RNE: tl.constexpr,
 ):
     # The chunk's adjoint map mu_first = P r + Q over (a_t, a_t dy_t), reverse order.
-    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    rows = tl.arange(0, K)
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    i_c, i_b, o_d, m_d, rows, sp = chunk_start(ap, D, K, BD, IS_SCAN, ACC)
     off, m, a = load_a(ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
     dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
     A, Bs = tl.associative_scan((a, a * dyv), 0, affine, reverse=True)
@@ -143,28 +122,13 @@ def chunk_bwd_replay_kernel(
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     RNE: tl.constexpr,
 ):
-    i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    rows = tl.arange(0, K)
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    i_c, i_b, o_d, m_d, rows, sp = chunk_start(ap, D, K, BD, IS_SCAN, ACC)
     o = (i_b * NC + i_c) * D + o_d
     hin = tl.load(S + o, mask=m_d, other=0.0)
     r = tl.load(R + o, mask=m_d, other=0.0)
     off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
         x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
-    if IS_SCAN:
-        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
-                                             0, affine_excl)
-        hprev = ea * hin[None, :] + eb
-        h = hprev
-    else:
-        A, Bs = tl.associative_scan((a, b), 0, affine)
-        h = A * hin[None, :] + Bs
-        hprev = h
+    h, hprev = tile_states(a, b, hin, IS_SCAN, ACC)
     r0, dsp = tile_grads(tl.load(dy + off, mask=m, other=0.0), dx, dgx, dga, off, m, valid, keep, a, b, xv, sx,
                          sa, mult, u, h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
     if not IS_SCAN:
@@ -201,51 +165,39 @@ def _prefix(P, Q, init, need_final, reverse, cfg):
     return S, hN
 
 
-def _act_bytes(is_scan, x, pos):
-    n = x.numel() * x.element_size()
-    return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
+def _setup(x, a_param, pos, is_scan, cfg):
+    """(B, T, D, NC, grid, a_param or a dummy, pos or a dummy, constexprs) of a pass."""
+    B, T, D = x.shape
+    NC = cdiv(T, cfg["K"])
+    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=cfg["K"], BD=cfg["BD"], ACC=tl_acc(x.dtype),
+              RNE=INTERPRET, num_warps=cfg["num_warps"])
+    return (B, T, D, NC, (cdiv(D, cfg["BD"]), NC, B), a_param if a_param is not None else x,
+            pos if pos is not None else x, kw)
 
 
 def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
-    """Launchers of the forward (S is needed by the replay, so kept whatever `save`).
-    Scan mode: x = b, ga = a. Returns (y, ht, S)."""
-    B, T, D = x.shape
-    K, BD = cfg["K"], cfg["BD"]
-    NC = cdiv(T, K)
-    acc = acc_dtype(x.dtype)
-    ap = a_param if a_param is not None else x
-    p = pos if pos is not None else x
-    grid = (cdiv(D, BD), NC, B)
-    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
-              
-              num_warps=cfg["num_warps"])
-    P, Q = scratch(acc, x.device, (B, NC, D), (B, NC, D))
-    chunk_fwd_summary_kernel[grid](x, gx, ga, ap, p, P, Q, T, D, NC, **kw)
+    """Summary, prefix, replay (S is kept whatever `save`). Scan: x = b, ga = a.
+    Returns (y, ht, S)."""
+    B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
+    P, Q = scratch(acc_dtype(x.dtype), x.device, (B, NC, D), (B, NC, D))
+    chunk_fwd_kernel[grid](x, gx, ga, ap, p, P, P, Q, T, D, NC, REPLAY=False, **kw)
     extra = None if is_scan else a_param
     if accounting.on():
-        accounting.record("chunk_fwd_summary", _act_bytes(is_scan, x, pos) + accounting.nbytes(extra),
+        accounting.record("chunk_fwd_summary", act_bytes(is_scan, x, pos) + accounting.nbytes(extra),
                           accounting.nbytes(P, Q))
     S, ht = _prefix(P, Q, h0, output_final_state, False, cfg)
     y = empty((B, T, D), x.dtype, x.device)
-    chunk_fwd_replay_kernel[grid](x, gx, ga, ap, p, S, y, T, D, NC, **kw)
+    chunk_fwd_kernel[grid](x, gx, ga, ap, p, S, y, y, T, D, NC, REPLAY=True, **kw)
     if accounting.on():
-        accounting.record("chunk_fwd_replay", _act_bytes(is_scan, x, pos) + accounting.nbytes(S, extra),
+        accounting.record("chunk_fwd_replay", act_bytes(is_scan, x, pos) + accounting.nbytes(S, extra),
                           accounting.nbytes(y))
     return y, ht, S
 
 
 def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
-    """Launchers of the backward. Returns (dx, dgx, dga, dh0, dsp_part)."""
-    B, T, D = x.shape
-    K, BD = cfg["K"], cfg["BD"]
-    NC = cdiv(T, K)
+    """Returns (dx, dgx, dga, dh0, dsp_part)."""
+    B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
     acc = acc_dtype(x.dtype)
-    ap = a_param if a_param is not None else x
-    p = pos if pos is not None else x
-    grid = (cdiv(D, BD), NC, B)
-    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, K=K, BD=BD, ACC=tl_acc(x.dtype), RNE=INTERPRET,
-              
-              num_warps=cfg["num_warps"])
     extra = None if is_scan else a_param
     P, Q = scratch(acc, x.device, (B, NC, D), (B, NC, D))
     chunk_bwd_summary_kernel[grid](ga, ap, p, dy, P, Q, T, D, NC, **kw)
@@ -260,7 +212,7 @@ def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
         x, gx, ga, ap, p, S, R, dy, dx, dgx if dgx is not None else dx, dga, part if part is not None else S,
         T, D, NC, **kw)
     if accounting.on():
-        accounting.record("chunk_bwd_replay", _act_bytes(is_scan, x, pos) + accounting.nbytes(S, R, dy, extra),
+        accounting.record("chunk_bwd_replay", act_bytes(is_scan, x, pos) + accounting.nbytes(S, R, dy, extra),
                           accounting.nbytes(dx, dgx, dga, part))
     return dx, dgx, dga, dh0, part
 

@@ -1,18 +1,11 @@
 """Pieces shared by the serial and chunked RG-LRU / scan kernels.
 
-Notation: B batch, T time, D channels, BT rows (time steps) of a tile, BD channels
-of a tile, K chunk length, NC = ceil(T / K) chunks. Tiles are [BT, BD], time-major,
-channels contiguous. Every recurrence value is accumulated in ACC (FP32, or float64
-for float64 inputs).
-
-The recurrence is h_t = a_t h_{t-1} + b_t. A step is the affine map z -> a z + b;
-tiles and chunks are summarised by the composition of their maps, and the
-composition order is kept (affine maps do not commute). The adjoint of the
-backward pass walks time in reverse: with mu_t = a_t lam_t,
-    mu_t = a_t mu_{t+1} + a_t dy_t,    lam_t = dy_t + mu_{t+1},    mu_T = dL/dh_T,
-so it is the same affine scan run backwards over the maps (a_t, a_t dy_t), and
-dL/dh0 = mu_0. lam_t needs the *exclusive* suffix (mu_{t+1}); `affine_excl` carries
-both the exclusive and the inclusive composition through one associative scan.
+B batch, T time, D channels; tiles [BT, BD] are time-major, channels contiguous; K
+chunk length, NC = ceil(T / K). Recurrence values accumulate in ACC (FP32; float64
+for float64 inputs). A step is the affine map z -> a z + b; tiles and chunks compose
+their maps in order. The backward's adjoint runs the same scan in reverse over the maps
+(a_t, a_t dy_t): mu_t = a_t mu_{t+1} + a_t dy_t, lam_t = dy_t + mu_{t+1}, mu_T = dL/dh_T,
+dL/dh0 = mu_0; `affine_excl` carries the exclusive suffix lam needs with the inclusive one.
 """
 
 from __future__ import annotations
@@ -40,13 +33,17 @@ def affine_excl(ea1, eb1, ia1, ib1, ea2, eb2, ia2, ib2):
 
 
 @triton.jit
+def excl_scan(a, b, ACC: tl.constexpr, REVERSE: tl.constexpr = False):
+    # (exclusive, inclusive) compositions of the maps (a, b) along axis 0 (affine_excl)
+    ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b), 0,
+                                         affine_excl, reverse=REVERSE)
+    return ea, eb, ia, ib
+
+
+@triton.jit
 def channels(i_d, BD: tl.constexpr, VEC: tl.constexpr):
-    # VEC > 0: claim only VEC contiguous channels (true: there are BD). Triton's coalescing
-    # then gives every [BT, BD] tile the layout sizePerThread = [1, VEC], threadsPerWarp =
-    # [1, 32], warpsPerCTA = [1, num_warps] (with BD = 32 * num_warps * VEC): each thread
-    # owns VEC whole time columns, and the associative scan along time is an in-register
-    # serial loop (no shuffles, no shared memory). VEC = 0: the pointer analysis decides
-    # (8 BF16 per thread along D, time across lanes and warps).
+    # VEC > 0 claims only VEC contiguous channels, so coalescing gives each thread VEC
+    # whole time columns (the time scan is an in-register loop); VEC = 0: Triton decides.
     o_d = i_d * BD + tl.arange(0, BD)
     if VEC > 0:
         o_d = tl.max_contiguous(o_d, VEC)
@@ -56,22 +53,35 @@ def channels(i_d, BD: tl.constexpr, VEC: tl.constexpr):
 @triton.jit
 def program_start(ap, init, D, BD: tl.constexpr, VEC: tl.constexpr, IS_SCAN: tl.constexpr,
                   HAS_INIT: tl.constexpr, ACC: tl.constexpr):
-    """A serial program's (sequence, channel block) from its ids: (i_b, channels, their
-    mask, softplus(a_param) or zeros for the bare scan, and the [BD] carry it starts
-    from: `init` [B, D] (the initial state forward, the final state's gradient backward)
-    or zeros)."""
+    """A serial program's (i_b, channels, mask, softplus(a_param), the [BD] carry it starts
+    from: `init` [B, D] (h0 forward, dL/dh_T backward) or zeros)."""
     i_b = tl.program_id(1).to(tl.int64)
     o_d = channels(tl.program_id(0), BD, VEC)
     m_d = o_d < D
-    if IS_SCAN:
-        sp = tl.zeros([BD], ACC)
-    else:
-        sp = softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    sp = param_sp(ap, o_d, m_d, BD, IS_SCAN, ACC)
     if HAS_INIT:
         v = tl.load(init + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
     else:
         v = tl.zeros([BD], ACC)
     return i_b, o_d, m_d, sp, v
+
+
+@triton.jit
+def param_sp(ap, o_d, m_d, BD: tl.constexpr, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
+    # softplus(a_param) of the channels; zeros for the bare scan
+    if IS_SCAN:
+        return tl.zeros([BD], ACC)
+    else:
+        return softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+
+
+@triton.jit
+def program_end(dst, part, i_b, D, o_d, m_d, carry, dsp, STORE: tl.constexpr, HAS_PART: tl.constexpr):
+    # a serial program's last carry (ht forward, dL/dh0 backward) and a_param partial
+    if STORE:
+        tl.store(dst + i_b * D + o_d, carry, mask=m_d)
+    if HAS_PART:
+        tl.store(part + i_b * D + o_d, dsp, mask=m_d)
 
 
 @triton.jit
@@ -118,14 +128,19 @@ def tile_offsets(i_b, t0, T, D, o_d, m_d, rows):
 
 @triton.jit
 def load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr):
-    """The tile's inputs as stored (BF16 stays BF16) and its positions; rows outside
-    [0, T) read nothing. RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
+    """The tile's inputs as stored and its positions (load_inputs)."""
     off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
-    t = t0 + rows
+    return load_inputs(x, gx, ga, pos + i_b * T, off, m, t0 + rows, T, IS_SCAN, HAS_RESET)
+
+
+@triton.jit
+def load_inputs(x, gx, ga, pos, off, m, t, T, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr):
+    """Inputs at offsets `off` (mask m) as stored and the positions of steps t; rows
+    outside [0, T) read nothing. RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
     if HAS_RESET:
-        p = tl.load(pos + i_b * T + t, mask=(t >= 0) & (t < T), other=1)
+        p = tl.load(pos + t, mask=(t >= 0) & (t < T), other=1)
     else:
-        p = rows * 0 + 1
+        p = t * 0 + 1
     if IS_SCAN:
         r0 = tl.load(ga + off, mask=m, other=1.0)
         r1 = tl.load(x + off, mask=m, other=0.0)
@@ -139,8 +154,8 @@ def load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN: tl.constexp
 
 @triton.jit
 def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
-    """Coefficients of a loaded tile, in registers: (valid, keep, a, b, xv, sx, sa, mult,
-    u). Rows past T are identity maps (a = 1, b = 0); `keep` is False at resets."""
+    """(valid, keep, a, b, xv, sx, sa, mult, u) of a loaded tile; rows past T are identity
+    maps, `keep` is False at resets."""
     valid = ((t0 + rows) < T)[:, None]
     keep = (p != 0)[:, None]
     a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN, ACC)
@@ -149,9 +164,8 @@ def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
 
 @triton.jit
 def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
-    """coeffs given the row masks `valid` (inside the sequence) and `keep` (no reset),
-    already shaped to broadcast against the tile (any rank; ap_sp broadcasts from the
-    last axis): (a, b, xv, sx, sa, mult, u)."""
+    """coeffs given the row masks `valid` and `keep` shaped to broadcast against the tile
+    (any rank): (a, b, xv, sx, sa, mult, u)."""
     if IS_SCAN:
         a = r0.to(ACC)
         b = r1.to(ACC)
@@ -178,12 +192,8 @@ def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
 @triton.jit
 def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
               IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
-    """Loads the tile of rows t0 .. t0 + BT - 1 and forms its coefficients in registers.
-
-    RG-LRU: x, gx, ga are the input and the two gate logits, ap_sp = softplus(a_param)
-    [BD]. Scan: x is b and ga is a (gx unused). Returns offsets, mask and every
-    intermediate the backward reuses: (off, m, valid, keep, a, b, xv, sx, sa, mult, u).
-    """
+    """The tile of rows t0 .. t0 + BT - 1 (scan: x = b, ga = a) and its coefficients:
+    (off, m, valid, keep, a, b, xv, sx, sa, mult, u)."""
     off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
     r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
     valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN, ACC)
@@ -211,12 +221,10 @@ def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
 
 @triton.jit
 def tile_states(a, b, hin, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
-    """(h_t, h_{t-1}) of a tile from the state entering it; the RG-LRU's adjoint needs h_t
-    only (a h_{t-1} = h_t - b_t), so there both are h_t; the scan's needs h_{t-1} itself
-    (da = lam h_{t-1}), the exclusive prefix, and both are that."""
+    """(h, hprev) of a tile from the state entering it: both h_t for the RG-LRU (its
+    adjoint uses a h_{t-1} = h_t - b_t), both h_{t-1} for the scan (da = lam h_{t-1})."""
     if IS_SCAN:
-        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b),
-                                             0, affine_excl)
+        ea, eb, ia, ib = excl_scan(a, b, ACC)
         h = ea * hin[None, :] + eb
     else:
         A, Bs = tl.associative_scan((a, b), 0, affine)
@@ -227,10 +235,8 @@ def tile_states(a, b, hin, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
 @triton.jit
 def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
                h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
-    """Adjoint of one tile given its states. dyv: [BT, BD] dL/dy as loaded (0 past T);
-    h: h_t; hprev: h_{t-1} (scan only); r: [BD] mu at the row after the tile. Stores the
-    activation gradients and returns (mu at the tile's first row [BD], the tile's
-    d softplus(a_param) partial [BD])."""
+    """Adjoint of one tile given its states (tile_states) and r, mu after the tile [BD].
+    Stores the activation gradients; returns (mu at its first row, d softplus partial)."""
     dyv = dyv.to(ACC)
     ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, False)
     return tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
@@ -239,29 +245,26 @@ def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u
 
 @triton.jit
 def adjoint_scans(dyv, a, ACC: tl.constexpr, FLIP: tl.constexpr):
-    """The tile's reverse adjoint maps from its end (dyv FP32): lam_t = dy_t + ea_t r +
-    eb_t for the carry r entering after the tile, and (ia, ib) whose first row is the
-    tile's map r -> mu at its first row. FLIP: run the reverse scan as flip, forward scan,
-    flip (same result; for tiles whose time axis lies inside each thread, where the flips
-    are register renaming and Triton's reverse scan would add lane shuffles)."""
+    """The tile's reverse adjoint maps: lam_t = dy_t + ea_t r + eb_t for the carry r after
+    the tile; (ia, ib)'s first row maps r to mu at the first row. FLIP: flip, forward
+    scan, flip (same result; free where time lies inside each thread, where Triton's
+    reverse scan would add lane shuffles)."""
     ad = a * dyv
     if FLIP:
-        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), tl.flip(a, 0),
-                                              tl.flip(ad, 0)), 0, affine_excl)
+        ea, eb, ia, ib = excl_scan(tl.flip(a, 0), tl.flip(ad, 0), ACC)
         ea = tl.flip(ea, 0)
         eb = tl.flip(eb, 0)
         ia = tl.flip(ia, 0)
         ib = tl.flip(ib, 0)
     else:
-        ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, ad),
-                                             0, affine_excl, reverse=True)
+        ea, eb, ia, ib = excl_scan(a, ad, ACC, True)
     return ea, eb, ia, ib
 
 
 @triton.jit
 def mem_order(v, SPLIT: tl.constexpr):
-    """A split tile (split.py) between its scan order [TT, W, BD] and its memory order
-    [W, TT, BD] (the same registers relabelled); other tiles (SPLIT False) unchanged."""
+    """A split tile between scan order [TT, W, BD] and memory order [W, TT, BD] (the same
+    registers relabelled); unchanged when not SPLIT."""
     if SPLIT:
         return tl.permute(v, (1, 0, 2))
     else:
@@ -272,9 +275,8 @@ def mem_order(v, SPLIT: tl.constexpr):
 def tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
                      ea, eb, ia, ib, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
                      SPLIT: tl.constexpr = False):
-    """tile_grads once the adjoint scans are known (see adjoint_scans). SPLIT (see
-    mem_order): a split tile (split.py): values in scan order, off and m in memory order,
-    r [W, BD]."""
+    """tile_grads given adjoint_scans. SPLIT: values in scan order, off and m in memory
+    order, r [W, BD]."""
     lam = dyv + ea * r[None, :] + eb
     r_new = first_row(ia * r[None, :] + ib, rows)
     if IS_SCAN:
@@ -315,8 +317,7 @@ def reduce_dap_kernel(part, ap, dap, R, D, BR: tl.constexpr, BD: tl.constexpr, A
 
 
 def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
-    """part: [R, D] partial d softplus(a_param) sums -> dL/da_param [D] in a_param's dtype
-    (contiguous, whatever a_param's strides: the kernel indexes both by channel)."""
+    """part: [R, D] partial d softplus(a_param) sums -> dL/da_param [D] in a_param's dtype."""
     part, a_param = part.contiguous(), a_param.contiguous()
     R, D = part.shape
     dap = empty((D,), a_param.dtype, part.device)
@@ -335,6 +336,12 @@ def blocks_for(n_programs_per_block, D: int, lo: int = 16, hi: int = 64, target:
     while bd > lo and n_programs_per_block * cdiv(D, bd) < target:
         bd //= 2
     return max(lo, min(bd, next_pow2(D)))
+
+
+def act_bytes(is_scan, x, pos):
+    """Bytes of a pass's activation inputs (accounting)."""
+    n = x.numel() * x.element_size()
+    return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
 
 
 def empty_sequence(x, h0, output_final_state):

@@ -1,14 +1,8 @@
 """The differentiable RG-LRU and bare scan over the serial and chunked launchers, and
-the backend functions with the reference signature.
-
-Two doors to the same launchers:
-- eager calls run `RecurrenceFunction` (one explicit torch.autograd.Function);
-- under torch.compile the custom ops kernels::rglru_fwd / kernels::rglru_bwd run
-  instead: fake (meta) implementations give their output shapes and the backward is
-  registered with torch.library.register_autograd, so a compiled model traces the mixer
-  as one graph node (no graph break). A launcher configuration travels to the ops as
-  a string (triton_utils.spec_of).
-Both keep for backward the inputs and the FP32 states of `saved_shape` only.
+the backend functions with the reference signature. Eager calls run
+`RecurrenceFunction`; under torch.compile the custom ops kernels::rglru_fwd / _bwd run
+(fake implementations, backward by torch.library.register_autograd: one graph node),
+the launcher configuration travelling as a string (triton_utils.spec_of).
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ def _config(backend, B, T, D, is_scan, grad, opts):
 
 
 def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
-    # The kernels index every tensor as contiguous (a_param by channel, pos and h0 by
-    # row): a strided view (a_param = w[::2], an expanded vector) would be misread.
+    # the kernels index every tensor as contiguous
     x, ga = x.contiguous(), ga.contiguous()
     gx = x if gx is None else gx.contiguous()
     a_param = None if a_param is None else a_param.contiguous()
@@ -144,9 +137,8 @@ torch.library.register_autograd("kernels::rglru_fwd", _op_backward, setup_contex
 
 
 def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
-    """(y, final state or None) through the custom op under torch.compile, through
-    RecurrenceFunction where a gradient is needed, straight through the launcher
-    otherwise (inference: no autograd node, no states kept)."""
+    """(y, final state or None): the custom op under torch.compile, RecurrenceFunction
+    where a gradient is needed, else the launcher alone (no states kept)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gx, ga, a_param, h0))
     if not torch.compiler.is_compiling():
         if grad:
@@ -182,26 +174,21 @@ def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opt
 
 def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,
                           output_final_state=False, **opts):
-    """RG-LRU from gate logits through the serial kernels; the reference signature.
-    x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos: [B, T] int; initial_state:
-    [B, D] FP32. Options: fused_recurrent.OPTIONS. Returns (y [B, T, D], final state
-    [B, D] or None)."""
+    """RG-LRU through the serial kernels (reference signature); fused_recurrent.OPTIONS."""
     return _run("serial", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts)
 
 
 def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
                 **opts):
-    """RG-LRU through the chunked kernels; as fused_recurrent_rglru, options
-    chunk.OPTIONS (chunk_size in 8, 16, 32, 64, default 32)."""
+    """RG-LRU through the chunked kernels; chunk.OPTIONS."""
     return _run("chunk", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts)
 
 
 def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
-    """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets) through the serial kernels, real
-    inputs (complex ones go to the PyTorch reference); a is taken in b's dtype."""
+    """The bare scan through the serial kernels (complex inputs: the reference)."""
     return _run_scan("serial", a, b, segment_pos, initial_state, output_final_state, opts)
 
 
 def chunk_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
-    """The bare scan through the chunked kernels; as fused_recurrent_scan."""
+    """The bare scan through the chunked kernels."""
     return _run_scan("chunk", a, b, segment_pos, initial_state, output_final_state, opts)

@@ -1,22 +1,17 @@
 """Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
 sequence and walks time in tiles, carrying the FP32 state in registers.
 
-Two kernel families (option time_warps): W > 1, the default, splits each tile's time
-axis across W warps (split.py); W = 1 runs the tile kernels below, which are also the
-default for an RG-LRU forward that needs no gradient (they ran it faster on the H200).
+time_warps W > 1 (the default) splits each tile's time axis across W warps (split.py);
+W = 1 runs the tile kernels below (also the default for an RG-LRU forward without
+gradient: faster there on the H200). Tile kernels: per tile, load [BT, BD] inputs, form
+a_t, b_t in registers, one associative scan, store y, carry the last row; the state
+entering every tile ([B, NT, D] FP32) is all that is kept for backward, which walks the
+tiles in reverse, recomputes their states and runs the adjoint (common.py). The a_param
+gradient is a per-program partial [B, D] reduced in a fixed order.
 
-Tile kernels, forward: per tile, load [BT, BD] inputs, form a_t and b_t in registers,
-one associative scan, store y, carry the last row. The state entering every tile
-([B, NT, D] FP32, NT = ceil(T / BT)) is the only thing kept for backward. Backward
-walks the tiles in reverse: recompute the tile's states from the saved entering state,
-run the adjoint scan (common.py), store the gradients, and carry mu_t = a_t lam_t to the
-previous tile. The a_param gradient is a per-program partial [B, D] reduced in a fixed
-order.
-
-Options (at most four, each a tuning-table field): chunk_size (in CHUNK_SIZES with
-either family: steps per warp segment with W > 1, default 8; the tile with W = 1,
-default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (channels per program, W = 1 only) and num_stages
-(software-pipelined loads; 1 prefetches the next tile into registers).
+Options: chunk_size (steps per warp segment with W > 1, default 8; the tile with W = 1,
+default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (W = 1 only) and
+num_stages (pipelined loads; 1 prefetches the next tile into registers).
 """
 
 from __future__ import annotations
@@ -30,7 +25,8 @@ import triton.language as tl
 from .. import accounting
 from . import split
 from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, out, tl_acc
-from .common import affine, blocks_for, coeffs, last_row, load_raw, program_start, tile_grads, tile_offsets, tile_states
+from .common import (act_bytes, affine, blocks_for, coeffs, last_row, load_raw, program_end, program_start, tile_grads,
+                     tile_offsets, tile_states)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -64,8 +60,7 @@ def serial_fwd_kernel(
         h = last_row(hh, rows, BT)
         if PREFETCH:
             r0, r1, r2, p = n0, n1, n2, n_p
-    if STORE_HT:
-        tl.store(ht + i_b * D + o_d, h, mask=m_d)
+    program_end(ht, ht, i_b, D, o_d, m_d, h, h, STORE_HT, False)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -105,10 +100,7 @@ def serial_bwd_kernel(
         dsp += dsp_t
         if PREFETCH:
             r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
-    if STORE_DH0:
-        tl.store(dh0 + i_b * D + o_d, r, mask=m_d)
-    if not IS_SCAN:
-        tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
+    program_end(dh0, dsp_part, i_b, D, o_d, m_d, r, dsp, STORE_DH0, not IS_SCAN)
 
 
 # Defaults: the fastest exact configurations on an H200 (the tune stage re-selects per GPU):
@@ -185,65 +177,55 @@ def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> d
     return {**cfg, "STAGES": stages, "PREFETCH": stages == 1}
 
 
-def _tile_bytes(is_scan, x, pos):
-    n = x.numel() * x.element_size()
-    return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
+def _launch(kernels, x, pos, is_scan, cfg, n_tiles, args, **flags):
+    """Runs the split kernel (time_warps > 1) or the tile kernel of `kernels` on `args`."""
+    B, T, D = x.shape
+    cfg = _fit_stages(cfg, x.element_size(), n_tiles, pos is not None, smem_limit(x.device))
+    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, BD=cfg["BD"], STAGES=cfg["STAGES"],
+              PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET, VEC=cfg["VEC"],
+              num_warps=cfg["num_warps"], **flags)
+    grid = (cdiv(D, cfg["BD"]), B)
+    if cfg["TW"] > 1:
+        kernels[0][grid](*args, TT=cfg["TT"], W=cfg["TW"], EVEN=split.even(T, D, cfg), WS=cfg["WS"], **kw)
+    else:
+        kernels[1][grid](*args, BT=cfg["BT"], **kw)
 
 
 def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
-    """Launcher. Scan mode: x = b, ga = a (gx, a_param unused). Returns (y, ht, hs)."""
+    """Scan mode: x = b, ga = a (gx, a_param unused). Returns (y, ht, hs)."""
     B, T, D = x.shape
-    cfg = _fit_stages(cfg, x.element_size(), 2 if is_scan else 3, pos is not None, smem_limit(x.device))
     acc = acc_dtype(x.dtype)
     y = empty((B, T, D), x.dtype, x.device)
     ht = empty((B, D), acc, x.device) if output_final_state else None
-    NT = cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg["WS"] else 1)
-    hs = empty((B, NT, D), acc, x.device) if save else None
-    grid = (cdiv(D, cfg["BD"]), B)
-    args = (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
-            h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D)
-    common = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-                  SAVE=save, BD=cfg["BD"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET,
-                  VEC=cfg["VEC"], num_warps=cfg["num_warps"])
-    if cfg["TW"] > 1:
-        split.split_fwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"],
-                                     EVEN=split.even(T, D, cfg), WS=cfg["WS"],
-                                     **common)
-    else:
-        serial_fwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
+    hs = empty(saved_shape(cfg, B, T, D), acc, x.device) if save else None
+    _launch((split.split_fwd_kernel, serial_fwd_kernel), x, pos, is_scan, cfg, 2 if is_scan else 3,
+            (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
+             h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D),
+            HAS_H0=h0 is not None, STORE_HT=ht is not None, SAVE=save)
     if accounting.on():
         accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
-                          _tile_bytes(is_scan, x, pos) + accounting.nbytes(h0, None if is_scan else a_param),
+                          act_bytes(is_scan, x, pos) + accounting.nbytes(h0, None if is_scan else a_param),
                           accounting.nbytes(y, ht, hs))
     return y, ht, hs
 
 
 def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
-    """Launcher. Returns (dx, dgx, dga, dh0, dsp_part); scan mode: dx = db, dga = da."""
+    """Returns (dx, dgx, dga, dh0, dsp_part); scan mode: dx = db, dga = da."""
     B, T, D = x.shape
-    cfg = _fit_stages(cfg, x.element_size(), 3 if is_scan else 4, pos is not None, smem_limit(x.device))
     acc = acc_dtype(x.dtype)
     dx = empty((B, T, D), x.dtype, x.device)
     dga = empty((B, T, D), ga.dtype, x.device)
     dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
     dh0 = empty((B, D), acc, x.device) if need_dh0 else None
     part = None if is_scan else empty((B, D), acc, x.device)
-    grid = (cdiv(D, cfg["BD"]), B)
-    args = (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, hs, dy,
-            dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
-            dh0 if dh0 is not None else hs, part if part is not None else hs, T, D)
-    common = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, HAS_DHT=dht is not None, STORE_DH0=need_dh0,
-                  BD=cfg["BD"], PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET, 
-                  VEC=cfg["VEC"], num_warps=cfg["num_warps"])
-    if cfg["TW"] > 1:
-        split.split_bwd_kernel[grid](*args, TT=cfg["TT"], W=cfg["TW"], STAGES=cfg["STAGES"],
-                                     EVEN=split.even(T, D, cfg), WS=cfg["WS"],
-                                     **common)
-    else:
-        serial_bwd_kernel[grid](*args, BT=cfg["BT"], STAGES=cfg["STAGES"], **common)
+    _launch((split.split_bwd_kernel, serial_bwd_kernel), x, pos, is_scan, cfg, 3 if is_scan else 4,
+            (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, hs, dy,
+             dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
+             dh0 if dh0 is not None else hs, part if part is not None else hs, T, D),
+            HAS_DHT=dht is not None, STORE_DH0=need_dh0)
     if accounting.on():
         accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
-                          _tile_bytes(is_scan, x, pos) + accounting.nbytes(hs, dy, dht, None if is_scan else a_param),
+                          act_bytes(is_scan, x, pos) + accounting.nbytes(hs, dy, dht, None if is_scan else a_param),
                           accounting.nbytes(dx, dgx, dga, dh0, part))
     return dx, dgx, dga, dh0, part
 

@@ -1,33 +1,25 @@
-"""Serial kernels with the time axis split across warps (the serial backend's default,
-time_warps = W > 1).
+"""Serial kernels with each tile's time axis split across W warps (time_warps > 1, the
+serial backend's default).
 
 A program owns BD = 64 channels of one sequence (2 per lane) and walks time in tiles of
-W * TT steps (TT = chunk_size). Warp w holds the TT consecutive steps w * TT ..
-w * TT + TT - 1 of a tile, each thread its two channels' TT steps in registers: the tile
-is addressed in memory order [W, TT, BD], which makes Triton's coalescing choose that
-layout, and tl.permute relabels the same registers as [TT, W, BD] (common.mem_order)
-for the scans along axis 0. Offsets are int32 from one int64 base per tile; when T and
-D are multiples of the tile (EVEN) no element masks are formed. num_stages > 1
-pipelines the loads through shared memory (cp.async); num_stages = 1 prefetches the
-next tile into registers instead.
+W * TT steps (TT = chunk_size): warp w holds TT consecutive steps, each thread its two
+channels' TT steps in registers. The tile is addressed in memory order [W, TT, BD] (so
+Triton's coalescing picks that layout) and relabelled [TT, W, BD] (common.mem_order)
+for the scans along axis 0. Offsets are int32 from one int64 base per tile; EVEN (T and
+D multiples of the tile) forms no element masks.
 
-Per tile, forward: (1) each warp scans its TT steps in registers from a zero state;
-(2) the W segment maps ([W, BD]) are composed across warps by one small associative
-scan carrying the exclusive and the inclusive composition (common.affine_excl);
-(3) the state entering segment w is its exclusive prefix applied to the carry; the
-outputs are stored and the carry becomes the inclusive composition applied to it.
-The backward walks the tiles in reverse with the same split. With TT >= 8 (WS) the
-forward saved the state entering every warp's segment ([B, T / TT, D] FP32), so each
-warp recomputes its states alone and the warps hold the segments last first, so that
-their reverse adjoint maps compose across warps by a forward scan; with shorter
-segments the forward saved the state entering each tile and the backward recomputes
-states with steps 1-3. The gradients are common.tile_grads_given's; the a_param
-partials stay per warp until the end.
+Forward, per tile: each warp scans its TT steps from a zero state; the W segment maps
+are composed across warps by one small scan carrying the exclusive and inclusive
+compositions (common.affine_excl); the state entering segment w is its exclusive prefix
+applied to the carry. The backward walks the tiles in reverse with the same split. With
+TT >= 8 (WS) the forward saved the state entering every warp's segment, so each warp
+recomputes its states alone and the warps hold the segments last first, so their
+reverse adjoint maps compose across warps by a forward scan; shorter segments save per
+tile and recompute states as the forward does.
 
-Why: one thread per channel column alone leaves B * D / 2 threads on serial chains,
-too few to cover memory latency; the split multiplies the threads by W while each
-element still costs one in-register scan step, and only 1 / TT of the elements take
-part in the cross-warp composition. Inputs are read once per pass, outputs written once.
+Why: one thread per channel column leaves B * D / 2 threads on serial chains, too few
+to cover memory latency; the split multiplies them by W while each element still costs
+one in-register scan step.
 """
 
 from __future__ import annotations
@@ -35,12 +27,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import adjoint_scans, affine, affine_excl, coeffs_vk, mem_order, out, program_start, tile_grads_given
+from .common import (adjoint_scans, affine, coeffs_vk, excl_scan, load_inputs, mem_order, out, program_end,
+                     program_start, tile_grads_given)
 
 
 def even(T: int, D: int, cfg: dict) -> bool:
-    """Whether T and D are multiples of the tile (no element masks), after checking that a
-    tile's int32 offsets cannot overflow."""
+    """Whether T and D are multiples of the tile, after checking the int32 tile offsets."""
     if (cfg["BT"] + 1) * D >= 2 ** 31:
         raise ValueError(f"expected (time_warps * chunk_size + 1) * D < 2**31 for the split kernels' int32 tile "
                          f"offsets, got D = {D} with a tile of {cfg['BT']} steps")
@@ -49,16 +41,12 @@ def even(T: int, D: int, cfg: dict) -> bool:
 
 @triton.jit
 def split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, EVEN: tl.constexpr):
-    """The tile of steps t0 .. t0 + W * TT - 1, warp row w holding segment seg[w]: [W, TT]
-    time steps t0 + seg[w] * TT + i, the tile's first element (int64 scalar), element
-    offsets from it in memory order [W, TT, BD] (int32: one wide multiply-add per
-    address) and the mask (EVEN: T and D are multiples of the tile, so only whole tiles
-    outside [0, T), which the prefetch reaches, are masked, by one uniform predicate).
-
-    The last axis is contiguous, so Triton's coalescing puts lanes along it; the others
-    have equal contiguity and Triton orders such dims by position, so the warps go along
-    axis 0 and axis 1 stays in each thread's registers. common.mem_order relabels it as
-    the [TT, W, BD] view the scans use."""
+    """The tile of steps t0 .. t0 + W * TT - 1, warp row w holding segment seg[w]: time
+    steps [W, TT], the tile's first element (int64), int32 element offsets from it in
+    memory order [W, TT, BD] and the mask (EVEN: one uniform predicate for the whole
+    tiles outside [0, T) that the prefetch reaches). Lanes go along the contiguous last
+    axis, warps along axis 0 (Triton orders equal-contiguity dims by position), so axis
+    1 stays in each thread's registers."""
     rt = seg * TT + im
     t = t0 + rt
     base = (i_b * T + t0) * D
@@ -73,21 +61,9 @@ def split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, EVEN: tl.c
 @triton.jit
 def split_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, IS_SCAN: tl.constexpr,
                HAS_RESET: tl.constexpr, EVEN: tl.constexpr):
-    """The tile's inputs as stored, [TT, W, BD], and its positions [TT, W]; as
-    common.load_raw."""
+    """common.load_raw of a split tile: inputs [TT, W, BD], positions [TT, W]."""
     t, base, rel, m = split_offsets(i_b, t0, T, D, o_d, m_d, im, seg, TT, EVEN)
-    if HAS_RESET:
-        p = tl.load(pos + i_b * T + t, mask=(t >= 0) & (t < T), other=1)
-    else:
-        p = t * 0 + 1
-    if IS_SCAN:
-        r0 = tl.load(ga + base + rel, mask=m, other=1.0)
-        r1 = tl.load(x + base + rel, mask=m, other=0.0)
-        r2 = r1
-    else:
-        r0 = tl.load(x + base + rel, mask=m, other=0.0)
-        r1 = tl.load(gx + base + rel, mask=m, other=0.0)
-        r2 = tl.load(ga + base + rel, mask=m, other=0.0)
+    r0, r1, r2, p = load_inputs(x + base, gx + base, ga + base, pos + i_b * T, rel, m, t, T, IS_SCAN, HAS_RESET)
     return mem_order(r0, True), mem_order(r1, True), mem_order(r2, True), tl.trans(p)
 
 
@@ -101,20 +77,17 @@ def row_of(v, idx, k):
 @triton.jit
 def split_states(a, b, hin, ii, wcol, TT: tl.constexpr, W: tl.constexpr, IS_SCAN: tl.constexpr,
                  ACC: tl.constexpr):
-    """[TT, W, BD] states of a tile from the [BD] state entering it: (h, hprev, hout)
-    with h_t, the state the scan's adjoint needs (h_{t-1} for the bare scan, h_t for the
-    RG-LRU: see common.tile_states) and the [BD] state leaving the tile."""
+    """(h, hprev as common.tile_states, the state leaving the tile, the state entering
+    each warp's segment) of a [TT, W, BD] tile entered with state hin [BD]."""
     if IS_SCAN:
-        ea, eb, A, Bs = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b), 0,
-                                            affine_excl)
+        ea, eb, A, Bs = excl_scan(a, b, ACC)
     else:
         A, Bs = tl.associative_scan((a, b), 0, affine)
     last = ii[:, :, None]
     sa = row_of(A, last, TT - 1)
     sb = row_of(Bs, last, TT - 1)
     # [W, BD]: the composition of the segments before w (exclusive) and up to w
-    xa, xb, ia, ib = tl.associative_scan((tl.full(sa.shape, 1.0, ACC), tl.zeros(sa.shape, ACC), sa, sb), 0,
-                                         affine_excl)
+    xa, xb, ia, ib = excl_scan(sa, sb, ACC)
     hw = xa * hin[None, :] + xb
     h = A * hw[None, :, :] + Bs
     if IS_SCAN:
@@ -127,11 +100,9 @@ def split_states(a, b, hin, ii, wcol, TT: tl.constexpr, W: tl.constexpr, IS_SCAN
 
 @triton.jit
 def warp_states(a, b, hw, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
-    """split_states given hw [W, BD], the state entering every warp's segment (saved by
-    the forward): (h, hprev), each warp on its own, no cross-warp step."""
+    """(h, hprev) given hw [W, BD], the saved state entering each warp's segment."""
     if IS_SCAN:
-        ea, eb, A, Bs = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b), 0,
-                                            affine_excl)
+        ea, eb, A, Bs = excl_scan(a, b, ACC)
         h = A * hw[None, :, :] + Bs
         hprev = ea * hw[None, :, :] + eb
     else:
@@ -143,8 +114,7 @@ def warp_states(a, b, hw, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W: tl.constexpr, WS: tl.constexpr):
-    """The saved state entering tile i_t: [W, BD] per warp row, the entry of its segment
-    seg[w] (WS), or [BD]."""
+    """The saved state entering tile i_t: per warp row, its segment's (WS, [W, BD]), or [BD]."""
     if WS:
         return tl.load(hs + ((i_b * NT + i_t) * W + seg) * D + o_d[None, :], mask=m_d[None, :], other=0.0)
     else:
@@ -186,8 +156,7 @@ def split_fwd_kernel(
         tl.store(y + base + rel, out(mem_order(hh, True), y, RNE), mask=m)
         if PREFETCH:
             r0, r1, r2, p = n0, n1, n2, n_p
-    if STORE_HT:
-        tl.store(ht + i_b * D + o_d, h, mask=m_d)
+    program_end(ht, ht, i_b, D, o_d, m_d, h, h, STORE_HT, False)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -247,12 +216,7 @@ def split_bwd_kernel(
         gb_w = row_of(ib, first, 0)
         # [W, BD] across warps, from the tile's end: the carry entering segment w from
         # after it (exclusive) and leaving segment w at its first row (inclusive)
-        if WS:
-            xa, xb, ja, jb = tl.associative_scan((tl.full(ga_w.shape, 1.0, ACC), tl.zeros(ga_w.shape, ACC), ga_w,
-                                                  gb_w), 0, affine_excl)
-        else:
-            xa, xb, ja, jb = tl.associative_scan((tl.full(ga_w.shape, 1.0, ACC), tl.zeros(ga_w.shape, ACC), ga_w,
-                                                  gb_w), 0, affine_excl, reverse=True)
+        xa, xb, ja, jb = excl_scan(ga_w, gb_w, ACC, not WS)
         rw = xa * r[None, :] + xb
         r_first, dsp_t = tile_grads_given(dyv, dx + base, dgx + base, dga + base, rel, m, valid, keep, a, b, xv,
                                           sx, sa, mult, u, h, hprev, rw, ea, eb, ia, ib, sp, ii, IS_SCAN, ACC, RNE,
@@ -263,7 +227,4 @@ def split_bwd_kernel(
             dsp += dsp_t
         if PREFETCH:
             r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
-    if STORE_DH0:
-        tl.store(dh0 + i_b * D + o_d, r, mask=m_d)
-    if not IS_SCAN:
-        tl.store(dsp_part + i_b * D + o_d, tl.sum(dsp, axis=0), mask=m_d)
+    program_end(dh0, dsp_part, i_b, D, o_d, m_d, r, tl.sum(dsp, axis=0), STORE_DH0, not IS_SCAN)

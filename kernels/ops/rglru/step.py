@@ -1,12 +1,8 @@
-"""One-launch RG-LRU decode step: both block-diagonal gate matvecs, the transition,
-the write and the in-place FP32 state update.
-
-Program (j, i) owns BJ output channels of one gate block (H blocks of width W = D / H)
-for BB batch rows: it accumulates x[:, block] @ w[block][:, j-cols] for both gates
-over the block's W inputs in slices of BK, then forms a, the clipped-sqrt multiplier
-and the write, and updates h = a h + x sigmoid(gate_x) mult in place. Each state
-element is read and written by exactly one program. No host synchronisation and no
-allocation besides y: the step can be captured in a CUDA graph. Batch 1..512.
+"""One-launch RG-LRU decode step: both block-diagonal gate matvecs, the transition, the
+write and the in-place FP32 state update. Program (j, i) owns BJ output channels of one
+gate block (width W = D / H) for BB batch rows, accumulating both gates' matvecs over
+the block's inputs in slices of BK. No host synchronisation and no allocation besides
+y (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -91,12 +87,10 @@ def _mode(x, w):
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None,
                block_b=None, block_j=32, block_k=32, num_warps=4):
-    """x: [B, D]; gate_*_w: [H, W, W] (W = D / H); gate_*_b: [H, W]; a_param: [D];
-    state: [B, D] FP32 (float64 for float64 x), contiguous, updated in place; reset: [B]
-    bool or None. Returns y [B, D] in x's dtype. Under torch.compile the custom op
-    kernels::rglru_step (state mutated in place) runs the same launcher. No backward: an
-    input that requires grad under grad mode raises ValueError (decode under
-    torch.no_grad())."""
+    """x: [B, D]; gate_*_w: [H, W, W] (W = D / H); gate_*_b: [H, W]; a_param: [D]; state:
+    [B, D] FP32 (float64 for float64 x), contiguous, updated in place; reset: [B] bool or
+    None. Returns y [B, D]. Under torch.compile: the custom op kernels::rglru_step. No
+    backward: an input requiring grad under grad mode raises ValueError."""
     no_grad_inputs("fused", x=x, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w, gate_a_b=gate_a_b,
                    a_param=a_param, state=state)
     if torch.compiler.is_compiling():
@@ -141,9 +135,7 @@ def _launch(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, bl
     rglru_step_kernel[grid](
         x, wx, bx, wa, ba, a_param, state, rst if rst is not None else state, y, B, D, W,
         HAS_RESET=reset is not None, MODE=mode, BB=bb, BJ=block_j, BK=block_k, ACC=tl_acc(state.dtype),
-        RNE=INTERPRET,
-        num_warps=num_warps,
-    )
+        RNE=INTERPRET, num_warps=num_warps)
     if accounting.on():
         accounting.record("rglru_step", accounting.nbytes(x, wx, bx, wa, ba, a_param, state, rst),
                           accounting.nbytes(state, y))

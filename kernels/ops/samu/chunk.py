@@ -1,21 +1,15 @@
 """Exact two-level chunked SAMU (chunk_size K in 8, 16, 32, 64).
 
-Forward, for chunks c of K tokens (the last one may be partial; its missing steps
-are identity lanes):
-  1. summary   per (chunk, mode block): P_c = prod a_t, Q_c = state from zero, so
-               h_out = P_c h_in + Q_c (complex affine map);
-  2. prefix    over the N chunk summaries, order kept, in groups of GS ~ sqrt(N)
-               chunks: each group is composed serially into one map, an outer serial
-               prefix over the groups gives each group's incoming state (and the final
-               state), and a last pass walks every group once more from its incoming
-               state and writes the state entering each chunk (linear work: about
-               2N + N / GS map compositions; these states are kept for the backward);
-  3. replay    per (chunk, mode block): from the chunk's incoming state the chunk is
-               replayed writing y = relu(h).
-Backward runs the same algebra on the adjoint: R_{c-1} = conj(P_c) R_c + Qbar_c with
-Qbar_c = sum_t conj(prod_{u<=t} a_u) g_t (chunk-local), composed right to left, then
-per chunk the adjoint replay that writes every gradient contribution.
-Resets are a_t = 0 inside the summaries, so they cut every prefix exactly.
+Forward over chunks of K tokens (a partial last chunk's missing steps are identity):
+1. summary per (chunk, mode block): h_out = P_c h_in + Q_c (P_c = prod a_t, Q_c the
+   state from zero);
+2. prefix over the N summaries in groups of GS ~ sqrt(N) chunks: each group composed
+   into one map, a serial prefix over the groups, then every group walked again from
+   its incoming state writing the state entering each chunk (kept for the backward);
+3. replay per (chunk, mode block) from its entering state, writing y = relu(h).
+Backward: the same on the adjoint, R_{c-1} = conj(P_c) R_c + Qbar_c with Qbar_c =
+sum_t conj(prod_{u<=t} a_u) g_t, composed right to left, then each chunk's adjoint
+replay. Resets are a_t = 0 inside the summaries, so they cut every prefix exactly.
 """
 
 from __future__ import annotations
@@ -27,8 +21,8 @@ import triton.language as tl
 
 from .. import accounting
 from ..triton_utils import cdiv, scratch
-from .common import (alloc, bwd_chunk, fwd_steps, load_pair, mode_consts, next_pow2, store_pair, store_param_partials,
-                     tl_dtype)
+from .common import (alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2, step_in,
+                     store_pair, store_param_partials, tl_dtype)
 from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
 
 PREFIX_BM = 128
@@ -42,19 +36,27 @@ def group_sizes(n: int) -> tuple[int, int, int]:
     return gs, ng, next_pow2(ng)
 
 
+@triton.jit
+def cmul_add(ar, ai, sr, si, br, bi):
+    # a s + b for complex a, s, b
+    return ar * sr - ai * si + br, ar * si + ai * sr + bi
+
+
 @triton.jit(do_not_specialize=["N", "NG", "M"])
-def _group_kernel(A, Bv, AG, BG, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
-                  CONJ: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr):
-    """Serial composition of each group's GS chunk maps into one map (group-local pass)."""
-    pid_m = tl.program_id(0)
+def _group_kernel(A, Bv, carry, S, AG, BG, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
+                  CONJ: tl.constexpr, REVERSE: tl.constexpr, FILL: tl.constexpr, ACC: tl.constexpr):
+    """Walks group g's GS chunk maps in order. FILL False: composes them into one map
+    (AG, BG); True: from the group's incoming state (carry) writes the state entering
+    every chunk to S [B, N, M, 2] (the local correction)."""
+    pid_m, b, offs_m, mask_m = block_ids(M, BM, 2)
     g = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    pr = tl.full([BM], 1.0, ACC)
-    pi = tl.zeros([BM], ACC)
-    qr = tl.zeros([BM], ACC)
-    qi = tl.zeros([BM], ACC)
+    if FILL:
+        sr, si = load_pair(carry, (b * NG + g) * M + offs_m, mask_m, 0.0, 0.0)
+    else:
+        sr = tl.zeros([BM], ACC)
+        si = tl.zeros([BM], ACC)
+        pr = tl.full([BM], 1.0, ACC)
+        pi = tl.zeros([BM], ACC)
     for j0 in range(0, GS, V):
         for v in tl.static_range(V):
             if REVERSE:
@@ -63,30 +65,27 @@ def _group_kernel(A, Bv, AG, BG, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM
                 c = g * GS + j0 + v
             lm = mask_m & (c < N)
             idx = (b * N + c) * M + offs_m
+            if FILL:
+                store_pair(S, idx, sr, si, lm)
             ar, ai = load_pair(A, idx, lm, 1.0, 0.0)
             if CONJ:
                 ai = -ai
             br, bi = load_pair(Bv, idx, lm, 0.0, 0.0)
-            qr, qi = ar * qr - ai * qi + br, ar * qi + ai * qr + bi
-            pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
-    gidx = (b * NG + g) * M + offs_m
-    store_pair(AG, gidx, pr, pi, mask_m)
-    store_pair(BG, gidx, qr, qi, mask_m)
+            sr, si = cmul_add(ar, ai, sr, si, br, bi)
+            if not FILL:
+                pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
+    if not FILL:
+        gidx = (b * NG + g) * M + offs_m
+        store_pair(AG, gidx, pr, pi, mask_m)
+        store_pair(BG, gidx, sr, si, mask_m)
 
 
 @triton.jit(do_not_specialize=["NG", "M"])
 def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
                   HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr):
     """Serial prefix over the group maps: each group's incoming state, and the final one."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    if HAS_INIT:
-        sr, si = load_pair(init, b * M + offs_m, mask_m, 0.0, 0.0)
-    else:
-        sr = tl.zeros([BM], ACC)
-        si = tl.zeros([BM], ACC)
+    pid_m, b, offs_m, mask_m = block_ids(M, BM, 1)
+    sr, si = load_state(init, b * M + offs_m, mask_m, HAS_INIT, BM, ACC)
     for j0 in range(0, NGP, V):
         for v in tl.static_range(V):
             if REVERSE:
@@ -100,80 +99,37 @@ def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.co
             store_pair(carry, gidx, sr, si, lm)
             ar, ai = load_pair(AG, gidx, lm, 1.0, 0.0)
             br, bi = load_pair(BG, gidx, lm, 0.0, 0.0)
-            sr, si = ar * sr - ai * si + br, ar * si + ai * sr + bi
+            sr, si = cmul_add(ar, ai, sr, si, br, bi)
     store_pair(final, b * M + offs_m, sr, si, mask_m)
 
 
-@triton.jit(do_not_specialize=["N", "NG", "M"])
-def _fill_kernel(A, Bv, carry, S, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
-                 CONJ: tl.constexpr, REVERSE: tl.constexpr):
-    """Each group walked once more from its incoming state, writing the state entering
-    every chunk to S [B, N, M, 2] (the local correction; the replays load one state)."""
-    pid_m = tl.program_id(0)
-    g = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    sr, si = load_pair(carry, (b * NG + g) * M + offs_m, mask_m, 0.0, 0.0)
-    for j0 in range(0, GS, V):
-        for v in tl.static_range(V):
-            if REVERSE:
-                c = g * GS + GS - 1 - (j0 + v)
-            else:
-                c = g * GS + j0 + v
-            lm = mask_m & (c < N)
-            idx = (b * N + c) * M + offs_m
-            store_pair(S, idx, sr, si, lm)
-            ar, ai = load_pair(A, idx, lm, 1.0, 0.0)
-            if CONJ:
-                ai = -ai
-            br, bi = load_pair(Bv, idx, lm, 0.0, 0.0)
-            sr, si = ar * sr - ai * si + br, ar * si + ai * sr + bi
-
-
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
-def _summary_kernel(x, ctrl, modes, P, Q, T, N, D, M,
-                    K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
-    pid_m = tl.program_id(0)
+def _fwd_kernel(x, ctrl, modes, S, P, Q, T, N, D, M, REPLAY: tl.constexpr,
+                K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
+    """Chunk c's summary (REPLAY False): P_c = prod a_t and Q_c, its state from zero; or
+    (REPLAY) the chunk replayed from its entering state S [B, N, M, 2] writing y (in P)."""
+    pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 2)
     c = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
-    x_b = x + b * T * D
-    zero = tl.zeros([BM], ACC)
-    hr, hi, pr, pi = fwd_steps(zero, zero, zero + 1.0, zero, x_b, x_b, ctrl + b * T * 4, c * K, T, D, M,
-                               offs_m, mask_m, nu, ct, st, gam, lnr, K, U, False, True, ACC)
     idx = (b * N + c) * M + offs_m
-    store_pair(P, idx, pr, pi, mask_m)
-    store_pair(Q, idx, hr, hi, mask_m)
-
-
-@triton.jit(do_not_specialize=["T", "N", "D", "M"])
-def _replay_kernel(x, ctrl, modes, S, y, T, N, D, M, K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr,
-                   ACC: tl.constexpr):
-    """From the state entering chunk c (S [B, N, M, 2]) the chunk is replayed writing y."""
-    pid_m = tl.program_id(0)
-    c = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
-    hr, hi = load_pair(S, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
-    fwd_steps(hr, hi, hr, hi, x + b * T * D, y + b * T * D, ctrl + b * T * 4, c * K, T, D, M, offs_m, mask_m,
-              nu, ct, st, gam, lnr, K, U, True, False, ACC)
+    x_b = x + b * T * D
+    if REPLAY:
+        hr, hi = load_pair(S, idx, mask_m, 0.0, 0.0)
+        fwd_steps(hr, hi, hr, hi, x_b, P + b * T * D, ctrl + b * T * 4, c * K, T, D, M, offs_m, mask_m,
+                  nu, ct, st, gam, lnr, K, U, True, False, ACC)
+    else:
+        zero = tl.zeros([BM], ACC)
+        hr, hi, pr, pi = fwd_steps(zero, zero, zero + 1.0, zero, x_b, x_b, ctrl + b * T * 4, c * K, T, D, M,
+                                   offs_m, mask_m, nu, ct, st, gam, lnr, K, U, False, True, ACC)
+        store_pair(P, idx, pr, pi, mask_m)
+        store_pair(Q, idx, hr, hi, mask_m)
 
 
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
 def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
                         K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
     """P_c and Qbar_c = sum_t conj(prod_{u<=t} a_u) g_t in one forward sweep (g_t = relu'(h_t) dy_t)."""
-    pid_m = tl.program_id(0)
+    pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 2)
     c = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     x_b = x + b * T * D
     dy_b = dy + b * T * D
     ctrl_b = ctrl + b * T * 4
@@ -186,17 +142,7 @@ def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
     for j0 in range(0, K, U):
         for u in tl.static_range(U):
             t = c * K + j0 + u
-            valid = t < T
-            E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
-            ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
-            sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
-            mag = tl.exp(-(nu * E + lnr))
-            ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
-            ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
-            lm = mask_m & valid
-            row = t.to(tl.int64) * D
-            xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
-            xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+            valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
             dyr = tl.load(dy_b + row + offs_m, mask=lm, other=0.0).to(ACC)
             dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
             hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
@@ -214,12 +160,8 @@ def _bwd_kernel(x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D,
                 K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
     """The adjoint replay of chunk c from its state (states) and the adjoint entering it
     from the right (R [B, N, M, 2]): every gradient contribution of the chunk."""
-    pid_m = tl.program_id(0)
+    pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 2)
     c = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
     hr, hi = load_pair(states, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
     Rr, Ri = load_pair(R, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
     zero = tl.zeros([BM], ACC)
@@ -247,8 +189,8 @@ def _prefix(A, Bv, init, S, conj, reverse, work):
     final = alloc((B, M, 2), acc, A.device)
     nmb = cdiv(M, PREFIX_BM)
     V = min(gs, PREFIX_UNROLL)
-    _group_kernel[(nmb, ng, B)](A, Bv, AG, BG, N, ng, M, GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse,
-                                ACC=tl_dtype(acc), num_warps=4)
+    kw = dict(GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse, ACC=tl_dtype(acc), num_warps=4)
+    _group_kernel[(nmb, ng, B)](A, Bv, carry, S, AG, BG, N, ng, M, FILL=False, **kw)
     if accounting.on():
         accounting.record("samu_prefix_group", accounting.nbytes(A, Bv), accounting.nbytes(AG, BG))
     _outer_kernel[(nmb, B)](AG, BG, init if init is not None else final, carry, final, ng, M, NGP=ngp,
@@ -256,11 +198,11 @@ def _prefix(A, Bv, init, S, conj, reverse, work):
                             ACC=tl_dtype(acc), num_warps=4)
     if accounting.on():
         accounting.record("samu_prefix_outer", accounting.nbytes(AG, BG, init), accounting.nbytes(carry, final))
-    _fill_kernel[(nmb, ng, B)](A, Bv, carry, S, N, ng, M, GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse,
-                               num_warps=4)
+    _group_kernel[(nmb, ng, B)](A, Bv, carry, S, AG, BG, N, ng, M, FILL=True, **kw)
     if accounting.on():
         accounting.record("samu_prefix_fill", accounting.nbytes(A, Bv, carry), accounting.nbytes(S))
     return final
+
 
 def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     """Summary, prefix, replay (module docstring); T = 0 runs the serial launcher."""
@@ -272,19 +214,19 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     N = cdiv(T, K)
     grid = (cdiv(M, BM), N, B)
     P, Q, *work = scratch(acc, x.device, (B, N, M, 2), (B, N, M, 2), *prefix_shapes(B, N, M))
-    _summary_kernel[grid](x, ctrl, modes, P, Q, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
-                          ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    kw = dict(K=K, U=min(K, FWD_UNROLL), BM=BM, ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    _fwd_kernel[grid](x, ctrl, modes, P, P, Q, T, N, D, M, REPLAY=False, **kw)
     if accounting.on():
         accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
     # the state entering every chunk, kept for the backward
     states = alloc((B, N, M, 2), acc, x.device)
     hT = _prefix(P, Q, h0, states, conj=False, reverse=False, work=work)
     y = alloc(x.shape, x.dtype, x.device)
-    _replay_kernel[grid](x, ctrl, modes, states, y, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
-                         ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    _fwd_kernel[grid](x, ctrl, modes, states, y, y, T, N, D, M, REPLAY=True, **kw)
     if accounting.on():
         accounting.record("samu_chunk_replay", accounting.nbytes(x, ctrl, states), accounting.nbytes(y))
     return y, hT, (states if need_states else None)
+
 
 def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
     B, T, D = x.shape

@@ -1,15 +1,11 @@
 """Pieces every SAMU backend shares: the per-token controller, the per-element
 transition and write, the controller's backward and the parameter reductions.
 
-Notation: B batch, T time, D = 2M recurrent width, M complex modes. Per token the
-controller gives two FP32 scalars shared by all modes; `ctrl` keeps them as
-[B*T, 4] = (E = exp(eta), cos(delta) * keep, sin(delta) * keep, 0) with keep = 0 at
-resets, so that a_t[m] = exp(-nu[m] E_t) * exp(i (theta[m] + delta_t)) is formed in
-registers by angle addition and vanishes at resets. `aux` [B*T, 2] keeps the
-normalised projections (v_p, v_r) for the backward. Nothing of shape [B, T, M] exists:
-transition, write and output are recomputed per element wherever they are needed.
-
-Complex FP32 states travel as torch.view_as_real pairs [..., M, 2].
+B batch, T time, D = 2M width, M complex modes. `ctrl` [B*T, 4] keeps per token
+(E = exp(eta), cos(delta) keep, sin(delta) keep, 0), keep = 0 at resets, so that
+a_t[m] = exp(-nu[m] E_t) exp(i (theta[m] + delta_t)) is formed in registers by angle
+addition; `aux` [B*T, 2] keeps the normalised projections (v_p, v_r) for the backward.
+Nothing of shape [B, T, M] is stored. Complex states travel as view_as_real pairs.
 """
 
 from __future__ import annotations
@@ -27,10 +23,9 @@ from ..triton_utils import tl_acc as tl_dtype
 
 
 def scalar_param(v, device, dtype) -> torch.Tensor:
-    """Amplitude as a one-element tensor on the device without a host round trip
-    (capturable in a CUDA graph). A python float becomes a cached read-only constant (no
-    fill launch per call), except under torch.compile and during CUDA graph capture,
-    where a fresh tensor is filled (a capture records the fill without running it)."""
+    """Amplitude as a one-element tensor on the device without a host round trip. A float
+    becomes a cached constant (no fill per call), except under torch.compile and CUDA
+    graph capture, where a fresh tensor is filled (a capture records the fill only)."""
     if isinstance(v, torch.Tensor):
         return v.reshape(1).to(device=device, dtype=dtype)
     v = float(v)
@@ -40,15 +35,13 @@ def scalar_param(v, device, dtype) -> torch.Tensor:
     t = _CONSTANTS.get(key)
     if t is None:
         t = torch.full((1,), v, device=device, dtype=dtype)
-        # not a fake or traced tensor of a mode in force; NaN (never equal to itself as a
-        # key) is not cached, so the table cannot grow by one per call
+        # neither a fake/traced tensor nor NaN (never equal to itself as a key)
         if type(t) is torch.Tensor and v == v:
             _CONSTANTS[key] = t
     return t
 
 
-# One tensor per (value, sign, device, dtype), kept for the process's life: a CUDA
-# graph captured reading one must never see it freed.
+# kept for the process's life: a CUDA graph captured reading one must never see it freed
 _CONSTANTS: dict = {}
 
 
@@ -59,9 +52,8 @@ def check_block_m(bm):
 
 
 def check_num_warps(nw, bm):
-    """Warps per program of a mode-blocked kernel: None -> one mode per thread (bm // 32);
-    fewer warps give each thread bm / (32 nw) adjacent modes (vector loads, and the
-    per-step scalar work -- controls, addresses, masks -- shared by more elements)."""
+    """Warps per program: None -> one mode per thread (bm // 32); fewer give each thread
+    bm / (32 nw) adjacent modes (vector loads, per-step scalar work shared)."""
     if nw is None:
         return max(1, bm // 32)
     if nw not in (1, 2, 4, 8) or 32 * nw > bm:
@@ -71,9 +63,8 @@ def check_num_warps(nw, bm):
 
 @triton.jit
 def relu(h):
-    # NaN propagates, as in torch.relu (tl.maximum's default returns the non-NaN operand
-    # on the GPU, turning NaN into 0). The backwards pass dy where not h <= 0, NaN
-    # included, as torch's threshold_backward does.
+    # NaN propagates as in torch.relu (tl.maximum's default drops it on the GPU); the
+    # backwards pass dy where not h <= 0, as torch's threshold_backward does.
     return tl.maximum(h, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -85,14 +76,11 @@ def tanh(x):
 
 @triton.jit
 def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
-    """Per-mode constants, computed in float64 and rounded once:
-    nu, theta, cos(theta), sin(theta), gamma = sqrt(1 - e^{-2 nu}) + 1e-8,
-    lnr = log |(cos theta, sin theta)| of the rounded pair, and nu dgamma/dnu.
-
-    The transition is exp(-(nu E + lnr)) (cos theta, sin theta)(cos delta, sin delta):
-    lnr cancels the norm error of the rounded (cos theta, sin theta), which would
-    otherwise bias |a| by the same few 1e-8 at every step (a drift over the ~1/(1-|a|)
-    steps a mode remembers). gamma's 1 - e^{-2 nu} cancels badly in FP32 for small nu."""
+    """Per-mode constants in float64, rounded once: nu, theta, cos, sin theta, gamma =
+    sqrt(1 - e^{-2 nu}) + 1e-8 (cancels in FP32 for small nu), nu dgamma/dnu and
+    lnr = log |(cos theta, sin theta)| of the rounded pair: the transition
+    exp(-(nu E + lnr)) (cos theta, sin theta)(cos delta, sin delta) then has no |a| bias
+    of a few 1e-8 per step (a drift over the ~1/(1-|a|) steps a mode remembers)."""
     nu = tl.exp(tl.load(nu_log + offs_m, mask=mask_m, other=0.0).to(tl.float64))
     th = tl.exp(tl.load(theta_log + offs_m, mask=mask_m, other=0.0).to(tl.float64))
     ct = tl.cos(th).to(ACC)
@@ -135,16 +123,24 @@ def mode_table(nu_log, theta_log, acc):
 
 
 @triton.jit
-def mode_consts(modes, offs_m, mask_m):
-    """(nu, theta, cos theta, sin theta, gamma, lnr) of a block of modes from the table."""
+def block_ids(M, BM: tl.constexpr, B_AXIS: tl.constexpr):
+    """A program's (mode block pid_m, sequence b = program_id(B_AXIS), offs_m, mask_m)."""
+    pid_m = tl.program_id(0)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    return pid_m, tl.program_id(B_AXIS).to(tl.int64), offs_m, offs_m < M
+
+
+@triton.jit
+def mode_block(modes, M, BM: tl.constexpr, B_AXIS: tl.constexpr):
+    """block_ids and the modes' (nu, cos theta, sin theta, gamma, lnr) from the table."""
+    pid_m, b, offs_m, mask_m = block_ids(M, BM, B_AXIS)
     row = modes + offs_m.to(tl.int64) * 8
     nu = tl.load(row, mask=mask_m, other=1.0)
-    th = tl.load(row + 1, mask=mask_m, other=0.0)
     ct = tl.load(row + 2, mask=mask_m, other=1.0)
     st = tl.load(row + 3, mask=mask_m, other=0.0)
     gam = tl.load(row + 4, mask=mask_m, other=0.0)
     lnr = tl.load(row + 5, mask=mask_m, other=0.0)
-    return nu, th, ct, st, gam, lnr
+    return pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr
 
 
 @triton.jit
@@ -157,29 +153,35 @@ def transition(E, ck, sk, nu, ct, st, lnr, valid):
 
 
 @triton.jit
+def step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC: tl.constexpr):
+    """Step t's (valid, mode mask, row offset, E, transition (ar, ai), input (xr, xi));
+    identity past T; t a tensor (the interpreter makes one of an assigned value).
+    `transition`'s arithmetic is written out: each device-function call costs the
+    interpreter milliseconds, and this runs once per step."""
+    valid = t < T
+    E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
+    ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
+    sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
+    mag = tl.exp(-(nu * E + lnr))
+    ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
+    ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
+    lm = mask_m & valid
+    row = t.to(tl.int64) * D
+    xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
+    xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+    return valid, lm, row, E, ar, ai, xr, xi
+
+
+@triton.jit
 def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, WRITE_Y: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr):
-    """K steps h <- a h + gamma (x_re + i x_im) from time t0 (steps past T are identity),
-    U at a time (their loads are independent of h and go out together); optionally
-    writes y = relu(h) and multiplies p <- a p (the chunk's transition product).
-
-    Loops stay rolled (U unrolled steps inside): fully unrolled chunks make Triton's
-    coalescing pass quadratic in compile time, and the GPU hides the latency across warps."""
+    """K steps h <- a h + gamma (x_re + i x_im) from t0, U unrolled at a time (their loads
+    go out together; full unrolling makes Triton's coalescing pass quadratic in compile
+    time); optionally writes y = relu(h) and multiplies p <- a p (the chunk's product)."""
     for j0 in range(0, K, U):
         for u in tl.static_range(U):
             t = t0 + j0 + u
-            valid = t < T
-            # per-step helpers are written inline: each device-function call costs the interpreter milliseconds
-            E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
-            ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
-            sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
-            mag = tl.exp(-(nu * E + lnr))
-            ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
-            ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
-            lm = mask_m & valid
-            row = t.to(tl.int64) * D
-            xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
-            xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+            valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
             hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
             if PROD:
                 pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
@@ -192,46 +194,24 @@ def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu,
 @triton.jit
 def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
               NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, U: tl.constexpr, ACC: tl.constexpr):
-    """Adjoint walk over U steps from t0 + U - 1 down to t0, given h before t0 and the
-    carry R = conj(a_{t0+U}) lam_{t0+U} from the right (lam_t = g_t + R); the U states
-    are recomputed into registers first.
-
-    Writes dL/dx of the write (gamma lam) to dxw, the per-token sums over this mode
-    block of dL/deta and dL/ddelta to dpart [B*T, NMB, 2], accumulates per-mode sums for
-    the nu / theta / gamma gradients and returns the carry conj(a_{t0}) lam_{t0}."""
+    """Adjoint walk over steps t0 + U - 1 down to t0 given h before t0 and the carry
+    R = conj(a_{t0+U}) lam_{t0+U} (lam_t = g_t + R), the U states recomputed first.
+    Writes gamma lam (dL/dx of the write) to dxw and the per-token sums over this mode
+    block of dL/deta, dL/ddelta to dpart [B*T, NMB, 2]; accumulates the per-mode sums of
+    the nu / theta / gamma gradients; returns the carry conj(a_{t0}) lam_{t0}."""
     hs_r = (hr,)
     hs_i = (hi,)
     for j in tl.static_range(U):
         t = t0 + j
-        valid = t < T
-        E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
-        ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
-        sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
-        mag = tl.exp(-(nu * E + lnr))
-        ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
-        ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
-        lm = mask_m & valid
-        row = t.to(tl.int64) * D
-        xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
-        xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+        valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
         hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
         hs_r = hs_r + (hr,)
         hs_i = hs_i + (hi,)
     for jj in tl.static_range(U):
         t = t0 + (U - 1 - jj)
-        valid = t < T
-        E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
-        ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
-        sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
-        mag = tl.exp(-(nu * E + lnr))
-        ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
-        ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
-        lm = mask_m & valid
-        row = t.to(tl.int64) * D
+        valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
         dyr = tl.load(dy_b + row + offs_m, mask=lm, other=0.0).to(ACC)
         dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
-        xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
-        xi = tl.load(x_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
         lr = tl.where(hs_r[U - jj] <= 0.0, 0.0, dyr) + Rr
         li = tl.where(hs_i[U - jj] <= 0.0, 0.0, dyi) + Ri
         tl.store(dxw_b + row + offs_m, gam * lr, mask=lm)
@@ -255,9 +235,9 @@ def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ct
 def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
               NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
-    """bwd_steps over the K tokens from t0, U at a time in reverse. The state before
-    every U-th token is written once to this program's checkpoint slots ckpt [K/U, BM, 2]
-    (read back by the same threads, so no barrier) and each U-block is recomputed from it."""
+    """bwd_steps over the K tokens from t0, U at a time in reverse, from the state before
+    every U-th token saved in this program's slots ckpt [K/U, BM, 2] (read back by the
+    same threads: no barrier)."""
     lane = tl.arange(0, BM)
     for q in range(0, K // U):
         store_pair(ckpt, q * BM + lane, hr, hi, mask_m)
@@ -297,15 +277,43 @@ def store_pair(ptr, idx, re, im, mask):
     tl.store(ptr + idx * 2 + 1, im, mask=mask)
 
 
+@triton.jit
+def load_state(ptr, idx, mask, HAS: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
+    # a complex [BM] state from ptr, or zeros
+    if HAS:
+        re, im = load_pair(ptr, idx, mask, 0.0, 0.0)
+    else:
+        re = tl.zeros([BM], ACC)
+        im = tl.zeros([BM], ACC)
+    return re, im
+
+
+@triton.jit
+def dir_cols(pd, rd, d0, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """Columns d0 .. d0 + BLOCK - 1 (those < n: cols, cm) of both directions (wp, wr)."""
+    cols = d0 + tl.arange(0, BLOCK)
+    cm = cols < n
+    return cols, cm, tl.load(pd + cols, mask=cm, other=0.0).to(ACC), tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
+
+
+@triton.jit
+def dir_norms(pd, rd, D, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """|pd|, |rd| over all D + 1 entries, the bias included."""
+    wpp = tl.zeros([BLOCK], ACC)
+    wrr = tl.zeros([BLOCK], ACC)
+    for d0 in range(0, D + 1, BLOCK):
+        cols, cm, wp, wr = dir_cols(pd, rd, d0, D + 1, BLOCK, ACC)
+        wpp += wp * wp
+        wrr += wr * wr
+    return tl.sqrt(tl.sum(wpp, axis=0)), tl.sqrt(tl.sum(wrr, axis=0))
+
 
 @triton.jit
 def store_token_controls(ctrl, seg, tok, tmask, vp, vr, tpa, tra, scale, HAS_SEG: tl.constexpr,
                          ACC: tl.constexpr):
-    """The per-token scalars of the normalised projections vp, vr (rows tok, mask tmask)
-    stored to ctrl [N, 4] as (exp(eta), cos delta, sin delta, 0), the transition's phase
-    zeroed at resets; tpa, tra: tanh of the amplitudes (float64). Float64 where FP32
-    would lose digits (tanh near 0, 1 - p^2); cos/sin of the rounded delta are as
-    accurate in FP32 and far cheaper."""
+    """ctrl rows tok = (exp(eta), cos delta, sin delta, 0) of the normalised projections
+    vp, vr, the phase zeroed at resets; tpa, tra: tanh of the amplitudes. Float64 where
+    FP32 loses digits (tanh near 0, 1 - p^2); cos/sin of the rounded delta in FP32."""
     p = tanh(vp.to(tl.float64))
     r = tanh(vr.to(tl.float64))
     delta = scale * tpa * p
@@ -325,20 +333,15 @@ def store_token_controls(ctrl, seg, tok, tmask, vp, vr, tpa, tra, scale, HAS_SEG
 @triton.jit
 def controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tmask, D, scale,
                   HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    """Controls of the BLOCK_T tokens `tok` (rows of x [B*T, D]; tmask: which exist):
-    both projections over the whole row, norms, tanh, exp(eta), cos/sin(delta), resets;
-    writes ctrl and aux (see the module docstring)."""
-    # [BLOCK_T, BLOCK_D] accumulators, reduced once after the loop: a reduction inside
-    # the loop costs shuffles and shared-memory round trips per element (sass_samu.py)
+    """ctrl and aux of the BLOCK_T tokens `tok` (rows of x [B*T, D]; tmask: which exist)."""
+    # [BLOCK_T, BLOCK_D] accumulators reduced once after the loop (a reduction inside it
+    # costs shuffles and shared-memory round trips per element)
     zp2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
     zr2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
     wpp = tl.zeros([BLOCK_D], ACC)
     wrr = tl.zeros([BLOCK_D], ACC)
     for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        cm = cols < D
-        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
-        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
+        cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BLOCK_D, ACC)
         xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :],
                      other=0.0).to(ACC)  # [BLOCK_T, BLOCK_D]
         zp2 += xt * wp[None, :]
@@ -420,24 +423,15 @@ def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpa
     tl.store(sbase + 5, tl.sum(deta * r / q, axis=0).to(ACC))
     tl.store(sbase + 6, 0.0)
     tl.store(sbase + 7, 0.0)
-    wpp = tl.zeros([BLOCK_D], ACC)
-    wrr = tl.zeros([BLOCK_D], ACC)
-    for d0 in range(0, D + 1, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        cm = cols < D + 1
-        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
-        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
-        wpp += wp * wp
-        wrr += wr * wr
-    inv_np = 1.0 / tl.sqrt(tl.sum(wpp, axis=0))
-    inv_nr = 1.0 / tl.sqrt(tl.sum(wrr, axis=0))
+    np_, nr_ = dir_norms(pd, rd, D, BLOCK_D, ACC)
+    inv_np = 1.0 / np_
+    inv_nr = 1.0 / nr_
     for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        cm = cols < D
+        cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BLOCK_D, ACC)
+        wp = wp * inv_np
+        wr = wr * inv_nr
         m2 = tmask[:, None] & cm[None, :]
         offs = tok[:, None] * D + cols[None, :]
-        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC) * inv_np
-        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC) * inv_nr
         g = tl.load(dxw + offs, mask=m2, other=0.0) + dvp[:, None] * wp[None, :] + dvr[:, None] * wr[None, :]
         tl.store(dx + offs, g.to(dx.dtype.element_ty), mask=m2)
         xt = tl.load(x + offs, mask=m2, other=0.0).to(ACC)
@@ -468,17 +462,8 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         s = _colsum(scalpart, NTB, 8, sc, sc < 8, BLOCK_R, 8, ACC)
         s_vp = tl.sum(tl.where(sc == 2, s, 0.0), axis=0)
         s_vr = tl.sum(tl.where(sc == 3, s, 0.0), axis=0)
-        wpp = tl.zeros([BLOCK_C], ACC)
-        wrr = tl.zeros([BLOCK_C], ACC)
-        for d0 in range(0, D + 1, BLOCK_C):
-            cc = d0 + tl.arange(0, BLOCK_C)
-            wp = tl.load(pd + cc, mask=cc < D + 1, other=0.0).to(ACC)
-            wr = tl.load(rd + cc, mask=cc < D + 1, other=0.0).to(ACC)
-            wpp += wp * wp
-            wrr += wr * wr
-        np_ = tl.sqrt(tl.sum(wpp, axis=0))
-        nr_ = tl.sqrt(tl.sum(wrr, axis=0))
-        cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        np_, nr_ = dir_norms(pd, rd, D, BLOCK_C, ACC)
+        cols, wm, wp, wr = dir_cols(pd, rd, pid * BLOCK_C, D + 1, BLOCK_C, ACC)
         cm = cols < D
         gp = _colsum(colpart, NTB, 2 * D, cols, cm, BLOCK_R, BLOCK_C, ACC)
         gr = _colsum(colpart + D, NTB, 2 * D, cols, cm, BLOCK_R, BLOCK_C, ACC)
@@ -486,9 +471,6 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         isb = cols == D
         gp = tl.where(isb, tl.sum(tl.where(sc == 0, s, 0.0), axis=0), gp)
         gr = tl.where(isb, tl.sum(tl.where(sc == 1, s, 0.0), axis=0), gr)
-        wm = cols < D + 1
-        wp = tl.load(pd + cols, mask=wm, other=0.0).to(ACC)
-        wr = tl.load(rd + cols, mask=wm, other=0.0).to(ACC)
         tl.store(dpd + cols, gp / np_ - wp * s_vp / (np_ * np_), mask=wm)
         tl.store(drd + cols, gr / nr_ - wr * s_vr / (nr_ * nr_), mask=wm)
         if pid == 0:
@@ -505,11 +487,10 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
 
 
 def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
-    """Finish the backward: dx (x's dtype) and the gradients of both directions, both
-    amplitudes, nu_log and theta_log, all from fixed-order reductions.
-
-    dxw [B, T, D] accumulation dtype: the write's part of dL/dx; dpart [B*T, NMB, 2]:
-    per-mode-block (dL/deta, dL/ddelta); ppart [R, M, 2]: per-block (nu_log, theta_log) partials."""
+    """dx (x's dtype) and the gradients of both directions, both amplitudes, nu_log and
+    theta_log, by fixed-order reductions. dxw [B, T, D]: the write's part of dL/dx;
+    dpart [B*T, NMB, 2]: per-mode-block (dL/deta, dL/ddelta); ppart [R, M, 2]:
+    per-block (nu_log, theta_log) partials."""
     B, T, D = x.shape
     M = D // 2
     acc = dxw.dtype

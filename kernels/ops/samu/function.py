@@ -1,14 +1,8 @@
-"""The differentiable SAMU operator over the serial and chunked launchers, and the
-backend functions with the reference signature.
-
-    forward:  controls_fwd, mode_table -> serial/chunk forward (y, final state, states)
-    backward: serial/chunk backward -> controls_bwd (every gradient)
-
-Two doors to the same launchers, as for the RG-LRU (kernels/ops/rglru/function.py):
-eager calls run `SamuFunction` (one explicit torch.autograd.Function); under
-torch.compile the custom ops kernels::samu_fwd / kernels::samu_bwd run instead, with
-fake implementations and a backward registered by torch.library.register_autograd.
-Complex states cross the ops as torch.view_as_real pairs [B, M, 2].
+"""The differentiable SAMU over the serial and chunked launchers (forward: controls_fwd,
+mode_table, the scan; backward: the scan's, then controls_bwd), and the backend
+functions with the reference signature. As for the RG-LRU (rglru/function.py): eager
+calls run `SamuFunction`, torch.compile the custom ops kernels::samu_fwd / _bwd.
+Complex states cross the ops as view_as_real pairs [B, M, 2].
 """
 
 from __future__ import annotations
@@ -160,17 +154,15 @@ def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
 
 def fused_recurrent_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                          initial_state=None, output_final_state=False, **opts):
-    """Serial SAMU (reference signature). x: [B, T, D], D = 2M; returns (y [B, T, D],
-    final state [B, M] complex or None). Options fused_recurrent.OPTIONS: chunk_size
-    (tile and checkpoint length, 8..64, default 32), block_m, num_warps."""
+    """Serial SAMU (reference signature); options fused_recurrent.OPTIONS (chunk_size: the
+    tile and checkpoint length, default 32)."""
     return _run("serial", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
                 initial_state, output_final_state, opts)
 
 
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                initial_state=None, output_final_state=False, **opts):
-    """Two-level chunked SAMU (reference signature); options as fused_recurrent_samu's:
-    chunk_size K in 8, 16, 32, 64 (default 16), block_m modes per program, num_warps
-    (None: block_m // 32, one mode per thread; fewer: several adjacent modes per thread)."""
+    """Two-level chunked SAMU (reference signature); options as fused_recurrent_samu's
+    (chunk_size default 16)."""
     return _run("chunk", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
                 initial_state, output_final_state, opts)

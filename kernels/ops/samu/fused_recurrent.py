@@ -15,8 +15,8 @@ import triton.language as tl
 
 from .. import accounting
 from ..triton_utils import cdiv, check_chunk_size, scratch
-from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair, mode_consts, store_pair,
-                     store_param_partials, tl_dtype)
+from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair, load_state, mode_block,
+                     store_pair, store_param_partials, tl_dtype)
 
 # Steps unrolled inside the time loops (the rest stays a loop; see common.fwd_steps).
 FWD_UNROLL = 8
@@ -27,19 +27,11 @@ BWD_UNROLL = 4
 def _serial_fwd_kernel(x, ctrl, modes, h0, y, states, hT, T, N, D, M,
                        K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_H0: tl.constexpr,
                        STORE_STATES: tl.constexpr, ACC: tl.constexpr):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
+    pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 1)
     x_b = x + b * T * D
     y_b = y + b * T * D
     ctrl_b = ctrl + b * T * 4
-    if HAS_H0:
-        hr, hi = load_pair(h0, b * M + offs_m, mask_m, 0.0, 0.0)
-    else:
-        hr = tl.zeros([BM], ACC)
-        hi = tl.zeros([BM], ACC)
+    hr, hi = load_state(h0, b * M + offs_m, mask_m, HAS_H0, BM, ACC)
     for c in range(N):
         if STORE_STATES:
             store_pair(states, (b * N + c) * M + offs_m, hr, hi, mask_m)
@@ -52,20 +44,12 @@ def _serial_fwd_kernel(x, ctrl, modes, h0, y, states, hT, T, N, D, M,
 def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, ckpt, T, N, D, M, NMB,
                        K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_GH: tl.constexpr,
                        ACC: tl.constexpr):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    nu, th, ct, st, gam, lnr = mode_consts(modes, offs_m, mask_m)
+    pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 1)
     x_b = x + b * T * D
     dy_b = dy + b * T * D
     dxw_b = dxw + b * T * D
     ctrl_b = ctrl + b * T * 4
-    if HAS_GH:
-        Rr, Ri = load_pair(gh, b * M + offs_m, mask_m, 0.0, 0.0)
-    else:
-        Rr = tl.zeros([BM], ACC)
-        Ri = tl.zeros([BM], ACC)
+    Rr, Ri = load_state(gh, b * M + offs_m, mask_m, HAS_GH, BM, ACC)
     acc_nu = tl.zeros([BM], ACC)
     acc_th = tl.zeros([BM], ACC)
     acc_g = tl.zeros([BM], ACC)
@@ -113,6 +97,7 @@ def serial_forward(x, ctrl, modes, h0, need_states, cfg):
         accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, modes, h0),
                           accounting.nbytes(y, hT, states))
     return y, hT, states
+
 
 def serial_backward(x, dy, ctrl, modes, states, gh, cfg):
     B, T, D = x.shape

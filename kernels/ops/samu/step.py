@@ -1,14 +1,8 @@
-"""One-token SAMU decode step in one launch: controller (both projections, norms,
-tanh), transition, write, state update (in place) and relu.
-
-Two layouts of the same computation:
-- "row": one program per sequence walks all modes (few, larger programs);
-- "blocked": one program per (sequence, block of modes); each program recomputes
-  its sequence's two projections from the row in cache (more, smaller programs).
-"fused" takes "blocked" below ROW_MIN_BATCH sequences and "row" from there on; the
-threshold is where the two crossed on an H200 at D = 2560 (blocked faster up to B = 32,
-row from B = 64); the tune stage's decode entries re-measure both per GPU.
-No host synchronisation and no allocation besides y: capturable in a CUDA graph.
+"""One-token SAMU decode step in one launch: controller, transition, write, in-place
+state update and relu. "row": one program per sequence walks all modes; "blocked": one
+program per (sequence, mode block), each recomputing its row's projections. "fused"
+takes "blocked" below ROW_MIN_BATCH sequences (where the two crossed on an H200 at
+D = 2560; the tune stage re-measures). No host synchronisation, no allocation besides y.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
 from ..triton_utils import acc_dtype, cdiv, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
-from .common import load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
+from .common import dir_cols, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
 ROW_MIN_BATCH = 64
 
@@ -36,10 +30,7 @@ def _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD: tl.constexpr, ACC: tl
     wpp = tl.zeros([BD], ACC)
     wrr = tl.zeros([BD], ACC)
     for d0 in range(0, D, BD):
-        cols = d0 + tl.arange(0, BD)
-        cm = cols < D
-        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
-        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
+        cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BD, ACC)
         xv = tl.load(x_b + cols, mask=cm, other=0.0).to(ACC)
         zp += xv * wp
         zr += xv * wr
@@ -91,8 +82,7 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, state, reset, y, D, M, sc
 
 
 def _amp(v, x):
-    """An amplitude as a one-element tensor: a tensor as it is (the kernel converts it),
-    a python float in x's accumulation precision (float64 for float64 x)."""
+    """An amplitude as a one-element tensor (a float in x's accumulation dtype)."""
     if isinstance(v, torch.Tensor):
         return v.reshape(1)
     return scalar_param(v, x.device, acc_dtype(x.dtype))
@@ -144,9 +134,8 @@ def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state,
 
 
 def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, name=None):
-    """Under torch.compile the custom op kernels::samu_step (the state mutated in
-    place), the launcher otherwise. No backward: an input that requires grad under grad
-    mode raises ValueError naming the step (`name`, default the layout)."""
+    """The custom op kernels::samu_step under torch.compile, else the launcher. An input
+    requiring grad under grad mode raises ValueError naming the step (default the layout)."""
     no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
                    radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     if torch.compiler.is_compiling():
@@ -156,10 +145,8 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
 
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
-    """Decode step, one program per sequence. x: [B, D]; state: [B, M] complex64,
-    updated in place; reset: [B] bool. Returns y [B, D] in x's dtype. No backward: an
-    input that requires grad under grad mode raises ValueError (decode under
-    torch.no_grad())."""
+    """Decode step, one program per sequence. x: [B, D]; state: [B, M] complex64, updated
+    in place; reset: [B] bool. Returns y [B, D] in x's dtype. No backward."""
     return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
 
 
