@@ -297,18 +297,6 @@ def dir_cols(pd, rd, d0, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def dir_norms(pd, rd, D, BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """|pd|, |rd| over all D + 1 entries, the bias included."""
-    wpp = tl.zeros([BLOCK], ACC)
-    wrr = tl.zeros([BLOCK], ACC)
-    for d0 in range(0, D + 1, BLOCK):
-        cols, cm, wp, wr = dir_cols(pd, rd, d0, D + 1, BLOCK, ACC)
-        wpp += wp * wp
-        wrr += wr * wr
-    return tl.sqrt(tl.sum(wpp, axis=0)), tl.sqrt(tl.sum(wrr, axis=0))
-
-
-@triton.jit
 def store_token_controls(ctrl, seg, tok, tmask, vp, vr, tpa, tra, scale, HAS_SEG: tl.constexpr,
                          ACC: tl.constexpr):
     """ctrl rows tok = (exp(eta), cos delta, sin delta, 0) of the normalised projections
@@ -423,15 +411,24 @@ def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpa
     tl.store(sbase + 5, tl.sum(deta * r / q, axis=0).to(ACC))
     tl.store(sbase + 6, 0.0)
     tl.store(sbase + 7, 0.0)
-    np_, nr_ = dir_norms(pd, rd, D, BLOCK_D, ACC)
-    inv_np = 1.0 / np_
-    inv_nr = 1.0 / nr_
+    wpp = tl.zeros([BLOCK_D], ACC)
+    wrr = tl.zeros([BLOCK_D], ACC)
+    for d0 in range(0, D + 1, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cm = cols < D + 1
+        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
+        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
+        wpp += wp * wp
+        wrr += wr * wr
+    inv_np = 1.0 / tl.sqrt(tl.sum(wpp, axis=0))
+    inv_nr = 1.0 / tl.sqrt(tl.sum(wrr, axis=0))
     for d0 in range(0, D, BLOCK_D):
-        cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BLOCK_D, ACC)
-        wp = wp * inv_np
-        wr = wr * inv_nr
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cm = cols < D
         m2 = tmask[:, None] & cm[None, :]
         offs = tok[:, None] * D + cols[None, :]
+        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC) * inv_np
+        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC) * inv_nr
         g = tl.load(dxw + offs, mask=m2, other=0.0) + dvp[:, None] * wp[None, :] + dvr[:, None] * wr[None, :]
         tl.store(dx + offs, g.to(dx.dtype.element_ty), mask=m2)
         xt = tl.load(x + offs, mask=m2, other=0.0).to(ACC)
@@ -462,8 +459,17 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         s = _colsum(scalpart, NTB, 8, sc, sc < 8, BLOCK_R, 8, ACC)
         s_vp = tl.sum(tl.where(sc == 2, s, 0.0), axis=0)
         s_vr = tl.sum(tl.where(sc == 3, s, 0.0), axis=0)
-        np_, nr_ = dir_norms(pd, rd, D, BLOCK_C, ACC)
-        cols, wm, wp, wr = dir_cols(pd, rd, pid * BLOCK_C, D + 1, BLOCK_C, ACC)
+        wpp = tl.zeros([BLOCK_C], ACC)
+        wrr = tl.zeros([BLOCK_C], ACC)
+        for d0 in range(0, D + 1, BLOCK_C):
+            cc = d0 + tl.arange(0, BLOCK_C)
+            wp = tl.load(pd + cc, mask=cc < D + 1, other=0.0).to(ACC)
+            wr = tl.load(rd + cc, mask=cc < D + 1, other=0.0).to(ACC)
+            wpp += wp * wp
+            wrr += wr * wr
+        np_ = tl.sqrt(tl.sum(wpp, axis=0))
+        nr_ = tl.sqrt(tl.sum(wrr, axis=0))
+        cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = cols < D
         gp = _colsum(colpart, NTB, 2 * D, cols, cm, BLOCK_R, BLOCK_C, ACC)
         gr = _colsum(colpart + D, NTB, 2 * D, cols, cm, BLOCK_R, BLOCK_C, ACC)
@@ -471,6 +477,9 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         isb = cols == D
         gp = tl.where(isb, tl.sum(tl.where(sc == 0, s, 0.0), axis=0), gp)
         gr = tl.where(isb, tl.sum(tl.where(sc == 1, s, 0.0), axis=0), gr)
+        wm = cols < D + 1
+        wp = tl.load(pd + cols, mask=wm, other=0.0).to(ACC)
+        wr = tl.load(rd + cols, mask=wm, other=0.0).to(ACC)
         tl.store(dpd + cols, gp / np_ - wp * s_vp / (np_ * np_), mask=wm)
         tl.store(drd + cols, gr / nr_ - wr * s_vr / (nr_ * nr_), mask=wm)
         if pid == 0:
