@@ -89,7 +89,7 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, device) -> dict:
     rate, bw = measure.matmul_rate(env), measure.copy_bandwidth(env)
     floors = {"flops_ms": flops / rate * 1e3 if rate else None, "bytes_ms": weight_bytes / bw * 1e3 if bw else None}
     known = [v for v in floors.values() if v is not None]
-    return {**fields, "prompt_tokens": B * P, "ttft_ms": fields["stats"]["median_ms"],
+    return {**fields, "prompt_tokens": B * P, "ttft_ms": fields["stats"]["median_ms"], "floor_ms": max(known) if known else None,
             "floor": {"model_flops": flops, "weight_bytes": weight_bytes, **floors,
                       "ms": max(known) if known else None,
                       "basis": "max(2 x non-embedding parameters x B x P / probe BF16 rate, weights / probe copy bandwidth)"}}
