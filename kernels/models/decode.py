@@ -60,6 +60,15 @@ def _gelu(x):
 
 
 @triton.jit
+def _rmsnorm_store(v, scale, xn, row, o, mk, D, eps, RNE: tl.constexpr):
+    """xn[row] = round(v / rms(v) * (1 + scale)) for the FP32 row v."""
+    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
+    TY: tl.constexpr = xn.dtype.element_ty
+    tl.store(xn + row + o, _rnd(v * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
+
+
+@triton.jit
 def embed_rmsnorm_kernel(tokens, table, scale, x, xn, D, eps, BD: tl.constexpr, RNE: tl.constexpr):
     m = tl.program_id(0)
     o = tl.arange(0, BD)
@@ -68,11 +77,7 @@ def embed_rmsnorm_kernel(tokens, table, scale, x, xn, D, eps, BD: tl.constexpr, 
     v = tl.load(table + tok * D + o, mask=mk, other=0.0)
     row = m.to(tl.int64) * D
     tl.store(x + row + o, v, mask=mk)
-    vf = v.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(vf * vf, axis=0) / D + eps)
-    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
-    TY: tl.constexpr = xn.dtype.element_ty
-    tl.store(xn + row + o, _rnd(vf * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
+    _rmsnorm_store(v.to(tl.float32), scale, xn, row, o, mk, D, eps, RNE)
 
 
 @triton.jit
@@ -86,9 +91,7 @@ def add_rmsnorm_kernel(h, x, scale, xn, D, eps, BD: tl.constexpr, RNE: tl.conste
     xv = tl.load(x + row + o, mask=mk, other=0.0).to(tl.float32)
     v = _rnd(hv + xv, TY, RNE)
     tl.store(x + row + o, v.to(TY), mask=mk)
-    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
-    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
-    tl.store(xn + row + o, _rnd(v * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
+    _rmsnorm_store(v, scale, xn, row, o, mk, D, eps, RNE)
 
 
 @triton.jit
