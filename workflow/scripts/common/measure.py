@@ -329,6 +329,25 @@ def timing_fields(m: dict) -> dict:
             **{k: t[k] for k in ("clock", "eager", "device", "sm_clock", "peak_bytes", "base_bytes")}}
 
 
+def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, budget_s: float | None = None,
+                 reuse: dict | None = None) -> dict:
+    """`timing_fields(measure(...))`, the launches counted only when `reuse` (the other run
+    order's record) has no counts to lend."""
+    logical = reuse_logical(reuse)
+    f = timing_fields(measure(call, reps, warmup, device, count=logical is None, budget_s=budget_s))
+    f["logical"] = f["logical"] or logical
+    return f
+
+
+def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
+    """`f` with the memory floor: floor_bytes moved at the probe's copy bandwidth, and the
+    headline median's fraction of it."""
+    floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else None
+    f.update(floor_bytes=floor_bytes, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
+             fraction_of_floor=floor_ms / f["stats"]["median_ms"] if floor_ms else None)
+    return f
+
+
 def orders(names: Sequence) -> list[tuple[str, list]]:
     """Both run orders of a comparison: ("AB", names) then ("BA", reversed)."""
     names = list(names)
@@ -610,6 +629,12 @@ class Runner:
         self.clocks = clocks(self.device)
         self.clock_lock = self.clocks.lock() if lock_clocks else {
             "locked": False, "reason": "not requested (profile key probe.lock_clocks)"}
+
+    @classmethod
+    def for_job(cls, job, stage: str, settings: dict, device) -> "Runner":
+        """The runner of a Snakemake stage job: its records_dir, budget_s, restart and clock lock."""
+        return cls(stage, job.profile, job.params["records_dir"], settings.get("budget_s"), device,
+                   restart=lambda: reexec(job), lock_clocks=job.lock_clocks)
 
     def say(self, msg: str) -> None:
         log_line(f"{self.stage}: {msg}")
