@@ -478,3 +478,17 @@ def test_source_digest_names_the_code_not_the_outputs(tmp_path):
     (tmp_path / "kernels/ops/a.py").write_text("x = 2\n")
     assert facts.source_digest(tmp_path) != first
     assert facts.commit()["source_sha256"] == facts.source_digest()
+
+
+def test_report_breaks_the_training_step_down_by_kernel():
+    import aggregate
+
+    top = [{"name": "gemm_bf16", "us": 900.0, "calls": 40, "share": 0.6},
+           {"name": "split_bwd_kernel", "us": 300.0, "calls": 4, "share": 0.2}]
+    rec = {"stage": "train", "role": "fresh", "order": "AB", "status": "ok", "mixer": "samu", "backend": "chunk",
+           "shapes": {"preset": "1.3b", "T": 2048, "B": 4}, "stats": {"median_ms": 1.6}, "mfu": 0.41,
+           "logical": {"device_us": 1500.0, "top_kernels_by_time": top}}
+    text = aggregate.breakdown_section([rec, {**rec, "order": "BA"}, {**rec, "role": "diagnostic"}])
+    assert text.count("1.3b T=2048 B=4, samu (chunk)") == 1 and "GPU busy 1.5 ms" in text and "MFU 0.41" in text
+    assert "| gemm_bf16 " in text and "| split_bwd_kernel " in text and "0.6" in text
+    assert "no profiled training step" in aggregate.breakdown_section([{**rec, "logical": {}}])

@@ -353,14 +353,18 @@ def orders(names: Sequence) -> list[tuple[str, list]]:
 
 
 def count_kernels(events) -> dict:
-    """Kernels, copies and fills among profiler events that ran on the GPU."""
-    out = {"kernels": 0, "memcpy": 0, "memset": 0, "by_name": {}}
+    """Kernels, copies and fills among profiler events that ran on the GPU, with each
+    kernel name's count and summed device time (us), the breakdown of the call."""
+    out = {"kernels": 0, "memcpy": 0, "memset": 0, "by_name": {}, "us_by_name": {}, "device_us": 0.0}
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kind = "memcpy" if e.name.startswith("Memcpy") else "memset" if e.name.startswith("Memset") else "kernels"
             out[kind] += 1
+            us = float(e.time_range.elapsed_us())
+            out["device_us"] += us
             if kind == "kernels":
                 out["by_name"][e.name] = out["by_name"].get(e.name, 0) + 1
+                out["us_by_name"][e.name] = out["us_by_name"].get(e.name, 0.0) + us
     return out
 
 
@@ -395,6 +399,10 @@ def logical_counts(fn: Callable[[], object], device=None) -> dict:
             "accounted_launches": c.launches, "by_kernel": dict(c.by_kernel), "memcpy": lc.get("memcpy"),
             "memset": lc.get("memset"),
             "top_kernels": dict(sorted(lc.get("by_name", {}).items(), key=lambda kv: -kv[1])[:40]),
+            "device_us": lc.get("device_us"),
+            "top_kernels_by_time": [{"name": n, "us": round(us, 2), "calls": lc["by_name"][n],
+                                     "share": round(us / lc["device_us"], 4) if lc["device_us"] else None}
+                                    for n, us in sorted(lc.get("us_by_name", {}).items(), key=lambda kv: -kv[1])[:25]],
             "profiler_error": lc.get("error")}
 
 
