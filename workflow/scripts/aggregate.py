@@ -357,7 +357,6 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-
 def main(job):
     env = json.loads(Path(job.input.environment).read_text())
     gates = json.loads(Path(job.input.gates).read_text())

@@ -6,7 +6,6 @@ read at every length, both orders. Throughput: probes over the profile's batch s
 extended while tokens/s rises (`extend_grid`, which records where and why it ended),
 then each mixer's best batch sizes on fresh trajectories in both orders."""
 
-
 import json
 import math
 import statistics
@@ -144,12 +143,10 @@ def extend_grid(probe_at, thr: dict) -> dict:
 
 def main(job):
     settings = job.params["settings"]
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = measure.device_of()
     table = json.loads(Path(job.input.table).read_text())
     auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(table))
-    runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
+    runner = measure.Runner.for_job(job, "infer", settings, device)
     preset, mixers = settings["preset"], settings["mixers"]
     models: dict = {}
 

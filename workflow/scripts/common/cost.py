@@ -33,8 +33,7 @@ TUNE_MS_PER_ELEMENT = {("rglru", "fwd_bwd"): 0.75 / 20.97e6, ("samu", "fwd_bwd")
                        ("scan", "fwd_bwd"): 0.6 / 20.97e6, ("rglru", "fwd"): 0.2 / 33.55e6,
                        ("samu", "fwd"): 0.6 / 33.55e6, ("scan", "fwd"): 0.2 / 33.55e6}
 TUNE_ASSOC_FACTOR = 16.0
-OP_BACKENDS = {"rglru": ["serial", "chunk", "assoc"], "samu": ["serial", "chunk", "assoc"],
-               "scan": ["serial", "chunk", "assoc"]}
+OP_BACKENDS = dict.fromkeys(("rglru", "samu", "scan"), ("serial", "chunk", "assoc"))
 STEP_BACKENDS = {"rglru": ["fused"], "samu": ["fused", "row", "blocked"]}
 
 # ---- scan track: forward at B=8, T=2048, D=1024 (ms, run 3 and 4 medians); linear in B*T*D.
