@@ -378,7 +378,11 @@ def test_cost_model_is_calibrated_on_a_committed_run():
     assert sum(est.values()) <= 1.35 * sum(actual.values()), (est, actual)
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     line = cost.summary("h800", cfg["profiles"]["h800"])
-    assert all(f" {s} " in line for s in ("probe", "audit", "tune", "scan", "train", "infer")) and "total" in line
+    assert all(f" {s} " in line for s in ("probe", "audit", "tune", "ops", "scan", "train", "infer")) and "total" in line
+    # The ops track against run 5 (the h200 ops section at 50 repetitions then).
+    run5 = REPO / "results" / "runs" / "h200-20261202-run5-partial" / "benchmarks" / "track_ops.tsv"
+    ops_s = float(run5.read_text().splitlines()[1].split("\t")[0])
+    assert 0.9 * ops_s <= cost.ops({**cfg["profiles"]["h200"]["ops"], "reps": 50, "warmup": 5}) <= 1.35 * ops_s
 
 
 # ---- docker dispatch --------------------------------------------------------------
