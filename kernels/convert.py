@@ -38,29 +38,26 @@ def _official_to_ours(state: dict) -> dict:
     out = {}
     for k, v in state.items():
         if k.endswith("mlp_block.ffw_up.w"):                # [2, D, F] -> [2F, D]
-            out[k[:-1] + "weight"] = torch.cat([v[0].T, v[1].T], dim=0)
+            k, v = k[:-1] + "weight", torch.cat([v[0].T, v[1].T], dim=0)
         elif k.endswith("mlp_block.ffw_up.b"):              # [2, 1, 1, F] -> [2F]
-            out[k[:-1] + "bias"] = v.reshape(-1)
+            k, v = k[:-1] + "bias", v.reshape(-1)
         elif k == "embedder.input_embedding":
-            out["embed.weight"] = v
-        else:
-            out[k] = v
-    return {k: v.detach().clone() for k, v in out.items()}
+            k = "embed.weight"
+        out[k] = v.detach().clone()
+    return out
 
 
 def _ours_to_official(state: dict) -> dict:
     out = {}
     for k, v in state.items():
         if k.endswith("mlp_block.ffw_up.weight"):           # [2F, D] -> [2, D, F]
-            F_ = v.shape[0] // 2
-            out[k[: -len("weight")] + "w"] = torch.stack([v[:F_].T, v[F_:].T], dim=0)
+            k, v = k[: -len("weight")] + "w", torch.stack([v[: v.shape[0] // 2].T, v[v.shape[0] // 2:].T], dim=0)
         elif k.endswith("mlp_block.ffw_up.bias"):           # [2F] -> [2, 1, 1, F]
-            out[k[: -len("bias")] + "b"] = v.reshape(2, 1, 1, -1)
+            k, v = k[: -len("bias")] + "b", v.reshape(2, 1, 1, -1)
         elif k == "embed.weight":
-            out["embedder.input_embedding"] = v
-        else:
-            out[k] = v
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+            k = "embedder.input_embedding"
+        out[k] = v.detach().clone().contiguous()
+    return out
 
 
 def _recurrent_type(block, where: str) -> None:
@@ -116,12 +113,9 @@ def to_recurrentgemma(module: nn.Module) -> nn.Module:
     from .models import HawkLM
     from .official import load_official
 
-    mixer = {layers.SAMU: "samu", layers.RecurrentBlock: getattr(module, "mixer_name", None),
-             layers.ResidualBlock: getattr(getattr(module, "recurrent_block", None), "mixer_name", None),
-             HawkLM: getattr(getattr(module, "config", None), "mixer", None)}.get(type(module), "rglru")
-    if mixer != "rglru":
-        raise ValueError(f"expected a module with the RG-LRU mixer (the official code has no SAMU), "
-                         f"got mixer {mixer!r}")
+    if any(isinstance(m, layers.SAMU) for m in module.modules()):
+        raise ValueError("expected a module with the RG-LRU mixer (the official code has no SAMU), "
+                         "got mixer 'samu'")
     rg = load_official()
     f = _factory(module)
     if isinstance(module, layers.RGLRU):

@@ -3,17 +3,13 @@
     python -m kernels.generate --preset 1.3b --mixer samu --batch 16 --prompt-len 0 \\
         --new-tokens 128 [--checkpoint PATH] [--dtype bf16] [--device cuda]
 
-Random weights from a preset, or a checkpoint: a state dict in the official
-recurrentgemma PyTorch layout (an all-recurrent Griffin, converted through
-kernels.from_recurrentgemma) or one of ours (HawkLM.state_dict(); the preset and
---mixer must describe it). An official state dict does not record the model's
-embedding scaling or logit soft-cap: it is loaded as the study's Hawk (neither), so a
-checkpoint trained with them gives other logits. The released RecurrentGemma
-checkpoints hold local-attention blocks (Griffin, not Hawk) and are refused.
-Prompts are random tokens after a BOS; --prompt-len 0 starts from BOS alone. Prints
-the prefill time, ms per decode step and tokens/s (with --json also one JSON object
-of the same figures); the step time is one timed trajectory (CUDA events on CUDA)
-after the graph capture and warm-up.
+Weights are random from a preset or come from a checkpoint: an official recurrentgemma
+PyTorch state dict of an all-recurrent Griffin, loaded as the study's Hawk (no embedding
+scaling or logit soft-cap; checkpoints with local-attention blocks are refused), or a
+HawkLM state dict (the preset and --mixer must describe it). Prompts are random tokens
+after a BOS (--prompt-len 0: BOS alone). Prints the prefill time, ms per decode step and
+tokens/s (--json: also one JSON object), timed over one trajectory (CUDA events on
+CUDA) after the graph capture and warm-up.
 """
 
 from __future__ import annotations

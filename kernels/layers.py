@@ -1,23 +1,18 @@
 """nn.Modules of the Hawk model: norms, projections, the causal convolution and the
 two recurrent mixers (RG-LRU, SAMU), assembled into recurrent, MLP and residual blocks.
 
-Notation: B batch, T time, D model width, E = D_RNN recurrent width, M = E / 2 SAMU
-modes, H gate blocks, W = 4 convolution width. Activations are [B, T, D] or [B, T, E].
+Notation: B batch, T time, D model width, E recurrent width, M = E / 2 SAMU modes,
+H gate blocks, W = 4 convolution width. Semantics and parameter layout follow the
+official `recurrentgemma.torch`, so weights copy one to one (kernels.convert), with one
+deliberate difference: the convolution's decode cache drops inputs that precede a
+document start (segment_pos == 0), so decoding through a document boundary gives what
+the full-sequence forward gives (the official cache keeps them).
 
-Semantics follow the official `recurrentgemma.torch` (layers.py, modules.py) with the
-same parameter layout, so weights copy one to one (kernels.convert). One deliberate
-difference: the convolution's decode cache drops inputs that precede a document start
-(`segment_pos == 0`), so that decoding through a document boundary gives exactly what
-the full-sequence forward gives. The official cache keeps them; the two agree whenever
-no document starts in the last W - 1 cached positions or in the decoded token.
-
-Caches (one `RecurrentCache` per recurrent block):
-    conv_state: [B, W - 1, E] in the activation dtype, the last W - 1 convolution
-                inputs, oldest first;
-    rnn_state:  [B, E] float32 for RG-LRU, [B, M] complex64 for SAMU (float64 /
-                complex128 when the model runs in float64).
-`forward(..., cache)` returns a new cache; the one-token `step(...)` methods update the
-given cache tensors in place (static buffers, so a decode step can be graph-captured).
+A `RecurrentCache` holds conv_state [B, W - 1, E] (activation dtype, the last W - 1 conv
+inputs, oldest first) and rnn_state ([B, E] float32 for RG-LRU, [B, M] complex64 for
+SAMU; float64 / complex128 in a float64 model). `forward(..., cache)` returns a new
+cache; the one-token `step(...)` methods update the cache tensors in place (static
+buffers, so a decode step can be graph-captured).
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .ops.checks import check_segment_pos, check_tensor, no_grad_inputs, shape_str, state_dtype
+from .ops.checks import check_segment_pos, check_tensor, no_grad_inputs, state_dtype
 
 MIXERS = ("rglru", "samu")
 
@@ -59,9 +54,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.width, self.eps = width, eps
         self.scale = nn.Parameter(torch.zeros(width, device=device, dtype=dtype))
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acc = torch.promote_types(x.dtype, torch.float32)
@@ -120,9 +112,6 @@ class Conv1D(nn.Module):
         return torch.zeros(batch, self.temporal_width - 1, self.width,
                            dtype=dtype or self.w.dtype, device=device or self.w.device)
 
-    def _check_cache(self, cache, x):
-        check_tensor("conv_state", cache, shape=(x.shape[0], self.temporal_width - 1, self.width))
-
     def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [B, T, E]; segment_pos: [B, T] or None (no document starts); cache:
@@ -138,7 +127,7 @@ class Conv1D(nn.Module):
         if cache is None:
             prev = x.new_zeros(B, W - 1, self.width, dtype=acc)
         else:
-            self._check_cache(cache, x)
+            check_tensor("conv_state", cache, shape=(B, W - 1, self.width))
             prev = cache.to(acc)
         xp = torch.cat([prev, x.to(acc)], dim=1)                       # [B, W-1+T, E]
         if segment_pos is None:
@@ -324,8 +313,6 @@ class RecurrentBlock(nn.Module):
                  conv1d_temporal_width: int = 4, final_w_init_variance_scale: float = 1.0,
                  backend="auto", device=None, dtype=None):
         super().__init__()
-        if mixer not in MIXERS:
-            raise ValueError(f"expected mixer in {list(MIXERS)}, got {mixer!r}")
         self.width, self.num_heads, self.mixer_name = width, num_heads, mixer
         self.lru_width = lru_width or width
         self.final_w_init_variance_scale = final_w_init_variance_scale
@@ -417,10 +404,6 @@ class ResidualBlock(nn.Module):
         self.channel_pre_norm = RMSNorm(width, device=device, dtype=dtype)
         self.mlp_block = MLPBlock(width, mlp_expanded_width, final_w_init_variance_scale, device, dtype)
 
-    def reset_parameters(self) -> None:
-        for m in (self.temporal_pre_norm, self.recurrent_block, self.channel_pre_norm, self.mlp_block):
-            m.reset_parameters()
-
     def init_cache(self, batch: int, dtype=None, device=None) -> RecurrentCache:
         return self.recurrent_block.init_cache(batch, dtype, device)
 
@@ -435,15 +418,6 @@ class ResidualBlock(nn.Module):
         """One token. x: [B, D]; cache updated in place. Returns [B, D]."""
         residual = self.recurrent_block.step(self.temporal_pre_norm(x), cache, reset) + x
         return self.mlp_block(self.channel_pre_norm(residual)) + residual
-
-
-def check_cache(cache: RecurrentCache, batch: int, name: str = "cache") -> None:
-    """ValueError when a cache belongs to another batch size."""
-    if cache.batch_size != batch or cache.conv_state.shape[0] != batch:
-        raise ValueError(
-            f"expected {name} for batch size {batch}, got a cache for batch size {cache.batch_size} "
-            f"(conv_state {shape_str(cache.conv_state)}, rnn_state {shape_str(cache.rnn_state)})"
-        )
 
 
 __all__ = ["RMSNorm", "BlockDiagonalLinear", "Conv1D", "RGLRU", "SAMU", "RecurrentBlock", "MLPBlock",

@@ -1,38 +1,23 @@
 """Correctness gates: reusable comparisons that the tests and the pipeline's audit call.
 
-Every check returns a list of rows
-    {"check": str, "error": float, "tolerance": float, "passed": bool, ...context}
-where `error` is the max-norm relative error max|got - want| / max|want| (over all
-elements of the compared tensor; the absolute error when want is all zero) and the
-context keys say what was compared (shape, dtype, backend, device, resets, stage ...).
+Every check returns rows {"check", "error", "tolerance", "passed", ...context}, where
+`error` is max|got - want| / max|want| over the compared tensor (absolute when want is
+all zero) and the context says what was compared (shape, dtype, backend, stage ...).
 
-Oracles:
-- the unmodified official `recurrentgemma==1.0.1` torch code (`load_official`), for
-  RG-LRU, Conv1D, the Hawk residual block and an all-recurrent Griffin;
-- the float64 references in kernels.ops.reference, for every backend of every op
-  (output, final state and every gradient, the initial state's included), and for
-  SAMU itself (complex128 `samu` against the real-arithmetic `samu_real`).
+Oracles: the unmodified official `recurrentgemma==1.0.1` torch code (`load_official`)
+for RG-LRU, Conv1D, the Hawk residual block and an all-recurrent Griffin; the float64
+references of kernels.ops.reference for every backend of every op (output, final state,
+every gradient) and for SAMU itself (complex128 `samu` against real `samu_real`).
 
-Tolerances (documented table; never loosened to make a run pass):
-- against the official code in float32: 1e-5 (OFFICIAL_FP32_TOL);
-- backends against float64: float64 1e-10, float32 1e-4 (BACKEND_TOL);
-- bfloat16 / float16 (both oracles): at most LOWP_FACTOR = 2 times the error that the
-  same computation done in PyTorch at that precision makes against the exact result
-  (the reference backend at that dtype; for official checks the smaller error of the
-  official module at that dtype and of ours on the reference backend), and never below
-  the dtype's machine epsilon (LOWP_FLOOR = torch.finfo(dtype).eps, 2^-7 for
-  bfloat16): two correct implementations whose FP32 values differ in the last bits
-  can round to neighbouring low-precision numbers, one ulp apart.
-The reference backend's own rows below float64 are recorded, not gated ("role":
-"yardstick"): the reference is the specification, and its FP32/BF16 error against
-float64 measures the problem's conditioning (SAMU's adjoint over thousands of steps with
-|a| near 1 loses digits in FP32 whatever the implementation); Triton backends stay
-gated at the fixed FP32 tolerance.
-SAMU's comparisons zero the output cotangent at relu's kink (exact pre-relu state within
-KINK_REL * max|h| of zero, see samu_relu_kinks), in every run alike; rows report the
-count as relu_kinks_masked.
-Official checks accept float32, bfloat16 and float16 (the official RG-LRU state is
-float32 by construction; run_gates runs them in float32 when asked for float64).
+Tolerances (never loosened to make a run pass): official code in float32 1e-5; backends
+against float64: float64 1e-10, float32 1e-4; bfloat16 / float16: LOWP_FACTOR = 2 times
+the error of the same computation in PyTorch at that precision (the reference backend;
+for official checks the smaller of the official module's and ours on the reference
+backend), and at least the dtype's epsilon (two correct results may round one ulp
+apart). The reference backend's own rows below float64 are recorded, not gated (role
+"yardstick": its error measures the problem's conditioning). SAMU comparisons zero the
+output cotangent at relu's kink (see samu_relu_kinks). Official checks run in float32,
+bfloat16 or float16 (run_gates uses float32 when asked for float64).
 """
 
 from __future__ import annotations
@@ -131,9 +116,52 @@ def _round_params_(module, dtype):
     return module
 
 
-def _check_official_dtype(dtype):
+def _official(dtype, seed):
+    """The official torch package, seeded, for a check in `dtype`."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"expected dtype float32, bfloat16 or float16 for an official check, got {dtype}")
+    torch.manual_seed(seed)
+    return load_official()
+
+
+def _exercise_(official, dtype):
+    """The official init leaves biases and norm scales at zero: random values for them,
+    then every parameter rounded to `dtype`."""
+    with torch.no_grad():
+        for n, p in official.named_parameters():
+            if n.endswith((".b", ".bias", ".scale")):
+                p.normal_(std=0.1)
+    return _round_params_(official, dtype)
+
+
+def _no_tail_starts(pos, width):
+    """pos [B, T] without document starts in its last `width` positions (continued from
+    the position before), where the official conv cache keeps the previous document."""
+    T = pos.shape[1]
+    tail = max(T - width, 0)
+    while tail > 0 and bool((pos[:, tail:] == 0).any()):
+        pos[:, tail:] = pos[:, tail - 1: tail] + 1 + torch.arange(T - tail, device=pos.device)
+    return pos
+
+
+def _decode(m, ours, inp, dpos, cache):
+    """One-token steps of inputs inp(i), i < dpos.shape[1], from `cache`: a module of
+    our type `ours` through its step (the cache updated in place), an official one
+    through one-token forward calls. Returns (outputs stacked on dim 1 or None, final
+    cache, the tensor cache after each step)."""
+    ys, trail = [], []
+    for i in range(dpos.shape[1]):
+        p = dpos[:, i: i + 1]
+        if isinstance(m, HawkLM):
+            ys.append(m.step(inp(i), p[:, 0], cache))
+        elif isinstance(m, ours):
+            ys.append(m.step(inp(i), cache, p[:, 0] == 0))
+        else:
+            y, cache = m(inp(i)[:, None], p, cache)
+            ys.append(y[:, 0])
+        if isinstance(cache, torch.Tensor):
+            trail.append(cache.clone())
+    return (torch.stack(ys, 1) if ys else None), cache, trail
 
 
 def _official_rows(name, run, official, ours, dtype, context):
@@ -162,9 +190,7 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
     """RG-LRU against the official layer: sequence output and final state from an empty
     and from a cached state, the gradients of x, the initial state and every parameter
     (a_param, both gates' w and b), then one-token decode steps (output and state)."""
-    _check_official_dtype(dtype)
-    rg = load_official()
-    torch.manual_seed(seed)
+    rg = _official(dtype, seed)
     official = _round_params_(rg.RGLRU(D, heads, device=device), dtype)
     ours = from_recurrentgemma(official, backend=backend).to(dtype)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
@@ -191,18 +217,9 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
             grads = torch.autograd.grad(loss, [xg, hg, *params.values()])
         out["sequence_cached"], out["final_state_cached"] = y.detach(), h.detach().clone()
         out.update({f"grad_{n}": gr for n, gr in zip(names, grads)})
-        h = h.detach().clone()
-        ys, hs = [], []
-        for i in range(decode_steps):
-            if isinstance(m, layers.RGLRU):
-                ys.append(m.step(x[:, T + i].to(dt), h, dpos[:, i] == 0))
-                hs.append(h.clone())
-            else:
-                y, h = m(x[:, T + i: T + i + 1].to(dt), dpos[:, i: i + 1], h)
-                ys.append(y[:, 0])
-                hs.append(h)
+        ys, _, hs = _decode(m, layers.RGLRU, lambda i: x[:, T + i].to(dt), dpos, h.detach().clone())
         if decode_steps:
-            out["decode"], out["decode_state"] = torch.stack(ys, 1), torch.stack(hs, 1)
+            out["decode"], out["decode_state"] = ys, torch.stack(hs, 1)
         return out
 
     ctx = dict(shape=[B, T, D], heads=heads, dtype=_dtype_name(dtype), device=str(device), backend=backend,
@@ -217,36 +234,23 @@ def check_conv1d_official(B=2, T=37, D=24, temporal_width=4, device="cpu", dtype
     starts in the last temporal_width - 1 prompt positions here, where the official
     cache keeps inputs of the previous document (see kernels.layers); the case is
     covered by check_griffin_official's decode-equals-forward rows."""
-    _check_official_dtype(dtype)
-    rg = load_official()
-    torch.manual_seed(seed)
+    rg = _official(dtype, seed)
     official = rg.Conv1D(D, temporal_width, device=device)
     with torch.no_grad():
         official.b.normal_()                    # the official init zeroes the bias
     _round_params_(official, dtype)
     ours = from_recurrentgemma(official).to(dtype)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
-    pos = make_segment_pos(B, T, resets, seed, device)
-    tail = max(T - temporal_width + 1, 0)
-    while tail > 0 and bool((pos[:, tail:] == 0).any()):
-        pos[:, tail:] = pos[:, tail - 1: tail] + 1 + torch.arange(T - tail, device=device)
+    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), temporal_width - 1)
     dpos = _continuing(pos, decode_steps)
 
     def run(m, dt):
         # Fresh copies: the official Conv1D masks its input in place.
         y, cache = m(x[:, :T].to(dt, copy=True), pos)
         out = {"sequence": y, "cache": cache.clone()}
-        ys = []
-        for i in range(decode_steps):
-            xi = x[:, T + i].to(dt)
-            if isinstance(m, layers.Conv1D):
-                ys.append(m.step(xi, cache, dpos[:, i] == 0))
-            else:
-                y, cache = m(xi[:, None], dpos[:, i: i + 1], cache)
-                ys.append(y[:, 0])
+        ys, cache, _ = _decode(m, layers.Conv1D, lambda i: x[:, T + i].to(dt), dpos, cache)
         if decode_steps:
-            out["decode"] = torch.stack(ys, 1)
-            out["decode_cache"] = cache
+            out["decode"], out["decode_cache"] = ys, cache
         return out
 
     ctx = dict(shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device), resets=resets)
@@ -282,23 +286,18 @@ def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, ml
     """The Hawk residual block with weights copied from the official one, stage by stage:
     norm, both projections, conv, RG-LRU sequence, final state, conv cache, temporal
     block, MLP, block output; then decode steps (block output and both states)."""
-    _check_official_dtype(dtype)
-    rg = load_official()
-    torch.manual_seed(seed)
-    official = rg.ResidualBlock(width, mlp_expanded_width, heads, 1024, rg.TemporalBlockType.RECURRENT,
-                                lru_width, device=device)
-    with torch.no_grad():   # official init leaves biases and norm scales at zero; exercise them
-        for n, p in official.named_parameters():
-            if n.endswith(".b") or n.endswith(".bias") or n.endswith(".scale"):
-                p.normal_(std=0.1)
-    _round_params_(official, dtype)
+    rg = _official(dtype, seed)
+    official = _exercise_(rg.ResidualBlock(width, mlp_expanded_width, heads, 1024, rg.TemporalBlockType.RECURRENT,
+                                           lru_width, device=device), dtype)
     ours = from_recurrentgemma(official, backend=backend).to(dtype)
     x = torch.randn(B, T + decode_steps, width, device=device).to(dtype).float()
-    pos = make_segment_pos(B, T, resets, seed, device)
-    tail = max(T - 3, 0)
-    while tail > 0 and bool((pos[:, tail:] == 0).any()):
-        pos[:, tail:] = pos[:, tail - 1: tail] + 1 + torch.arange(T - tail, device=device)
+    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), 3)
     dpos = _continuing(pos, decode_steps)
+
+    def states(c):
+        if isinstance(c, layers.RecurrentCache):
+            return c.rnn_state.clone(), c.conv_state.clone()
+        return c.rg_lru_state, c.conv1d_state
 
     def run(m, dt):
         seen, handles = _capture(m, _BLOCK_STAGES)
@@ -307,26 +306,12 @@ def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, ml
         finally:
             for h in handles:
                 h.remove()
-        out = dict(seen)
-        out["block_output"] = y
-        if isinstance(m, layers.ResidualBlock):
-            out["final_state"], out["conv_state"] = cache.rnn_state.clone(), cache.conv_state.clone()
-        else:
-            out["final_state"], out["conv_state"] = cache.rg_lru_state, cache.conv1d_state
-        ys = []
-        for i in range(decode_steps):
-            xi = x[:, T + i].to(dt)
-            if isinstance(m, layers.ResidualBlock):
-                ys.append(m.step(xi, cache, dpos[:, i] == 0))
-            else:
-                y, cache = m(xi[:, None], dpos[:, i: i + 1], cache)
-                ys.append(y[:, 0])
+        out = dict(seen, block_output=y)
+        out["final_state"], out["conv_state"] = states(cache)
+        ys, cache, _ = _decode(m, layers.ResidualBlock, lambda i: x[:, T + i].to(dt), dpos, cache)
         if decode_steps:
-            out["decode_output"] = torch.stack(ys, 1)
-            if isinstance(m, layers.ResidualBlock):
-                out["decode_state"], out["decode_conv_state"] = cache.rnn_state, cache.conv_state
-            else:
-                out["decode_state"], out["decode_conv_state"] = cache.rg_lru_state, cache.conv1d_state
+            out["decode_output"] = ys
+            out["decode_state"], out["decode_conv_state"] = states(cache)
         return out
 
     ctx = dict(shape=[B, T, width], lru_width=lru_width, heads=heads, dtype=_dtype_name(dtype),
@@ -341,39 +326,22 @@ def check_griffin_official(B=2, T=29, vocab_size=97, width=32, lru_width=48, hea
     states of a forward with resets; the official prompt-then-decode logits; and, for
     our model alone, decode steps (with a document start among them and in the last
     prompt positions) equal to the full forward of the same tokens."""
-    _check_official_dtype(dtype)
-    rg = load_official()
-    torch.manual_seed(seed)
+    rg = _official(dtype, seed)
     cfg = rg.GriffinConfig(vocab_size=vocab_size, width=width, mlp_expanded_width=3 * width, num_heads=heads,
                            block_types=(rg.TemporalBlockType.RECURRENT,) * num_layers,
                            embeddings_scale_by_sqrt_dim=False, attention_window_size=1024, logits_soft_cap=0.0,
                            lru_width=lru_width)
-    official = rg.Griffin(cfg, gradient_checkpointing=False, device=device)
-    with torch.no_grad():
-        for n, p in official.named_parameters():
-            if n.endswith(".b") or n.endswith(".bias") or n.endswith(".scale"):
-                p.normal_(std=0.1)
-    _round_params_(official, dtype)
+    official = _exercise_(rg.Griffin(cfg, gradient_checkpointing=False, device=device), dtype)
     ours = from_recurrentgemma(official, backend=backend).to(dtype)
     tokens = torch.randint(0, vocab_size, (B, T + decode_steps), device=device)
-    pos = make_segment_pos(B, T, resets, seed, device)
-    tail = max(T - 3, 0)
-    while tail > 0 and bool((pos[:, tail:] == 0).any()):
-        pos[:, tail:] = pos[:, tail - 1: tail] + 1 + torch.arange(T - tail, device=device)
+    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), 3)
     dpos = _continuing(pos, decode_steps)
 
     def run(m, dt):
         logits, cache = m(tokens[:, :T], pos)
         out = {"logits": logits}
-        steps = []
-        for i in range(decode_steps):
-            if isinstance(m, HawkLM):
-                steps.append(m.step(tokens[:, T + i], dpos[:, i], cache))
-            else:
-                lg, cache = m(tokens[:, T + i: T + i + 1], dpos[:, i: i + 1], cache)
-                steps.append(lg[:, 0])
         if decode_steps:
-            out["decode_logits"] = torch.stack(steps, 1)
+            out["decode_logits"] = _decode(m, HawkLM, lambda i: tokens[:, T + i], dpos, cache)[0]
         return out
 
     ctx = dict(shape=[B, T], vocab_size=vocab_size, width=width, lru_width=lru_width, heads=heads,
@@ -429,8 +397,7 @@ def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True, tol
             hs = h0.detach().clone().requires_grad_() if with_state else None
             y, h = fn(*leaves, pos, hs, True)
             gy, gh = _cotangents(y, h, seed)
-            loss = (y * gy).sum() + (h.real * gh.real).sum() + (h.imag * gh.imag).sum()
-            grads = torch.autograd.grad(loss, leaves + ([hs] if with_state else []))
+            grads = torch.autograd.grad(_inner(y, gy) + _inner(h, gh), leaves + ([hs] if with_state else []))
             outs[name] = (y, h, grads)
         (y1, h1, g1), (y2, h2, g2) = outs["real"], outs["complex"]
         tag = "cached" if with_state else "empty"
@@ -448,59 +415,60 @@ SCAN_INPUTS = ("a", "b")
 
 def _samu_inputs(B, T, D, dtype, device, seed):
     """SAMU inputs at the layer's initialisation (|a| up to 0.999) with a non-zero
-    controller bias; x ~ N(0, 1). Returns (args list in float64, h0 complex128)."""
+    controller bias; x ~ N(0, 1). Returns (args list in `dtype`, h0 complex128)."""
     torch.manual_seed(seed)
-    m = layers.SAMU(D, dtype=torch.float64, device=device)
+    m = layers.SAMU(D, dtype=dtype, device=device)
     with torch.no_grad():
         m.phase_dir[-1] = 0.3
         m.radial_dir[-1] = -0.2
-    x = torch.randn(B, T, D, dtype=torch.float64, device=device)
+    x = torch.randn(B, T, D, dtype=dtype, device=device)
     h0 = torch.randn(B, D // 2, dtype=torch.complex128, device=device)
     return [x] + [p.detach() for p in m._params()], h0
 
 
-def _rglru_inputs(B, T, D, device, seed):
+def _rglru_inputs(B, T, D, dtype, device, seed):
     torch.manual_seed(seed)
-    x, gx, ga = (torch.randn(B, T, D, dtype=torch.float64, device=device) for _ in range(3))
-    a_param = layers.rnn_param_init(torch.empty(D, dtype=torch.float64, device=device))
-    return [x, gx, ga, a_param], torch.randn(B, D, dtype=torch.float64, device=device)
+    x, gx, ga = (torch.randn(B, T, D, dtype=dtype, device=device) for _ in range(3))
+    a_param = layers.rnn_param_init(torch.empty(D, dtype=dtype, device=device))
+    return [x, gx, ga, a_param], torch.randn(B, D, dtype=dtype, device=device)
 
 
-def _scan_inputs(B, T, D, device, seed):
+def _scan_inputs(B, T, D, dtype, device, seed):
     torch.manual_seed(seed)
-    a = torch.rand(B, T, D, dtype=torch.float64, device=device) * 0.1 + 0.899   # |a| near 1
-    b = torch.randn(B, T, D, dtype=torch.float64, device=device)
-    return [a, b], torch.randn(B, D, dtype=torch.float64, device=device)
+    a = torch.rand(B, T, D, dtype=dtype, device=device) * 0.1 + 0.899   # |a| near 1
+    b = torch.randn(B, T, D, dtype=dtype, device=device)
+    return [a, b], torch.randn(B, D, dtype=dtype, device=device)
 
 
 def _cotangents(y, h, seed):
     g = torch.Generator(device="cpu").manual_seed(seed + 99)
     gy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype)
-    if h.is_complex():
-        gh = torch.randn(h.shape, generator=g, dtype=torch.complex128).to(h.device, h.dtype)
-    else:
-        gh = torch.randn(h.shape, generator=g, dtype=torch.float64).to(h.device, h.dtype)
-    return gy, gh
+    gh = torch.randn(h.shape, generator=g, dtype=torch.complex128 if h.is_complex() else torch.float64)
+    return gy, gh.to(h.device, h.dtype)
 
 
-def _run_op(fn, args, h0, pos, opts, seed, kinks=None):
-    """Forward + backward of one backend; returns {name: tensor} for output, final state
-    and the gradient of every input including the initial state. `kinks` [B, T, D] bool
-    zeroes the output cotangent where the exact pre-relu value sits at relu's kink."""
+def _inner(t, g):
+    """sum(t * g) in float64, over the real and imaginary parts of complex tensors."""
+    if t.is_complex():
+        t, g = torch.view_as_real(t), torch.view_as_real(g)
+    return (t.double() * g.double()).sum()
+
+
+def _run_op(fn, args, h0, pos, opts, seed, kinks, names):
+    """Forward + backward of one backend: {output, final_state, grad_<name> for every
+    input `names` and grad_initial_state} (a gradient autograd leaves None, for no
+    dependence, is zeros). `kinks` [B, T, D] bool zeroes the output cotangent where the
+    exact pre-relu value sits at relu's kink."""
     leaves = [a.detach().clone().requires_grad_() for a in args]
     hs = h0.detach().clone().requires_grad_()
     y, h = fn(*leaves, pos, hs, True, **opts)
     gy, gh = _cotangents(y, h, seed)
     if kinks is not None:
         gy = gy.masked_fill(kinks, 0)
-    if h.is_complex():
-        loss = (y.double() * gy.double()).sum() + (h.real.double() * gh.real.double()).sum() \
-            + (h.imag.double() * gh.imag.double()).sum()
-    else:
-        loss = (y.double() * gy.double()).sum() + (h.double() * gh.double()).sum()
-    grads = torch.autograd.grad(loss, leaves + [hs], allow_unused=True)
-    out = {"output": y, "final_state": h}
-    return out, grads
+    grads = torch.autograd.grad(_inner(y, gy) + _inner(h, gh), leaves + [hs], allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves + [hs])]
+    keys = ["output", "final_state"] + [f"grad_{n}" for n in (*names, "initial_state")]
+    return dict(zip(keys, [y, h, *grads]))
 
 
 KINK_REL = 10 * 2.0**-20
@@ -538,17 +506,12 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     state included), with resets and a non-zero initial state. Backends whose launcher
     names a `chunk_size` parameter run once per chunk size. Activations in `dtype`,
     parameters and the state in FP32 (float64 when dtype is float64)."""
-    if op == "rglru":
-        args64, h064 = _rglru_inputs(B, T, D, device, seed)
-        names, n_act = RGLRU_INPUTS, 3
-    elif op == "samu":
-        args64, h064 = _samu_inputs(B, T, D, torch.float64, device, seed)
-        names, n_act = SAMU_INPUTS, 1
-    elif op == "scan":
-        args64, h064 = _scan_inputs(B, T, D, device, seed)
-        names, n_act = SCAN_INPUTS, 2
-    else:
-        raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
+    inputs = {"rglru": (_rglru_inputs, RGLRU_INPUTS, 3), "samu": (_samu_inputs, SAMU_INPUTS, 1),
+              "scan": (_scan_inputs, SCAN_INPUTS, 2)}
+    if op not in inputs:
+        raise ValueError(f"expected op in {list(inputs)}, got {op!r}")
+    make, names, n_act = inputs[op]
+    args64, h064 = make(B, T, D, torch.float64, device, seed)
     pdt = torch.float64 if dtype == torch.float64 else torch.float32
     sdt = h064.dtype if dtype == torch.float64 else (torch.complex64 if h064.is_complex() else torch.float32)
     args = [a.to(dtype) if i < n_act else a.to(pdt) for i, a in enumerate(args64)]
@@ -559,18 +522,12 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     kinks = samu_relu_kinks(args_exact, h0_exact, pos) if op == "samu" else None
     n_kinks = 0 if kinks is None else int(kinks.sum())
     # The exact answer for exactly these (rounded) inputs.
-    want, want_g = _run_op(ops.backends(op)["reference"], args_exact, h0_exact, pos, {}, seed, kinks)
-    keys = ["output", "final_state"] + [f"grad_{n}" for n in names] + ["grad_initial_state"]
-
-    def flat(out, grads):
-        return dict(zip(keys, [out["output"], out["final_state"], *grads]))
-
-    want = flat(want, want_g)
+    want = _run_op(ops.backends(op)["reference"], args_exact, h0_exact, pos, {}, seed, kinks, names)
     if dtype in BACKEND_TOL:
-        tols = {k: BACKEND_TOL[dtype] for k in keys}
+        tols = {k: BACKEND_TOL[dtype] for k in want}
     else:
-        yard = flat(*_run_op(ops.backends(op)["reference"], args, h0, pos, {}, seed, kinks))
-        tols = {k: _lowp_tol(dtype, rel_err(_none_zero(yard[k], want[k]), want[k])) for k in keys}
+        yard = _run_op(ops.backends(op)["reference"], args, h0, pos, {}, seed, kinks, names)
+        tols = {k: _lowp_tol(dtype, rel_err(yard[k], want[k])) for k in want}
     rows = []
     for name, fn in ops.backends(op).items():
         variants = [{"chunk_size": k} for k in chunk_sizes] if _accepts_chunk_size(name, fn) else [{}]
@@ -578,14 +535,13 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
             ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device),
                        resets=resets, relu_kinks_masked=n_kinks, **opts)
             try:
-                got = flat(*_run_op(fn, args, h0, pos, opts, seed, kinks))
+                got = _run_op(fn, args, h0, pos, opts, seed, kinks, names)
             except NotImplementedError as e:
                 rows.append({"check": f"backends/{op}/{name}", "error": float("nan"), "tolerance": float("nan"),
                              "passed": True, "skipped": f"NotImplementedError: {e}", **ctx})
                 continue
-            for k in keys:
-                err = rel_err(_none_zero(got[k], want[k]), want[k])
-                row = _row(f"backends/{op}/{name}/{k}", err, tols[k], stage=k, **ctx)
+            for k in want:
+                row = _row(f"backends/{op}/{name}/{k}", rel_err(got[k], want[k]), tols[k], stage=k, **ctx)
                 if name == "reference" and dtype != torch.float64:
                     row.update(passed=True, role="yardstick", within_tolerance=row["passed"])
                 elif name in ops.inexact_backends():
@@ -593,11 +549,6 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
                     row.update(passed=True, role="inexact-by-design", within_tolerance=row["passed"])
                 rows.append(row)
     return rows
-
-
-def _none_zero(t, like):
-    """A gradient that autograd left as None (no dependence) counts as zeros."""
-    return torch.zeros_like(like) if t is None else t
 
 
 DEFAULT_PROFILE = {

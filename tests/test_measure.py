@@ -97,13 +97,16 @@ def test_measure_counts_one_call_then_times_fresh_calls():
 
 def test_count_kernels_reads_profiler_events():
     class E:
-        def __init__(self, name, dev):
+        def __init__(self, name, dev, us):
             self.name, self.device_type = name, dev
+            self.time_range = type("R", (), {"elapsed_us": lambda _: us})()
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-    ev = [E("k1", cuda), E("k1", cuda), E("Memcpy DtoD", cuda), E("Memset (Device)", cuda), E("aten::add", cpu)]
+    ev = [E("k1", cuda, 3.0), E("k1", cuda, 5.0), E("Memcpy DtoD", cuda, 2.0), E("Memset (Device)", cuda, 1.0),
+          E("aten::add", cpu, 50.0)]
     got = measure.count_kernels(ev)
     assert (got["kernels"], got["memcpy"], got["memset"], got["by_name"]) == (2, 1, 1, {"k1": 2})
+    assert got["us_by_name"] == {"k1": 8.0} and got["device_us"] == 11.0
 
 
 @pytest.mark.parametrize("exc,status,sticky", [

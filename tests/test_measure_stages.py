@@ -274,6 +274,13 @@ def test_infer_track_latency_and_throughput(smoke):
         assert r["resolved"]["step"] == "reference" and r["decoder_details"]["mixer_step_backend"] == "reference"
         if r["order"] == "BA":
             assert r["logical"]["counted_in"].endswith("-AB-N2")
+    pre = [r for r in recs if r["role"] == "prefill"]
+    assert {(r["mixer"], r["order"]) for r in pre} == {(m, o) for m in ("samu", "rglru") for o in ("AB", "BA")}
+    for r in pre:
+        assert r["status"] == "ok" and r["prompt_tokens"] == 2 * 5 and r["ttft_ms"] == r["stats"]["median_ms"] > 0
+        f = r["floor"]
+        assert f["model_flops"] > 0 and f["weight_bytes"] > 0
+        assert f["ms"] == max(v for v in (f["flops_ms"], f["bytes_ms"]) if v is not None) < r["ttft_ms"]
     probes = [r for r in recs if r["role"] == "probe"]
     assert {1, 2} <= {r["shapes"]["B"] for r in probes} <= {1, 2, 4}     # extended to max_batch at most
     thr = [r for r in recs if r["role"] == "fresh"]

@@ -378,7 +378,11 @@ def test_cost_model_is_calibrated_on_a_committed_run():
     assert sum(est.values()) <= 1.35 * sum(actual.values()), (est, actual)
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     line = cost.summary("h800", cfg["profiles"]["h800"])
-    assert all(f" {s} " in line for s in ("probe", "audit", "tune", "scan", "train", "infer")) and "total" in line
+    assert all(f" {s} " in line for s in ("probe", "audit", "tune", "ops", "scan", "train", "infer")) and "total" in line
+    # The ops track against run 5 (the h200 ops section at 50 repetitions then).
+    run5 = REPO / "results" / "runs" / "h200-20261202-run5-partial" / "benchmarks" / "track_ops.tsv"
+    ops_s = float(run5.read_text().splitlines()[1].split("\t")[0])
+    assert 0.9 * ops_s <= cost.ops({**cfg["profiles"]["h200"]["ops"], "reps": 50, "warmup": 5}) <= 1.35 * ops_s
 
 
 # ---- docker dispatch --------------------------------------------------------------
@@ -478,3 +482,17 @@ def test_source_digest_names_the_code_not_the_outputs(tmp_path):
     (tmp_path / "kernels/ops/a.py").write_text("x = 2\n")
     assert facts.source_digest(tmp_path) != first
     assert facts.commit()["source_sha256"] == facts.source_digest()
+
+
+def test_report_breaks_the_training_step_down_by_kernel():
+    import aggregate
+
+    top = [{"name": "gemm_bf16", "us": 900.0, "calls": 40, "share": 0.6},
+           {"name": "split_bwd_kernel", "us": 300.0, "calls": 4, "share": 0.2}]
+    rec = {"stage": "train", "role": "fresh", "order": "AB", "status": "ok", "mixer": "samu", "backend": "chunk",
+           "shapes": {"preset": "1.3b", "T": 2048, "B": 4}, "stats": {"median_ms": 1.6}, "mfu": 0.41,
+           "logical": {"device_us": 1500.0, "top_kernels_by_time": top}}
+    text = aggregate.breakdown_section([rec, {**rec, "order": "BA"}, {**rec, "role": "diagnostic"}])
+    assert text.count("1.3b T=2048 B=4, samu (chunk)") == 1 and "GPU busy 1.5 ms" in text and "MFU 0.41" in text
+    assert "| gemm_bf16 " in text and "| split_bwd_kernel " in text and "0.6" in text
+    assert "no profiled training step" in aggregate.breakdown_section([{**rec, "logical": {}}])

@@ -6,12 +6,16 @@ blocks; T = 150 for chunks of 32 and 64). Outputs are allocated poisoned with Na
 an element a kernel fails to write fails the comparison.
 """
 
+import math
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kernels
 from kernels import parity
 from kernels.ops import accounting, reference
+from kernels.ops.rglru.common import one_minus_sq
 from kernels.ops.triton_utils import poisoned
 
 B, T, D = 2, 37, 24
@@ -289,3 +293,25 @@ def test_decode_steps_equal_forward():
     ys = [kernels.rglru_step(x[:, T0 + i], wx, bx, wa, ba, ap, state, pos[:, T0 + i] == 0, backend="fused")
           for i in range(n)]
     assert parity.rel_err(torch.stack(ys, 1), y_full[:, T0:]) <= FP32_TOL
+
+
+@triton.jit
+def one_minus_sq_kernel(x, y, N: tl.constexpr):
+    o = tl.arange(0, N)
+    log_a = tl.load(x + o)
+    tl.store(y + o, one_minus_sq(tl.exp(log_a), log_a))
+
+
+def test_one_minus_sq_is_accurate_across_the_branch_points():
+    """1 - a^2 for a = exp(log_a), log_a from -20 to -1e-9 (both sides of the FP32 series'
+    switch at 2 log_a = -1/2 and of float64's at -1), against float64 -expm1(2 log_a)."""
+    log_a = -torch.logspace(-9, math.log10(20.0), 256, dtype=torch.float64)
+    want = -torch.expm1(2 * log_a)
+    for dtype, tol in ((torch.float32, 8 * 2.0 ** -24), (torch.float64, 1e-13)):
+        x = log_a.to(dtype)
+        y = torch.full_like(x, float("nan"))
+        one_minus_sq_kernel[(1,)](x, y, N=256)
+        exact = -torch.expm1(2 * x.double())   # the function of the rounded input
+        err = ((y.double() - exact).abs() / exact).max().item()
+        assert err < tol, (dtype, err)
+        assert torch.isfinite(y).all() and (want > 0).all()

@@ -73,9 +73,6 @@ class HawkConfig:
             raise ValueError(f"expected HawkConfig fields as overrides, got unknown {sorted(unknown)}")
         return cls(**{**base, **overrides})
 
-    def replace(self, **changes) -> "HawkConfig":
-        return dataclasses.replace(self, **changes)
-
     def non_embedding_parameters(self) -> int:
         """Parameter count without the (shared) embedding, as the size labels count."""
         D, E, F, L = self.width, self.lru_width, self.mlp_expanded_width, self.num_layers
@@ -91,9 +88,4 @@ class HawkConfig:
 
 PRESETS = tuple(_TABLE)
 
-
-def preset(name: str, **overrides) -> HawkConfig:
-    return HawkConfig.preset(name, **overrides)
-
-
-__all__ = ["HawkConfig", "PRESETS", "preset", "MIXERS"]
+__all__ = ["HawkConfig", "PRESETS", "MIXERS"]

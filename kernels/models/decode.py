@@ -1,39 +1,26 @@
 """Fused pieces of the Hawk decode step (one token per row) for the generation engine.
 
-Notation: M rows (the batch), D model width, E recurrent width, F MLP hidden width,
-V vocabulary, CW convolution width (4). Activations are [M, D], [M, E], [M, F] in the
-model dtype (bf16, fp16 or fp32); arithmetic is FP32.
+Notation: M rows, D model width, E recurrent width, F MLP hidden width, CW conv width.
+Activations are in the model dtype (bf16, fp16 or fp32); arithmetic is FP32. Everything
+computes what `HawkLM.step` computes, rounding where it rounds (every nn.Module output
+is in the model dtype), so results differ from it only in FP32 summation order:
 
-Two families, both computing what `HawkLM.step` computes and rounding where it rounds
-(every nn.Module output is in the model dtype), so that they differ from it only in
-FP32 summation order (and, in `linear`'s RMSNorm prologue, the place of one rounding):
+- row kernels around library matmuls (any M): `embed_rmsnorm`, `add_rmsnorm` (residual
+  add then RMSNorm), `conv_step` (conv decode step, state updated in place), `gelu_mul`;
+- `linear`: a weight-streaming split-K matmul for M <= 64 that reads each weight once
+  and fuses the row work around it (prologue: RMSNorm or a product of two inputs;
+  epilogue: bias, residual add, GeLU, the conv step, the gated-MLP product), so a Hawk
+  layer is four launches plus the mixer step. RMSNorm's 1 / rms is a per-row factor,
+  applied to the FP32 sums: the matmul reads round(x * (1 + scale)) where the model
+  reads round(x / rms * (1 + scale)), one rounding at another place. Each of SPLIT
+  programs per column block writes FP32 partials to a workspace and counts itself; the
+  last to arrive adds them in a fixed order (deterministic), runs the epilogue and
+  resets the count for the next launch or graph replay.
 
-- row kernels around library matmuls (any M): `embed_rmsnorm` (embedding gather and
-  the first pre-norm), `add_rmsnorm` (residual add and the next RMSNorm), `conv_step`
-  (the causal-conv decode step with its in-place state update), `gelu_mul`
-  (gelu(a) * b, the gating of the recurrent block and of the MLP);
-- `linear`: a weight-streaming matmul for small M (a decode batch, M <= 64) that reads
-  each weight once and fuses the neighbouring row work into it: a prologue (RMSNorm of
-  the input rows, or the product of two inputs) and an epilogue (bias; residual add in
-  place; GeLU; the convolution step; the gated-MLP product of paired gate/value rows).
-  A Hawk layer is then four such launches plus the mixer step. RMSNorm's 1 / rms is a
-  per-row factor, so it is applied to the FP32 sums (after the one pass over the row)
-  rather than to the inputs: the matmul reads round(x * (1 + scale)) where the model
-  reads round(x / rms * (1 + scale)), one rounding of the same size at another place.
-  The K reduction is split over SPLIT programs per column block (a few hundred
-  programs in all, so that enough weight bytes are in flight): each writes its FP32
-  partial sums (and partial sums of squares for the RMSNorm prologue) to a workspace
-  and counts itself; the last to arrive adds the partials in a fixed order
-  (deterministic, bit for bit), runs the epilogue and resets the count for the next
-  launch or graph replay.
-
-`advance` updates the decoding state after the next-token choice (stop tokens, done
-flags, positions, resets) in one launch. Nothing here synchronises with the host, and
-the launchers allocate only their outputs (and, without a `Workspace`, the split-K
-scratch), so every launcher can run under CUDA-graph capture.
-With `pdl=True` the weight-streaming kernels use programmatic dependent launch (Hopper):
-a kernel is scheduled while its predecessor finishes and waits (griddepcontrol.wait)
-before touching anything its predecessors write.
+`advance` updates the decoding state after the next-token choice in one launch. Nothing
+here synchronises with the host, so every launcher can run under CUDA-graph capture.
+With `pdl=True` the linears use programmatic dependent launch (Hopper): a kernel is
+scheduled while its predecessor finishes and waits before reading what it wrote.
 """
 
 from __future__ import annotations
@@ -69,30 +56,16 @@ def _gelu(x):
     return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
 
 
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-
-
-@triton.jit
-def _pdl_launch(PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_l2(wp, o_n, m_n, k_lo, k_hi, K, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask for the weight rows o_n, columns [k_lo, k_hi) in L2 (one prefetch per 128-byte
-    line; out-of-range lines are clamped onto valid ones). Does not wait."""
-    o_k = tl.minimum(k_lo + tl.arange(0, LINES) * LINE, k_hi - 1)
-    rows = tl.where(m_n, o_n, 0).to(tl.int64)
-    ptr = wp + rows[:, None] * K + o_k[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 # ----------------------------------------------------------------------------- row kernels
+
+
+@triton.jit
+def _rmsnorm_store(v, scale, xn, row, o, mk, D, eps, RNE: tl.constexpr):
+    """xn[row] = round(v / rms(v) * (1 + scale)) for the FP32 row v."""
+    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
+    TY: tl.constexpr = xn.dtype.element_ty
+    tl.store(xn + row + o, _rnd(v * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
 
 
 @triton.jit
@@ -104,11 +77,7 @@ def embed_rmsnorm_kernel(tokens, table, scale, x, xn, D, eps, BD: tl.constexpr, 
     v = tl.load(table + tok * D + o, mask=mk, other=0.0)
     row = m.to(tl.int64) * D
     tl.store(x + row + o, v, mask=mk)
-    vf = v.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(vf * vf, axis=0) / D + eps)
-    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
-    TY: tl.constexpr = xn.dtype.element_ty
-    tl.store(xn + row + o, _rnd(vf * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
+    _rmsnorm_store(v.to(tl.float32), scale, xn, row, o, mk, D, eps, RNE)
 
 
 @triton.jit
@@ -122,9 +91,7 @@ def add_rmsnorm_kernel(h, x, scale, xn, D, eps, BD: tl.constexpr, RNE: tl.conste
     xv = tl.load(x + row + o, mask=mk, other=0.0).to(tl.float32)
     v = _rnd(hv + xv, TY, RNE)
     tl.store(x + row + o, v.to(TY), mask=mk)
-    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
-    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
-    tl.store(xn + row + o, _rnd(v * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
+    _rmsnorm_store(v, scale, xn, row, o, mk, D, eps, RNE)
 
 
 @triton.jit
@@ -285,25 +252,15 @@ def linear_kernel(
     M, N, K, eps,
     PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr, CW: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, RG: tl.constexpr,
-    SWAP: tl.constexpr, PRE: tl.constexpr, PF: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
-    EARLY: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
+    SWAP: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = epilogue(sum_k prologue(a)[m, k] * w[n, k] + bias[n]) for all M <= BM
-    rows; w is [N, K] (nn.Linear layout; [2N, K] gate rows first for EPI_GATED). EPI_XY
-    runs over 2N columns: n < N uses (w, bias) -> round(gelu) into out, n >= N uses
-    (w2, bias2) -> the conv step into out2. The residual epilogue writes
-    out = round(v + res), and out may be res (each column block is written by one program).
-
-    Program (n, s) streams w[n-block, s*KS : (s+1)*KS] once, in BK slices (with PRE the
-    first slice into registers before the PDL wait, the rest software-pipelined; with PF
-    the whole slice is first requested into L2, before the wait). With PDL the next
-    kernel may launch once every program has passed its K loop, or at once with EARLY. With SPLIT > 1
-    it stores its FP32 partial sums (and partial sums of squares) in the workspace `ws`
-    and counts itself in counts[n]; the last of the SPLIT programs of a column block to
-    arrive adds the partials (RG at a time, in a fixed order: deterministic), runs the epilogue and sets
-    the count back to 0 (ready for the next launch or graph replay)."""
-    if EARLY:
-        _pdl_launch(PDL)
+    rows; w is [N, K] ([2N, K], gate rows first, for EPI_GATED). EPI_XY runs over 2N
+    columns: n < N uses (w, bias) -> round(gelu) into out, n >= N uses (w2, bias2) -> the
+    conv step into out2. Program (n, s) streams w[n-block, s*KS : (s+1)*KS] once in BK
+    slices. With SPLIT > 1 it stores its FP32 partials (and partial sums of squares) in
+    `ws` and counts itself in counts[n]; the last of the block's programs adds the
+    partials (RG at a time, in a fixed order), runs the epilogue and resets the count."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     TY: tl.constexpr = out.dtype.element_ty
     o_m = tl.arange(0, BM)
@@ -327,38 +284,17 @@ def linear_kernel(
         acc = tl.zeros([BM, BN], tl.float32)
         acc2 = tl.zeros([BM, BN], tl.float32)
     sq = tl.zeros([BM, BK], tl.float32)
-    if PF:
-        # The program's whole weight slice towards L2 before waiting on the previous kernel.
-        _prefetch_l2(wp, o_n, m_n, k_lo, k_hi, K, LINES, LINE)
-        if EPI == 3:
-            _prefetch_l2(wp + N * K, o_n, m_n, k_lo, k_hi, K, LINES, LINE)
-    if PRE:
-        # The first weight slice does not depend on the previous kernel: with PDL it is
-        # loaded (into registers) while that kernel finishes.
-        o_k = k_lo + tl.arange(0, BK)
-        m_k = o_k < k_hi
-        wt = _w_tile(wp, o_n, m_n, o_k, m_k, K)
-        wt2 = wt
-        if EPI == 3:
-            wt2 = _w_tile(wp + N * K, o_n, m_n, o_k, m_k, K)
-        _pdl_wait(PDL)
-        at, sq = _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO, TY, RNE)
-        acc = _mma(acc, at, wt, DOT, SWAP)
-        if EPI == 3:
-            acc2 = _mma(acc2, at, wt2, DOT, SWAP)
-        k_start = k_lo + BK
-    else:
-        _pdl_wait(PDL)
-        k_start = k_lo
-    for k0 in range(k_start, k_hi, BK):
+    if PDL:
+        gdc_wait()
+    for k0 in range(k_lo, k_hi, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < k_hi
         at, sq = _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO, TY, RNE)
         acc = _mma(acc, at, _w_tile(wp, o_n, m_n, o_k, m_k, K), DOT, SWAP)
         if EPI == 3:
             acc2 = _mma(acc2, at, _w_tile(wp + N * K, o_n, m_n, o_k, m_k, K), DOT, SWAP)
-    if not EARLY:
-        _pdl_launch(PDL)
+    if PDL:
+        gdc_launch_dependents()
     if SWAP:
         acc = tl.trans(acc)
         acc2 = tl.trans(acc2)
@@ -413,7 +349,9 @@ def _rows_block(M: int) -> int:
     return min(64, max(16, next_pow2(M)))
 
 
-def _check_2d(name, t, M, N, dtype=None, device=None):
+def _check_2d(name, t, M, N, dtype=None, device=None, out=False):
+    """A [M, N] tensor with unit column stride in `dtype` on `device`; an output (`out`)
+    must also be contiguous (the kernels write rows at stride N)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"expected {name} to be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 2 or t.shape[0] != M or t.shape[1] != N or t.stride(1) != 1:
@@ -423,45 +361,40 @@ def _check_2d(name, t, M, N, dtype=None, device=None):
         raise ValueError(f"expected {name} with dtype {dtype}, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"expected {name} on {device}, got {t.device}")
-
-
-def _check_out(name, t, M, N, dtype, device):
-    """An output buffer: exactly [M, N], contiguous (the kernels write rows at stride N),
-    of the activation dtype, on the inputs' device."""
-    _check_2d(name, t, M, N, dtype, device)
-    if not t.is_contiguous():
+    if out and not t.is_contiguous():
         raise ValueError(f"expected a contiguous {name} (rows are written at stride {N}), got strides "
                          f"{list(t.stride())}")
     return t
 
 
+def _out(name, t, M, N, dtype, device):
+    """The output buffer `t`, checked, or a new one."""
+    return torch.empty(M, N, dtype=dtype, device=device) if t is None else _check_2d(name, t, M, N, dtype, device, True)
+
+
 def _vec(name, t, n, device, dtype=None):
-    """A read-only vector [n] (bias, norm or conv parameters): a contiguous copy if it is
-    a strided view (the kernels index it densely)."""
+    """A read-only floating vector [n] (bias, norm or conv parameters), as a contiguous
+    copy if it is a strided view (the kernels index it densely)."""
     if not isinstance(t, torch.Tensor) or t.shape != (n,):
         got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"expected {name} of shape [{n}], got {got}")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"expected {name} with dtype {dtype}, got {t.dtype}")
-    if not t.dtype.is_floating_point:
-        raise ValueError(f"expected {name} with a floating dtype, got {t.dtype}")
+    if (dtype is not None and t.dtype != dtype) or not t.dtype.is_floating_point:
+        raise ValueError(f"expected {name} with {dtype or 'a floating dtype'}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"expected {name} on {device}, got {t.device}")
     return t.contiguous()
 
 
-def _span(t):
-    """[first, last) byte addresses that tensor t may touch."""
-    if t.numel() == 0:
-        return 0, 0
-    lo = t.data_ptr()
-    return lo, lo + (sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
 def _overlap(a, b) -> bool:
+    """Whether the byte ranges that tensors a and b may touch intersect."""
     if a is None or b is None or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
-    (a0, a1), (b0, b1) = _span(a), _span(b)
+
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + (sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
 
 
@@ -473,8 +406,8 @@ def _same_view(a, b) -> bool:
 def _no_alias(out_name, out, strict=(), elementwise=()):
     """ValueError when `out` shares memory with an input that the kernel still reads after
     other programs write `out`. `strict`: (name, tensor) pairs that may not overlap at all;
-    `elementwise`: inputs read at the same element that is written (out may be exactly
-    that tensor, element for element, but no other overlapping view of it)."""
+    `elementwise`: inputs read at the element that is written (out may be exactly that
+    tensor, but no other overlapping view of it)."""
     for name, t in strict:
         if _overlap(out, t):
             raise ValueError(f"expected {out_name} not to overlap {name} in memory (it is read while "
@@ -493,10 +426,18 @@ def _check_tokens(name, t, M=None):
         raise ValueError(f"expected {name} with an integer dtype, got {t.dtype}")
 
 
+def _flags(name, t, M, device):
+    """A [M] bool / int8 / uint8 flag vector on `device`."""
+    if t.shape != (M,) or t.dtype not in (torch.bool, torch.uint8, torch.int8):
+        raise ValueError(f"expected {name} of shape [{M}] and dtype bool, got {list(t.shape)} {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"expected {name} on {device}, got {t.device}")
+
+
 def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
     """x = table[tokens] [M, D]; xn = RMSNorm(x) with `scale`. Returns (x, xn).
-    tokens: [M] integer ids in [0, V) (not checked: no host synchronisation); table:
-    a contiguous [V, D]."""
+    tokens: [M] ids in [0, V) (not checked: no host synchronisation); table: a
+    contiguous [V, D]."""
     _check_tokens("tokens", tokens)
     if table.dim() != 2 or not table.is_contiguous():
         raise ValueError(f"expected a contiguous embedding table [V, D], got {list(table.shape)} "
@@ -507,8 +448,8 @@ def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
         raise ValueError(f"expected tokens on {dev} (the table's device), got {tokens.device}")
     tokens = tokens.contiguous()
     scale = _vec("scale", scale, D, dev)
-    x = torch.empty(M, D, dtype=table.dtype, device=dev) if x is None else _check_out("x", x, M, D, table.dtype, dev)
-    xn = torch.empty_like(x) if xn is None else _check_out("xn", xn, M, D, table.dtype, dev)
+    x = _out("x", x, M, D, table.dtype, dev)
+    xn = _out("xn", xn, M, D, table.dtype, dev)
     _no_alias("xn", xn, strict=(("x", x), ("table", table)))
     _no_alias("x", x, strict=(("table", table),))
     embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
@@ -525,7 +466,7 @@ def add_rmsnorm(h, x, scale, eps, xn=None):
         raise ValueError("expected contiguous h and x in add_rmsnorm")
     scale = _vec("scale", scale, D, x.device)
     _no_alias("x", x, elementwise=(("h", h),))
-    xn = torch.empty_like(x) if xn is None else _check_out("xn", xn, M, D, x.dtype, x.device)
+    xn = _out("xn", xn, M, D, x.dtype, x.device)
     _no_alias("xn", xn, strict=(("x", x),), elementwise=(("h", h),))
     add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
     if accounting.on():
@@ -533,18 +474,15 @@ def add_rmsnorm(h, x, scale, eps, xn=None):
     return xn
 
 
-def _reset_arg(reset, M, device=None):
+def _reset_arg(reset, M, device):
     if reset is None:
         return None
-    if reset.shape != (M,) or reset.dtype not in (torch.bool, torch.uint8, torch.int8):
-        raise ValueError(f"expected reset of shape [{M}] and dtype bool, got {list(reset.shape)} {reset.dtype}")
-    if device is not None and reset.device != device:
-        raise ValueError(f"expected reset on {device}, got {reset.device}")
+    _flags("reset", reset, M, device)
     reset = reset.contiguous()
     return reset.view(torch.uint8) if reset.dtype == torch.bool else reset
 
 
-def _check_conv(conv_state, conv_w, conv_b, M, E, device=None):
+def _check_conv(conv_state, conv_w, conv_b, M, E, device):
     """(CW, conv_w, conv_b): the weights as contiguous tensors (copies of strided views);
     the state, updated in place, must be contiguous."""
     if conv_w.dim() != 2 or conv_w.shape[1] != E or conv_b.shape != (E,):
@@ -553,7 +491,6 @@ def _check_conv(conv_state, conv_w, conv_b, M, E, device=None):
     if conv_state.shape != (M, CW - 1, E) or not conv_state.is_contiguous():
         raise ValueError(f"expected a contiguous conv_state of shape [{M}, {CW - 1}, {E}], "
                          f"got {list(conv_state.shape)} strides {list(conv_state.stride())}")
-    device = conv_state.device if device is None else device
     for n, t in (("conv_state", conv_state), ("conv_w", conv_w), ("conv_b", conv_b)):
         if t.device != device:
             raise ValueError(f"expected {n} on {device}, got {t.device}")
@@ -569,7 +506,7 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     CW, conv_w, conv_b = _check_conv(conv_state, conv_w, conv_b, M, E, x.device)
     _no_alias("conv_state", conv_state, strict=(("x", x),))
     rst = _reset_arg(reset, M, x.device)
-    y = torch.empty(M, E, dtype=x.dtype, device=x.device) if y is None else _check_out("y", y, M, E, x.dtype, x.device)
+    y = _out("y", y, M, E, x.dtype, x.device)
     _no_alias("y", y, strict=(("conv_state", conv_state),), elementwise=(("x", x),))
     BM, BC = 16, 256
     conv_step_kernel[(cdiv(E, BC), cdiv(M, BM))](
@@ -587,11 +524,10 @@ def gelu_mul(a, b, y=None):
     _check_2d("b", b, M, F, a.dtype, a.device)
     if a.stride(1) != 1:
         raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
-    y = torch.empty(M, F, dtype=a.dtype, device=a.device) if y is None else _check_out("y", y, M, F, a.dtype, a.device)
+    y = _out("y", y, M, F, a.dtype, a.device)
     _no_alias("y", y, elementwise=(("a", a), ("b", b)))
     BM, BF = 16, 512
-    gelu_mul_kernel[(cdiv(F, BF), cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F,
-                                                              BM=BM, BF=BF, RNE=INTERPRET)
+    gelu_mul_kernel[(cdiv(F, BF), cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F, BM=BM, BF=BF, RNE=INTERPRET)
     if accounting.on():
         accounting.record("gelu_mul", 2 * accounting.nbytes(y), accounting.nbytes(y))
     return y
@@ -603,71 +539,56 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     tokens, pos (integer) and reset, done (bool, int8 or uint8) are [M] contiguous
     buffers updated in place."""
     _check_tokens("tokens", tokens)
-    M = tokens.shape[0]
-    dev = tokens.device
-    _check_tokens("nxt", nxt, M)
-    _check_tokens("pos", pos, M)
-    _check_tokens("stops", stops)
-    for n, t in (("reset", reset), ("done", done)):
-        if t.shape != (M,) or t.dtype not in (torch.bool, torch.int8, torch.uint8):
-            raise ValueError(f"expected {n} of shape [{M}] and dtype bool, got {list(t.shape)} {t.dtype}")
-    for n, t in (("tokens", tokens), ("pos", pos), ("reset", reset), ("done", done)):
-        if not t.is_contiguous():
-            raise ValueError(f"expected a contiguous {n} (it is updated in place), got strides {list(t.stride())}")
-    for n, t in (("nxt", nxt), ("pos", pos), ("reset", reset), ("done", done), ("stops", stops)):
+    M, dev = tokens.shape[0], tokens.device
+    for n, t in (("nxt", nxt), ("pos", pos), ("stops", stops)):
+        _check_tokens(n, t, None if n == "stops" else M)
         if t.device != dev:
             raise ValueError(f"expected {n} on {dev} (the tokens' device), got {t.device}")
+    _flags("reset", reset, M, dev)
+    _flags("done", done, M, dev)
     written = (("tokens", tokens), ("pos", pos), ("reset", reset), ("done", done))
     for i, (n, t) in enumerate(written):
+        if not t.is_contiguous():
+            raise ValueError(f"expected a contiguous {n} (it is updated in place), got strides {list(t.stride())}")
         for n2, t2 in written[i + 1:]:
             if _overlap(t, t2):
                 raise ValueError(f"expected {n} and {n2} not to overlap in memory")
-        _no_alias(n, t, strict=(("stops", stops),), elementwise=() if n != "tokens" else (("nxt", nxt),))
-        if n != "tokens":
-            _no_alias(n, t, strict=(("nxt", nxt),))
+        _no_alias(n, t, strict=(("stops", stops),) + ((("nxt", nxt),) if n != "tokens" else ()),
+                  elementwise=(("nxt", nxt),) if n == "tokens" else ())
     nxt, stops = nxt.contiguous(), stops.contiguous()
     BM = 128
     advance_kernel[(cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
-                                          stops, pad_id, M, S=stops.shape[0], BM=BM)
+                                   stops, pad_id, M, S=stops.shape[0], BM=BM)
     if accounting.on():
         accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
 
 
-# Fastest tiles of an H200 tile sweep for the five
-# linears of preset 1.3b, keyed by (columns, K, row block).
-TUNED = {
-    (5120, 2048, 16): {"BN": 64, "BK": 128, "SPLIT": 4, "SWAP": 1, "num_warps": 8},     # xy
-    (2048, 2560, 16): {"BN": 32, "BK": 128, "SPLIT": 3, "SWAP": 0, "num_warps": 4},     # out
-    (6144, 2048, 16): {"BN": 64, "BK": 128, "SPLIT": 2, "SWAP": 1, "num_warps": 8},     # up (gated)
-    (2048, 6144, 16): {"BN": 32, "BK": 256, "SPLIT": 6, "SWAP": 0, "num_warps": 4},     # down
-    (32000, 2048, 16): {"BN": 128, "BK": 128, "SPLIT": 1, "SWAP": 1, "num_warps": 8},   # logits
-    (5120, 2048, 64): {"BN": 64, "BK": 128, "SPLIT": 4, "SWAP": 1, "num_warps": 8},
-    (2048, 2560, 64): {"BN": 32, "BK": 128, "SPLIT": 3, "SWAP": 0, "num_warps": 4},
-    (6144, 2048, 64): {"BN": 64, "BK": 128, "SPLIT": 2, "SWAP": 1, "num_warps": 8},
-    (2048, 6144, 64): {"BN": 32, "BK": 128, "SPLIT": 6, "SWAP": 0, "num_warps": 4},
-    (32000, 2048, 64): {"BN": 128, "BK": 128, "SPLIT": 1, "SWAP": 1, "num_warps": 8},
-}
+# Fastest tiles of an H200 tile sweep for the five linears of preset 1.3b, keyed by
+# (columns, K, row block); the 64-row block takes the same tiles but BK 128 for "down".
+TUNED = {(cols, K, rows): dict(t, BK=128 if rows == 64 else t["BK"]) for rows in (16, 64) for (cols, K), t in {
+    (5120, 2048): {"BN": 64, "BK": 128, "SPLIT": 4, "SWAP": 1, "num_warps": 8},     # xy
+    (2048, 2560): {"BN": 32, "BK": 128, "SPLIT": 3, "SWAP": 0, "num_warps": 4},     # out
+    (6144, 2048): {"BN": 64, "BK": 128, "SPLIT": 2, "SWAP": 1, "num_warps": 8},     # up (gated)
+    (2048, 6144): {"BN": 32, "BK": 256, "SPLIT": 6, "SWAP": 0, "num_warps": 4},     # down
+    (32000, 2048): {"BN": 128, "BK": 128, "SPLIT": 1, "SWAP": 1, "num_warps": 8},   # logits
+}.items()}
+CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "num_warps", "num_stages")
 
 
 def default_config(cols: int, K: int, rows: int = 16) -> dict:
-    """Tiles of `linear` for `cols` output columns per row (both halves of EPI_XY, the
-    gate half of EPI_GATED), reduction length K and `rows` rows: the TUNED entry, else
-    what the sweep favoured: a few hundred programs (column blocks of BN times K
-    splits), each streaming at least ~512 of K through a software pipeline.
-    Keys: BN, BK (slice of K per iteration), SPLIT (requested K splits; the launch
-    uses cdiv(K, KS) with KS = cdiv(K, SPLIT) rounded up to a multiple of BK), SWAP
-    (weight tile as the dot's M operand), PRE (first weight slice loaded before the
-    PDL wait, outside the pipelined loop), PF (L2 prefetch of the program's weights
-    before the PDL wait; not in the interpreter), EARLY (with PDL, let the next kernel
-    launch at this one's start rather than after the K loops), num_warps, num_stages."""
-    base = {"PRE": 0, "PF": 0, "EARLY": 0, "num_stages": 3}
+    """Tiles of `linear` (keys CONFIG_KEYS) for `cols` output columns per row (both
+    halves of EPI_XY, the gate half of EPI_GATED), reduction length K and `rows` rows:
+    the TUNED entry, else what the sweep favoured: a few hundred programs (BN-column
+    blocks times K splits), each streaming at least ~512 of K. BK: slice of K per
+    iteration; SPLIT: requested K splits (see split_plan); SWAP: the weight tile as the
+    dot's M operand (M = BN >= 64 suits wgmma)."""
     tuned = TUNED.get((cols, K, _rows_block(rows)))
     if tuned is not None:
-        return dict(base, **tuned)
+        return dict(tuned, num_stages=3)
     bn = 128 if cols >= 128 * 200 else 64 if cols >= 64 * 80 else 32
     split = max(1, min(cdiv(K, 512), round(256 / cdiv(cols, bn))))
-    return dict(base, BN=bn, BK=min(128, max(16, next_pow2(K))), SPLIT=split, SWAP=int(bn >= 64),
-                num_warps=8 if bn >= 64 else 4)
+    return dict(BN=bn, BK=min(128, max(16, next_pow2(K))), SPLIT=split, SWAP=int(bn >= 64),
+                num_warps=8 if bn >= 64 else 4, num_stages=3)
 
 
 SMEM_BUDGET = 160 * 1024
@@ -688,11 +609,6 @@ def _fit_smem(cfg: dict, BM: int, gated: bool, esize: int) -> dict:
     return cfg
 
 
-def _reduce_group(split: int, BM: int, BN: int) -> int:
-    # partial tiles loaded at once by the reducing program: <= 8192 floats in registers
-    return max(1, min(next_pow2(split), 8192 // (BM * BN)))
-
-
 def split_plan(K: int, BK: int, split: int) -> tuple[int, int]:
     """(KS, splits): K per program, a multiple of BK, and the number of K splits."""
     if split < 1:
@@ -703,10 +619,9 @@ def split_plan(K: int, BK: int, split: int) -> tuple[int, int]:
 
 class Workspace:
     """Scratch of split-K linears: FP32 partial sums and per-column-block arrival counts
-    (int32, zero between launches: the last program of a block resets its count).
-    Launches that share one workspace must run one after another (one stream). It
-    grows on demand but not under CUDA-graph capture (a captured graph keeps the
-    storage it was captured with): run the step once before capturing it."""
+    (int32, zero between launches). Launches sharing one must run on one stream. It grows
+    on demand but not under CUDA-graph capture (a graph keeps the storage it captured):
+    run the step once before capturing it."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -724,10 +639,6 @@ class Workspace:
         return self.partials, self.counts
 
 
-def _pdl_option(pdl: bool) -> dict:
-    return {"launch_pdl": True} if pdl and not INTERPRET else {}
-
-
 def _dot_mode(dtype):
     # The interpreter's BF16 dot is wrong (Triton 3.6); exact products in FP32 instead.
     if dtype in (torch.bfloat16, torch.float16):
@@ -737,7 +648,13 @@ def _dot_mode(dtype):
     raise ValueError(f"expected a bf16, fp16 or fp32 model for the fused linear, got {dtype}")
 
 
-CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "PRE", "PF", "EARLY", "num_warps", "num_stages")
+def _weight(name, t, shape, dtype, device):
+    if t is None or t.shape != shape or not t.is_contiguous():
+        raise ValueError(f"expected a contiguous {name} of shape {list(shape)}, got "
+                         f"{None if t is None else list(t.shape)}")
+    # The dot reads a and w in one precision: mixed dtypes are refused (as F.linear does).
+    if t.dtype != dtype or t.device != device:
+        raise ValueError(f"expected {name} with the activation dtype {dtype} on {device}, got {t.dtype} on {t.device}")
 
 
 def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, norm_scale=None, eps=1e-6,
@@ -751,34 +668,28 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     (in place, returned); EPI_XY -> (round(gelu(y)) [M, N], conv step of a @ w2.T + bias2
     [M, N]) with conv = (conv_state [M, CW-1, N], conv_w [CW, N], conv_b [N]) and reset;
     EPI_GATED -> round(gelu(y_gate)) * y_value [M, N] from w's two halves.
-    config: tile options overriding `default_config` (keys CONFIG_KEYS). workspace: a
-    `Workspace` for split-K partials (default: fresh scratch per call).
-    w, w2, bias (bias2: [N]; bias [2N] with EPI_GATED) and a2 are in a's dtype and on its
-    device (ValueError otherwise); strided vectors (bias, norm_scale, conv_w, conv_b,
-    reset) are copied; out and out2 must be contiguous and, like the in-place residual
-    and conv_state, must not share memory with the inputs a, a2 (nor with each other).
+    config: tile options overriding `default_config`; workspace: a `Workspace` for the
+    split-K partials (default: fresh scratch per call). Weights, biases and a2 are in
+    a's dtype on its device; strided vectors are copied; out, out2, residual and
+    conv_state must not share memory with a, a2 or each other (ValueError otherwise).
     """
     M, K = a.shape
     if M > LINEAR_MAX_ROWS:
         raise ValueError(f"expected at most {LINEAR_MAX_ROWS} rows for the weight-streaming linear, got {M}")
     if a.stride(1) != 1:
         raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
-    if w.dim() != 2 or w.shape[1] != K or not w.is_contiguous():
-        raise ValueError(f"expected a contiguous w of shape [N, {K}], got {list(w.shape)}")
     unknown = set(config or {}) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"expected config keys among {list(CONFIG_KEYS)}, got {sorted(unknown)}")
     dt, dev = a.dtype, a.device
-    # The dot reads a and w in one precision: mixed activation / weight dtypes are refused
-    # (nn.functional.linear refuses them too).
-    if w.dtype != dt:
-        raise ValueError(f"expected w with the activation dtype {dt}, got {w.dtype}")
-    if w.device != dev:
-        raise ValueError(f"expected w on {dev}, got {w.device}")
-    if epilogue == EPI_GATED and w.shape[0] % 2:
+    if w.dim() != 2 or w.shape[1] != K:
+        raise ValueError(f"expected a contiguous w of shape [N, {K}], got {list(w.shape)}")
+    _weight("w", w, w.shape, dt, dev)
+    gated = epilogue == EPI_GATED
+    if gated and w.shape[0] % 2:
         raise ValueError(f"expected w of shape [2N, {K}] (gate rows, then value rows) with EPI_GATED, "
                          f"got {list(w.shape)}")
-    N = w.shape[0] // 2 if epilogue == EPI_GATED else w.shape[0]
+    N = w.shape[0] // 2 if gated else w.shape[0]
     if bias is not None:
         bias = _vec("bias", bias, w.shape[0], dev, dt)
     if prologue == PRO_MUL:
@@ -790,14 +701,13 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
             raise ValueError(f"expected norm_scale of shape [{K}] with PRO_NORM")
         norm_scale = _vec("norm_scale", norm_scale, K, dev)
     BM = _rows_block(M)
-    cfg = _fit_smem(dict(default_config(2 * N if epilogue == EPI_XY else N, K, M), **(config or {})), BM,
-                    epilogue == EPI_GATED, dt.itemsize)
+    cfg = _fit_smem(dict(default_config(2 * N if epilogue == EPI_XY else N, K, M), **(config or {})), BM, gated,
+                    dt.itemsize)
     if cfg["BN"] < 16 or cfg["BK"] < 16:
         raise ValueError(f"expected BN and BK >= 16 (the dot's smallest tile), got {cfg}")
     KS, split = split_plan(K, cfg["BK"], cfg["SPLIT"])
     n_blocks = cdiv(N, cfg["BN"])
-    rst = None
-    cstate = cw = cb = None
+    rst = cstate = cw = cb = None
     CW = 1
     inputs = (("a", a), ("a2", a2))
     if epilogue == EPI_RESIDUAL:
@@ -809,13 +719,10 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
                              "written into residual")
         out = residual
     else:
-        out = torch.empty(M, N, dtype=dt, device=dev) if out is None else _check_out("out", out, M, N, dt, dev)
+        out = _out("out", out, M, N, dt, dev)
     _no_alias("residual" if epilogue == EPI_RESIDUAL else "out", out, strict=inputs)
     if epilogue == EPI_XY:
-        if w2 is None or w2.shape != w.shape or not w2.is_contiguous():
-            raise ValueError(f"expected a contiguous w2 of shape {list(w.shape)} with EPI_XY")
-        if w2.dtype != dt or w2.device != dev:
-            raise ValueError(f"expected w2 with dtype {dt} on {dev}, got {w2.dtype} on {w2.device}")
+        _weight("w2", w2, w.shape, dt, dev)
         if bias2 is not None:
             bias2 = _vec("bias2", bias2, N, dev, dt)
         if conv is None or len(conv) != 3:
@@ -823,42 +730,39 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         cstate, cw, cb = conv
         CW, cw, cb = _check_conv(cstate, cw, cb, M, N, dev)
         rst = _reset_arg(reset, M, dev)
-        out2 = torch.empty(M, N, dtype=dt, device=dev) if out2 is None else _check_out("out2", out2, M, N, dt, dev)
+        out2 = _out("out2", out2, M, N, dt, dev)
         _no_alias("out2", out2, strict=(*inputs, ("out", out), ("conv_state", cstate)))
         _no_alias("conv_state", cstate, strict=(*inputs, ("out", out)))
         n_blocks *= 2
-    dummy = out
     if split > 1:
-        floats = n_blocks * split * BM * (cfg["BN"] * (2 if epilogue == EPI_GATED else 1) + 1)
+        floats = n_blocks * split * BM * (cfg["BN"] * (2 if gated else 1) + 1)
         if workspace is None:
-            ws = torch.empty(floats, dtype=torch.float32, device=a.device)
-            counts = torch.zeros(n_blocks, dtype=torch.int32, device=a.device)
+            ws = torch.empty(floats, dtype=torch.float32, device=dev)
+            counts = torch.zeros(n_blocks, dtype=torch.int32, device=dev)
         else:
             ws, counts = workspace.take(floats, n_blocks)
     else:
-        ws, counts = dummy, dummy
+        ws = counts = out
+
+    def arg(t):     # a pointer the kernel does not read under this launch's flags
+        return out if t is None else t
+
     linear_kernel[(n_blocks, split)](
-        a, a.stride(0), a2 if a2 is not None else a, a2.stride(0) if a2 is not None else 0,
-        norm_scale if norm_scale is not None else dummy, w, bias if bias is not None else dummy,
-        w2 if w2 is not None else w, bias2 if bias2 is not None else dummy, out,
-        out2 if out2 is not None else dummy, residual if residual is not None else dummy,
-        cstate if cstate is not None else dummy, cw if cw is not None else dummy, cb if cb is not None else dummy,
-        rst if rst is not None else dummy, ws, counts, M, N, K, eps,
+        a, a.stride(0), a if a2 is None else a2, 0 if a2 is None else a2.stride(0), arg(norm_scale),
+        w, arg(bias), w2 if w2 is not None else w, arg(bias2), out, arg(out2), arg(residual), arg(cstate), arg(cw),
+        arg(cb), arg(rst), ws, counts, M, N, K, eps,
         PRO=prologue, EPI=epilogue, HAS_BIAS=bias is not None, HAS_RESET=rst is not None, CW=CW,
-        BM=BM, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, KS=KS, RG=_reduce_group(split, BM, cfg["BN"]),
-        SWAP=int(bool(cfg["SWAP"])), PRE=int(bool(cfg["PRE"])), PF=int(bool(cfg["PF"]) and not INTERPRET),
-        LINES=next_pow2(cdiv(KS, 128 // w.element_size())), LINE=128 // w.element_size(),
-        EARLY=int(bool(cfg["EARLY"])), DOT=_dot_mode(dt),
-        RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl_option(pdl),
+        BM=BM, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, KS=KS,
+        # partial tiles loaded at once by the reducing program: <= 8192 floats in registers
+        RG=max(1, min(next_pow2(split), 8192 // (BM * cfg["BN"]))),
+        SWAP=int(bool(cfg["SWAP"])), DOT=_dot_mode(dt), RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"launch_pdl": True} if pdl and not INTERPRET else {}),
     )
-    wbytes = accounting.nbytes(w, bias, w2, bias2)
     if accounting.on():
-        accounting.record("linear", wbytes + accounting.nbytes(a, a2, residual, cstate) * (2 if epilogue == EPI_XY else 1),
-                          accounting.nbytes(out, out2, cstate))
-    if epilogue == EPI_XY:
-        return out, out2
-    return out
+        accounting.record("linear", accounting.nbytes(w, bias, w2, bias2) + accounting.nbytes(a, a2, residual, cstate)
+                          * (2 if epilogue == EPI_XY else 1), accounting.nbytes(out, out2, cstate))
+    return (out, out2) if epilogue == EPI_XY else out
 
 
 __all__ = ["embed_rmsnorm", "add_rmsnorm", "conv_step", "gelu_mul", "advance", "linear", "default_config",

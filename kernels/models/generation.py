@@ -5,40 +5,25 @@ captured in a CUDA graph per batch size, sampling, stop tokens and a streaming i
     out = engine.generate(prompts, 128, temperature=0.8, top_k=50, stop_tokens=[1])
     for tokens in engine.stream(prompts, 128): ...              # tokens [B] per step
 
-Decoding state (one `_Slot` per batch size B, allocated once and reused): the cache
-(per layer conv_state [B, W-1, E] in the model dtype and rnn_state [B, E] FP32 for
-RG-LRU / [B, E/2] complex64 for SAMU), the next input token and its position per row,
-reset and done flags, the stop-token list and the temperature. A step feeds `tokens`
-at `pos` through the embedding, every block, the final norm and the vocabulary
-projection, chooses the next token (greedy, temperature, top-k) and writes it back
-into `tokens`, so a step is a fixed sequence of device work with no host
-synchronisation: on CUDA it is captured once per (B, greedy or sampled, top_k, generator) and replayed.
+Each batch size B has one `_Slot` of static decoding state: the cache, the next input
+token and its position per row, reset and done flags, stop tokens and temperature. A
+step runs embedding, blocks, final norm and logits, chooses the next token and writes
+it back into `tokens`: fixed device work with no host synchronisation, captured once
+per (B, greedy or sampled, top_k, generator) on CUDA and replayed.
 
-Prompts are left-padded to a common length P; as recurrentgemma's sampler does, the
-positions are t - (P - length) clipped at -1, so each row's first real token is a
-document start (position 0) that resets the recurrence and masks the convolution, and
-pads never reach a real token. An empty prompt (a list entry of no tokens, a row of
-`lengths` 0, or prompts=None) is the prompt [bos_id]. Prefill runs the first P - 1 columns through the
-blocks' sequence path (the mixer kernels with final states out, the conv state
-written), in chunks of `prefill_chunk`; the last prompt token is the first step's
-input, so each generated token comes from exactly one step.
+Prompts are left-padded to a common length P; as in recurrentgemma's sampler, positions
+are t - (P - length) clipped at -1, so each row's first real token is a document start
+and pads never reach a real token. An empty prompt is [bos_id]. Prefill runs the first
+P - 1 columns through the blocks' sequence path in chunks of `prefill_chunk`; the last
+prompt token is the first step's input.
 
-Step kernels (`kernels=`):
-    "model"  the layers' own decode path (HawkLM.step: PyTorch ops and the mixer's
-             step op); any device and dtype;
-    "fused"  library matmuls plus fused row kernels (kernels.models.decode): RMSNorm with
-             the residual add, the conv step, GeLU gating; the mixer's step op;
-    "gemm"   weight-streaming split-K linears with the row work fused into their
-             prologues and epilogues (four launches and the mixer step per layer), for
-             B <= 64; larger batches use "fused";
-    "auto"   on CUDA for bf16/fp16 models "gemm" up to AUTO_GEMM_MAX_ROWS rows and
-             "fused" above (the faster of the two on the H200 at preset 1.3b), "fused"
-             for fp32 models; "model" otherwise.
-PDL (`pdl=None`) is on for "gemm" on Hopper and newer GPUs (measured faster there).
-All of them compute HawkLM.step's function with its roundings (FP32 summation order
-may differ; "gemm" rounds the normalised matmul input before the 1 / rms factor, see
-kernels.models.decode). A graph holds the parameter and cache storage it was captured with: build a
-new engine after moving or re-creating the model's parameters.
+Step kernels (`kernels=`): "model" (HawkLM.step's own layers; any device and dtype);
+"fused" (library matmuls plus the fused row kernels of kernels.models.decode); "gemm"
+(the weight-streaming linears with the row work fused in, for B <= 64, "fused" above);
+"auto" (on CUDA: "gemm" up to AUTO_GEMM_MAX_ROWS rows and "fused" above for bf16/fp16,
+"fused" for fp32; "model" elsewhere). PDL (`pdl=None`) is on for "gemm" on Hopper and
+newer. All compute HawkLM.step with its roundings (see kernels.models.decode). A graph
+keeps the parameter storage it captured: build a new engine after replacing parameters.
 """
 
 from __future__ import annotations
@@ -50,7 +35,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import layers, ops
+from .. import ops
 from . import decode as dk
 from ..ops.checks import is_integer_dtype, shape_str
 from .hawk import HawkCache, HawkLM
@@ -123,25 +108,19 @@ def _is_int(t: torch.Tensor) -> bool:
     return is_integer_dtype(t.dtype)
 
 
-def _as_ids(v, name: str) -> torch.Tensor:
-    """torch.as_tensor of token ids given as a sequence, tensor or array; anything torch
-    cannot read as numbers (a string, a ragged list) raises ValueError naming `name`."""
+def _ids(v, name: str, scalar: bool = False) -> torch.Tensor:
+    """Token ids given as a sequence, tensor or array (`scalar`: or one int) -> int64
+    [n], never rounded; anything else (a string, a ragged list, floats) raises ValueError."""
+    what = f"expected {name} a sequence of integer token ids, got"
     if isinstance(v, (str, bytes)):
-        raise ValueError(f"expected {name} a sequence of integer token ids, got {v!r} ({type(v).__name__})")
+        raise ValueError(f"{what} {v!r} ({type(v).__name__})")
     try:
-        return torch.as_tensor(v)
+        t = torch.as_tensor(v)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"expected {name} a sequence of integer token ids, got {v!r} ({e})") from None
-
-
-def _token_list(tokens, name: str) -> list[int]:
-    """Token ids given as a sequence, tensor or array -> a list of ints (no rounding)."""
-    t = _as_ids(tokens, name)
-    if t.numel() == 0:
-        return []
-    if t.dim() > 1 or not _is_int(t):
-        raise ValueError(f"expected {name} a sequence of integer token ids, got {shape_str(t)} {t.dtype}")
-    return [int(v) for v in t.reshape(-1).tolist()]
+        raise ValueError(f"{what} {v!r} ({e})") from None
+    if t.numel() and ((t.dim() > 1 if scalar else t.dim() != 1) or not _is_int(t)):
+        raise ValueError(f"{what} {shape_str(t)} {t.dtype}")
+    return t.to(torch.int64).reshape(-1)
 
 
 class Engine:
@@ -149,19 +128,14 @@ class Engine:
     capture and replay the step (default: on CUDA); `pdl`: programmatic dependent
     launch between the weight-streaming linears (None: on compute capability >= 9);
     `linear_configs`: tile options of those linears by role ("xy", "out", "up",
-    "down", "logits"; see kernels.models.decode.default_config); `backend`, `step_backend`:
-    when given, the mixer kernels (names or kernels.Backend values, e.g.
-    Backend("auto", table=...)) set on the model's mixers (layers.set_backend) for the
-    prefill and the step."""
+    "down", "logits"; see kernels.models.decode.default_config). The mixer kernels are
+    the model's (HawkLM.set_backend)."""
 
     def __init__(self, model: HawkLM, *, kernels: str = "auto", graphs: bool | None = None, pdl: bool | None = None,
                  prefill_chunk: int = 1024, bos_id: int = BOS_ID, pad_id: int = 0,
-                 linear_configs: dict | None = None, backend=None, step_backend=None):
+                 linear_configs: dict | None = None):
         if not isinstance(model, HawkLM):
             raise ValueError(f"expected model to be a HawkLM, got {type(model).__name__}")
-        if backend is not None or step_backend is not None:
-            mixer = model.blocks[0].recurrent_block.mixer
-            layers.set_backend(model, mixer.backend if backend is None else backend, step_backend)
         if kernels not in KERNELS:
             raise ValueError(f"expected kernels in {list(KERNELS)}, got {kernels!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -226,12 +200,6 @@ class Engine:
         return None if self._cur is None else self._cur.cache
 
     @property
-    def logits(self) -> torch.Tensor | None:
-        """Logits [B, V] of the last step (a static buffer under graphs: read or clone
-        it before the next step)."""
-        return None if self._cur is None else self._cur.logits
-
-    @property
     def done(self) -> torch.Tensor | None:
         return None if self._cur is None else self._cur.done
 
@@ -271,13 +239,7 @@ class Engine:
             if lengths is not None:
                 raise ValueError("expected lengths only with a [B, P] prompt tensor (a list of prompts "
                                  "carries its own lengths)")
-            seqs = []
-            for i, p in enumerate(prompts):
-                q = _as_ids(p, f"prompt {i}")
-                if q.numel() and (q.dim() != 1 or not _is_int(q)):
-                    raise ValueError(f"expected prompt {i} a sequence of integer token ids, got "
-                                     f"{shape_str(q)} {q.dtype}")
-                seqs.append(q.to(torch.int64).reshape(-1))
+            seqs = [_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
             if not seqs:
                 raise ValueError("expected at least one prompt, got none")
             P = max(len(q) for q in seqs)
@@ -350,7 +312,7 @@ class Engine:
         sampling = Sampling(float(temperature), top_k)
         if sampling.top_k is not None and sampling.top_k > self.model.config.vocab_size:
             raise ValueError(f"expected top_k <= vocab_size = {self.model.config.vocab_size}, got {top_k}")
-        stops = _token_list(stop_tokens, "stop_tokens")
+        stops = _ids(stop_tokens, "stop_tokens", scalar=True).tolist()
         if len(stops) > dk.MAX_STOP_TOKENS:
             raise ValueError(f"expected at most {dk.MAX_STOP_TOKENS} stop tokens, got {len(stops)}")
         V = self.model.config.vocab_size
@@ -506,6 +468,21 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
 
+    def _steps(self, max_new_tokens, sync_every: int, prompts, start_kw: dict):
+        """start(prompts, **start_kw); returns B and an iterator over up to max_new_tokens
+        steps' token buffers that, with stop tokens, ends once every row has stopped
+        (checked every `sync_every` steps: one host synchronisation each)."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
+        B, s = self.start(prompts, **start_kw), self._cur
+
+        def steps():
+            for i in range(max_new_tokens):
+                yield self.step()
+                if self._has_stops and (i + 1) % sync_every == 0 and bool(s.done.all()):
+                    return
+        return B, steps()
+
     @torch.no_grad()
     def stream(self, prompts=None, max_new_tokens: int = 1, *, batch_size: int | None = None, lengths=None,
                temperature: float = 0.0, top_k: int | None = None, stop_tokens: Sequence[int] = (),
@@ -515,18 +492,13 @@ class Engine:
         or (tokens, logits [B, V]) with with_logits. With stop tokens the iterator ends
         once every row has stopped, checked every `sync_every` steps (one host
         synchronisation each). Arguments as in `start`."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"expected sync_every a positive int, got {sync_every!r}")
-        self.start(prompts, batch_size=batch_size, lengths=lengths, temperature=temperature, top_k=top_k,
-                   stop_tokens=stop_tokens, generator=generator)
-        s = self._cur
-        for i in range(max_new_tokens):
-            tok = self.step().clone()
-            yield (tok, s.logits.clone()) if with_logits else tok
-            if self._has_stops and (i + 1) % sync_every == 0 and bool(s.done.all()):
-                return
+        _, steps = self._steps(max_new_tokens, sync_every, prompts, dict(
+            batch_size=batch_size, lengths=lengths, temperature=temperature, top_k=top_k, stop_tokens=stop_tokens,
+            generator=generator))
+        for tok in steps:
+            yield (tok.clone(), self._cur.logits.clone()) if with_logits else tok.clone()
 
     @torch.no_grad()
     def generate(self, prompts=None, max_new_tokens: int = 1, *, batch_size: int | None = None, lengths=None,
@@ -534,16 +506,12 @@ class Engine:
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """New tokens [B, max_new_tokens] for a prompt batch (arguments as in `start`);
         after a row emits a stop token it holds pad_id."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
-        B = self.start(prompts, batch_size=batch_size, lengths=lengths, temperature=temperature, top_k=top_k,
-                       stop_tokens=stop_tokens, generator=generator)
+        B, steps = self._steps(max_new_tokens, 32, prompts, dict(
+            batch_size=batch_size, lengths=lengths, temperature=temperature, top_k=top_k, stop_tokens=stop_tokens,
+            generator=generator))
         out = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.int64, device=self.device)
-        s = self._cur
-        for i in range(max_new_tokens):
-            out[:, i].copy_(self.step())
-            if self._has_stops and (i + 1) % 32 == 0 and bool(s.done.all()):
-                break
+        for i, tok in enumerate(steps):
+            out[:, i].copy_(tok)
         return out
 
 

@@ -80,11 +80,6 @@ class HawkLM(nn.Module):
         self.final_norm = layers.RMSNorm(c.width, device=device, dtype=dtype)
         nn.init.normal_(self.embed.weight, std=math.sqrt(1.0 / c.width))
 
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.embed.weight, std=math.sqrt(1.0 / self.config.width))
-        for m in (*self.blocks, self.final_norm):
-            m.reset_parameters()
-
     def set_backend(self, backend, step_backend=None) -> "HawkLM":
         """Use `backend` (sequences) and `step_backend` (decode) in every mixer; plugs
         kernels in without touching model code (see kernels.layers.set_backend)."""
@@ -101,6 +96,20 @@ class HawkLM(nn.Module):
             raise ValueError(f"expected batch a positive int, got {batch!r}")
         return HawkCache([b.init_cache(batch, dtype, self.device) for b in self.blocks])
 
+    def _check_inputs(self, tokens, segment_pos, cache, shape):
+        """tokens and segment_pos of `shape` ([B, T] with T >= 1, or [B] for a step), on
+        the model's device, ids in range; the cache (None: none) for batch size B."""
+        _check_tokens("tokens", tokens, shape)
+        if len(shape) == 2 and tokens.shape[1] < 1:
+            raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(tokens)}")
+        check_tensor("segment_pos", segment_pos, shape=tuple(tokens.shape))
+        B, T = tokens.shape[0], (tokens.shape[1] if len(shape) == 2 else 1)
+        check_segment_pos(segment_pos.view(B, T), B, T)
+        self._check_device(tokens=tokens, segment_pos=segment_pos)
+        _check_token_range("tokens", tokens, self.config.vocab_size)
+        if cache is not None or len(shape) == 1:
+            self._check_cache(cache, B)
+
     def _check_cache(self, cache, B):
         if not isinstance(cache, HawkCache):
             raise ValueError("expected cache to be a HawkCache (from init_cache or forward), "
@@ -108,12 +117,11 @@ class HawkLM(nn.Module):
         if len(cache.layers) != len(self.blocks):
             raise ValueError(f"expected cache with {len(self.blocks)} layers, got {len(cache.layers)}")
         for i, c in enumerate(cache.layers):
-            layers.check_cache(c, B, f"cache.layers[{i}]")
-            for n in ("conv_state", "rnn_state"):
-                t = getattr(c, n)
-                if t.device != self.device:
-                    raise ValueError(f"expected cache.layers[{i}].{n} on {self.device} (the model's device), "
-                                     f"got {t.device}")
+            if c.batch_size != B or c.conv_state.shape[0] != B:
+                raise ValueError(f"expected cache.layers[{i}] for batch size {B}, got a cache for batch size "
+                                 f"{c.batch_size} (conv_state {shape_str(c.conv_state)}, rnn_state "
+                                 f"{shape_str(c.rnn_state)})")
+            self._check_device(**{f"cache.layers[{i}].{n}": getattr(c, n) for n in ("conv_state", "rnn_state")})
 
     def _check_device(self, **tensors):
         for n, t in tensors.items():
@@ -146,16 +154,7 @@ class HawkLM(nn.Module):
     def hidden(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
                return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
         """forward before the final norm and output projection: (x [B, T, D], cache)."""
-        _check_tokens("tokens", tokens, (None, None))
-        B, T = tokens.shape
-        if T < 1:
-            raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(tokens)}")
-        check_tensor("segment_pos", segment_pos, shape=(B, T))
-        check_segment_pos(segment_pos, B, T)
-        self._check_device(tokens=tokens, segment_pos=segment_pos)
-        _check_token_range("tokens", tokens, self.config.vocab_size)
-        if cache is not None:
-            self._check_cache(cache, B)
+        self._check_inputs(tokens, segment_pos, cache, (None, None))
         x = self.embed(tokens)
         new = []
         for i, block in enumerate(self.blocks):
@@ -167,13 +166,7 @@ class HawkLM(nn.Module):
         """One decode step: tokens, segment_pos [B] (0 starts a new document in that row);
         `cache` is updated in place. Returns logits [B, V]. The Triton step backends (the
         default on CUDA) have no backward: with them, decode under torch.no_grad()."""
-        _check_tokens("tokens", tokens, (None,))
-        B = tokens.shape[0]
-        check_tensor("segment_pos", segment_pos, shape=(B,))
-        check_segment_pos(segment_pos.view(B, 1), B, 1)
-        self._check_device(tokens=tokens, segment_pos=segment_pos)
-        _check_token_range("tokens", tokens, self.config.vocab_size)
-        self._check_cache(cache, B)
+        self._check_inputs(tokens, segment_pos, cache, (None,))
         reset = segment_pos == 0
         x = self.embed(tokens)
         for block, c in zip(self.blocks, cache.layers):

@@ -7,31 +7,15 @@ rule aggregate:
         tune_records=rules.tune.output.records,
         records=expand("results/tracks/{track}/records.jsonl", track=TRACKS),
     output:
-        report=report(
-            "results/report/report.md",
-            caption="../report/aggregate.rst",
-            category="Report",
-        ),
-        records_csv=report(
-            "results/report/records.csv",
-            caption="../report/aggregate.rst",
-            category="Tables",
-        ),
-        comparison_csv=report(
-            "results/report/comparison.csv",
-            caption="../report/aggregate.rst",
-            category="Tables",
-        ),
-        tables=report(
-            "results/report/tables.md",
-            caption="../report/aggregate.rst",
-            category="Tables",
-        ),
-        plots=report(
+        report=reported("results/report/report.md", "aggregate", "Report"),
+        records_csv=reported("results/report/records.csv", "aggregate", "Tables"),
+        comparison_csv=reported("results/report/comparison.csv", "aggregate", "Tables"),
+        tables=reported("results/report/tables.md", "aggregate", "Tables"),
+        plots=reported(
             directory("results/report/plots"),
+            "plots",
+            "Plots",
             patterns=["{name}.png"],
-            caption="../report/plots.rst",
-            category="Plots",
         ),
     log:
         log_path("aggregate"),

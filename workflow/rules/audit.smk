@@ -2,16 +2,8 @@ rule audit:
     input:
         environment=rules.probe.output.environment,
     output:
-        gates=report(
-            "results/audit/gates.json",
-            caption="../report/audit.rst",
-            category="Correctness audit",
-        ),
-        summary=report(
-            "results/audit/audit.md",
-            caption="../report/audit.rst",
-            category="Correctness audit",
-        ),
+        gates=reported("results/audit/gates.json", "audit", "Correctness audit"),
+        summary=reported("results/audit/audit.md", "audit", "Correctness audit"),
     log:
         log_path("audit"),
     benchmark:

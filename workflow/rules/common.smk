@@ -145,6 +145,11 @@ def stage_resources(stage):
     return STAGE_RESOURCES[stage]
 
 
+def reported(path, caption, category, **kwargs):
+    """An output shown in the Snakemake report, captioned by workflow/report/<caption>.rst."""
+    return report(path, caption=f"../report/{caption}.rst", category=category, **kwargs)
+
+
 def section(name):
     """A stage's settings in the active profile (params: a change reruns the stage on)."""
     return PROFILE_CONFIG[name]

@@ -1,10 +1,6 @@
 rule probe:
     output:
-        environment=report(
-            "results/probe/environment.json",
-            caption="../report/probe.rst",
-            category="Environment",
-        ),
+        environment=reported("results/probe/environment.json", "probe", "Environment"),
     log:
         log_path("probe"),
     benchmark:

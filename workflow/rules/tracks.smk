@@ -52,11 +52,7 @@ rule track_ops:
     input:
         environment=rules.probe.output.environment,
     output:
-        records=report(
-            "results/tracks/ops/records.jsonl",
-            caption="../report/ops.rst",
-            category="Tracks",
-        ),
+        records=reported("results/tracks/ops/records.jsonl", "ops", "Tracks"),
     log:
         log_path("track_ops"),
     benchmark:

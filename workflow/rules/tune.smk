@@ -3,11 +3,7 @@ rule tune:
         environment=rules.probe.output.environment,
         gates=rules.audit.output.gates,
     output:
-        table=report(
-            "results/tune/tuning.json",
-            caption="../report/tune.rst",
-            category="Tuning",
-        ),
+        table=reported("results/tune/tuning.json", "tune", "Tuning"),
         records="results/tune/records.jsonl",
     log:
         log_path("tune"),

@@ -1,11 +1,10 @@
 """Inference track (Griffin section 5) -> results/tracks/infer/records.jsonl: the
 profile's preset with BF16 random weights and FP32 caches, greedy decoding through the
 generation engine (kernels.models.generation.Engine; CUDA graphs on a GPU); prompt
-processing is untimed. Latency: batch B, an empty and a long prompt, one trajectory
+processing is untimed there. Prefill: the time to first token of a long prompt beside its floor. Latency: batch B, an empty and a long prompt, one trajectory
 read at every length, both orders. Throughput: probes over the profile's batch sizes,
 extended while tokens/s rises (`extend_grid`, which records where and why it ended),
 then each mixer's best batch sizes on fresh trajectories in both orders."""
-
 
 import json
 import math
@@ -69,6 +68,32 @@ def resolved_backends(engine, B: int, prompt: int) -> dict:
     return {"prefill": name, "prefill_options": opts, "step": engine.describe(B)["mixer_step_backend"]}
 
 
+def prefill_fields(model, pre: dict, settings: dict, env: dict, device) -> dict:
+    """Time to first token: the engine's prefill of a [B, P] prompt and its first decode
+    step, eager (one call as a user makes it), beside its floor: the larger of the model
+    FLOPs (2 x non-embedding parameters x prompt tokens) over the probe's BF16 matmul rate
+    and one read of the weights over its copy bandwidth."""
+    B, P = pre["batch"], pre["prompt"]
+    engine = Engine(model, graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(1, settings["vocab"], (B, P), generator=g).to(device)
+    try:
+        m = measure.measure(lambda: (engine.start(tokens), engine.step()), pre.get("reps", 3), 1, device)
+    finally:
+        del engine
+        measure.release(device)
+    fields = measure.timing_fields(m)
+    flops = 2 * model.config.non_embedding_parameters() * B * P
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rate, bw = measure.matmul_rate(env), measure.copy_bandwidth(env)
+    floors = {"flops_ms": flops / rate * 1e3 if rate else None, "bytes_ms": weight_bytes / bw * 1e3 if bw else None}
+    known = [v for v in floors.values() if v is not None]
+    return {**fields, "prompt_tokens": B * P, "ttft_ms": fields["stats"]["median_ms"], "floor_ms": max(known) if known else None,
+            "floor": {"model_flops": flops, "weight_bytes": weight_bytes, **floors,
+                      "ms": max(known) if known else None,
+                      "basis": "max(2 x non-embedding parameters x B x P / probe BF16 rate, weights / probe copy bandwidth)"}}
+
+
 def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
     """The tuning table's decode entry for this mixer nearest in log(B), if any."""
     cands = [e for e in table.get("decode", []) if e.get("op") == f"{mixer}_step"
@@ -118,12 +143,10 @@ def extend_grid(probe_at, thr: dict) -> dict:
 
 def main(job):
     settings = job.params["settings"]
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = measure.device_of()
     table = json.loads(Path(job.input.table).read_text())
     auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(table))
-    runner = measure.Runner("infer", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
+    runner = measure.Runner.for_job(job, "infer", settings, device)
     preset, mixers = settings["preset"], settings["mixers"]
     models: dict = {}
 
@@ -173,6 +196,16 @@ def main(job):
                 group(f"infer-latency-{preset}-P{prompt}-B{lat['batch']}-{mixer}-{order}", mixer, lat["batch"],
                       prompt, sorted(lat["lengths"]), lat.get("reps", 1), order,
                       {"role": "latency", "sequence": list(seq)})
+
+    pre = settings.get("prefill")
+    if pre:
+        env = json.loads(Path(job.input.environment).read_text())
+        for order, seq in measure.orders(mixers):
+            for mixer in seq:
+                cid = f"infer-prefill-{preset}-P{pre['prompt']}-B{pre['batch']}-{mixer}-{order}"
+                runner.run(cid, lambda mixer=mixer: prefill_fields(model(mixer), pre, settings, env, device),
+                           **base(mixer, pre["batch"], pre["prompt"]), order=order, role="prefill",
+                           sequence=list(seq))
 
     thr = settings.get("throughput") or {}
     if thr:

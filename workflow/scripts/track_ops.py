@@ -1,14 +1,11 @@
-"""Ops track (SPEC 5, track 0) -> results/tracks/ops/records.jsonl: the ops as users
-call them (`backend="auto"`) beside their peers in one process, at the presets'
-training shapes with resets, forward and forward + backward: `scan` (against
-accelerated-scan and fla's fused recurrent HGRN), `rglru`, `rglru_layer` (against the
-official recurrentgemma layer), `samu`, and the decode steps (`rglru_step` against the
-official layer at T = 1), each in both orders. Every variant is gated first against
-the float64 reference (ours in the track's dtype; a peer in FP32 within PEER_GATE_TOL,
-its track-dtype error recorded beside); a failed gate is a failed record.
-`python workflow/scripts/track_ops.py --standalone --profile h200 --out DIR` runs it
-outside Snakemake (measuring the copy bandwidth itself)."""
-
+"""Ops track (SPEC 5, track 0) -> results/tracks/ops/records.jsonl: the ops as users call
+them (`backend="auto"`) beside their peers, at the presets' training shapes with resets,
+fwd and fwd_bwd, both orders: `scan` (against accelerated-scan and fla's HGRN), `rglru`,
+`rglru_layer` and `rglru_step` (against the official recurrentgemma layer), `samu`,
+`samu_step`. Every variant is first gated against float64 (a peer in FP32 within
+PEER_GATE_TOL, its track-dtype error recorded beside); a failed gate is a failed record.
+`track_ops.py --standalone --profile h200 --out DIR` runs it outside Snakemake, measuring
+the copy bandwidth itself."""
 
 import argparse
 import copy
@@ -230,14 +227,9 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
 
             def body(name=name, reuse=reuse):
                 call, gate = gated(case, name, s)
-                logical = measure.reuse_logical(reuse)
-                f = measure.timing_fields(measure.measure(call, s["reps"], s["warmup"], device, count=logical is None,
-                                                          budget_s=s.get("budget_s_per_config")))
-                f["logical"] = {**(f["logical"] or logical), "floor_bytes": case.floor}
-                floor_ms = case.floor / bandwidth * 1e3 if bandwidth else None
-                f.update(gate=gate, floor_bytes=case.floor, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
-                         fraction_of_floor=floor_ms / f["stats"]["median_ms"] if floor_ms else None)
-                return f
+                f = measure.timed_fields(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse)
+                f["logical"] = {**f["logical"], "floor_bytes": case.floor}
+                return {**measure.floor_fields(f, case.floor, bandwidth), "gate": gate}
 
             # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.
             runner.run(cid, body, shapes=case.shapes, op=case.name, mixer=None,
@@ -276,7 +268,6 @@ def main(job):
 def standalone(argv) -> None:
     """The track outside Snakemake, with a profile's settings from config.yaml."""
     import yaml
-
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--standalone", action="store_true", required=True)

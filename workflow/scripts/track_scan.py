@@ -1,9 +1,8 @@
 """Scan track (SPEC 5, track 1) -> results/tracks/scan/records.jsonl: Griffin's Fig. 8a
-shape (B = 8, D = 1024 real states, SAMU 512 complex modes, T = 2048 .. 16384),
-forward only, every backend of every op (chunked ones per chunk size; inexact-by-design
-ones labelled exact=False) in both orders, with the memory floor over the probe's copy
-bandwidth and hardware counters from one Nsight Compute pass where readable."""
-
+shape (B = 8, D = 1024 real states, SAMU 512 complex modes, T = 2048 .. 16384), forward
+only, every backend of every op (chunked ones per chunk size; inexact-by-design ones
+exact=False) in both orders, with the memory floor over the probe's copy bandwidth and
+hardware counters from one Nsight Compute pass where readable."""
 
 import json
 import os
@@ -106,7 +105,7 @@ def collect_counters(job, items: list[dict], env: dict, settings: dict) -> dict:
 
 def main(job):
     settings = job.params["settings"]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = measure.device_of()
     gates = json.loads(Path(job.input.gates).read_text())
     env = json.loads(Path(job.input.environment).read_text())
     items = plan(settings, gates)
@@ -116,8 +115,7 @@ def main(job):
         return
     bandwidth = measure.copy_bandwidth(env)
     counters = collect_counters(job, profiled, env, settings)
-    runner = measure.Runner("scan", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
+    runner = measure.Runner.for_job(job, "scan", settings, device)
     inputs = Inputs(settings, device)
     for T in settings["T"]:
         for order, seq in measure.orders([i for i in items if i["T"] == T]):
@@ -129,17 +127,12 @@ def main(job):
 
                 def body(item=item, slow=slow, reuse=reuse):
                     call, args = inputs.call(item)
-                    logical = measure.reuse_logical(reuse)
-                    m = measure.measure(call, slow.get("reps", settings["reps"]), slow.get("warmup", settings["warmup"]),
-                                        device, count=logical is None, budget_s=settings.get("budget_s_per_config"))
-                    f = measure.timing_fields(m)
+                    f = measure.timed_fields(call, slow.get("reps", settings["reps"]),
+                                             slow.get("warmup", settings["warmup"]), device,
+                                             settings.get("budget_s_per_config"), reuse)
                     fb = floor_bytes(args, args[1] if item["op"] == "scan" else args[0])
-                    floor_ms = fb / bandwidth * 1e3 if bandwidth else None
-                    f["logical"] = {**(f["logical"] or logical), "state_bytes": settings["B"] * settings["D"] * 4,
-                                    "floor_bytes": fb}
-                    f.update(floor_bytes=fb, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
-                             fraction_of_floor=(floor_ms / f["stats"]["median_ms"]) if floor_ms else None)
-                    return f
+                    f["logical"] = {**f["logical"], "state_bytes": settings["B"] * settings["D"] * 4, "floor_bytes": fb}
+                    return measure.floor_fields(f, fb, bandwidth)
 
                 counter = counters.get(config_id(item, settings, "AB"))
                 runner.run(config_id(item, settings, order), body, shapes={"B": settings["B"], "T": T, "D": settings["D"]},

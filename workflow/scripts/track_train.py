@@ -1,12 +1,10 @@
-"""Training-step track -> results/tracks/train/records.jsonl. Identical Hawk models with
-the mixer switched, random tokens, 8192 tokens per step; a step is
-kernels.models.train_step (fused loss, backward, clipping, fused AdamW; BF16 autocast
-over FP32 master weights). First the diagnostics (every gated backend, chunked ones per
-chunk size), then the architecture comparison (each mixer's fastest exact diagnostics
-backend, else the tuning table's, on fresh runs in both orders), then the slow PyTorch
-reference and the official recurrentgemma peer, so a spent budget cuts those first.
-MFU: 6 x parameters x tokens over the probe's measured BF16 matmul rate."""
-
+"""Training-step track -> results/tracks/train/records.jsonl: identical Hawk models but
+the mixer, random tokens, 8192 tokens a step of kernels.models.train_step (fused loss,
+backward, clipping, fused AdamW; BF16 autocast over FP32 weights). First the diagnostics
+(every gated backend, chunked ones per chunk size), then the architecture comparison
+(each mixer's fastest exact diagnostics backend, else the tuning table's; fresh runs,
+both orders), last the slow PyTorch reference and the official recurrentgemma peer, so a
+spent budget cuts those. MFU: 6 x parameters x tokens over the probe's BF16 matmul rate."""
 
 import json
 from pathlib import Path
@@ -39,8 +37,6 @@ class Setup:
 
     def __init__(self, preset: str, mixer: str, T: int, B: int, settings: dict, device, backend="auto",
                  official: bool = False, seed: int = 0):
-
-
         torch.manual_seed(seed)
         self.cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
         model = HawkLM(self.cfg, backend=backend, device=device, dtype=torch.float32)
@@ -96,11 +92,7 @@ def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate,
     """Build, warm up, count (unless the other order's record `reuse` has the counts), time."""
     s = setup_fn()
     try:
-        logical = measure.reuse_logical(reuse)
-        m = measure.measure(s.step, reps, warmup, device, count=logical is None,
-                            budget_s=settings.get("budget_s_per_config"))
-        fields = measure.timing_fields(m)
-        fields["logical"] = fields["logical"] or logical
+        fields = measure.timed_fields(s.step, reps, warmup, device, settings.get("budget_s_per_config"), reuse)
         fields.update(s.figures(fields, matmul_rate, peak_rate))
         return fields
     finally:
@@ -110,14 +102,13 @@ def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate,
 
 def main(job):
     settings = job.params["settings"]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = measure.device_of()
     gates = json.loads(Path(job.input.gates).read_text())
     env = json.loads(Path(job.input.environment).read_text())
 
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
-    runner = measure.Runner("train", job.profile, job.params["records_dir"], settings.get("budget_s"), device,
-                            restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
+    runner = measure.Runner.for_job(job, "train", settings, device)
     mixers = settings["mixers"]
     shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
     diag = settings.get("diagnostics", "all")

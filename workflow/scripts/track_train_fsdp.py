@@ -1,13 +1,11 @@
-"""Multi-GPU training track -> results/tracks/train_fsdp/records.jsonl: track_train's
-step run data parallel over `train.world_size` GPUs of one node with FSDP2
-(common/fsdp.py), B documents of T tokens per rank (weak scaling), each mixer on the
-backend track_train's comparison chose at that shape (else `auto`), both orders. A
-step takes its slowest rank's time; records add tokens/s in total and per GPU, MFU
-per GPU, every rank's peak memory and the scaling efficiency against the single-GPU
-tokens/s. The stage runs torchrun on this script (`--worker`); rank 0 decides what
-runs and writes the records; a configuration during which a rank died is recorded
-as failed and torchrun starts again to resume."""
-
+"""Multi-GPU training track -> results/tracks/train_fsdp/records.jsonl: track_train's step
+data parallel over `train.world_size` GPUs of one node with FSDP2 (common/fsdp.py), B
+documents of T tokens per rank (weak scaling), each mixer on the backend track_train's
+comparison chose at that shape (else `auto`), both orders. A step takes its slowest
+rank's time; records add tokens/s in total and per GPU, MFU per GPU, every rank's peak
+memory and the scaling efficiency against single-GPU tokens/s. The stage runs torchrun
+on this script (`--worker`); rank 0 decides what runs and writes the records; a
+configuration during which a rank died is recorded failed and torchrun restarts."""
 
 import json
 import subprocess
@@ -112,8 +110,6 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
 def worker(job_file: str) -> None:
     """One rank of the torchrun group: measure every planned configuration."""
     stage.prepare_process()
-
-
     job = stage.Job.from_json(json.loads(Path(job_file).read_text()))
     work = Path(job_file).parent
     rank, world, device = fsdp.init_process_group()
@@ -121,7 +117,6 @@ def worker(job_file: str) -> None:
     if world != settings["world_size"]:
         raise RuntimeError(f"expected {settings['world_size']} ranks (train.world_size), torchrun started {world}")
     fs = fsdp_settings(settings)
-
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     env = json.loads(Path(job.input.environment).read_text())
     matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
@@ -129,7 +124,7 @@ def worker(job_file: str) -> None:
     param_dtype = getattr(torch, autocast) if autocast else None
     items = plan(settings, records.read_jsonl(job.input.single))
     runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device,
-                                                lock_clocks=job.lock_clocks) if rank == 0 else None
+                            lock_clocks=job.lock_clocks) if rank == 0 else None
     budget = measure.Budget(fs["budget_s"])
 
     def make(item):

@@ -1,10 +1,9 @@
 """Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads; schema in
-kernels/ops/tuning.py) and records.jsonl. Per op and shape every exact candidate
-(backend x the profile's option grid, as the launcher accepts) is checked against the
-reference, timed on probe runs, and the fastest re-measured on fresh runs whose
-figures the entry carries; decode steps likewise per batch size, as trajectories of
-`steps` fed-back steps (one CUDA-graph replay each on a GPU)."""
-
+kernels/ops/tuning.py) and records.jsonl. Per op and shape every exact candidate (backend
+x the option grid the launcher accepts) is checked against the reference and timed on
+probe runs; the fastest is re-measured on fresh runs, whose figures the entry carries.
+Decode steps likewise per batch size, timed as trajectories of `steps` fed-back steps
+(one CUDA-graph replay each on a GPU)."""
 
 import fnmatch
 import itertools
@@ -200,12 +199,9 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
 
 def main(job):
     settings = job.params["settings"]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = measure.device_of()
     gates = json.loads(open(job.input.gates).read())
-    runner = measure.Runner("tune", job.profile, job.params.get("records_dir", "results/tune/records.d"),
-                            settings.get("budget_s"), device, restart=lambda: measure.reexec(job),
-                            lock_clocks=job.lock_clocks)
-
+    runner = measure.Runner.for_job(job, "tune", settings, device)
     entries = tune_ops(runner, settings, gates, device)
     decode = tune_decode(runner, settings, device)
     gpu = facts.gpu()

@@ -96,14 +96,25 @@ def softplus(x):
 
 @triton.jit
 def one_minus_sq(a, log_a):
-    # 1 - a^2 for a = exp(log_a) <= 1. Near a = 1 (long memory) 1 - a*a from the rounded a
-    # keeps few digits; -expm1(2 log_a) by Kahan's trick, expm1(z) = (e - 1) z / log(e)
-    # with e = a*a, is accurate there: (e - 1) / log(e) hardly depends on e's rounding and
-    # z = 2 log_a is exact. Far from 1 (z <= -1) there is no cancellation.
+    # 1 - a^2 = -expm1(z) for a = exp(log_a) <= 1, z = 2 log_a (exact). Near a = 1 (long
+    # memory) 1 - a*a from the rounded a keeps few digits. FP32: for z > -1/2 the Taylor
+    # series of -expm1 through z^8 in Horner form (the rest is under 2^-26 relative: no
+    # log, no division, so the kernels stay as fast as with 1 - a*a), else 1 - a*a (the
+    # rounding of a*a is amplified at most e^z / (1 - e^z) < 1.6 times). Float64: Kahan's
+    # expm1(z) = (e - 1) z / log(e) with e = a*a.
     e = a * a
     z = 2.0 * log_a
-    near = (z > -1.0) & (e < 1.0)
-    return tl.where(near, (1.0 - e) * (z / tl.log(tl.where(near, e, 0.5))), tl.where(z > -1.0, -z, 1.0 - e))
+    if a.dtype == tl.float64:
+        near = (z > -1.0) & (e < 1.0)
+        return tl.where(near, (1.0 - e) * (z / tl.log(tl.where(near, e, 0.5))), tl.where(z > -1.0, -z, 1.0 - e))
+    s = z * (1.0 / 40320.0) + 1.0 / 5040.0
+    s = s * z + 1.0 / 720.0
+    s = s * z + 1.0 / 120.0
+    s = s * z + 1.0 / 24.0
+    s = s * z + 1.0 / 6.0
+    s = s * z + 0.5
+    s = s * z + 1.0
+    return tl.where(z > -0.5, -z * s, 1.0 - e)
 
 
 @triton.jit

@@ -21,7 +21,6 @@ def positions(B: int, T: int, device, resets: bool = False):
     """segment_pos [B, T]: one document per row, or with `resets` the audit's mix of resets."""
     if not resets:
         return torch.arange(T, device=device).expand(B, T).contiguous()
-
     return parity.make_segment_pos(B, T, resets=True, seed=0, device=device)
 
 
@@ -160,14 +159,9 @@ def gated_backends(gates: dict) -> dict[str, set[str]] | None:
 def exact_backend_names(op: str, names, gates: dict | None, inexact=()) -> list[str]:
     """The backends of `op` matching no `inexact` pattern and passing every audit check."""
     gated = gated_backends(gates) if gates else None
-    out = []
-    for n in names:
-        if any(fnmatch.fnmatch(n, pat) for pat in inexact):
-            continue
-        if gated is not None and n not in gated.get(op, set().union(*gated.values()) if gated else set()):
-            continue
-        out.append(n)
-    return out
+    allowed = None if gated is None else gated.get(op, set().union(*gated.values()) if gated else set())
+    return [n for n in names if not any(fnmatch.fnmatch(n, pat) for pat in inexact)
+            and (allowed is None or n in allowed)]
 
 
 def diagnostic_backend_names(op: str, names, gates: dict | None) -> tuple[list[str], set[str]]:

@@ -19,7 +19,7 @@ AUDIT_S_PER_DTYPE = 132.0
 AGGREGATE_S = 8.0
 ARCHIVE_S = 4.0
 # Process start to first configuration, without the configurations (s).
-FIXED_S = {"tune": 12.0, "scan": 10.0, "train": 9.0, "infer": 13.0}
+FIXED_S = {"tune": 12.0, "scan": 10.0, "train": 9.0, "infer": 13.0, "ops": 10.0}
 
 TWO_CLOCKS_BELOW_MS = 50.0   # measure.DEVICE_CLOCK_MAX_MS
 
@@ -33,8 +33,7 @@ TUNE_MS_PER_ELEMENT = {("rglru", "fwd_bwd"): 0.75 / 20.97e6, ("samu", "fwd_bwd")
                        ("scan", "fwd_bwd"): 0.6 / 20.97e6, ("rglru", "fwd"): 0.2 / 33.55e6,
                        ("samu", "fwd"): 0.6 / 33.55e6, ("scan", "fwd"): 0.2 / 33.55e6}
 TUNE_ASSOC_FACTOR = 16.0
-OP_BACKENDS = {"rglru": ["serial", "chunk", "assoc"], "samu": ["serial", "chunk", "assoc"],
-               "scan": ["serial", "chunk", "assoc"]}
+OP_BACKENDS = dict.fromkeys(("rglru", "samu", "scan"), ("serial", "chunk", "assoc"))
 STEP_BACKENDS = {"rglru": ["fused"], "samu": ["fused", "row", "blocked"]}
 
 # ---- scan track: forward at B=8, T=2048, D=1024 (ms, run 3 and 4 medians); linear in B*T*D.
@@ -196,6 +195,10 @@ def infer(s: dict) -> float:
         per = INFER_BUILD_S + prompt * lat["batch"] * INFER_PREFILL_S_PER_TOKEN_ROW
         per += (warm + lat.get("reps", 1) * max(lat["lengths"])) * step
         total += 2 * mixers * per
+    pre = s.get("prefill")
+    if pre:
+        per = INFER_BUILD_S + (pre.get("reps", 3) + 2) * pre["prompt"] * pre["batch"] * INFER_PREFILL_S_PER_TOKEN_ROW
+        total += 2 * mixers * per
     thr = s.get("throughput")
     if thr:
         batches = thr["batches"]
@@ -207,10 +210,26 @@ def infer(s: dict) -> float:
     return total
 
 
+# ---- ops track: a configuration is dominated by its float64 gate and graph capture, not by
+# its calls (under 1 ms): run 5 wrote 68 records (80 planned) in 218 s at 5 + 50 calls each.
+OPS_CONFIG_S = 1.4
+OPS_CALL_S = 0.022
+
+
+def ops(s: dict) -> float:
+    per_preset = sum((1 + (len(s.get("scan_peers", [])) if op == "scan" else op == "rglru_layer")) for op in s["ops"])
+    dec = s.get("decode") or {}
+    configs = per_preset * len(s["presets"]) * len(s.get("modes", ["fwd"])) * 2
+    configs += (len(dec.get("ops", [])) + len(dec.get("step_peers", []))) * len(dec.get("batches", [])) * 2
+    per = OPS_CONFIG_S + OPS_CALL_S * (s.get("warmup", 0) + s["reps"])
+    return FIXED_S["ops"] + _budgeted([per] * configs, s.get("budget_s"))
+
+
 def estimate(profile: dict) -> dict[str, float | None]:
     """Predicted seconds per stage (None for a section the model does not cover)."""
     out = {"probe": PROBE_S, "audit": AUDIT_S_PER_DTYPE * len(profile["audit"]["dtypes"]),
-           **{name: fn(profile[name]) for name, fn in (("tune", tune), ("scan", scan), ("train", train), ("infer", infer))}}
+           **{name: fn(profile[name]) for name, fn in (("tune", tune), ("ops", ops), ("scan", scan), ("train", train),
+                                                         ("infer", infer)) if name in profile}}
     return {**out, **{n: None for n in profile if n not in out}, "aggregate": AGGREGATE_S, "archive": ARCHIVE_S}
 
 

@@ -118,9 +118,8 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
 
 
 def _heal_rng(dev) -> None:
-    """A capture that failed leaves the default CUDA generator marked as capturing, and
-    every later random draw raises "Offset increment outside graph capture"; one trivial
-    capture that completes resets it."""
+    """One trivial completed capture: a failed one leaves the CUDA generator capturing (every
+    later random draw raises "Offset increment outside graph capture")."""
     x = torch.zeros(1, device=dev)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -216,9 +215,8 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
 
 
 class Clocks:
-    """NVML view of one GPU's SM clock: `sample()` (clock and slowdown reasons), `lock()`
-    (nvmlDeviceSetGpuLockedClocks at the default applications clock; says whether it
-    worked), `reset()` (releases a lock this process took)."""
+    """NVML view of one GPU's SM clock: `sample()` (clock, slowdown reasons), `lock()` (at the
+    default applications clock; says whether it worked), `reset()` (a lock this process took)."""
 
     SLOWDOWN = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # SW power cap, HW slowdown, SW/HW thermal, power brake
 
@@ -329,6 +327,25 @@ def timing_fields(m: dict) -> dict:
             **{k: t[k] for k in ("clock", "eager", "device", "sm_clock", "peak_bytes", "base_bytes")}}
 
 
+def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, budget_s: float | None = None,
+                 reuse: dict | None = None) -> dict:
+    """`timing_fields(measure(...))`, the launches counted only when `reuse` (the other run
+    order's record) has no counts to lend."""
+    logical = reuse_logical(reuse)
+    f = timing_fields(measure(call, reps, warmup, device, count=logical is None, budget_s=budget_s))
+    f["logical"] = f["logical"] or logical
+    return f
+
+
+def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
+    """`f` with the memory floor: floor_bytes moved at the probe's copy bandwidth, and the
+    headline median's fraction of it."""
+    floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else None
+    f.update(floor_bytes=floor_bytes, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
+             fraction_of_floor=floor_ms / f["stats"]["median_ms"] if floor_ms else None)
+    return f
+
+
 def orders(names: Sequence) -> list[tuple[str, list]]:
     """Both run orders of a comparison: ("AB", names) then ("BA", reversed)."""
     names = list(names)
@@ -336,20 +353,24 @@ def orders(names: Sequence) -> list[tuple[str, list]]:
 
 
 def count_kernels(events) -> dict:
-    """Kernels, copies and fills among profiler events that ran on the GPU."""
-    out = {"kernels": 0, "memcpy": 0, "memset": 0, "by_name": {}}
+    """Kernels, copies and fills among profiler events that ran on the GPU, with each
+    kernel name's count and summed device time (us), the breakdown of the call."""
+    out = {"kernels": 0, "memcpy": 0, "memset": 0, "by_name": {}, "us_by_name": {}, "device_us": 0.0}
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kind = "memcpy" if e.name.startswith("Memcpy") else "memset" if e.name.startswith("Memset") else "kernels"
             out[kind] += 1
+            us = float(e.time_range.elapsed_us())
+            out["device_us"] += us
             if kind == "kernels":
                 out["by_name"][e.name] = out["by_name"].get(e.name, 0) + 1
+                out["us_by_name"][e.name] = out["us_by_name"].get(e.name, 0.0) + us
     return out
 
 
 def logical_counts(fn: Callable[[], object], device=None) -> dict:
-    """Run fn once under the launchers' accounting and, on a GPU, torch.profiler, whose
-    kernel count is `launches` (else the launchers' own count)."""
+    """One call of fn under the launchers' accounting and, on a GPU, torch.profiler (whose
+    kernel count is `launches`, else the launchers')."""
     dev, lc, prof = device_of(device), {}, None
     if dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -378,12 +399,15 @@ def logical_counts(fn: Callable[[], object], device=None) -> dict:
             "accounted_launches": c.launches, "by_kernel": dict(c.by_kernel), "memcpy": lc.get("memcpy"),
             "memset": lc.get("memset"),
             "top_kernels": dict(sorted(lc.get("by_name", {}).items(), key=lambda kv: -kv[1])[:40]),
+            "device_us": lc.get("device_us"),
+            "top_kernels_by_time": [{"name": n, "us": round(us, 2), "calls": lc["by_name"][n],
+                                     "share": round(us / lc["device_us"], 4) if lc["device_us"] else None}
+                                    for n, us in sorted(lc.get("us_by_name", {}).items(), key=lambda kv: -kv[1])[:25]],
             "profiler_error": lc.get("error")}
 
 
 def reuse_logical(rec: dict | None) -> dict | None:
-    """The logical counts of the same configuration's record in the other run order
-    (the same kernels run), marked with where they were counted."""
+    """The logical counts of the other run order's record (the same kernels), marked so."""
     if rec is None or rec.get("status") != STATUS_OK or not isinstance(rec.get("logical"), dict):
         return None
     return {**rec["logical"], "counted_in": rec["config_id"]}
@@ -460,9 +484,8 @@ def ncu_path(ncu: str = "ncu") -> str | None:
 
 def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, ncu: str = "ncu",
                  env: dict | None = None) -> list[dict] | None:
-    """Run `argv` (a worker running n_configs configurations once each, each call between
-    two mark_boundary() calls) under Nsight Compute: one counter summary per
-    configuration, or None when it fails."""
+    """One counter summary per configuration of `argv` run under Nsight Compute (each call
+    between two mark_boundary() calls), or None when it fails."""
     cmd = [ncu_path(ncu) or ncu, "--csv", "--page", "raw", "--metrics", ",".join(NCU_METRICS.values()), *argv]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
@@ -601,7 +624,6 @@ class Runner:
 
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
                  restart: Callable[[], None] | None = None, lock_clocks: bool = False):
-
         self.stage, self.profile, self.dir, self.device = stage, profile, Path(records_dir), device_of(device)
         self.budget, self.restart = Budget(budget_s), restart
         self.done = records.done_ids(self.dir, profile)
@@ -610,6 +632,12 @@ class Runner:
         self.clocks = clocks(self.device)
         self.clock_lock = self.clocks.lock() if lock_clocks else {
             "locked": False, "reason": "not requested (profile key probe.lock_clocks)"}
+
+    @classmethod
+    def for_job(cls, job, stage: str, settings: dict, device) -> "Runner":
+        """The runner of a Snakemake stage job: its records_dir, budget_s, restart and clock lock."""
+        return cls(stage, job.profile, job.params["records_dir"], settings.get("budget_s"), device,
+                   restart=lambda: reexec(job), lock_clocks=job.lock_clocks)
 
     def say(self, msg: str) -> None:
         log_line(f"{self.stage}: {msg}")
@@ -626,8 +654,8 @@ class Runner:
         return self.run_group([config_id], lambda: {config_id: body() or {}}, {config_id: fields}).get(config_id)
 
     def run_group(self, config_ids: list[str], body: Callable[[], dict], fields: dict) -> dict:
-        """One measurement yielding several records: `body()` returns {config_id: fields},
-        `fields[cid]` each record's own fields; all or none are recorded."""
+        """One measurement, several records (all or none): `body()` gives {config_id: fields}
+        beside each record's own `fields[config_id]`."""
         for c in config_ids:
             if c in self.planned:
                 raise ValueError(f"configuration {c!r} planned twice in stage {self.stage}")
