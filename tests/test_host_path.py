@@ -13,7 +13,6 @@ from kernels.ops import triton_utils
 from kernels.ops.rglru import chunk as rglru_chunk
 from kernels.ops.rglru import common as rglru_common
 from kernels.ops.rglru import fused_recurrent as rglru_serial
-from kernels.ops.rglru import split as rglru_split
 from kernels.ops.rglru import step as rglru_step_mod
 from kernels.ops.samu import chunk as samu_chunk
 from kernels.ops.samu import common as samu_common
@@ -45,7 +44,7 @@ def stubbed(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **k: launches.append(self.name)
 
-    for mod in (rglru_step_mod, rglru_serial, rglru_split, rglru_chunk, rglru_common, samu_step_mod, samu_common, samu_chunk,
+    for mod in (rglru_step_mod, rglru_serial, rglru_chunk, rglru_common, samu_step_mod, samu_common, samu_chunk,
                 samu_serial):
         for name, obj in list(vars(mod).items()):
             if name.endswith("_kernel") and hasattr(obj, "__getitem__"):

@@ -1,7 +1,7 @@
 """Fused Triton RG-LRU: training forward/backward from the gate logits, the bare affine
 scan, and the one-launch decode step.
 
-Backends: "serial" (fused_recurrent.py, split.py): one program per (sequence, channel
+Backends: "serial" (fused_recurrent.py): one program per (sequence, channel
 block) walking time in tiles, one launch per pass (+ the a_param reduction); "chunk"
 (chunk.py): exact two-level chunked scan, parallel over chunks too. Gate activations,
 a and the write exist only in registers; the backward keeps the inputs and FP32 states

@@ -124,6 +124,13 @@ def last_row(v, rows, BT: tl.constexpr):
 
 
 @triton.jit
+def row_of(v, idx, k):
+    """v [N, ...] -> v[k] (a sum of one non-zero term, exact); idx = tl.arange(0, N)
+    shaped to broadcast along axis 0."""
+    return tl.sum(tl.where(idx == k, v, 0.0), axis=0)
+
+
+@triton.jit
 def first_row(v, rows):
     return tl.sum(tl.where(rows[:, None] == 0, v, 0.0), axis=0)
 
@@ -245,13 +252,28 @@ def tile_states(a, b, hin, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
+               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+               seg=None, W: tl.constexpr = 1):
     """Adjoint of one tile given its states (tile_states) and r, mu after the tile [BD].
-    Stores the activation gradients; returns (mu at its first row, d softplus partial)."""
+    Stores the activation gradients; returns (mu at its first row, d softplus partial).
+    W > 1: a split tile (values in scan order [TT, W, BD], rows [TT, 1], off and m in
+    memory order, warp row w holding segment seg[w]); the partial is [W, BD]."""
     dyv = dyv.to(ACC)
-    ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, False)
-    return tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
-                            ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE)
+    # per warp (split): the reverse adjoint maps from the segment's end (time in registers)
+    ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, W > 1)
+    if W == 1:
+        return tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
+                                ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE)
+    else:
+        first = rows[:, :, None]
+        # [W, BD] across warps, from the tile's end: the carry entering segment w from
+        # after it (exclusive) and leaving segment w at its first row (inclusive)
+        xa, xb, ja, jb = excl_scan(row_of(ia, first, 0), row_of(ib, first, 0), ACC)
+        rw = xa * r[None, :] + xb
+        r_first, dsp = tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h,
+                                        hprev, rw, ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE, True)
+        # the carry leaving the tile at its first step: the first segment's
+        return row_of(ja * r[None, :] + jb, seg, 0), dsp
 
 
 @triton.jit

@@ -1,13 +1,28 @@
 """Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
-sequence and walks time in tiles, carrying the FP32 state in registers.
+sequence and walks time in tiles, carrying the FP32 state in registers; the backward
+walks the tiles in reverse, recomputes their states from the saved ones and runs the
+adjoint (common.py). The a_param gradient is a per-program partial [B, D] reduced in a
+fixed order.
 
-time_warps W > 1 (the default) splits each tile's time axis across W warps (split.py);
-W = 1 runs the tile kernels below (also the default for an RG-LRU forward without
-gradient: faster there on the H200). Tile kernels: per tile, load [BT, BD] inputs, form
-a_t, b_t in registers, one associative scan, store y, carry the last row; the state
-entering every tile ([B, NT, D] FP32) is all that is kept for backward, which walks the
-tiles in reverse, recomputes their states and runs the adjoint (common.py). The a_param
-gradient is a per-program partial [B, D] reduced in a fixed order.
+Split kernels (time_warps W > 1, the default): BD = 64 channels (2 per lane), tiles of
+W * TT steps (TT = chunk_size): warp w holds TT consecutive steps, each thread its two
+channels' TT steps in registers. The tile is addressed in memory order [W, TT, BD] (so
+Triton's coalescing picks that layout) and relabelled [TT, W, BD] (common.mem_order)
+for the scans along axis 0. Offsets are int32 from one int64 base per tile; EVEN (T and
+D multiples of the tile) forms no element masks. Forward, per tile: each warp scans its
+TT steps from a zero state; the W segment maps are composed across warps by one small
+scan carrying the exclusive and inclusive compositions (common.affine_excl); the state
+entering segment w is its exclusive prefix applied to the carry, and is saved
+([B, T / TT, D] FP32), so the backward's warps recompute their states alone. There the
+warps hold the segments last first, so their reverse adjoint maps compose across warps
+by a forward scan. Why: one thread per channel column leaves B * D / 2 threads on
+serial chains, too few to cover memory latency; the split multiplies them by W while
+each element still costs one in-register scan step.
+
+Tile kernels (W = 1; also the default for an RG-LRU forward without gradient: faster
+there on the H200): per tile of TT steps, load [TT, BD] inputs, form a_t, b_t in
+registers, one associative scan, store y, carry the last row; the state entering every
+tile ([B, NT, D] FP32) is saved.
 
 Options: chunk_size (steps per warp segment with W > 1, default 8; the tile with W = 1,
 default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (W = 1 only) and
@@ -23,41 +38,146 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from . import split
 from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, out, tl_acc
-from .common import (act_bytes, affine, blocks_for, coeffs, last_row, load_raw, program_end, program_start, tile_grads,
-                     tile_offsets, tile_states)
+from .common import (act_bytes, affine, blocks_for, coeffs_vk, excl_scan, last_row, load_inputs, mem_order,
+                     program_end, program_start, row_of, tile_grads, tile_offsets, tile_states)
+
+
+def even(T: int, D: int, cfg: dict) -> bool:
+    """Whether T and D are multiples of a split tile, after checking its int32 offsets."""
+    if (cfg["BT"] + 1) * D >= 2 ** 31:
+        raise ValueError(f"expected (time_warps * chunk_size + 1) * D < 2**31 for the split kernels' int32 tile "
+                         f"offsets, got D = {D} with a tile of {cfg['BT']} steps")
+    return T % cfg["BT"] == 0 and D % cfg["BD"] == 0
+
+
+@triton.jit
+def axes(TT: tl.constexpr, W: tl.constexpr):
+    """(the scan's time axis: [TT, 1] split, [TT] tile; warp [W, 1]; the steps a tile is
+    addressed by: [1, TT] split, [TT] tile)."""
+    if W > 1:
+        ii = tl.arange(0, TT)[:, None]
+        im = tl.arange(0, TT)[None, :]
+    else:
+        ii = tl.arange(0, TT)
+        im = ii
+    return ii, tl.arange(0, W)[:, None], im
+
+
+@triton.jit
+def tile_at(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
+    """The tile of steps from t0: (steps, base element, element offsets from it, mask).
+    W = 1: steps [TT], int64 offsets [TT, BD] (base 0). Split: warp row w holds segment
+    seg[w]; steps [W, TT], an int64 base, int32 offsets in memory order [W, TT, BD]
+    (lanes go along the contiguous last axis, warps along axis 0: Triton orders
+    equal-contiguity dims by position, so axis 1 stays in each thread's registers), and
+    with EVEN one uniform predicate for the whole tiles outside [0, T) that the prefetch
+    reaches."""
+    if W == 1:
+        rel, m = tile_offsets(i_b, t0, T, D, o_d, m_d, im)
+        return t0 + im, 0, rel, m
+    else:
+        rt = seg * TT + im
+        t = t0 + rt
+        base = (i_b * T + t0) * D
+        rel = (rt * D)[:, :, None] + o_d[None, None, :]
+        if EVEN:
+            m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
+        else:
+            m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
+        return t, base, rel, m
+
+
+@triton.jit
+def tile_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, W: tl.constexpr,
+              IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, EVEN: tl.constexpr):
+    """The tile's inputs as stored and its positions (common.load_inputs); split: inputs
+    in scan order [TT, W, BD], positions [TT, W]."""
+    t, base, rel, m = tile_at(i_b, t0, T, D, o_d, m_d, im, seg, TT, W, EVEN)
+    r0, r1, r2, p = load_inputs(x + base, gx + base, ga + base, pos + i_b * T, rel, m, t, T, IS_SCAN, HAS_RESET)
+    if W == 1:
+        return r0, r1, r2, p
+    else:
+        return mem_order(r0, True), mem_order(r1, True), mem_order(r2, True), tl.trans(p)
+
+
+@triton.jit
+def row_masks(t, p, T, W: tl.constexpr):
+    """(valid, keep) of a tile (common.coeffs_vk), shaped to broadcast against it."""
+    if W == 1:
+        return (t < T)[:, None], (p != 0)[:, None]
+    else:
+        return tl.trans(t < T)[:, :, None], (p != 0)[:, :, None]
+
+
+@triton.jit
+def split_states(a, b, hin, ii, wcol, TT: tl.constexpr, W: tl.constexpr, ACC: tl.constexpr):
+    """(h, the state leaving the tile, the state entering each warp's segment [W, BD]) of a
+    [TT, W, BD] tile entered with state hin [BD]."""
+    A, Bs = tl.associative_scan((a, b), 0, affine)
+    last = ii[:, :, None]
+    sa = row_of(A, last, TT - 1)
+    sb = row_of(Bs, last, TT - 1)
+    # [W, BD]: the composition of the segments before w (exclusive) and up to w
+    xa, xb, ia, ib = excl_scan(sa, sb, ACC)
+    hw = xa * hin[None, :] + xb
+    h = A * hw[None, :, :] + Bs
+    hout = row_of(ia * hin[None, :] + ib, wcol, W - 1)
+    return h, hout, hw
+
+
+@triton.jit
+def load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W: tl.constexpr, PREV: tl.constexpr):
+    """The saved state entering tile i_t (PREV: tile i_t - 1, zeros or a repeat before the
+    first): split, per warp row its segment's [W, BD]; else [BD]."""
+    if W > 1:
+        if PREV:
+            i_t = tl.maximum(i_t - 1, 0)
+        return tl.load(hs + ((i_b * NT + i_t) * W + seg) * D + o_d[None, :], mask=m_d[None, :], other=0.0)
+    elif PREV:
+        return tl.load(hs + (i_b * NT + i_t - 1) * D + o_d, mask=m_d & (i_t > 0), other=0.0)
+    else:
+        return tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
 
 
 @triton.jit(do_not_specialize=["T"])
 def serial_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    SAVE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr = 0,
+    SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr,
 ):
     i_b, o_d, m_d, sp, h = program_start(ap, h0, D, BD, VEC, IS_SCAN, HAS_H0, ACC)
-    rows = tl.arange(0, BT)
+    ii, wcol, im = axes(TT, W)
+    BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
     if PREFETCH:
         # The next tile's loads are issued before this tile's scan, so a program keeps
         # two tiles in flight without relying on the compiler's loop pipelining.
-        r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
+        r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, 0, T, D, o_d, m_d, im, wcol, TT, W, IS_SCAN, HAS_RESET, EVEN)
     for i_t in tl.range(0, NT, num_stages=STAGES):
         t0 = i_t * BT
-        if SAVE:
+        if SAVE and W == 1:
             tl.store(hs + (i_b * NT + i_t) * D + o_d, h, mask=m_d)
-        off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
+        t, base, rel, m = tile_at(i_b, t0, T, D, o_d, m_d, im, wcol, TT, W, EVEN)
         if PREFETCH:
-            n0, n1, n2, n_p = load_raw(x, gx, ga, pos, i_b, t0 + BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
+            n0, n1, n2, n_p = tile_load(x, gx, ga, pos, i_b, t0 + BT, T, D, o_d, m_d, im, wcol, TT, W, IS_SCAN,
+                                        HAS_RESET, EVEN)
         else:
-            r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
-        valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC)
-        # [BT, BD]
-        A, Bs = tl.associative_scan((a, b), 0, affine)
-        hh = A * h[None, :] + Bs
-        tl.store(y + off, out(hh, y, RNE), mask=m)
-        h = last_row(hh, rows, BT)
+            r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, W, IS_SCAN, HAS_RESET,
+                                      EVEN)
+        valid, keep = row_masks(t, p, T, W)
+        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
+        if W == 1:
+            A, Bs = tl.associative_scan((a, b), 0, affine)
+            hh = A * h[None, :] + Bs
+        else:
+            hh, h, hw = split_states(a, b, h, ii, wcol, TT, W, ACC)
+            if SAVE:
+                tl.store(hs + ((i_b * NT + i_t) * W + wcol) * D + o_d[None, :], hw, mask=m_d[None, :])
+        tl.store(y + base + rel, out(mem_order(hh, W > 1), y, RNE), mask=m)
+        if W == 1:
+            h = last_row(hh, im, BT)
         if PREFETCH:
             r0, r1, r2, p = n0, n1, n2, n_p
     program_end(ht, ht, i_b, D, o_d, m_d, h, h, STORE_HT, False)
@@ -67,39 +187,57 @@ def serial_fwd_kernel(
 def serial_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr, VEC: tl.constexpr = 0,
+    TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr,
 ):
     i_b, o_d, m_d, sp, r = program_start(ap, dht, D, BD, VEC, IS_SCAN, HAS_DHT, ACC)
-    rows = tl.arange(0, BT)
-    dsp = tl.zeros([BD], ACC)
+    ii, wcol, im = axes(TT, W)
+    # Split: warp w holds segment W - 1 - w, so the adjoint's composition from the
+    # tile's end runs forward over the warps (Triton's reverse scan across warps costs
+    # lane shuffles).
+    seg = W - 1 - wcol
+    if W == 1:
+        dsp = tl.zeros([BD], ACC)
+    else:
+        dsp = tl.zeros([W, BD], ACC)
+    BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
     if PREFETCH:
         t_last = (NT - 1) * BT
-        off, m = tile_offsets(i_b, t_last, T, D, o_d, m_d, rows)
-        r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
-        dyr = tl.load(dy + off, mask=m, other=0.0)
-        hin = tl.load(hs + (i_b * NT + NT - 1) * D + o_d, mask=m_d, other=0.0)
+        t_l, base_l, rel, m = tile_at(i_b, t_last, T, D, o_d, m_d, im, seg, TT, W, EVEN)
+        r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, seg, TT, W, IS_SCAN, HAS_RESET,
+                                  EVEN)
+        dyr = mem_order(tl.load(dy + base_l + rel, mask=m, other=0.0), W > 1)
+        if W == 1:
+            hin = tl.load(hs + (i_b * NT + NT - 1) * D + o_d, mask=m_d, other=0.0)
+        else:
+            hin = load_entry(hs, i_b, NT - 1, NT, D, o_d, m_d, seg, W, False)
     for j in tl.range(0, NT, num_stages=STAGES):
         i_t = NT - 1 - j
         t0 = i_t * BT
-        off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
+        t, base, rel, m = tile_at(i_b, t0, T, D, o_d, m_d, im, seg, TT, W, EVEN)
         if PREFETCH:
-            offn, mn = tile_offsets(i_b, t0 - BT, T, D, o_d, m_d, rows)
-            n0, n1, n2, n_p = load_raw(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
-            n_dy = tl.load(dy + offn, mask=mn, other=0.0)
-            n_hin = tl.load(hs + (i_b * NT + i_t - 1) * D + o_d, mask=m_d & (i_t > 0), other=0.0)
+            t_n, base_n, reln, mn = tile_at(i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, W, EVEN)
+            n0, n1, n2, n_p = tile_load(x, gx, ga, pos, i_b, t0 - BT, T, D, o_d, m_d, im, seg, TT, W, IS_SCAN,
+                                        HAS_RESET, EVEN)
+            n_dy = mem_order(tl.load(dy + base_n + reln, mask=mn, other=0.0), W > 1)
+            n_hin = load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W, True)
         else:
-            r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
-            dyr = tl.load(dy + off, mask=m, other=0.0)
-            hin = tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
-        valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, sp, IS_SCAN, ACC)
+            r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT, W, IS_SCAN, HAS_RESET,
+                                      EVEN)
+            dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), W > 1)
+            hin = load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W, False)
+        valid, keep = row_masks(t, p, T, W)
+        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
         h, hprev = tile_states(a, b, hin, IS_SCAN, ACC)
-        r, dsp_t = tile_grads(dyr, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-                              h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
-        dsp += dsp_t
+        r, dsp_t = tile_grads(dyr, dx + base, dgx + base, dga + base, rel, m, valid, keep, a, b, xv, sx, sa, mult, u,
+                              h, hprev, r, sp, ii, IS_SCAN, ACC, RNE, seg, W)
+        if not IS_SCAN:
+            dsp += dsp_t
         if PREFETCH:
             r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
+    if W > 1:
+        dsp = tl.sum(dsp, axis=0)
     program_end(dh0, dsp_part, i_b, D, o_d, m_d, r, dsp, STORE_DH0, not IS_SCAN)
 
 
@@ -132,15 +270,14 @@ def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num
             raise ValueError(f"expected block_d only with time_warps = 1 (the split kernels own 64 channels), "
                              f"got block_d={block_d!r} with time_warps={tw}")
         tt = 8 if chunk_size is None else chunk_size
-        # WS: the forward saves the state entering every warp's segment ([B, T / TT, D]
-        # FP32, at most 1/8 of an FP32 activation for TT >= 8), so the backward recomputes
-        # states per warp without the cross-warp step; shorter segments save per tile.
+        # the forward saves the state entering every warp's segment ([B, T / TT, D] FP32,
+        # at most 1/8 of an FP32 activation: TT >= 8)
         return {"backend": "serial", "BT": tt * tw, "TT": tt, "BD": 64, "num_warps": tw, "STAGES": ns,
-                "PREFETCH": ns == 1, "WS": tt >= 8, "VEC": 2, "TW": tw, "STAGES_SET": stages_set}
+                "PREFETCH": ns == 1, "VEC": 2, "TW": tw, "STAGES_SET": stages_set}
     bt = (128 if is_scan else 64) if chunk_size is None else chunk_size
     bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
-    return {"backend": "serial", "BT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1, "VEC": 0,
-            "TW": 1, "WS": False}
+    return {"backend": "serial", "BT": bt, "TT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1,
+            "VEC": 0, "TW": 1}
 
 
 def smem_limit(device: torch.device):
@@ -177,18 +314,14 @@ def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> d
     return {**cfg, "STAGES": stages, "PREFETCH": stages == 1}
 
 
-def _launch(kernels, x, pos, is_scan, cfg, n_tiles, args, **flags):
-    """Runs the split kernel (time_warps > 1) or the tile kernel of `kernels` on `args`."""
+def _launch(kernel, x, pos, is_scan, cfg, n_tiles, args, **flags):
     B, T, D = x.shape
     cfg = _fit_stages(cfg, x.element_size(), n_tiles, pos is not None, smem_limit(x.device))
     kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, BD=cfg["BD"], STAGES=cfg["STAGES"],
               PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET, VEC=cfg["VEC"],
               num_warps=cfg["num_warps"], **flags)
-    grid = (cdiv(D, cfg["BD"]), B)
-    if cfg["TW"] > 1:
-        kernels[0][grid](*args, TT=cfg["TT"], W=cfg["TW"], EVEN=split.even(T, D, cfg), WS=cfg["WS"], **kw)
-    else:
-        kernels[1][grid](*args, BT=cfg["BT"], **kw)
+    split = cfg["TW"] > 1
+    kernel[(cdiv(D, cfg["BD"]), B)](*args, TT=cfg["TT"], W=cfg["TW"], EVEN=split and even(T, D, cfg), **kw)
 
 
 def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
@@ -198,7 +331,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
     y = empty((B, T, D), x.dtype, x.device)
     ht = empty((B, D), acc, x.device) if output_final_state else None
     hs = empty(saved_shape(cfg, B, T, D), acc, x.device) if save else None
-    _launch((split.split_fwd_kernel, serial_fwd_kernel), x, pos, is_scan, cfg, 2 if is_scan else 3,
+    _launch(serial_fwd_kernel, x, pos, is_scan, cfg, 2 if is_scan else 3,
             (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
              h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D),
             HAS_H0=h0 is not None, STORE_HT=ht is not None, SAVE=save)
@@ -218,7 +351,7 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
     dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
     dh0 = empty((B, D), acc, x.device) if need_dh0 else None
     part = None if is_scan else empty((B, D), acc, x.device)
-    _launch((split.split_bwd_kernel, serial_bwd_kernel), x, pos, is_scan, cfg, 3 if is_scan else 4,
+    _launch(serial_bwd_kernel, x, pos, is_scan, cfg, 3 if is_scan else 4,
             (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x, hs, dy,
              dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
              dh0 if dh0 is not None else hs, part if part is not None else hs, T, D),
@@ -231,6 +364,6 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
 
 
 def saved_shape(cfg: dict, B: int, T: int, D: int) -> tuple:
-    """What the forward keeps for backward: the FP32 state entering every tile (or warp
-    segment, WS) [B, NT, D]."""
-    return (B, cdiv(T, cfg["BT"]) * (cfg["TW"] if cfg["WS"] else 1), D)
+    """What the forward keeps for backward: the FP32 state entering every tile (split:
+    every warp segment) [B, NT, D]."""
+    return (B, cdiv(T, cfg["BT"]) * cfg["TW"], D)
