@@ -551,6 +551,58 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     return rows
 
 
+def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float32, seed=0):
+    """Every decode step backend of `op` ("rglru", "samu") in kernels.step_backends(op)
+    against the float64 reference step: `steps` steps from a non-zero state with a reset
+    of row 0 at the second step and of every row at the third, each step's output and
+    the final state. Inputs and weights in `dtype` (parameters FP32 for SAMU, as the
+    layer holds them), the state in FP32 / complex64 (float64 / complex128 for float64)."""
+    if op not in ("rglru", "samu"):
+        raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
+    torch.manual_seed(seed)
+    if op == "rglru":
+        m = layers.RGLRU(D, heads, device=device, dtype=dtype)
+        params = [m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param]
+        state0 = 0.5 * torch.randn(B, D, device=device, dtype=torch.float64)
+    else:
+        m = layers.SAMU(D, device=device)
+        params = list(m._params())
+        state0 = 0.5 * torch.randn(B, D // 2, device=device, dtype=torch.complex128)
+    params = [p.detach() for p in params]
+    xs = [torch.randn(B, D, device=device, dtype=torch.float64).to(dtype) for _ in range(steps)]
+    resets = [None, torch.arange(B, device=device) == 0, torch.ones(B, dtype=torch.bool, device=device)]
+    resets += [None] * (steps - len(resets))
+    sdt = state0.dtype if dtype == torch.float64 else (torch.complex64 if state0.is_complex() else torch.float32)
+    state0 = state0.to(sdt)
+
+    def run(fn, cast, state_dtype):
+        st = state0.to(state_dtype).clone()
+        ys = []
+        with torch.no_grad():
+            for x, r in zip(xs, resets):
+                ys.append(fn(cast(x), *[cast(q) if q.is_floating_point() else q for q in params], st, r))
+        return {"output": torch.stack(ys), "state": st}
+
+    exact = torch.complex128 if state0.is_complex() else torch.float64
+    want = run(ops.step_backends(op)["reference"], lambda t: t.double(), exact)
+    if dtype in BACKEND_TOL:
+        tols = {k: BACKEND_TOL[dtype] for k in want}
+    else:
+        yard = run(ops.step_backends(op)["reference"], lambda t: t, sdt)
+        tols = {k: _lowp_tol(dtype, rel_err(yard[k], want[k])) for k in want}
+    rows = []
+    for name, fn in ops.step_backends(op).items():
+        got = run(fn, lambda t: t, sdt)
+        ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=_dtype_name(dtype), device=str(device),
+                   steps=steps)
+        for k in want:
+            row = _row(f"backends/{op}_step/{name}/{k}", rel_err(got[k], want[k]), tols[k], stage=k, **ctx)
+            if name == "reference" and dtype != torch.float64:
+                row.update(passed=True, role="yardstick", within_tolerance=row["passed"])
+            rows.append(row)
+    return rows
+
+
 DEFAULT_PROFILE = {
     "backends": [{"B": 2, "T": 37, "D": 24}],
     "rglru_official": [{"B": 3, "T": 37, "D": 24, "heads": 4}],
@@ -558,6 +610,7 @@ DEFAULT_PROFILE = {
     "residual_block_official": [{"B": 3, "T": 29, "width": 32, "lru_width": 48, "heads": 4}],
     "griffin_official": [{"B": 3, "T": 21, "vocab_size": 97, "width": 32, "lru_width": 48, "heads": 4}],
     "samu_reference": [{"B": 2, "T": 37, "D": 24}],
+    "steps": [{"B": 3, "D": 24, "heads": 4}],
 }
 
 
@@ -569,7 +622,7 @@ def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.floa
     scan), "rglru_official" (B, T, D, heads), "conv1d_official" (B, T, D),
     "residual_block_official" (B, T, width, lru_width, heads, mlp_expanded_width),
     "griffin_official" (B, T, vocab_size, width, lru_width, heads, num_layers),
-    "samu_reference" (B, T, D). A missing key takes DEFAULT_PROFILE's list; an empty
+    "samu_reference" (B, T, D), "steps" (B, D, heads: every decode step backend). A missing key takes DEFAULT_PROFILE's list; an empty
     list skips that gate. `backend` is the mixer backend of the official-parity
     modules ("auto" runs whatever dispatch picks on `device`). The official gates run
     with and without resets, in float32 when dtype is float64."""
@@ -582,6 +635,9 @@ def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.floa
     for kw in profile["backends"]:
         for op in ("rglru", "samu", "scan"):
             rows += check_backends(op, device=device, dtype=dtype, **kw)
+    for kw in profile["steps"]:
+        for op in ("rglru", "samu"):
+            rows += check_steps(op, device=device, dtype=dtype, **kw)
     for resets in (True, False):
         for kw in profile["rglru_official"]:
             rows += check_rglru_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
@@ -601,6 +657,6 @@ def failures(rows):
 
 
 __all__ = ["load_official", "rel_err", "make_segment_pos", "check_rglru_official", "check_conv1d_official",
-           "check_residual_block_official", "check_griffin_official", "check_samu_reference",
-           "check_backends", "run_gates", "failures", "DEFAULT_PROFILE", "OFFICIAL_FP32_TOL", "BACKEND_TOL",
+           "check_residual_block_official", "check_griffin_official", "check_samu_reference", "check_backends",
+           "check_steps", "run_gates", "failures", "DEFAULT_PROFILE", "OFFICIAL_FP32_TOL", "BACKEND_TOL",
            "LOWP_FACTOR", "LOWP_FLOOR"]

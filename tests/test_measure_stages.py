@@ -345,3 +345,28 @@ def test_throughput_grid_extends_until_tokens_per_s_stops_rising_or_memory_runs_
 
     got = track_infer.extend_grid(probe_at, {"batches": [4, 1, 8], "max_batch": cap})
     assert plateau in got["plateau"] and got["batches"] == probed and asked == sorted(curve)[:len(asked)]
+
+
+def test_per_step_loop_counts_extrapolate_linearly_in_T(monkeypatch):
+    """The training track counts a per-step loop at two short lengths and extrapolates:
+    launches (and bytes) of such a loop are a fixed part plus the same work per step."""
+    import track_train
+
+    class S:
+        def __init__(self, t):
+            self.t = t
+
+        def step(self):
+            return None
+
+    def fake_counts(fn, device=None):
+        t = fn.__self__.t
+        return {"launches": 7 + 5 * t, "bytes_read": 100 * t, "bytes_written": 40, "accounted_launches": 0,
+                "memcpy": 1, "memset": None, "launches_method": "torch.profiler", "top_kernels": {"k": 5 * t}}
+
+    monkeypatch.setattr(track_train.measure, "logical_counts", fake_counts)
+    got = track_train.loop_counts(S, [128, 256], 2048, torch.device("cpu"))
+    assert (got["launches"], got["bytes_read"], got["bytes_written"], got["memcpy"]) == (7 + 5 * 2048, 204800, 40, 1)
+    assert got["memset"] is None and "top_kernels" not in got
+    assert "at T = 128 and 256, extrapolated linearly to T = 2048" in got["launches_method"]
+    assert got["counted_at_T"]["128"]["launches"] == 7 + 5 * 128

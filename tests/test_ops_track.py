@@ -179,6 +179,11 @@ def test_peers_are_gated_in_fp32_and_their_track_dtype_error_is_recorded(tmp_pat
     df = aggregate.flatten(recs)
     text, plots = aggregate.stage_tables(df), aggregate.stage_plots(df, tmp_path / "plots")
     assert "timed_dtype_err" in text and "float32 " in text and "bfloat16 " in text and plots == ["ops.png"]
+    view = aggregate.ops_view(df[df["status"] == "ok"])
+    rows = [line for line in view.splitlines() if line.startswith("| rglru_layer ")]
+    assert any("| ours " in line and line.split("|")[-2].strip() == "1" for line in rows), view   # ours over ours
+    assert any("| peer:recurrentgemma " in line for line in rows) and " / " in view   # the peer beside it, AB / BA
+    assert "| 9 " in view and "9.0" not in view
 
 
 def test_a_miswired_peer_fails_its_fp32_gate(tmp_path, monkeypatch):

@@ -177,3 +177,30 @@ def test_samu_gate_with_the_kink_mask_still_catches_wrong_gradients(monkeypatch)
     failed = {(r["backend"], r["stage"]) for r in parity.failures(rows)}
     assert ("grad_off", "grad_nu_log") in failed and ("out_off", "output") in failed
     assert all(b != "reference" for b, _ in failed)
+
+
+@pytest.mark.parametrize("op", ["rglru", "samu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_decode_step_backend(op, dtype):
+    rows = parity.check_steps(op, B=3, D=8, heads=2, dtype=dtype)
+    assert {r["backend"] for r in rows} == set(ops.step_backends(op))
+    assert {r["stage"] for r in rows} == {"output", "state"} and all(r["op"] == f"{op}_step" for r in rows)
+    _assert_passed(rows, 4)
+
+
+@pytest.mark.parametrize("fault", ["reset", "state", "output"])
+def test_step_gate_fails_a_wrong_step(monkeypatch, fault):
+    from kernels.ops import reference
+
+    def wrong(x, *rest):
+        *params, state, reset = rest
+        if fault == "reset":        # ignores resets
+            reset = None
+        y = reference.samu_step(x, *params, state, reset)
+        if fault == "state":
+            state.mul_(1 + 1e-3)
+        return y * (1 + 1e-3) if fault == "output" else y
+
+    monkeypatch.setattr("kernels.ops.step_backends", lambda op: {"reference": reference.samu_step, "wrong": wrong})
+    bad = {(r["backend"], r["stage"]) for r in parity.failures(parity.check_steps("samu", B=3, D=8))}
+    assert bad and {b for b, _ in bad} == {"wrong"}

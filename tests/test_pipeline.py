@@ -342,6 +342,11 @@ def test_report_says_which_timed_implementations_were_gated():
     assert "- `samu/assoc_bf16`: inexact by design" in text and "- `samu_step/fused` (the tuning table uses it at B = 16)" in text
     only_gated = aggregate.audit_section(gates, [_rec("a", backend="chunk")], {"entries": [], "decode": []})
     assert "Every timed implementation passed its gate." in only_gated
+    # the audit's decode-step gates (kernels.parity.check_steps) cover the steps the table uses
+    gates["checks"] += [check("samu_step", "row"), check("samu_step", "fused")]
+    stepped = aggregate.audit_section(gates, recs, table)
+    assert "`samu_step/row`" in stepped.split("Timed and gated", 1)[1].split("\n", 1)[0]
+    assert "samu_step/row` (the tuning table" not in stepped
 
 
 def test_report_tables_have_no_nan_cells_and_labels_come_from_records():
@@ -368,6 +373,8 @@ def test_cost_model_is_calibrated_on_a_committed_run():
 
     run = REPO / "results" / "runs" / "h200-20261201-run3"
     profile = json.loads((run / "MANIFEST.json").read_text())["config"]["profiles"]["h200"]
+    thr = profile["infer"]["throughput"]
+    thr.setdefault("max_batch", max(thr["batches"]))    # run 3 probed the configured batch sizes only
     est = cost.estimate(profile)
     actual = {}
     for stage_name in est:

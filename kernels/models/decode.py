@@ -32,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..ops import accounting
 from ..ops.checks import is_integer_dtype
-from ..ops.triton_utils import INTERPRET, cdiv, next_pow2, rne_bf16
+from ..ops.triton_utils import INTERPRET, cdiv, launcher, next_pow2, rne_bf16
 
 MAX_STOP_TOKENS = 8
 LINEAR_MAX_ROWS = 64
@@ -68,6 +68,7 @@ def _rmsnorm_store(v, scale, xn, row, o, mk, D, eps, RNE: tl.constexpr):
     tl.store(xn + row + o, _rnd(v * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
 
 
+@launcher
 @triton.jit
 def embed_rmsnorm_kernel(tokens, table, scale, x, xn, D, eps, BD: tl.constexpr, RNE: tl.constexpr):
     m = tl.program_id(0)
@@ -80,6 +81,7 @@ def embed_rmsnorm_kernel(tokens, table, scale, x, xn, D, eps, BD: tl.constexpr, 
     _rmsnorm_store(v.to(tl.float32), scale, xn, row, o, mk, D, eps, RNE)
 
 
+@launcher
 @triton.jit
 def add_rmsnorm_kernel(h, x, scale, xn, D, eps, BD: tl.constexpr, RNE: tl.constexpr):
     m = tl.program_id(0)
@@ -119,6 +121,7 @@ def _conv(v, cstate, cw, cb, reset, o_m, m_m, o_c, m_c, E, HAS_RESET: tl.constex
     return _rnd(y, TY, RNE)
 
 
+@launcher
 @triton.jit
 def conv_step_kernel(x, sx, cstate, cw, cb, reset, y, M, E, HAS_RESET: tl.constexpr, CW: tl.constexpr,
                      BM: tl.constexpr, BC: tl.constexpr, RNE: tl.constexpr):
@@ -132,6 +135,7 @@ def conv_step_kernel(x, sx, cstate, cw, cb, reset, y, M, E, HAS_RESET: tl.conste
     tl.store(y + o_m.to(tl.int64)[:, None] * E + o_c[None, :], out.to(TY), mask=m2)
 
 
+@launcher
 @triton.jit
 def gelu_mul_kernel(a, sa, b, sb, y, M, F, BM: tl.constexpr, BF: tl.constexpr, RNE: tl.constexpr):
     o_m = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -144,6 +148,7 @@ def gelu_mul_kernel(a, sa, b, sb, y, M, F, BM: tl.constexpr, BF: tl.constexpr, R
     tl.store(y + rows * F + o_f[None, :], _rnd(g * v, TY, RNE).to(TY), mask=m2)
 
 
+@launcher
 @triton.jit
 def advance_kernel(nxt, tokens, pos, reset, done, stops, pad_id, M, S: tl.constexpr, BM: tl.constexpr):
     o = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -245,6 +250,7 @@ def _epilogue(acc, acc2, ss, bp, out, out2, res, cstate, cw, cb, reset, o_m, m_m
         tl.store(out + offs, _rnd(g * _rnd(acc2, TY, RNE), TY, RNE).to(TY), mask=m2)
 
 
+@launcher
 @triton.jit(do_not_specialize=["M"])
 def linear_kernel(
     a, sa, a2, sa2, nscale, w, bias, w2, bias2, out, out2, res,

@@ -1,6 +1,7 @@
 """What every Triton kernel module shares: FP32 accumulation (float64 for float64),
 output allocation (NaN-filled inside `poisoned()` or with KERNELS_POISON=1, so an
-unwritten element fails any comparison), launch-parameter checks, and BF16
+unwritten element fails any comparison), launch-parameter checks, the `launcher`
+that launches a compiled kernel without Triton's per-call binding, and BF16
 round-to-nearest-even by hand under the CPU interpreter (TRITON_INTERPRET=1), which
 truncates where the GPU rounds: kernels take RNE=INTERPRET and store through `out`.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 
 import torch
@@ -99,6 +101,79 @@ def next_pow2(n: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints (host side; see next_pow2)."""
     return -(-a // b)
+
+
+def _arg_key(v):
+    # Everything of a runtime argument that Triton's specialisation reads: a tensor's dtype
+    # and 16-byte alignment; an int's width class, ==1 and divisibility by 16; a value's
+    # type (constexprs are keyed by value). Finer than Triton's own key, so a hit always
+    # names the binary Triton would pick.
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() & 15 == 0
+    if v.__class__ is int:
+        return int, v == 1, v & 15 == 0, -0x80000000 <= v < 0x80000000, 0 <= v < 1 << 63
+    if v.__class__ is float:
+        return float
+    return v.__class__, v
+
+
+def _raw_stream():
+    device = torch._C._cuda_getDevice()
+    return device, torch._C._cuda_getCurrentRawStream(device)
+
+
+class Launcher:
+    """A Triton kernel launched as `k[grid](*args, **kwargs)` like the JIT function it
+    wraps. The first call of an argument signature goes through Triton (compile, cache,
+    launch) and keeps the compiled kernel under a key finer than Triton's own
+    (`_arg_key` per argument, the launch options, the device); later calls launch that
+    binary directly, without Triton's per-call binding, specialisation and key hashing
+    (tens of microseconds of host time per launch). Launch hooks (a profiler's) and
+    unhashable arguments take Triton's path every time."""
+
+    __slots__ = ("fn", "names", "const", "defaults", "cache")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.names = tuple(fn.arg_names)
+        self.const = tuple(i in fn.constexprs for i in range(len(self.names)))
+        self.defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+                         if p.default is not inspect.Parameter.empty}
+        self.cache = {}
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **kwargs):
+        names, vals = self.names, list(args)
+        try:
+            vals += [kwargs[n] if n in kwargs else self.defaults[n] for n in names[len(args):]]
+            device, stream = _raw_stream()
+            key = (device, tuple(sorted((k, v) for k, v in kwargs.items() if k not in names)),
+                   *[(v.__class__, v) if c else _arg_key(v) for v, c in zip(vals, self.const)])
+            ck = self.cache.get(key)
+        except (KeyError, TypeError):      # a missing argument (Triton says which) or an unhashable one
+            return self.fn[grid](*args, **kwargs)
+        rt = triton.knobs.runtime
+        if ck is None or grid.__class__ is not tuple or rt.launch_enter_hook.calls or rt.launch_exit_hook.calls:
+            ck = self.fn[grid](*args, **kwargs)
+            if ck is not None:
+                self.cache[key] = ck
+            return ck
+        ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
+               ck.packed_metadata, None, None, None, *vals)
+        return ck
+
+
+def launcher(fn):
+    """`@launcher` above `@triton.jit` on a kernel launched from the host (not on helpers
+    called inside kernels, nor on kernels that torch.compile traces, which must stay JIT
+    functions: the mixers launch theirs inside custom ops): a Launcher on a GPU, the
+    JIT function itself under the CPU interpreter."""
+    return fn if INTERPRET else Launcher(fn)
 
 
 @triton.jit

@@ -35,9 +35,11 @@ def probe_label(g) -> str:
 VIEWS = (
     ("train_comparison", "**Training step** (each mixer's fastest exact backend, fresh runs; `auto` is the tuning "
      "table's choice where no diagnostics ran at that shape)", "train", "fresh",
-     ["shape.preset", "shape.T", "shape.B"], ["variant", "median_ms", "tokens_per_s"], "shape.T", "tokens_per_s", None),
+     ["shape.preset", "shape.T", "shape.B"], ["variant", "p10_ms", "median_ms", "p95_ms", "tokens_per_s"], "shape.T",
+     "tokens_per_s", None),
     ("infer_latency", "**Inference latency** (decode only, prompt excluded)", "infer", "latency",
-     ["shape.B", "shape.prompt", "generated_tokens"], ["ms_per_step"], "generated_tokens", "ms_per_step", None),
+     ["shape.B", "shape.prompt", "generated_tokens"], ["ms_per_step", "p10_ms", "median_ms", "p95_ms"],
+     "generated_tokens", "ms_per_step", None),
     ("infer_throughput", "**Inference throughput** probes over batch sizes", "infer", "probe",
      ["shape.B", "generated_tokens"], ["tokens_per_s"], "shape.B", "tokens_per_s", probe_label),
     (None, "**Inference throughput** at the best probed batch sizes (fresh trajectories)", "infer", "fresh",
@@ -46,7 +48,8 @@ VIEWS = (
      "model FLOPs over the measured BF16 rate and one read of the weights)", "infer", "prefill",
      ["shape.B", "shape.prompt"], ["ttft_ms", "floor_ms"], None, None, None),
     (None, "**Scan track** (forward; each op's fastest exact backend)", "scan", None,
-     ["op", "shape.T"], ["variant", "median_ms", "fraction_of_floor"], None, None, None),
+     ["op", "shape.T"], ["variant", "p10_ms", "median_ms", "p95_ms", "eager_ms", "fraction_of_floor"], None, None,
+     None),
 )
 
 
@@ -61,7 +64,8 @@ def flatten(recs: list[dict]):
     rows = []
     for r in recs:
         row = {k: r[k] for k in ("stage", "profile", "config_id", "mixer", "backend", "order", "status", "error")}
-        row.update({f"shape.{k}": v for k, v in r["shapes"].items()}, variant=variant(r))
+        row.update({f"shape.{k}": v for k, v in r["shapes"].items()},
+                   variant=r["variant"] if isinstance(r.get("variant"), str) else variant(r))
         row.update({k: r[k] for k in ("op", "mode", *IDENTITY, *FIGURES, "floor_ms")
                     if isinstance(r.get(k), (int, float, str, bool))})
         row.update({k: (r.get("stats") or {}).get(k) for k in records.STATS_KEYS}, n_samples=len(r["samples_ms"]))
@@ -236,8 +240,10 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
     ok = df[df["status"] == "ok"] if not df.empty else df
     if ok.empty or "role" not in ok.columns:
         return "## Summary\n\nNo track produced records in this run.\n", []
-    out, made = ["## Summary\n", "Medians of the raw samples; where a configuration ran in both orders the figures "
-                 "read `AB / BA` (SAMU first / RG-LRU first).\n"], []
+    out, made = ["## Summary\n", "P10 / median / P95 of the raw samples of the headline clock (device time where a "
+                 "call's device time is under 2 ms, `eager_ms` beside it; a trajectory's cumulative time for latency); "
+                 "where a configuration ran in both orders the figures read `AB / BA` (SAMU first / RG-LRU first).\n",
+                 ops_view(ok)], []
     for name, title, stage_name, role, keys, cols, x, y, ylabel in VIEWS:
         g = ok[(ok["stage"] == stage_name) & ((ok["role"] == role) if role else ok.get("exact", True) != False)]  # noqa: E712
         keys = [k for k in keys if k in g]
@@ -259,6 +265,28 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
                 f"- {r['mixer']}: " + "; ".join(f"{o}: {why}" for o, why in json.loads(r["throughput_grid"]).items())
                 for _, r in ends.iterrows()) + "\n")
     return "\n".join(out), made
+
+
+def ops_view(ok) -> str:
+    """The ops track: ours and every peer side by side per op, shape and mode (device
+    time P10 / median / P95 and the eager median, each `AB / BA`; the floor; each
+    variant's median over ours)."""
+    g = ok[ok["stage"] == "ops"] if "stage" in ok else ok
+    if g.empty:
+        return ""
+    keys = [k for k in ("op", "shape.preset", "shape.B", "shape.T", "shape.D", "mode") if k in g and g[k].notna().any()]
+    rows = []
+    for key, kg in g.groupby(keys, dropna=False, sort=True):
+        ours = kg[kg["variant"] == "ours"]["median_ms"].astype("float64").median()
+        for v, vg in kg.groupby("variant", sort=False):
+            med = vg["median_ms"].astype("float64").median()
+            rows.append({**{k.removeprefix("shape."): MISSING if x != x else str(_num(x)) for k, x in zip(keys, key)},
+                         "variant": v,
+                         **{c: _pair(vg, c) for c in ("p10_ms", "median_ms", "p95_ms", "eager_ms")},
+                         "floor_ms": _cell(vg["floor_ms"].iloc[0] if "floor_ms" in vg else None),
+                         "x_ours": _cell(med / ours if ours == ours and ours else None, "{:.3g}")})
+    return ("**Ops** (ours as users call them, `backend=\"auto\"`, beside the peers in the same run; device "
+            "time):\n\n" + pd.DataFrame(rows).fillna(MISSING).to_markdown(index=False) + "\n")
 
 
 def breakdown_section(recs: list[dict], top: int = 8) -> str:

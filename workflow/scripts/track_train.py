@@ -87,12 +87,46 @@ class Setup:
                 "mfu_of_peak": flops / med_s / peak_rate if peak_rate else None}
 
 
+LINEAR_COUNTS = ("launches", "accounted_launches", "bytes_read", "bytes_written", "memcpy", "memset")
+
+
+def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
+    """Logical counts of one step of a per-step PyTorch loop at length T from two short
+    lengths: its launches and bytes are a fixed part plus the same work every time step
+    (affine in T), so two counts fix them, where counting the full loop under the
+    profiler costs about 20 of its steps (seconds each)."""
+    (t1, t2), got = lengths, []
+    for t in (t1, t2):
+        s = setup_at(t)
+        try:
+            s.step()
+            got.append(measure.logical_counts(s.step, device))
+        finally:
+            del s
+            measure.release(device)
+    a, b = got
+    out = {k: v for k, v in b.items() if k not in ("top_kernels", "top_kernels_by_time", "by_kernel", "device_us")}
+    for k in LINEAR_COUNTS:
+        if isinstance(a.get(k), (int, float)) and isinstance(b.get(k), (int, float)):
+            out[k] = round(a[k] + (b[k] - a[k]) * (T - t1) / (t2 - t1))
+    out["launches_method"] = (f"{b['launches_method']} at T = {t1} and {t2}, extrapolated linearly to T = {T} "
+                              f"(a per-step loop)")
+    out["counted_at_T"] = {str(t1): {k: a.get(k) for k in LINEAR_COUNTS}, str(t2): {k: b.get(k) for k in LINEAR_COUNTS}}
+    return out
+
+
 def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate, peak_rate,
-          reuse: dict | None = None) -> dict:
-    """Build, warm up, count (unless the other order's record `reuse` has the counts), time."""
+          reuse: dict | None = None, count_at=None) -> dict:
+    """Build, warm up, count (unless the other order's record `reuse` has the counts, or
+    `count_at` = (setup at a length, the full length) counts a per-step loop at two short
+    lengths of settings["loop_count_T"]), time."""
+    logical = None
+    if count_at is not None and measure.reuse_logical(reuse) is None and settings.get("loop_count_T"):
+        logical = loop_counts(count_at[0], settings["loop_count_T"], count_at[1], device)
     s = setup_fn()
     try:
-        fields = measure.timed_fields(s.step, reps, warmup, device, settings.get("budget_s_per_config"), reuse)
+        fields = measure.timed_fields(s.step, reps, warmup, device, settings.get("budget_s_per_config"), reuse,
+                                      logical)
         fields.update(s.figures(fields, matmul_rate, peak_rate))
         return fields
     finally:
@@ -127,8 +161,12 @@ def main(job):
             return Setup(preset, mixer, T, B, settings, device,
                          backend=tuned if name == "auto" else kernels.Backend(name, **opts))
 
+        def make_at(t):
+            return Setup(preset, mixer, t, B, settings, device, backend=kernels.Backend(name, **opts))
+
         def body():
-            return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse)
+            return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse,
+                         (make_at, T) if name == "reference" else None)
 
         runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=cid[-2:], **fields)
 
@@ -169,7 +207,8 @@ def main(job):
             except ImportError as e:
                 raise measure.Skip(f"recurrentgemma not installed ({e})") from None
             return timed(lambda: Setup(preset, "rglru", T, B, settings, device, official=True),
-                         off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate, peak_rate)
+                         off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate, peak_rate,
+                         count_at=(lambda t: Setup(preset, "rglru", t, B, settings, device, official=True), T))
 
         runner.run(cid, peer_body, **base(preset, T, B, "rglru"), backend="peer:recurrentgemma", options={},
                    role="peer", exact=True)

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, next_pow2, out, scratch,
-                            tl_acc)
+from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher, next_pow2, out,
+                            scratch, tl_acc)
 from .common import (act_bytes, affine, excl_scan, first_row, last_row, load_a, load_tile, param_sp, tile_grads,
                      tile_states)
 
@@ -37,6 +37,7 @@ def chunk_start(ap, D, K: tl.constexpr, BD: tl.constexpr, IS_SCAN: tl.constexpr,
     return i_c, i_b, o_d, m_d, tl.arange(0, K), param_sp(ap, o_d, m_d, BD, IS_SCAN, ACC)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T", "NC"])
 def chunk_fwd_kernel(
     x, gx, ga, ap, pos, S, P, Q, T, D, NC, REPLAY: tl.constexpr,
@@ -59,6 +60,7 @@ def chunk_fwd_kernel(
         tl.store(Q + o, last_row(Bs, rows, K), mask=m_d)
 
 
+@launcher
 @triton.jit(do_not_specialize=["NC"])
 def chunk_prefix_kernel(
     P, Q, h0, S, hN, NC, D,
@@ -100,6 +102,7 @@ def chunk_prefix_kernel(
         tl.store(hN + i_b * D + o_d, carry, mask=m_d)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T", "NC"])
 def chunk_bwd_summary_kernel(
     ga, ap, pos, dy, P, Q, T, D, NC,
@@ -116,6 +119,7 @@ def chunk_bwd_summary_kernel(
     tl.store(Q + o, first_row(Bs, rows), mask=m_d)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T", "NC"])
 def chunk_bwd_replay_kernel(
     x, gx, ga, ap, pos, S, R, dy, dx, dgx, dga, dsp_part, T, D, NC,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import INTERPRET, acc_dtype, cdiv, empty, next_pow2, out, tl_acc
+from ..triton_utils import INTERPRET, acc_dtype, cdiv, empty, launcher, next_pow2, out, tl_acc
 
 
 @triton.jit
@@ -330,6 +330,7 @@ def tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, m
     return r_new, dsp
 
 
+@launcher
 @triton.jit
 def reduce_dap_kernel(part, ap, dap, R, D, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
                       RNE: tl.constexpr):

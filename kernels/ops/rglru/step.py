@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .. import accounting
 from ..checks import no_grad_inputs
-from ..triton_utils import INTERPRET, cdiv, empty, next_pow2, out, tl_acc
+from ..triton_utils import INTERPRET, cdiv, empty, launcher, next_pow2, out, tl_acc
 from .common import one_minus_sq, softplus
 
 
@@ -31,6 +31,7 @@ def _matvec_acc(acc, xt, wt, MODE: tl.constexpr, ACC: tl.constexpr):
         return acc + tl.sum(xt.to(ACC)[:, :, None] * wt.to(ACC)[None, :, :], axis=1)
 
 
+@launcher
 @triton.jit
 def rglru_step_kernel(
     x, wx, bx, wa, ba, ap, state, reset, y, B, D, W,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import cdiv, scratch
+from ..triton_utils import cdiv, launcher, scratch
 from .common import (alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2, step_in,
                      store_pair, store_param_partials, tl_dtype)
 from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
@@ -42,6 +42,7 @@ def cmul_add(ar, ai, sr, si, br, bi):
     return ar * sr - ai * si + br, ar * si + ai * sr + bi
 
 
+@launcher
 @triton.jit(do_not_specialize=["N", "NG", "M"])
 def _group_kernel(A, Bv, carry, S, AG, BG, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
                   CONJ: tl.constexpr, REVERSE: tl.constexpr, FILL: tl.constexpr, ACC: tl.constexpr):
@@ -80,6 +81,7 @@ def _group_kernel(A, Bv, carry, S, AG, BG, N, NG, M, GS: tl.constexpr, V: tl.con
         store_pair(BG, gidx, sr, si, mask_m)
 
 
+@launcher
 @triton.jit(do_not_specialize=["NG", "M"])
 def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
                   HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr):
@@ -103,6 +105,7 @@ def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.co
     store_pair(final, b * M + offs_m, sr, si, mask_m)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
 def _fwd_kernel(x, ctrl, modes, S, P, Q, T, N, D, M, REPLAY: tl.constexpr,
                 K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
@@ -124,6 +127,7 @@ def _fwd_kernel(x, ctrl, modes, S, P, Q, T, N, D, M, REPLAY: tl.constexpr,
         store_pair(Q, idx, hr, hi, mask_m)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
 def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
                         K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
@@ -155,6 +159,7 @@ def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
     store_pair(Qb, idx, qr, qi, mask_m)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T", "N", "D", "M", "NMB"])
 def _bwd_kernel(x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, NMB,
                 K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):

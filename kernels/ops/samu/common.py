@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import acc_dtype, cdiv, next_pow2, scratch
+from ..triton_utils import acc_dtype, cdiv, launcher, next_pow2, scratch
 from ..triton_utils import empty as alloc
 from ..triton_utils import tl_acc as tl_dtype
 
@@ -95,6 +95,7 @@ def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
     return nu.to(ACC), th.to(ACC), ct, st, gam.to(ACC), lnr.to(ACC), dgam.to(ACC)
 
 
+@launcher
 @triton.jit
 def _mode_table_kernel(nu_log, theta_log, tab, M, BM: tl.constexpr, ACC: tl.constexpr):
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -348,6 +349,7 @@ def controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tmask, D, scale,
     tl.store(aux + tok * 2 + 1, vr, mask=tmask)
 
 
+@launcher
 @triton.jit(do_not_specialize=["NTOK", "D"])
 def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
                          HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -377,6 +379,7 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos):
     return ctrl, aux
 
 
+@launcher
 @triton.jit(do_not_specialize=["NTOK", "D", "NMB"])
 def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpart, NTOK, D, NMB, scale,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NMBP: tl.constexpr,
@@ -448,6 +451,7 @@ def _colsum(ptr, R, C, cols, cm, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, A
     return tl.sum(acc, axis=0)
 
 
+@launcher
 @triton.jit(do_not_specialize=["NTB", "RP", "D", "M", "NDB"])
 def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, dmode, NTB, RP, D, M, scale,
                      NDB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):

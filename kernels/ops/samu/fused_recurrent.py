@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import cdiv, check_chunk_size, scratch
+from ..triton_utils import cdiv, check_chunk_size, launcher, scratch
 from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair, load_state, mode_block,
                      store_pair, store_param_partials, tl_dtype)
 
@@ -23,6 +23,7 @@ FWD_UNROLL = 8
 BWD_UNROLL = 4
 
 
+@launcher
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
 def _serial_fwd_kernel(x, ctrl, modes, h0, y, states, hT, T, N, D, M,
                        K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_H0: tl.constexpr,
@@ -40,6 +41,7 @@ def _serial_fwd_kernel(x, ctrl, modes, h0, y, states, hT, T, N, D, M,
     store_pair(hT, b * M + offs_m, hr, hi, mask_m)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T", "N", "D", "M", "NMB"])
 def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, ckpt, T, N, D, M, NMB,
                        K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_GH: tl.constexpr,

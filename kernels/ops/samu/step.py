@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
-from ..triton_utils import acc_dtype, cdiv, next_pow2
+from ..triton_utils import acc_dtype, cdiv, launcher, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
 from .common import dir_cols, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
@@ -61,6 +61,7 @@ def _step_modes(x_b, y_b, s_b, nu_log, theta_log, E, ck, sk, m0, M, BM: tl.const
     tl.store(y_b + M + offs_m, relu(hi).to(y_b.dtype.element_ty), mask=mask_m)
 
 
+@launcher
 @triton.jit(do_not_specialize=["D", "M"])
 def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, state, reset, y, D, M, scale,
                  HAS_RESET: tl.constexpr, ROW: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,

@@ -128,10 +128,14 @@ def _train_step(preset: str, name: str, T: int) -> float:
     return TRAIN_STEP_S.get(preset, TRAIN_STEP_S["1.3b"]) * TRAIN_FACTOR.get(name, 1.0)
 
 
-def _train_config(preset: str, name: str, T: int, warmup: int, reps: int, count: bool) -> float:
+def _train_config(preset: str, name: str, T: int, warmup: int, reps: int, count: bool, count_T=None) -> float:
     step = _train_step(preset, name, T)
     build = TRAIN_BUILD_S.get(preset, TRAIN_BUILD_S["1.3b"]) + (TRAIN_ASSOC_BUILD_S if "assoc" in name else 0)
-    counting = (TRAIN_LOOP_COUNT_FACTOR if name in ("reference", "official") else 1.0) * step if count else 0.0
+    loop = name in ("reference", "official")
+    if count and loop and count_T:     # counted at two short lengths: a build, a warm-up and a count each
+        counting = sum(build + (1 + TRAIN_LOOP_COUNT_FACTOR) * _train_step(preset, name, t) for t in count_T)
+    else:
+        counting = (TRAIN_LOOP_COUNT_FACTOR if loop else 1.0) * step if count else 0.0
     return build + (warmup + reps) * step + counting
 
 
@@ -153,9 +157,10 @@ def train(s: dict) -> float:
                     and T <= ref.get("max_T", 0):
                 for o in orders:
                     configs.append(_train_config(preset, "reference", T, ref.get("warmup", 1), ref.get("reps", 1),
-                                                 o == "AB"))
+                                                 o == "AB", s.get("loop_count_T")))
         if "rglru" in s["mixers"] and preset in off.get("presets", []) and T <= off.get("max_T", 0):
-            configs.append(_train_config(preset, "official", T, off.get("warmup", 1), off.get("reps", 2), True))
+            configs.append(_train_config(preset, "official", T, off.get("warmup", 1), off.get("reps", 2), True,
+                                         s.get("loop_count_T")))
     for preset, T, _B in shapes:
         for _mixer in s["mixers"]:
             for o in ("AB", "BA"):
@@ -176,6 +181,8 @@ def _budgeted(configs: list[float], budget: float | None) -> float:
 
 
 def infer_step_ms(B: int, preset: str = "1.3b") -> float:
+    """Step time at batch B: run 3's points, linear beyond the last two (the weight read
+    is paid once, the per-row work grows with B: run 5 read 19-24 ms at B = 4096)."""
     pts = INFER_STEP_MS
     if B <= pts[0][0]:
         ms = pts[0][1]
@@ -183,6 +190,22 @@ def infer_step_ms(B: int, preset: str = "1.3b") -> float:
         (b0, m0), (b1, m1) = next(((p, q) for p, q in zip(pts, pts[1:]) if B <= q[0]), (pts[-2], pts[-1]))
         ms = m0 + (m1 - m0) * (B - b0) / (b1 - b0)
     return ms * (1.0 if preset == "1.3b" else TRAIN_STEP_S.get(preset, 0.27) / TRAIN_STEP_S["1.3b"])
+
+
+def infer_grid(thr: dict, preset: str = "1.3b") -> list[int]:
+    """The batch sizes the throughput probes reach: the profile's, then doublings while
+    the modelled tokens/s rises by more than plateau_rise (track_infer.extend_grid)."""
+    batches, rise, cap = sorted(thr["batches"]), thr.get("plateau_rise", 0.02), thr.get("max_batch", 8192)
+    while 2 * batches[-1] <= cap:
+        B = batches[-1]
+        batches.append(2 * B)
+        if 2 * B / infer_step_ms(2 * B, preset) <= (1 + rise) * B / infer_step_ms(B, preset):
+            break   # the probe at 2B shows the plateau; B stays the best
+    return batches
+
+
+def infer_best(batches: list[int], preset: str = "1.3b") -> int:
+    return max(batches, key=lambda b: b / infer_step_ms(b, preset))
 
 
 def infer(s: dict) -> float:
@@ -201,10 +224,10 @@ def infer(s: dict) -> float:
         total += 2 * mixers * per
     thr = s.get("throughput")
     if thr:
-        batches = thr["batches"]
+        batches = infer_grid(thr, preset)
         total += 2 * mixers * (INFER_BUILD_S + sum(INFER_PROBE_S + (warm + thr["probe_steps"])
                                                    * infer_step_ms(b, preset) / 1e3 for b in batches))
-        best = infer_step_ms(max(batches), preset) / 1e3
+        best = infer_step_ms(infer_best(batches, preset), preset) / 1e3
         per = INFER_BUILD_S + (warm + thr.get("reps", 1) * max(thr["lengths"])) * best
         total += 2 * mixers * thr.get("top", 1) * per
     return total

@@ -328,10 +328,10 @@ def timing_fields(m: dict) -> dict:
 
 
 def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, budget_s: float | None = None,
-                 reuse: dict | None = None) -> dict:
-    """`timing_fields(measure(...))`, the launches counted only when `reuse` (the other run
-    order's record) has no counts to lend."""
-    logical = reuse_logical(reuse)
+                 reuse: dict | None = None, logical: dict | None = None) -> dict:
+    """`timing_fields(measure(...))`, the launches counted only when neither `logical` (counts
+    taken elsewhere) nor `reuse` (the other run order's record) has counts to lend."""
+    logical = logical or reuse_logical(reuse)
     f = timing_fields(measure(call, reps, warmup, device, count=logical is None, budget_s=budget_s))
     f["logical"] = f["logical"] or logical
     return f

@@ -1,0 +1,110 @@
+"""kernels.ops.triton_utils.Launcher: the first call of an argument signature goes through
+the wrapped JIT function, later ones launch its compiled kernel directly with every
+argument in signature order; any change Triton would specialise on takes Triton's path
+again. Triton and CUDA are replaced by recording fakes (no GPU here)."""
+
+import types
+
+import pytest
+import torch
+
+from kernels.ops import triton_utils as tu
+
+
+def kern(x, y, n, eps, B, FLAG=False, MODE=1):     # the wrapped kernel's signature
+    pass
+
+
+class FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *a):
+        self.runs.append(a)
+
+
+class FakeJit:
+    arg_names = ["x", "y", "n", "eps", "B", "FLAG", "MODE"]
+    constexprs = [4, 5, 6]
+    fn = staticmethod(kern)
+
+    def __init__(self):
+        self.calls, self.compiled = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            self.compiled.append(FakeCompiled())
+            return self.compiled[-1]
+        return run
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    monkeypatch.setattr(tu, "_raw_stream", lambda: (0, 1234))
+    hooks = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]),
+                                  launch_exit_hook=types.SimpleNamespace(calls=[]))
+    monkeypatch.setattr(tu.triton, "knobs", types.SimpleNamespace(runtime=hooks))
+    fake = FakeJit()
+    return fake, tu.Launcher(fake), hooks
+
+
+def test_second_call_launches_the_compiled_kernel_with_every_argument_in_order(launch):
+    fake, k, _ = launch
+    x, y = torch.zeros(8), torch.zeros(8)
+    k[(3, 2)](x, y, 40, 0.5, B=16, num_warps=4)
+    assert len(fake.calls) == 1 and fake.calls[0] == ((3, 2), (x, y, 40, 0.5), {"B": 16, "num_warps": 4})
+    k[(5,)](x, y, 40, 0.25, B=16, num_warps=4)           # same signature: no Triton call
+    assert len(fake.calls) == 1
+    (run,) = fake.compiled[0].runs
+    assert run[:9] == (5, 1, 1, 1234, "fn", "meta", None, None, None)
+    assert run[9:] == (x, y, 40, 0.25, 16, False, 1)     # defaults applied, constexprs included
+
+
+@pytest.mark.parametrize("change", ["dtype", "misaligned", "one", "div16", "wide", "constexpr", "default", "warps"])
+def test_whatever_triton_specialises_on_takes_its_path_again(launch, change):
+    fake, k, _ = launch
+    base = torch.zeros(64)
+    args = dict(x=base[:8], y=base[8:16], n=40, eps=0.5, B=16)
+    opts = {"num_warps": 4}
+    k[(1,)](**args, **opts)
+    new = dict(args)
+    if change == "dtype":
+        new["x"] = base[:8].double()
+    elif change == "misaligned":
+        new["x"] = base[1:9]                     # 4 bytes off a 16-byte boundary
+    elif change == "one":
+        new["n"] = 1
+    elif change == "div16":
+        new["n"] = 48
+    elif change == "wide":
+        new["n"] = 1 << 33
+    elif change == "constexpr":
+        new["B"] = 32
+    elif change == "default":
+        new["FLAG"] = True
+    else:
+        opts = {"num_warps": 8}
+    k[(1,)](**new, **opts)
+    assert len(fake.calls) == 2 and not fake.compiled[0].runs
+
+
+def test_hooks_tuple_free_grids_and_missing_arguments_go_through_triton(launch):
+    fake, k, hooks = launch
+    x = torch.zeros(8)
+    k[(1,)](x, x, 40, 0.5, B=16)
+    hooks.launch_enter_hook.calls.append(print)           # a profiler's hook
+    k[(1,)](x, x, 40, 0.5, B=16)
+    hooks.launch_enter_hook.calls.clear()
+    k[[1]](x, x, 40, 0.5, B=16)                            # a list grid
+    k[(1,)](x, x, 40, 0.5)                                 # B missing: Triton raises its own error
+    assert len(fake.calls) == 4 and not any(c.runs for c in fake.compiled)
+    k[(1,)](x, x, 40, 0.5, B=16)
+    assert len(fake.calls) == 4 and len(fake.compiled[-1].runs) + len(fake.compiled[2].runs) >= 1
+
+
+def test_interpreter_keeps_the_jit_function():
+    fake = FakeJit()
+    assert (tu.launcher(fake) is fake) == tu.INTERPRET
