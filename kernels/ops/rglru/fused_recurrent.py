@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, out, tl_acc
+from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher, out, tl_acc
 from .common import (act_bytes, affine, blocks_for, coeffs_vk, excl_scan, last_row, load_inputs, mem_order,
                      program_end, program_start, row_of, tile_grads, tile_offsets, tile_states)
 
@@ -140,6 +140,7 @@ def load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W: tl.constexpr, PREV: tl.con
         return tl.load(hs + (i_b * NT + i_t) * D + o_d, mask=m_d, other=0.0)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T"])
 def serial_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
@@ -183,6 +184,7 @@ def serial_fwd_kernel(
     program_end(ht, ht, i_b, D, o_d, m_d, h, h, STORE_HT, False)
 
 
+@launcher
 @triton.jit(do_not_specialize=["T"])
 def serial_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
