@@ -99,7 +99,7 @@ def one_minus_sq(a, log_a):
     # 1 - a^2 = -expm1(z) for a = exp(log_a) <= 1, z = 2 log_a (exact). Near a = 1 (long
     # memory) 1 - a*a from the rounded a keeps few digits. FP32: for z > -1/2 the Taylor
     # series of -expm1 through z^8 in Horner form (the rest is under 2^-26 relative: no
-    # log, no division, so the kernels stay as fast as with 1 - a*a), else 1 - a*a (the
+    # log, no division: seven FMAs per element), else 1 - a*a (the
     # rounding of a*a is amplified at most e^z / (1 - e^z) < 1.6 times). Float64: Kahan's
     # expm1(z) = (e - 1) z / log(e) with e = a*a.
     e = a * a
