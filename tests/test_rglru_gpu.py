@@ -19,9 +19,11 @@ VARIANTS = [("serial", {}), ("chunk", {"chunk_size": 8}), ("chunk", {"chunk_size
             ("serial", {"block_d": 32}), ("serial", {"time_warps": 1, "num_stages": 3, "chunk_size": 16}),
             ("chunk", {"chunk_size": 32, "block_d": 128, "num_warps": 1}),
             ("serial", {"time_warps": 1}), ("serial", {"time_warps": 8, "chunk_size": 8, "num_stages": 1}),
-            ("serial", {"time_warps": 8, "chunk_size": 64, "num_stages": 3})]
+            ("serial", {"time_warps": 8, "chunk_size": 64})]
 IDS = ["serial", "chunk8", "chunk16", "chunk32", "chunk64", "serial_tile_bd32", "serial_tile_stages3",
        "chunk32_bd128_w1", "serial_tile", "split_w8_prefetch", "split_w8_tc64"]
+# split_w8_tc64 leaves num_stages to the launcher, which lowers it until the tiles fit
+# shared memory (down to register prefetch for the FP32 tiles).
 # Subsets for the slower checks: the default (split kernels), chunk 32, the tile serial,
 # the split with register prefetch.
 SUBSET = [0, 3, 8, 9]
