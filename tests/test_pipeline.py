@@ -362,6 +362,32 @@ def test_report_tables_have_no_nan_cells_and_labels_come_from_records():
     assert aggregate.probe_label(probe) == "decode tokens/s (2-step probe)"
 
 
+def test_report_says_which_run_orders_disagree_and_why():
+    import aggregate
+
+    def pair(cid, ab, ba, **kw):
+        return [_rec(f"{cid}-{o}", order=o, stats={"p10_ms": m["p10"], "median_ms": m["median"], "p95_ms": m["p95"]},
+                     **kw) for o, m in (("AB", ab), ("BA", ba))]
+
+    def st(median, spread):
+        return {"p10": median - spread, "median": median, "p95": median + spread}
+
+    recs = (pair("same", st(1.0, 0.01), st(1.02, 0.01), clock="device:cuda_graph")
+            + pair("overlap", st(1.0, 0.2), st(1.1, 0.2), clock="device:cuda_graph")
+            + pair("apart", st(1.0, 0.01), st(1.2, 0.01), clock="device:cuda_graph", samples_ms=[1.0] * 30)
+            + pair("tiny", st(0.01, 0.0), st(0.02, 0.0), clock="device:cuda_graph")
+            + pair("eager", st(3.0, 0.01), st(3.5, 0.01), clock="eager:cuda_event"))
+    text = aggregate.order_section(aggregate.add_floor(aggregate.flatten(recs), None))
+    assert "1 of 4 configurations timed in both orders with a median over 0.05 ms agree within 5 %" in text, text
+    lines = {ln.split("|")[1].strip().split("/")[1]: ln for ln in text.splitlines() if ln.startswith("| scan/")}
+    assert set(lines) == {"overlap", "apart", "eager"}
+    assert "P10-P95 ranges overlap" in lines["overlap"] and "3 sample(s)" in lines["overlap"]
+    assert "none in the records" in lines["apart"]
+    assert "eager clock" in lines["eager"] and "overlap" not in lines["eager"]
+    agree = aggregate.order_section(aggregate.add_floor(aggregate.flatten(recs[:2]), None))
+    assert agree == "## Run orders\n\n1 of 1 configurations timed in both orders with a median over 0.05 ms agree within 5 %.\n"
+
+
 # ---- the cost model --------------------------------------------------------------
 
 

@@ -100,6 +100,47 @@ def add_floor(df, bandwidth: float | None):
     return df
 
 
+ORDER_TOL_PCT, ORDER_MIN_MS = 5.0, 0.05
+
+
+def order_section(df) -> str:
+    """Whether the run orders agree: every configuration timed in both orders with a median
+    over ORDER_MIN_MS, and for each gap over ORDER_TOL_PCT the reasons the records give
+    (sample ranges that overlap, few samples, a throttled SM clock, a host clock)."""
+    if df.empty or "ab_ba_pct" not in df:
+        return ""
+    key = df["stage"] + "/" + df["config_id"].str.replace(r"-(AB|BA)(?=-|$)", "", regex=True)
+    paired = df[df["ab_ba_pct"].notna()].assign(key=key)
+    big = paired.groupby("key").filter(lambda g: g["median_ms"].min() > ORDER_MIN_MS)
+    n = big["key"].nunique()
+    if not n:
+        return ""
+    rows = []
+    for k, g in big.groupby("key", sort=True):
+        if g["ab_ba_pct"].iloc[0] <= ORDER_TOL_PCT:
+            continue
+        by = {o: r for o, r in zip(g["order"], g.to_dict("records"))}
+        ab, ba = by.get("AB", {}), by.get("BA", {})
+        why = []
+        if max(g["p10_ms"]) <= min(g["p95_ms"]):
+            why.append("the orders' P10-P95 ranges overlap")
+        if min(g["n_samples"]) < 5:
+            why.append(f"{min(g['n_samples'])} sample(s) per order")
+        if g["throttled"].fillna(False).astype(bool).any():
+            why.append("SM clock throttled")
+        if not g["clock"].fillna("").str.startswith("device").all():
+            why.append("eager clock (host work inside the window)")
+        rows.append({"configuration": k, "AB_ms": ab.get("median_ms"), "BA_ms": ba.get("median_ms"),
+                     "gap_pct": g["ab_ba_pct"].iloc[0], "n_samples": min(g["n_samples"]),
+                     "why": "; ".join(why) or "none in the records: the orders' sample ranges are apart"})
+    head = (f"{n - len(rows)} of {n} configurations timed in both orders with a median over {ORDER_MIN_MS} ms "
+            f"agree within {ORDER_TOL_PCT:g} %.")
+    if not rows:
+        return f"## Run orders\n\n{head}\n"
+    return f"## Run orders\n\n{head} The others, with what their records say:\n\n" + md_table(
+        pd.DataFrame(rows), ["configuration", "AB_ms", "BA_ms", "gap_pct", "n_samples", "why"])
+
+
 def ident_cols(df) -> list[str]:
     shapes = [c for c in df.columns if c.startswith("shape.") and df[c].notna().any()]
     return [*shapes, *[c for c in IDENTITY if c in df.columns and df[c].notna().any()]]
@@ -407,7 +448,7 @@ def main(job):
         f"{len(recs)} records from {len(job.input.records)} tracks; "
         + (", ".join(f"{s} {st}: {n}" for (s, st), n in sorted(counts.items())) or "no measurements")
         + f". Tuning table: {len(table.get('entries', []))} entries.", "",
-        summary, breakdown_section(recs), probe_section(env), audit_section(gates, recs + records.read_jsonl(job.input.tune_records), table),
+        summary, order_section(df), breakdown_section(recs), probe_section(env), audit_section(gates, recs + records.read_jsonl(job.input.tune_records), table),
         "## Tracks\n", "Times are per call, P10 / median / P95 over the raw samples kept in each record, of the "
         "headline clock (`clock`: the device clock where device time is under 2 ms, eager otherwise), the eager "
         "median beside it (`eager_ms`); `ab_ba_pct` is the gap between the run orders; `floor_ms` is the logical "
