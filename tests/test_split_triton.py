@@ -154,7 +154,7 @@ def test_pipeline_stages_fit_shared_memory():
     ({"time_warps": 3}, "time_warps"),
     ({"time_warps": 32}, "time_warps"),
     ({"time_warps": 2, "vec": 2}, "serial options"),
-    ({"time_warps": 2, "block_d": 32}, "block_d"),
+    ({"time_warps": 2, "block_d": 16}, "block_d"),
     ({"time_warps": 2, "chunk_size": 6}, "chunk_size"),
     ({"time_warps": 2, "chunk_size": 128}, "chunk_size"),
     ({"time_warps": 2, "num_stages": 5}, "num_stages"),
