@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 
-CALIBRATION = "H200, runs h200-20261201-run3 and -run4-partial"
+CALIBRATION = "H200, runs h200-20261201-run3, -run4-partial and h200-20261202-run6"
 
 # Whole-stage figures (s); the audit scales with its dtypes.
-PROBE_S = 15.0
+PROBE_S = 18.0
 AUDIT_S_PER_DTYPE = 132.0
-AGGREGATE_S = 8.0
-ARCHIVE_S = 4.0
+AGGREGATE_S = 17.0
+ARCHIVE_S = 5.0
 # Process start to first configuration, without the configurations (s).
 FIXED_S = {"tune": 12.0, "scan": 10.0, "train": 9.0, "infer": 13.0, "ops": 10.0}
 
