@@ -131,11 +131,12 @@ class Launcher:
     (tens of microseconds of host time per launch). Launch hooks (a profiler's) and
     unhashable arguments take Triton's path every time."""
 
-    __slots__ = ("fn", "names", "const", "defaults", "cache")
+    __slots__ = ("fn", "names", "name_set", "const", "defaults", "cache")
 
     def __init__(self, fn):
         self.fn = fn
         self.names = tuple(fn.arg_names)
+        self.name_set = frozenset(self.names)
         self.const = tuple(i in fn.constexprs for i in range(len(self.names)))
         self.defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
                          if p.default is not inspect.Parameter.empty}
@@ -152,8 +153,10 @@ class Launcher:
         try:
             vals += [kwargs[n] if n in kwargs else self.defaults[n] for n in names[len(args):]]
             device, stream = _raw_stream()
-            key = (device, tuple(sorted((k, v) for k, v in kwargs.items() if k not in names)),
-                   *[(v.__class__, v) if c else _arg_key(v) for v, c in zip(vals, self.const)])
+            # tensors keyed inline (_arg_key's tensor case): this runs on every launch
+            key = (device, tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.name_set)),
+                   *[(v.__class__, v) if c else (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, torch.Tensor)
+                     else _arg_key(v) for v, c in zip(vals, self.const)])
             ck = self.cache.get(key)
         except (KeyError, TypeError):      # a missing argument (Triton says which) or an unhashable one
             return self.fn[grid](*args, **kwargs)
