@@ -104,12 +104,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 def _arg_key(v):
-    # Everything of a runtime argument that Triton's specialisation reads: a tensor's dtype
-    # and 16-byte alignment; an int's width class, ==1 and divisibility by 16; a value's
-    # type (constexprs are keyed by value). Finer than Triton's own key, so a hit always
-    # names the binary Triton would pick.
-    if isinstance(v, torch.Tensor):
-        return v.dtype, v.data_ptr() & 15 == 0
+    # Everything of a runtime argument other than a tensor that Triton's specialisation
+    # reads: an int's width class, ==1 and divisibility by 16; a value's type. With a
+    # tensor's dtype and 16-byte alignment (keyed in Launcher._launch, the per-launch hot
+    # path) and constexprs by value, finer than Triton's own key, so a hit always names
+    # the binary Triton would pick.
     if v.__class__ is int:
         return int, v == 1, v & 15 == 0, -0x80000000 <= v < 0x80000000, 0 <= v < 1 << 63
     if v.__class__ is float:
@@ -125,10 +124,11 @@ def _raw_stream():
 class Launcher:
     """A Triton kernel launched as `k[grid](*args, **kwargs)` like the JIT function it
     wraps. The first call of an argument signature goes through Triton (compile, cache,
-    launch) and keeps the compiled kernel under a key finer than Triton's own
-    (`_arg_key` per argument, the launch options, the device); later calls launch that
-    binary directly, without Triton's per-call binding, specialisation and key hashing
-    (tens of microseconds of host time per launch). Launch hooks (a profiler's) and
+    launch) and keeps the compiled kernel under a key finer than Triton's own (a
+    tensor's dtype and alignment, `_arg_key` of other arguments, constexpr values, the
+    launch options, the device); later calls launch that binary directly, without
+    Triton's per-call binding, specialisation and key hashing (tens of microseconds of
+    host time per launch). Launch hooks (a profiler's) and
     unhashable arguments take Triton's path every time."""
 
     __slots__ = ("fn", "names", "name_set", "const", "defaults", "cache")
@@ -153,7 +153,6 @@ class Launcher:
         try:
             vals += [kwargs[n] if n in kwargs else self.defaults[n] for n in names[len(args):]]
             device, stream = _raw_stream()
-            # tensors keyed inline (_arg_key's tensor case): this runs on every launch
             key = (device, tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.name_set)),
                    *[(v.__class__, v) if c else (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, torch.Tensor)
                      else _arg_key(v) for v, c in zip(vals, self.const)])

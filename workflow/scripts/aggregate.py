@@ -83,6 +83,11 @@ def flatten(recs: list[dict]):
     return pd.DataFrame(rows)
 
 
+def order_key(df):
+    """A configuration's identity across run orders: its stage and config_id without -AB / -BA."""
+    return df["stage"] + "/" + df["config_id"].str.replace(r"-(AB|BA)(?=-|$)", "", regex=True)
+
+
 def add_floor(df, bandwidth: float | None):
     """`floor_ms`: a stage's own where recorded, else logical bytes moved at the probe's copy
     bandwidth; `x_floor`: the median's multiple of it; `ab_ba_pct`: the gap between the
@@ -93,7 +98,7 @@ def add_floor(df, bandwidth: float | None):
     derived = (moved / bandwidth * 1e3 if bandwidth else moved * float("nan")).where(moved > 0)
     df["floor_ms"] = df["floor_ms"].astype("float64").fillna(derived) if "floor_ms" in df else derived
     df["x_floor"] = df["median_ms"].astype("float64") / df["floor_ms"]
-    key = df["stage"] + "/" + df["config_id"].str.replace(r"-(AB|BA)(?=-|$)", "", regex=True)
+    key = order_key(df)
     med = df["median_ms"].astype("float64").where(df["status"] == "ok")
     both = med.groupby(key).transform("count") == 2
     df["ab_ba_pct"] = (100 * (med.groupby(key).transform("max") / med.groupby(key).transform("min") - 1)).where(both)
@@ -109,8 +114,7 @@ def order_section(df) -> str:
     (sample ranges that overlap, few samples, a throttled SM clock, a host clock)."""
     if df.empty or "ab_ba_pct" not in df:
         return ""
-    key = df["stage"] + "/" + df["config_id"].str.replace(r"-(AB|BA)(?=-|$)", "", regex=True)
-    paired = df[df["ab_ba_pct"].notna()].assign(key=key)
+    paired = df[df["ab_ba_pct"].notna()].assign(key=order_key(df))
     big = paired.groupby("key").filter(lambda g: g["median_ms"].min() > ORDER_MIN_MS)
     n = big["key"].nunique()
     if not n:
