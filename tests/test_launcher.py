@@ -108,3 +108,35 @@ def test_hooks_tuple_free_grids_and_missing_arguments_go_through_triton(launch):
 def test_interpreter_keeps_the_jit_function():
     fake = FakeJit()
     assert (tu.launcher(fake) is fake) == tu.INTERPRET
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_the_second_call_skips_triton_and_writes_the_same_result(monkeypatch):
+    """A real kernel: the first call compiles through Triton and fills the cache, the
+    second launches the cached binary (Triton's run is not entered) with new inputs and
+    writes what Triton's own launch writes."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def axpy(x, y, out, n, a, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = o < n
+        tl.store(out + o, a * tl.load(x + o, mask=m) + tl.load(y + o, mask=m), mask=m)
+
+    k = tu.Launcher(axpy)
+    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    out = torch.full_like(x, float("nan"))
+    k[(8,)](x, y, out, 1000, 2.0, BLOCK=128)
+    assert len(k.cache) == 1
+    torch.testing.assert_close(out, 2.0 * x + y)
+    entered = []
+    original = axpy.run
+    monkeypatch.setattr(axpy, "run", lambda *a, **kw: entered.append(1) or original(*a, **kw))
+    x2, out2 = torch.randn(1000, device="cuda"), torch.full_like(x, float("nan"))
+    k[(8,)](x2, y, out2, 1000, -0.5, BLOCK=128)
+    torch.cuda.synchronize()
+    assert not entered and len(k.cache) == 1
+    want = torch.full_like(x, float("nan"))
+    axpy[(8,)](x2, y, want, 1000, -0.5, BLOCK=128)
+    assert torch.equal(out2, want)
