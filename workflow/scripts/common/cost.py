@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-CALIBRATION = "H200, runs h200-20261201-run3, -run4-partial and h200-20261202-run6"
+CALIBRATION = "H200, runs h200-20261201-run3, -run4-partial and h200-20261202-run6 (step times: run 6)"
 
 # Whole-stage figures (s); the audit scales with its dtypes.
 PROBE_S = 18.0
@@ -47,9 +47,10 @@ SCAN_CONFIG_S = 0.5
 SCAN_COUNTERS_S = 1.8            # Nsight Compute pass, per configuration it profiles
 SCAN_COUNTERS_SKIP = ("reference", "assoc", "assoc_bf16")
 
-# ---- train track: one step of 8192 tokens (s), run 3 and 4 medians; T-independent except
-# for the per-step loops, which are linear in T and in the number of layers.
-TRAIN_STEP_S = {"400m": 0.105, "1.3b": 0.27, "tiny": 0.01}
+# ---- train track: one step of 8192 tokens (s), the mean of run 6's fresh medians over both
+# mixers and the three shapes; T-independent except for the per-step loops, which are
+# linear in T and in the number of layers.
+TRAIN_STEP_S = {"400m": 0.076, "1.3b": 0.196, "tiny": 0.01}
 TRAIN_BUILD_S = {"400m": 1.2, "1.3b": 2.3, "tiny": 0.2}
 TRAIN_FACTOR = {"assoc": 2.5, "assoc_bf16": 2.9}
 TRAIN_ASSOC_BUILD_S = 2.7
@@ -58,8 +59,10 @@ TRAIN_LOOP_S_PER_LAYER_STEP = 4.83 / (12 * 2048)   # reference loop: 4.83 s at 4
 TRAIN_LOOP_COUNT_FACTOR = 20.0   # counting launches of a per-step loop costs ~20 steps (run 3)
 TRAIN_DIAG_BACKENDS = ["serial", "chunk", "assoc", "assoc_bf16"]
 
-# ---- infer track: 1.3b BF16 decode step with CUDA graphs (ms) against B, run 3's probes.
-INFER_STEP_MS = [(1, 1.62), (16, 1.81), (64, 1.95), (128, 2.08), (256, 2.41), (512, 3.53)]
+# ---- infer track: 1.3b BF16 decode step with CUDA graphs (ms) against B, the mean of the
+# two mixers' 64-step probes in run 6.
+INFER_STEP_MS = [(1, 1.40), (16, 1.44), (64, 2.0), (128, 2.08), (256, 2.4), (512, 3.57), (1024, 6.0),
+                 (2048, 11.0), (4096, 21.3), (8192, 43.5)]
 INFER_BUILD_S = 3.0              # one model built (and its graph captured) per configuration
 INFER_PREFILL_S_PER_TOKEN_ROW = 0.5 / (4096 * 16)
 INFER_PROBE_S = 0.5
@@ -181,8 +184,8 @@ def _budgeted(configs: list[float], budget: float | None) -> float:
 
 
 def infer_step_ms(B: int, preset: str = "1.3b") -> float:
-    """Step time at batch B: run 3's points, linear beyond the last two (the weight read
-    is paid once, the per-row work grows with B: run 5 read 19-24 ms at B = 4096)."""
+    """Step time at batch B: linear between run 6's points and beyond the last two (the
+    weight read is paid once, the per-row work grows with B)."""
     pts = INFER_STEP_MS
     if B <= pts[0][0]:
         ms = pts[0][1]
