@@ -4,11 +4,11 @@ walks the tiles in reverse, recomputes their states from the saved ones and runs
 adjoint (common.py). The a_param gradient is a per-program partial [B, D] reduced in a
 fixed order.
 
-Split kernels (time_warps W > 1, the default): BD = 64 channels (2 per lane; block_d 32:
-1 per lane), tiles of W * TT steps (TT = chunk_size): warp w holds TT consecutive steps,
-each thread its channels' TT steps in registers. The tile is addressed in memory order
-[W, TT, BD] (so Triton's coalescing picks that layout) and relabelled [TT, W, BD]
-(common.mem_order) for the scans along axis 0. Offsets are int32 from one int64 base per tile; EVEN (T and
+Split kernels (time_warps W > 1, the default): BD = 64 channels (2 per lane), tiles of
+W * TT steps (TT = chunk_size): warp w holds TT consecutive steps, each thread its two
+channels' TT steps in registers. The tile is addressed in memory order [W, TT, BD] (so
+Triton's coalescing picks that layout) and relabelled [TT, W, BD] (common.mem_order)
+for the scans along axis 0. Offsets are int32 from one int64 base per tile; EVEN (T and
 D multiples of the tile) forms no element masks. Forward, per tile: each warp scans its
 TT steps from a zero state; the W segment maps are composed across warps by one small
 scan carrying the exclusive and inclusive compositions (common.affine_excl); the state
@@ -25,8 +25,7 @@ registers, one associative scan, store y, carry the last row; the state entering
 tile ([B, NT, D] FP32) is saved.
 
 Options: chunk_size (steps per warp segment with W > 1, default 8; the tile with W = 1,
-default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (W = 1: any power of
-two from 8; W > 1: 32 or 64) and
+default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (W = 1 only) and
 num_stages (pipelined loads; 1 prefetches the next tile into registers).
 """
 
@@ -269,17 +268,14 @@ def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num
     if not isinstance(ns, int) or isinstance(ns, bool) or not 1 <= ns <= 4:
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
     if tw > 1:
-        # a lane owns block_d / 32 whole channels: 64 (two, the default) or 32 (one: twice
-        # the programs, for grids of B * D / 64 programs that leave SMs idle)
-        bd = 64 if block_d is None else block_d
-        if bd not in (32, 64):
-            raise ValueError(f"expected block_d 32 or 64 with time_warps > 1 (one or two channels per lane), "
+        if block_d is not None:
+            raise ValueError(f"expected block_d only with time_warps = 1 (the split kernels own 64 channels), "
                              f"got block_d={block_d!r} with time_warps={tw}")
         tt = 8 if chunk_size is None else chunk_size
         # the forward saves the state entering every warp's segment ([B, T / TT, D] FP32,
         # at most 1/8 of an FP32 activation: TT >= 8)
-        return {"backend": "serial", "BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": ns,
-                "PREFETCH": ns == 1, "VEC": bd // 32, "TW": tw, "STAGES_SET": stages_set}
+        return {"backend": "serial", "BT": tt * tw, "TT": tt, "BD": 64, "num_warps": tw, "STAGES": ns,
+                "PREFETCH": ns == 1, "VEC": 2, "TW": tw, "STAGES_SET": stages_set}
     bt = (128 if is_scan else 64) if chunk_size is None else chunk_size
     bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     return {"backend": "serial", "BT": bt, "TT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1,
