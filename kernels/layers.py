@@ -276,9 +276,19 @@ class SAMU(nn.Module):
         """x: [B, T, E]; cache: [B, M] complex state before x. Returns (y [B, T, E], state or None)."""
         return ops.samu(x, *self._params(), segment_pos, cache, return_cache, backend=self.backend)
 
-    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
-        """One token. x: [B, E]; state: [B, M] complex, updated in place; reset: [B] bool."""
-        return ops.samu_step(x, *self._params(), state, reset, backend=self.step_backend)
+    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None,
+             modes: torch.Tensor | None = None) -> torch.Tensor:
+        """One token. x: [B, E]; state: [B, M] complex, updated in place; reset: [B] bool;
+        modes: this layer's `decode_modes(x.dtype)`, computed since its parameters last
+        changed, or None (the step recomputes the per-mode constants)."""
+        return ops.samu_step(x, *self._params(), state, reset, backend=self.step_backend, modes=modes)
+
+    def decode_modes(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mode table the Triton decode steps read (kernels.ops.samu_mode_table) for
+        inputs of `dtype`; None where this layer's steps run the PyTorch reference."""
+        if ops.step_has_backward("samu", self.step_backend, self.nu_log.device):
+            return None
+        return ops.samu_mode_table(self.nu_log, self.theta_log, dtype)
 
 
 def set_backend(module: nn.Module, backend, step_backend=None) -> nn.Module:
@@ -352,16 +362,18 @@ class RecurrentBlock(nn.Module):
         out = self.linear_out(xb * y)
         return out, (RecurrentCache(conv_state, rnn_state) if return_cache else None)
 
-    def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None) -> torch.Tensor:
-        """One token. x: [B, D]; cache updated in place; reset: [B] bool. Returns [B, D].
-        With a Triton mixer step (no backward) an input or parameter that requires grad
-        under grad mode raises ValueError before any cache tensor changes."""
+    def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None,
+             **mixer_kw) -> torch.Tensor:
+        """One token. x: [B, D]; cache updated in place; reset: [B] bool; mixer_kw: what the
+        mixer's step takes besides (SAMU: modes). Returns [B, D]. With a Triton mixer step
+        (no backward) an input or parameter that requires grad under grad mode raises
+        ValueError before any cache tensor changes."""
         step = self.mixer.step_backend
         if torch.is_grad_enabled() and not ops.step_has_backward(self.mixer_name, step, x.device):
             no_grad_inputs(ops.Backend.of(step).name, x=x, **dict(self.named_parameters()))
         y = gelu(self.linear_y(x))
         xb = self.conv_1d.step(self.linear_x(x), cache.conv_state, reset)
-        xb = self.mixer.step(xb, cache.rnn_state, reset)
+        xb = self.mixer.step(xb, cache.rnn_state, reset, **mixer_kw)
         return self.linear_out(xb * y)
 
 
@@ -414,9 +426,11 @@ class ResidualBlock(nn.Module):
         residual = h + x
         return self.mlp_block(self.channel_pre_norm(residual)) + residual, cache
 
-    def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None) -> torch.Tensor:
-        """One token. x: [B, D]; cache updated in place. Returns [B, D]."""
-        residual = self.recurrent_block.step(self.temporal_pre_norm(x), cache, reset) + x
+    def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None,
+             **mixer_kw) -> torch.Tensor:
+        """One token. x: [B, D]; cache updated in place; mixer_kw as RecurrentBlock.step's.
+        Returns [B, D]."""
+        residual = self.recurrent_block.step(self.temporal_pre_norm(x), cache, reset, **mixer_kw) + x
         return self.mlp_block(self.channel_pre_norm(residual)) + residual
 
 

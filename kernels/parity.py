@@ -23,6 +23,7 @@ bfloat16 or float16 (run_gates uses float32 when asked for float64).
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 
@@ -590,8 +591,13 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
     else:
         yard = run(ops.step_backends(op)["reference"], lambda t: t, sdt)
         tols = {k: _lowp_tol(dtype, rel_err(yard[k], want[k])) for k in want}
+    variants = dict(ops.step_backends(op))
+    if op == "samu":    # each Triton step also as the generation engine runs it: reading the mode table
+        tab = ops.samu_mode_table(m.nu_log.detach(), m.theta_log.detach(), dtype)
+        variants.update({f"{n}+table": functools.partial(f, modes=tab) for n, f in ops.step_backends(op).items()
+                         if n != "reference"})
     rows = []
-    for name, fn in ops.step_backends(op).items():
+    for name, fn in variants.items():
         got = run(fn, lambda t: t, sdt)
         ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=_dtype_name(dtype), device=str(device),
                    steps=steps)

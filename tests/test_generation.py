@@ -112,6 +112,28 @@ def test_fused_step_kernels_equal_the_layers(mixer, kernels):
     assert eng.describe()["kernels"] == kernels
 
 
+def test_samu_steps_read_mode_tables_refreshed_at_every_start(monkeypatch):
+    """With Triton SAMU steps the engine hands each layer its mode table: tokens and
+    logits equal bit for bit those of steps that recompute the constants, and a
+    parameter changed behind autograd's back (`.data`, no version bump) between two
+    batches is seen by the next one."""
+    m = _model("samu", dtype=torch.float32)
+    m.set_backend("reference", step_backend="fused")
+    prompts = _prompts([4, 2])
+    eng = Engine(m, kernels="gemm", linear_configs=BIG_TILES)
+    got = _decode(eng, prompts, 3)
+    assert all("modes" in kw for kw in eng._step_kw)
+    with monkeypatch.context() as mp:
+        mp.setattr(layers.SAMU, "decode_modes", lambda self, dtype: None)
+        want = _decode(Engine(m, kernels="gemm", linear_configs=BIG_TILES), prompts, 3)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for blk in m.blocks:
+        blk.recurrent_block.mixer.nu_log.data.add_(0.5)
+    again = _decode(eng, prompts, 3)
+    fresh = _decode(Engine(m, kernels="gemm", linear_configs=BIG_TILES), prompts, 3)
+    assert torch.equal(again[1], fresh[1]) and not torch.equal(again[1], got[1])
+
+
 def _poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype)
 

@@ -183,7 +183,8 @@ def test_samu_gate_with_the_kink_mask_still_catches_wrong_gradients(monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_decode_step_backend(op, dtype):
     rows = parity.check_steps(op, B=3, D=8, heads=2, dtype=dtype)
-    assert {r["backend"] for r in rows} == set(ops.step_backends(op))
+    tables = {f"{n}+table" for n in ops.step_backends(op) if n != "reference"} if op == "samu" else set()
+    assert {r["backend"] for r in rows} == set(ops.step_backends(op)) | tables
     assert {r["stage"] for r in rows} == {"output", "state"} and all(r["op"] == f"{op}_step" for r in rows)
     _assert_passed(rows, 4)
 
@@ -192,7 +193,7 @@ def test_every_decode_step_backend(op, dtype):
 def test_step_gate_fails_a_wrong_step(monkeypatch, fault):
     from kernels.ops import reference
 
-    def wrong(x, *rest):
+    def wrong(x, *rest, modes=None):
         *params, state, reset = rest
         if fault == "reset":        # ignores resets
             reset = None
@@ -203,4 +204,19 @@ def test_step_gate_fails_a_wrong_step(monkeypatch, fault):
 
     monkeypatch.setattr("kernels.ops.step_backends", lambda op: {"reference": reference.samu_step, "wrong": wrong})
     bad = {(r["backend"], r["stage"]) for r in parity.failures(parity.check_steps("samu", B=3, D=8))}
-    assert bad and {b for b, _ in bad} == {"wrong"}
+    assert bad and {b for b, _ in bad} == {"wrong", "wrong+table"}
+
+
+def test_step_gate_fails_a_stale_mode_table(monkeypatch):
+    """The steps that read a table are gated on it: a table off by 1e-3 in lnr fails them,
+    and only them."""
+    real = ops.samu_mode_table
+
+    def stale(nu_log, theta_log, dtype):
+        tab = real(nu_log, theta_log, dtype)
+        tab[:, 5] += 1e-3
+        return tab
+
+    monkeypatch.setattr(ops, "samu_mode_table", stale)
+    bad = {(r["backend"], r["stage"]) for r in parity.failures(parity.check_steps("samu", B=3, D=8))}
+    assert bad and {b for b, _ in bad} == {f"{n}+table" for n in ops.step_backends("samu") if n != "reference"}

@@ -270,6 +270,32 @@ def test_decode_steps_equal_sequence(layout, dtype):
     assert y1.shape == (B, D)
 
 
+@pytest.mark.parametrize("layout", ["row", "blocked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_decode_step_reading_the_mode_table_is_bitwise_the_recomputing_one(layout, dtype):
+    """samu_step(..., modes=samu_mode_table(...)) reads the constants the kernel would
+    compute in float64 and round: outputs and states equal bit for bit over steps with
+    resets; the table has the accumulation dtype and the reference ignores it."""
+    inputs = make_inputs(torch.float64 if dtype == torch.float64 else torch.float32, t=5, seed=13)
+    x = inputs["x"].to(dtype)
+    params = [inputs[k] for k in GRAD_NAMES[1:7]]
+    tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], dtype)
+    assert tab.shape == (M, 8) and tab.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    s1, s2 = inputs["initial_state"].clone(), inputs["initial_state"].clone()
+    reset = torch.tensor([True, False] * (B // 2) + [False] * (B % 2))
+    for t in range(5):
+        r = reset if t == 2 else None
+        y1 = kernels.samu_step(x[:, t], *params, s1, r, backend=layout)
+        y2 = kernels.samu_step(x[:, t], *params, s2, r, backend=layout, modes=tab)
+        assert torch.equal(y1, y2) and torch.equal(s1, s2)
+    s3 = inputs["initial_state"].clone()
+    want = kernels.samu_step(x[:, 0], *params, s3.clone(), backend="reference")
+    assert torch.equal(kernels.samu_step(x[:, 0], *params, s3, backend="reference", modes=tab), want)
+    for bad, match in ((tab[:-1], "modes of shape"), (tab.to(torch.float16), "modes with dtype")):
+        with pytest.raises(ValueError, match=match):
+            kernels.samu_step(x[:, 0], *params, s3, backend=layout, modes=bad)
+
+
 def test_bad_options():
     inputs = make_inputs(torch.float32)
     for bad in (12, 128):

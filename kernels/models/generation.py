@@ -169,6 +169,9 @@ class Engine:
         self._sampling = Sampling()
         self._generator: torch.Generator | None = None
         self._has_stops = False
+        # per block, what its mixer's decode step takes besides x, state and reset: a SAMU
+        # layer's mode table, refreshed in place by `start` (captured graphs read it)
+        self._step_kw: list[dict] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -331,6 +334,7 @@ class Engine:
                 raise ValueError("expected batch_size only with empty prompts (prompts=None)")
             tokens, lengths = self._prompt_batch(prompts, lengths)
         s = self._slot(tokens.shape[0])
+        self._refresh_step_kw()
         self._prefill(s, tokens, lengths)
         s.stops.copy_(torch.tensor(stops + [-1] * (dk.MAX_STOP_TOKENS - len(stops)), dtype=torch.int64))
         s.temperature.fill_(sampling.temperature if not sampling.greedy else 1.0)
@@ -338,13 +342,27 @@ class Engine:
         self._has_stops = bool(stops)
         return s.B
 
+    def _refresh_step_kw(self) -> None:
+        """The SAMU layers' decode mode tables of the parameters as they are now."""
+        mixers = [b.recurrent_block.mixer for b in self.model.blocks]
+        if self._step_kw is None:
+            self._step_kw = [{} for _ in mixers]
+        for kw, mixer in zip(self._step_kw, mixers):
+            tab = mixer.decode_modes(self.dtype) if hasattr(mixer, "decode_modes") else None
+            if tab is None:
+                kw.clear()
+            elif "modes" in kw and kw["modes"].shape == tab.shape and kw["modes"].dtype == tab.dtype:
+                kw["modes"].copy_(tab)
+            else:
+                kw["modes"] = tab
+
     # ------------------------------------------------------------------ the step
 
     def _logits_model(self, s: _Slot) -> torch.Tensor:
         m = self.model
         x = m.embed(s.tokens)
-        for block, c in zip(m.blocks, s.cache.layers):
-            x = block.step(x, c, s.reset)
+        for block, c, mkw in zip(m.blocks, s.cache.layers, self._step_kw):
+            x = block.step(x, c, s.reset, **mkw)
         return m.logits(x)
 
     def _next_norm(self, i: int):
@@ -355,12 +373,12 @@ class Engine:
         m = self.model
         n0 = m.blocks[0].temporal_pre_norm
         x, xn = dk.embed_rmsnorm(s.tokens, m.embed.weight, n0.scale, n0.eps)
-        for i, (block, c) in enumerate(zip(m.blocks, s.cache.layers)):
+        for i, (block, c, mkw) in enumerate(zip(m.blocks, s.cache.layers, self._step_kw)):
             rb, mlp = block.recurrent_block, block.mlp_block
             hy = F.linear(xn, rb.linear_y.weight, rb.linear_y.bias)
             hx = F.linear(xn, rb.linear_x.weight, rb.linear_x.bias)
             xc = dk.conv_step(hx, c.conv_state, rb.conv_1d.w, rb.conv_1d.b, s.reset)
-            mo = rb.mixer.step(xc, c.rnn_state, s.reset)
+            mo = rb.mixer.step(xc, c.rnn_state, s.reset, **mkw)
             o = F.linear(dk.gelu_mul(hy, mo), rb.linear_out.weight, rb.linear_out.bias)
             cn = block.channel_pre_norm
             xn = dk.add_rmsnorm(o, x, cn.scale, cn.eps)
@@ -375,14 +393,14 @@ class Engine:
         m, cfg = self.model, self.linear_configs
         kw = dict(pdl=self.pdl, workspace=s.workspace)
         x = F.embedding(s.tokens, m.embed.weight)
-        for block, c in zip(m.blocks, s.cache.layers):
+        for block, c, mkw in zip(m.blocks, s.cache.layers, self._step_kw):
             rb, mlp = block.recurrent_block, block.mlp_block
             tn, cn = block.temporal_pre_norm, block.channel_pre_norm
             gy, xc = dk.linear(x, rb.linear_y.weight, rb.linear_y.bias, prologue=dk.PRO_NORM, norm_scale=tn.scale,
                                eps=tn.eps, epilogue=dk.EPI_XY, w2=rb.linear_x.weight, bias2=rb.linear_x.bias,
                                conv=(c.conv_state, rb.conv_1d.w, rb.conv_1d.b), reset=s.reset,
                                config=cfg.get("xy"), **kw)
-            mo = rb.mixer.step(xc, c.rnn_state, s.reset)
+            mo = rb.mixer.step(xc, c.rnn_state, s.reset, **mkw)
             dk.linear(gy, rb.linear_out.weight, rb.linear_out.bias, prologue=dk.PRO_MUL, a2=mo,
                       epilogue=dk.EPI_RESIDUAL, residual=x, config=cfg.get("out"), **kw)
             p = dk.linear(x, mlp.ffw_up.weight, mlp.ffw_up.bias, prologue=dk.PRO_NORM, norm_scale=cn.scale,

@@ -22,6 +22,7 @@ from .tuning import Backend, TuningTable
 # INEXACT (names never chosen). Imported before the ops rglru and samu are defined below,
 # so those names stay the functions; without Triton the Triton packages are left out.
 PROVIDERS = []
+_samu_kernels = None
 try:
     from . import rglru as _rglru_kernels
     from . import samu as _samu_kernels
@@ -264,9 +265,13 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     return resolve_step("rglru", backend, x)(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset)
 
 
-def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto"):
+def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto",
+              modes=None):
     """One SAMU decode step. x: [B, D]; parameters as for `samu`; state: [B, M] complex64,
-    updated in place; reset: [B] bool. Returns y [B, D]. No backward in the Triton steps."""
+    updated in place; reset: [B] bool; modes: `samu_mode_table(nu_log, theta_log, x.dtype)`
+    of these very parameters (recompute it after they change), which the Triton steps read
+    instead of recomputing the per-mode constants in float64 (the reference ignores it).
+    Returns y [B, D]. No backward in the Triton steps."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     if D % 2 or D == 0:
@@ -274,10 +279,24 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     check_tensor("state", state, shape=(B, D // 2), dtypes=(state_dtype(x.dtype, complex_state=True),))
     if reset is not None:
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
-    _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state=state, reset=reset)
+    _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state=state, reset=reset,
+                       modes=modes)
+    if modes is not None:
+        check_tensor("modes", modes, shape=(D // 2, 8), dtypes=(state_dtype(x.dtype),))
     return resolve_step("samu", backend, x)(x, phase_dir, radial_dir, phase_amp, radial_amp,
-                                             nu_log, theta_log, state, reset)
+                                             nu_log, theta_log, state, reset, modes=modes)
 
 
-__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends", "inexact_backends",
+def samu_mode_table(nu_log, theta_log, dtype):
+    """[M, 8] per-mode constants of SAMU's decode step for inputs of `dtype` (FP32, float64
+    for float64 inputs): what `samu_step(..., modes=...)` reads instead of recomputing."""
+    check_tensor("nu_log", nu_log, ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor("theta_log", theta_log, shape=nu_log.shape, dtypes=FLOAT_DTYPES)
+    check_same_device(nu_log=nu_log, theta_log=theta_log)
+    if _samu_kernels is None:
+        raise RuntimeError("samu_mode_table needs Triton (the table is read by the Triton decode steps only)")
+    return _samu_kernels.mode_table(nu_log.contiguous(), theta_log.contiguous(), state_dtype(dtype))
+
+
+__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "samu_mode_table", "backends", "step_backends", "inexact_backends",
            "resolve", "resolve_step", "step_has_backward", "reference", "tuning", "Backend", "TuningTable"]

@@ -191,9 +191,10 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     return y[:, 0].to(x.dtype)
 
 
-def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
+def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None):
     """One decode step of SAMU. x: [B, D]; state: [B, M] complex64, updated in place;
-    reset: [B] bool or None. Returns y [B, D] in x's dtype."""
+    reset: [B] bool or None; modes: ignored (the mode constants are computed here from
+    nu_log and theta_log). Returns y [B, D] in x's dtype."""
     sp = None if reset is None else torch.where(reset, 0, 1).view(-1, 1)
     acc = torch.float64 if state.dtype == torch.complex128 else torch.float32
     y, h = samu(x[:, None].to(acc), phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, sp, state, True)

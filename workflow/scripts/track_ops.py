@@ -136,22 +136,25 @@ def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dty
 
 
 def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> Case:
-    """kernels.<op>_step (and the official RG-LRU layer at T = 1): 4 steps against float64."""
+    """kernels.<op>_step (SAMU's also reading the mode table, as the generation engine
+    calls it; the official RG-LRU layer at T = 1): 4 steps against float64."""
     fn = getattr(kernels, f"{op}_step")
     args, state0 = cases.step_inputs(op, B, D, blocks, dtype, device)
     ref_args, ref_state = cast(args, torch.float64), state0.to(torch.complex128 if state0.is_complex() else torch.float64)
     for _ in range(4):
         y_ref = fn(*ref_args, ref_state, None, backend="reference")
 
-    def ours(dt):
+    def ours(dt, table=False):
         a, state = cast(args, dt), state0.clone()
+        # the generation engine's call: the mode table computed once, outside the window
+        kw = {"modes": kernels.ops.samu_mode_table(a[5], a[6], dt)} if table else {}
 
         def errors():
             st = state0.clone()
             for _ in range(4):
-                y = fn(*a, st, None)
+                y = fn(*a, st, None, **kw)
             return {"output": cases.rel_err(y, y_ref), "state": cases.rel_err(st, ref_state)}
-        return (lambda: fn(*a, state, None)), errors
+        return (lambda: fn(*a, state, None, **kw)), errors
 
     def official(dt):
         m, _ = cases.official_rglru(D, blocks, dt, device)
@@ -174,6 +177,8 @@ def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> C
         return call, errors
 
     variants = {"ours": ours}
+    if op == "samu":
+        variants["ours+table"] = lambda dt: ours(dt, table=True)
     if op == "rglru" and "recurrentgemma" in s.get("step_peers", []):
         variants["peer:recurrentgemma"] = official
     floor = cases.floor_bytes(args, y_ref.to(dtype)) + 2 * cases.nbytes([state0])
@@ -206,7 +211,7 @@ def gated(case: Case, name: str, s: dict):
     PEER_GATE_DTYPE where it runs in it (its track-dtype errors recorded ungated)."""
     make, dtype = case.variants[name], getattr(torch, s["dtype"])
     gate = {"passed": True, "against": "float64 reference", "dtype": s["dtype"], "tolerance": s["check_tolerance"]}
-    if name != "ours" and s["dtype"] != PEER_GATE_DTYPE:
+    if not name.startswith("ours") and s["dtype"] != PEER_GATE_DTYPE:
         try:
             errs = make(getattr(torch, PEER_GATE_DTYPE))[1]()
         except Exception as exc:  # noqa: BLE001 - a peer without that dtype is gated in the track's
@@ -233,7 +238,8 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
 
             # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.
             runner.run(cid, body, shapes=case.shapes, op=case.name, mixer=None,
-                       backend="auto" if name == "ours" else name, variant=name, peer=name != "ours",
+                       backend="auto" if name.startswith("ours") else name, variant=name,
+                       peer=not name.startswith("ours"),
                        mode=case.mode, order=order, sequence=seq, dtype=s["dtype"])
 
 

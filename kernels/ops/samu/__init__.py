@@ -10,11 +10,12 @@ write gradient [B, T, D], per-token and per-chunk partials and the checkpoints o
 BWD_UNROLL-th state inside a chunk. Decode (step.py): "row", "blocked", "fused".
 """
 
+from .common import mode_table
 from .function import chunk_samu, fused_recurrent_samu
 from .step import samu_step, samu_step_blocked, samu_step_row
 
 BACKENDS = {"samu": {"serial": fused_recurrent_samu, "chunk": chunk_samu}}
 STEPS = {"samu": {"fused": samu_step, "row": samu_step_row, "blocked": samu_step_blocked}}
 
-__all__ = ["BACKENDS", "STEPS", "chunk_samu", "fused_recurrent_samu", "samu_step", "samu_step_row",
+__all__ = ["BACKENDS", "STEPS", "mode_table", "chunk_samu", "fused_recurrent_samu", "samu_step", "samu_step_row",
            "samu_step_blocked"]

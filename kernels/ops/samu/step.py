@@ -3,6 +3,11 @@ state update and relu. "row": one program per sequence walks all modes; "blocked
 program per (sequence, mode block), each recomputing its row's projections. "fused"
 takes "blocked" below ROW_MIN_BATCH sequences (where the two crossed on an H200 at
 D = 2560; the tune stage re-measures). No host synchronisation, no allocation besides y.
+
+The per-mode constants come from `modes`, the mode_table of these parameters that the
+caller computed once (the generation engine does, per batch it starts); without it
+every program recomputes them in float64 (B x M evaluations of exp, cos, sin and log
+per step, slow where FP64 throughput is low). Both give the same FP32 values.
 """
 
 from __future__ import annotations
@@ -47,10 +52,19 @@ def _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD: tl.constexpr, ACC: tl
 
 
 @triton.jit
-def _step_modes(x_b, y_b, s_b, nu_log, theta_log, E, ck, sk, m0, M, BM: tl.constexpr, ACC: tl.constexpr):
+def _step_modes(x_b, y_b, s_b, nu_log, theta_log, modes, E, ck, sk, m0, M, BM: tl.constexpr, ACC: tl.constexpr,
+                TABLE: tl.constexpr):
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < M
-    nu, th, ct, st, gam, lnr, _ = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
+    if TABLE:
+        row = modes + offs_m.to(tl.int64) * 8
+        nu = tl.load(row, mask=mask_m, other=1.0)
+        ct = tl.load(row + 2, mask=mask_m, other=1.0)
+        st = tl.load(row + 3, mask=mask_m, other=0.0)
+        gam = tl.load(row + 4, mask=mask_m, other=0.0)
+        lnr = tl.load(row + 5, mask=mask_m, other=0.0)
+    else:
+        nu, th, ct, st, gam, lnr, _ = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
     ar, ai = transition(E, ck, sk, nu, ct, st, lnr, True)
     hr, hi = load_pair(s_b, offs_m, mask_m, 0.0, 0.0)
     xr = tl.load(x_b + offs_m, mask=mask_m, other=0.0).to(ACC)
@@ -63,9 +77,9 @@ def _step_modes(x_b, y_b, s_b, nu_log, theta_log, E, ck, sk, m0, M, BM: tl.const
 
 @launcher
 @triton.jit(do_not_specialize=["D", "M"])
-def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, state, reset, y, D, M, scale,
-                 HAS_RESET: tl.constexpr, ROW: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-                 ACC: tl.constexpr):
+def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D, M, scale,
+                 HAS_RESET: tl.constexpr, ROW: tl.constexpr, TABLE: tl.constexpr, BD: tl.constexpr,
+                 BM: tl.constexpr, ACC: tl.constexpr):
     if ROW:
         b = tl.program_id(0).to(tl.int64)
     else:
@@ -76,10 +90,11 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, state, reset, y, D, M, sc
     E, ck, sk = _row_controls(x + b * D, pd, rd, pa, ra, D, scale, keep, BD, ACC)
     if ROW:
         for m0 in range(0, M, BM):
-            _step_modes(x + b * D, y + b * D, state + b * M * 2, nu_log, theta_log, E, ck, sk, m0, M, BM, ACC)
+            _step_modes(x + b * D, y + b * D, state + b * M * 2, nu_log, theta_log, modes, E, ck, sk, m0, M, BM,
+                        ACC, TABLE)
     else:
-        _step_modes(x + b * D, y + b * D, state + b * M * 2, nu_log, theta_log, E, ck, sk,
-                    tl.program_id(0) * BM, M, BM, ACC)
+        _step_modes(x + b * D, y + b * D, state + b * M * 2, nu_log, theta_log, modes, E, ck, sk,
+                    tl.program_id(0) * BM, M, BM, ACC, TABLE)
 
 
 def _amp(v, x):
@@ -89,7 +104,7 @@ def _amp(v, x):
     return scalar_param(v, x.device, acc_dtype(x.dtype))
 
 
-def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset):
+def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes):
     B, D = x.shape
     M = D // 2
     if not state.is_contiguous():
@@ -103,21 +118,22 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
     acc = tl_dtype(sr.dtype)
     rs = reset.contiguous().view(torch.uint8) if reset is not None else sr
     args = (x, phase_dir.contiguous(), radial_dir.contiguous(), _amp(phase_amp, x),
-            _amp(radial_amp, x), nu_log.contiguous(), theta_log.contiguous(), sr, rs, y, D, M,
-            1.0 / math.sqrt(M))
+            _amp(radial_amp, x), nu_log.contiguous(), theta_log.contiguous(),
+            sr if modes is None else modes.contiguous(), sr, rs, y, D, M, 1.0 / math.sqrt(M))
+    flags = dict(HAS_RESET=reset is not None, TABLE=modes is not None)
     if B == 0:
         return y
     if layout == "row":
         BM = min(next_pow2(M), 2048)
-        _step_kernel[(B,)](*args, HAS_RESET=reset is not None, ROW=True, BD=min(next_pow2(D), 4096), BM=BM,
-                           ACC=acc, num_warps=8)
+        _step_kernel[(B,)](*args, **flags, ROW=True, BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=8)
     else:
         BM = 128
-        _step_kernel[(cdiv(M, BM), B)](*args, HAS_RESET=reset is not None, ROW=False,
-                                              BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=4)
+        _step_kernel[(cdiv(M, BM), B)](*args, **flags, ROW=False, BD=min(next_pow2(D), 4096), BM=BM, ACC=acc,
+                                       num_warps=4)
     if accounting.on():
         accounting.record(f"samu_step_{layout}",
-                          accounting.nbytes(x, phase_dir, radial_dir, nu_log, theta_log, sr, reset),
+                          accounting.nbytes(x, phase_dir, radial_dir, *((nu_log, theta_log) if modes is None
+                                                                        else (modes,)), sr, reset),
                           accounting.nbytes(sr, y))
     return y
 
@@ -125,39 +141,43 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
 @torch.library.custom_op("kernels::samu_step", mutates_args=("state",))
 def _step_op(x: torch.Tensor, phase_dir: torch.Tensor, radial_dir: torch.Tensor, phase_amp: torch.Tensor,
              radial_amp: torch.Tensor, nu_log: torch.Tensor, theta_log: torch.Tensor, state: torch.Tensor,
-             reset: Optional[torch.Tensor], layout: str) -> torch.Tensor:
-    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+             reset: Optional[torch.Tensor], modes: Optional[torch.Tensor], layout: str) -> torch.Tensor:
+    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes)
 
 
 @_step_op.register_fake
-def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, layout):
+def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes, layout):
     return torch.empty_like(x)
 
 
-def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, name=None):
+def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes=None,
+          name=None):
     """The custom op kernels::samu_step under torch.compile, else the launcher. An input
     requiring grad under grad mode raises ValueError naming the step (default the layout)."""
     no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
                    radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     if torch.compiler.is_compiling():
         return torch.ops.kernels.samu_step(x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
-                                           nu_log, theta_log, state, reset, layout)
-    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+                                           nu_log, theta_log, state, reset, modes, layout)
+    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes)
 
 
-def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
+def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None):
     """Decode step, one program per sequence. x: [B, D]; state: [B, M] complex64, updated
-    in place; reset: [B] bool. Returns y [B, D] in x's dtype. No backward."""
-    return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+    in place; reset: [B] bool; modes: mode_table(nu_log, theta_log) of these parameters
+    or None. Returns y [B, D] in x's dtype. No backward."""
+    return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes)
 
 
-def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
+def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None,
+                      modes=None):
     """Decode step, one program per (sequence, 128 modes). Same contract as samu_step_row."""
-    return _step("blocked", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset)
+    return _step("blocked", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes)
 
 
-def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None):
+def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None):
     """Decode step with the layout measured fastest for the batch size (see ROW_MIN_BATCH)."""
     check_tensor("x", x, ndim=2)
     layout = "row" if x.shape[0] >= ROW_MIN_BATCH else "blocked"
-    return _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, "fused")
+    return _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
+                 "fused")

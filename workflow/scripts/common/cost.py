@@ -258,7 +258,9 @@ def ops(s: dict) -> float:
                 peer = OPS_CONFIG_S + OPS_OFFICIAL_LAYER_S[mode] * calls
                 cost = per + min(peer, s.get("budget_s_per_config") or peer)
             configs += [cost] * (len(s["presets"]) * 2)
-    configs += [per] * ((len(dec.get("ops", [])) + len(dec.get("step_peers", []))) * len(dec.get("batches", [])) * 2)
+    # per batch: each step op, SAMU's also reading its mode table, each peer; both orders
+    n_dec = len(dec.get("ops", [])) + ("samu" in dec.get("ops", [])) + len(dec.get("step_peers", []))
+    configs += [per] * (n_dec * len(dec.get("batches", [])) * 2)
     return FIXED_S["ops"] + _budgeted(configs, s.get("budget_s"))
 
 
