@@ -7,7 +7,7 @@ float64 reference. The reference module has two PyTorch formulations of that com
 PyTorch error: the parameter gradients are sums over 10^7 terms with heavy cancellation,
 so their FP32 error depends on the order of operations and one formulation alone can be
 lucky by a factor of two. Also: bitwise determinism, the decode step (both layouts) against the
-sequence op, and the decode step replayed from a captured CUDA graph.
+sequence op and with the mode table, and the decode step replayed from a captured CUDA graph.
 """
 
 import math
@@ -130,6 +130,25 @@ def test_decode_equals_sequence(layout, batch):
     ys = [STEPS["samu"][layout](inputs["x"][:, t], *[inputs[k] for k in NAMES[1:7]], state, seg[:, t] == 0)
           for t in range(6)]
     assert rel(torch.stack(ys, 1), y_ref) < 1e-2 and rel(state, h_ref) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["row", "blocked"])
+@pytest.mark.parametrize("batch", [16, 512])
+def test_decode_with_the_mode_table_is_bitwise_the_plain_step(layout, batch):
+    """On the GPU's own exp / cos / sin: the table the engine passes gives the values the
+    kernel computes in float64 itself, bit for bit, over steps with resets."""
+    from kernels.ops import samu_mode_table
+
+    inputs = make_inputs(b=batch, t=3, seed=4)
+    params = [inputs[k] for k in NAMES[1:7]]
+    tab = samu_mode_table(inputs["nu_log"], inputs["theta_log"], inputs["x"].dtype)
+    s1, s2 = inputs["initial_state"].clone(), inputs["initial_state"].clone()
+    reset = torch.arange(batch, device="cuda") % 3 == 0
+    for t in range(3):
+        r = reset if t == 1 else None
+        y1 = STEPS["samu"][layout](inputs["x"][:, t], *params, s1, r)
+        y2 = STEPS["samu"][layout](inputs["x"][:, t], *params, s2, r, modes=tab)
+        assert torch.equal(y1, y2) and torch.equal(s1, s2)
 
 
 def test_decode_cuda_graph():
