@@ -132,15 +132,22 @@ def block_ids(M, BM: tl.constexpr, B_AXIS: tl.constexpr):
 
 
 @triton.jit
-def mode_block(modes, M, BM: tl.constexpr, B_AXIS: tl.constexpr):
-    """block_ids and the modes' (nu, cos theta, sin theta, gamma, lnr) from the table."""
-    pid_m, b, offs_m, mask_m = block_ids(M, BM, B_AXIS)
+def load_modes(modes, offs_m, mask_m):
+    """The modes' (nu, cos theta, sin theta, gamma, lnr) from the mode table."""
     row = modes + offs_m.to(tl.int64) * 8
     nu = tl.load(row, mask=mask_m, other=1.0)
     ct = tl.load(row + 2, mask=mask_m, other=1.0)
     st = tl.load(row + 3, mask=mask_m, other=0.0)
     gam = tl.load(row + 4, mask=mask_m, other=0.0)
     lnr = tl.load(row + 5, mask=mask_m, other=0.0)
+    return nu, ct, st, gam, lnr
+
+
+@triton.jit
+def mode_block(modes, M, BM: tl.constexpr, B_AXIS: tl.constexpr):
+    """block_ids and the modes' constants from the table (load_modes)."""
+    pid_m, b, offs_m, mask_m = block_ids(M, BM, B_AXIS)
+    nu, ct, st, gam, lnr = load_modes(modes, offs_m, mask_m)
     return pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr
 
 

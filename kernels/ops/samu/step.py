@@ -23,7 +23,7 @@ from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
 from ..triton_utils import acc_dtype, cdiv, launcher, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
-from .common import dir_cols, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
+from .common import dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
 ROW_MIN_BATCH = 64
 
@@ -57,12 +57,7 @@ def _step_modes(x_b, y_b, s_b, nu_log, theta_log, modes, E, ck, sk, m0, M, BM: t
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < M
     if TABLE:
-        row = modes + offs_m.to(tl.int64) * 8
-        nu = tl.load(row, mask=mask_m, other=1.0)
-        ct = tl.load(row + 2, mask=mask_m, other=1.0)
-        st = tl.load(row + 3, mask=mask_m, other=0.0)
-        gam = tl.load(row + 4, mask=mask_m, other=0.0)
-        lnr = tl.load(row + 5, mask=mask_m, other=0.0)
+        nu, ct, st, gam, lnr = load_modes(modes, offs_m, mask_m)
     else:
         nu, th, ct, st, gam, lnr, _ = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
     ar, ai = transition(E, ck, sk, nu, ct, st, lnr, True)
