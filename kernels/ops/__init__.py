@@ -298,5 +298,5 @@ def samu_mode_table(nu_log, theta_log, dtype):
     return _samu_kernels.mode_table(nu_log.contiguous(), theta_log.contiguous(), state_dtype(dtype))
 
 
-__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "samu_mode_table", "backends", "step_backends", "inexact_backends",
-           "resolve", "resolve_step", "step_has_backward", "reference", "tuning", "Backend", "TuningTable"]
+__all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "samu_mode_table", "backends", "step_backends",
+           "inexact_backends", "resolve", "resolve_step", "step_has_backward", "reference", "tuning", "Backend", "TuningTable"]
