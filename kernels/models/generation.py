@@ -24,6 +24,9 @@ Step kernels (`kernels=`): "model" (HawkLM.step's own layers; any device and dty
 "fused" for fp32; "model" elsewhere). PDL (`pdl=None`) is on for "gemm" on Hopper and
 newer. All compute HawkLM.step with its roundings (see kernels.models.decode). A graph
 keeps the parameter storage it captured: build a new engine after replacing parameters.
+The SAMU layers' mode tables (the per-mode constants their Triton steps read) are
+recomputed in place at every `start`, so parameters updated in place between batches
+are seen.
 """
 
 from __future__ import annotations
