@@ -60,6 +60,22 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.to(acc), (self.width,), self.scale.to(acc) + 1, self.eps).to(x.dtype)
 
 
+class _AddBiasRound(torch.autograd.Function):
+    """(y + b) in b's wider dtype, rounded once to y's and laid out contiguous: the values
+    of `(y + b).to(y.dtype)` without the permuted wide intermediate that flatten would
+    copy. Backward: y's gradient is the output's (what the wide path rounds back to), b's
+    its sum over the leading axes in b's dtype."""
+
+    @staticmethod
+    def forward(ctx, y, b):
+        ctx.b_dtype = b.dtype
+        return (y + b).to(y.dtype, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g.sum(dim=tuple(range(g.dim() - 2)), dtype=ctx.b_dtype)
+
+
 class BlockDiagonalLinear(nn.Module):
     """H independent W x W linear maps on the H blocks of the last axis (E = H * W).
     Official layout: w [H, W, W] (input index first), b [H, W]."""
@@ -83,7 +99,10 @@ class BlockDiagonalLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xs = x.unflatten(-1, (self.num_blocks, self.block_width))      # [..., H, W]
-        y = torch.einsum("...hi,hij->...hj", xs, self.w) + self.b
+        y = torch.einsum("...hi,hij->...hj", xs, self.w)
+        # under autocast y is BF16 and b FP32: the sum in FP32 rounded once to BF16 (the
+        # mixers take gates in x's dtype), in one pass and one backward pass
+        y = _AddBiasRound.apply(y, self.b) if y.dtype != self.b.dtype else y + self.b
         return y.flatten(-2)
 
 

@@ -137,6 +137,31 @@ def test_training_through_the_triton_kernels_equals_reference(mixer, backend):
         torch.testing.assert_close(g_k[n], g_ref[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
+def test_block_diagonal_linear_under_autocast_rounds_once_in_one_pass():
+    """Under BF16 autocast the gates are (einsum + b) summed in FP32 and rounded once to
+    BF16, as the wide formula then `.to(bf16)`: output and the x and w gradients bit for
+    bit, b's within FP32 summation order; the output is contiguous (flatten copies
+    nothing). Without autocast it is the plain FP32 formula."""
+    torch.manual_seed(0)
+    m = layers.BlockDiagonalLinear(96, 16)
+    with torch.no_grad():
+        m.b.normal_()
+    x = torch.randn(2, 5, 96, requires_grad=True)
+
+    def wide(x):
+        return (torch.einsum("...hi,hij->...hj", x.unflatten(-1, (16, 6)), m.w) + m.b).flatten(-2)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = m(x), wide(x).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.is_contiguous() and torch.equal(got, want)
+    g = torch.randn_like(got)
+    gg = torch.autograd.grad(got, [x, m.w, m.b], g)
+    gw = torch.autograd.grad(want, [x, m.w, m.b], g)
+    assert torch.equal(gg[0], gw[0]) and torch.equal(gg[1], gw[1]) and gg[2].dtype == torch.float32
+    torch.testing.assert_close(gg[2], gw[2], rtol=1e-6, atol=1e-6)
+    assert torch.equal(m(x), wide(x))
+
+
 def test_presets_match_their_size_labels():
     labels = {"100m": 100e6, "200m": 200e6, "400m": 400e6, "1.3b": 1.3e9, "3b": 3e9, "7b": 7e9}
     assert set(PRESETS) == set(labels) | {"tiny"}
