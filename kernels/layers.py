@@ -61,15 +61,17 @@ class RMSNorm(nn.Module):
 
 
 class _AddBiasRound(torch.autograd.Function):
-    """(y + b) in b's wider dtype, rounded once to y's and laid out contiguous: the values
-    of `(y + b).to(y.dtype)` without the permuted wide intermediate that flatten would
-    copy. Backward: y's gradient is the output's (what the wide path rounds back to), b's
-    its sum over the leading axes in b's dtype."""
+    """(y + b) computed in b's wider dtype and stored rounded to y's, contiguous, in one
+    pass: the values of `(y + b).to(y.dtype)` without the wide intermediate (permuted,
+    so flatten would copy it too). Backward: y's gradient is the output's (what the wide
+    path rounds back to), b's its sum over the leading axes in b's dtype."""
 
     @staticmethod
     def forward(ctx, y, b):
         ctx.b_dtype = b.dtype
-        return (y + b).to(y.dtype, memory_format=torch.contiguous_format)
+        if torch.compiler.is_compiling():   # inductor fuses the add and the cast into one pass
+            return (y + b).to(y.dtype, memory_format=torch.contiguous_format)
+        return torch.add(y, b, out=torch.empty(y.shape, dtype=y.dtype, device=y.device))
 
     @staticmethod
     def backward(ctx, g):
@@ -101,7 +103,7 @@ class BlockDiagonalLinear(nn.Module):
         xs = x.unflatten(-1, (self.num_blocks, self.block_width))      # [..., H, W]
         y = torch.einsum("...hi,hij->...hj", xs, self.w)
         # under autocast y is BF16 and b FP32: the sum in FP32 rounded once to BF16 (the
-        # mixers take gates in x's dtype), in one pass and one backward pass
+        # mixers take gates in x's dtype), one pass each way
         y = _AddBiasRound.apply(y, self.b) if y.dtype != self.b.dtype else y + self.b
         return y.flatten(-2)
 
