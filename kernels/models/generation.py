@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from . import decode as dk
+from ..layers import SAMU
 from ..ops.checks import is_integer_dtype, shape_str
 from .hawk import HawkCache, HawkLM
 
@@ -346,17 +347,17 @@ class Engine:
         return s.B
 
     def _refresh_step_kw(self) -> None:
-        """The SAMU layers' decode mode tables of the parameters as they are now."""
+        """The SAMU layers' decode mode tables of the parameters as they are now, written
+        into the tensors captured graphs read (a table the reference step would ignore is
+        kept, never freed under a graph)."""
         mixers = [b.recurrent_block.mixer for b in self.model.blocks]
         if self._step_kw is None:
             self._step_kw = [{} for _ in mixers]
         for kw, mixer in zip(self._step_kw, mixers):
-            tab = mixer.decode_modes(self.dtype) if hasattr(mixer, "decode_modes") else None
-            if tab is None:
-                kw.clear()
-            elif "modes" in kw and kw["modes"].shape == tab.shape and kw["modes"].dtype == tab.dtype:
+            tab = mixer.decode_modes(self.dtype) if isinstance(mixer, SAMU) else None
+            if tab is not None and "modes" in kw:
                 kw["modes"].copy_(tab)
-            else:
+            elif tab is not None:
                 kw["modes"] = tab
 
     # ------------------------------------------------------------------ the step

@@ -299,4 +299,5 @@ def samu_mode_table(nu_log, theta_log, dtype):
 
 
 __all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "samu_mode_table", "backends", "step_backends",
-           "inexact_backends", "resolve", "resolve_step", "step_has_backward", "reference", "tuning", "Backend", "TuningTable"]
+           "inexact_backends", "resolve", "resolve_step", "step_has_backward", "reference", "tuning", "Backend",
+           "TuningTable"]

@@ -228,6 +228,7 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
     for order, seq in measure.orders(list(case.variants)):
         for name in seq:
             cid = f"{case.tag()}-{name.replace(':', '-')}-{order}"
+            ours = name.startswith("ours")
             reuse = runner.ok(f"{case.tag()}-{name.replace(':', '-')}-AB") if order == "BA" else None
 
             def body(name=name, reuse=reuse):
@@ -238,8 +239,7 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
 
             # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.
             runner.run(cid, body, shapes=case.shapes, op=case.name, mixer=None,
-                       backend="auto" if name.startswith("ours") else name, variant=name,
-                       peer=not name.startswith("ours"),
+                       backend="auto" if ours else name, variant=name, peer=not ours,
                        mode=case.mode, order=order, sequence=seq, dtype=s["dtype"])
 
 

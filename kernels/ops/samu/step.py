@@ -59,7 +59,7 @@ def _step_modes(x_b, y_b, s_b, nu_log, theta_log, modes, E, ck, sk, m0, M, BM: t
     if TABLE:
         nu, ct, st, gam, lnr = load_modes(modes, offs_m, mask_m)
     else:
-        nu, th, ct, st, gam, lnr, _ = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
+        nu, _, ct, st, gam, lnr, _ = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
     ar, ai = transition(E, ck, sk, nu, ct, st, lnr, True)
     hr, hi = load_pair(s_b, offs_m, mask_m, 0.0, 0.0)
     xr = tl.load(x_b + offs_m, mask=mask_m, other=0.0).to(ACC)
