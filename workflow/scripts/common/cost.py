@@ -4,7 +4,7 @@ A stage costs a fixed part plus, per configuration, a set-up part and its timed 
 shapes; work under 50 ms per call is timed on two clocks, so its calls count twice.
 The constants are H200 figures from the committed runs named in CALIBRATION (stage
 benchmarks, record timestamps and medians; tests/test_pipeline.py checks the model
-against run 3's own configuration); configurations are counted from the profile alone,
+against the h200 and h800 runs' own configurations); configurations are counted from the profile alone,
 so option grids err high."""
 
 from __future__ import annotations
