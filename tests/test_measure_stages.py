@@ -12,7 +12,7 @@ import yaml
 
 from pipeline_util import REPO
 
-from common import cases, records  # noqa: E402
+from common import cases, measure, records  # noqa: E402
 from common.stage import Files, Job  # noqa: E402
 
 import kernels  # noqa: E402
@@ -370,3 +370,31 @@ def test_per_step_loop_counts_extrapolate_linearly_in_T(monkeypatch):
     assert got["memset"] is None and "top_kernels" not in got
     assert "at T = 128 and 256, extrapolated linearly to T = 2048" in got["launches_method"]
     assert got["counted_at_T"]["128"]["launches"] == 7 + 5 * 128
+
+
+def test_tune_times_samu_steps_with_the_engines_mode_table(tmp_path, monkeypatch):
+    """The generation engine passes each SAMU layer's mode table to its step, so the tune
+    stage times (and checks) the Triton steps with it and the reference without."""
+    real = kernels.step_backends
+    seen = []
+
+    def spy_backends(op):
+        fns = dict(real(op))
+        if op == "samu":
+            inner = fns["fused"]
+
+            def spy(*args, **kw):
+                seen.append(kw.get("modes"))
+                return inner(*args, **kw)
+            fns["fused"] = spy
+        return fns
+
+    monkeypatch.setattr(kernels, "step_backends", spy_backends)
+    dec = {**CPU["tune"]["decode"], "backends": ["fused"]}
+    runner = measure.Runner.for_job(make_job(tmp_path, "tune", "tune", tune_settings(decode=dec), {}), "tune",
+                                    tune_settings(decode=dec), torch.device("cpu"))
+    entries = tune.tune_decode(runner, tune_settings(decode=dec), torch.device("cpu"))
+    assert {e["op"] for e in entries} == {"rglru_step", "samu_step"}
+    assert seen and all(t is not None for t in seen)
+    assert torch.equal(seen[0], ops.samu_mode_table(*cases.step_inputs("samu", 2, 8, 2, torch.float32,
+                                                                       torch.device("cpu"))[0][5:7], torch.float32))

@@ -3,7 +3,8 @@ kernels/ops/tuning.py) and records.jsonl. Per op and shape every exact candidate
 x the option grid the launcher accepts) is checked against the reference and timed on
 probe runs; the fastest is re-measured on fresh runs, whose figures the entry carries.
 Decode steps likewise per batch size, timed as trajectories of `steps` fed-back steps
-(one CUDA-graph replay each on a GPU)."""
+(one CUDA-graph replay each on a GPU), SAMU's reading the mode table as the generation
+engine passes it."""
 
 import fnmatch
 import itertools
@@ -163,10 +164,13 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
         fns = kernels.step_backends(op)
         for B in dec["batches"]:
             args, state0 = step_inputs(op, B, D, heads, dtype, device)
+            # SAMU's steps read the mode table the generation engine computes once per batch
+            table = {"modes": kernels.ops.samu_mode_table(args[5], args[6], dtype)} if op == "samu" and len(fns) > 1 else {}
 
             def make_step(name, opts):
                 state = state0.clone()
-                return lambda x: fns[name](x, *args[1:], state, None, **opts)
+                kw = {**opts, **(table if name != "reference" else {})}
+                return lambda x: fns[name](x, *args[1:], state, None, **kw)
 
             def trajectories(name, opts):
                 step = make_step(name, opts)
@@ -181,7 +185,7 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
                 xr = xg = args[0]
                 for _ in range(4):
                     xr = fns["reference"](xr, *args[1:], ref_state, None)
-                    xg = fns[name](xg, *args[1:], got_state, None, **opts)
+                    xg = fns[name](xg, *args[1:], got_state, None, **opts, **(table if name != "reference" else {}))
                 checked({"decode output after 4 steps": rel_err(xg, xr)}, tol)
                 f, step = trajectories(name, opts), make_step(name, opts)
                 logical = measure.logical_counts(lambda: step(args[0]), device)

@@ -52,18 +52,24 @@ def _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD: tl.constexpr, ACC: tl
 
 
 @triton.jit
-def _step_modes(x_b, y_b, s_b, nu_log, theta_log, modes, E, ck, sk, m0, M, BM: tl.constexpr, ACC: tl.constexpr,
+def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC: tl.constexpr,
                 TABLE: tl.constexpr):
+    """Modes m0 .. m0 + BM - 1: their constants, state and input (nothing of the controls)."""
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < M
     if TABLE:
         nu, ct, st, gam, lnr = load_modes(modes, offs_m, mask_m)
     else:
         nu, _, ct, st, gam, lnr, _ = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
-    ar, ai = transition(E, ck, sk, nu, ct, st, lnr, True)
     hr, hi = load_pair(s_b, offs_m, mask_m, 0.0, 0.0)
     xr = tl.load(x_b + offs_m, mask=mask_m, other=0.0).to(ACC)
     xi = tl.load(x_b + M + offs_m, mask=mask_m, other=0.0).to(ACC)
+    return offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi
+
+
+@triton.jit
+def _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi):
+    ar, ai = transition(E, ck, sk, nu, ct, st, lnr, True)
     hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
     store_pair(s_b, offs_m, hr, hi, mask_m)
     tl.store(y_b + offs_m, relu(hr).to(y_b.dtype.element_ty), mask=mask_m)
@@ -79,17 +85,22 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
         b = tl.program_id(0).to(tl.int64)
     else:
         b = tl.program_id(1).to(tl.int64)
+    x_b, y_b, s_b = x + b * D, y + b * D, state + b * M * 2
     keep = 1.0
     if HAS_RESET:
         keep = tl.where(tl.load(reset + b) != 0, 0.0, 1.0)
-    E, ck, sk = _row_controls(x + b * D, pd, rd, pa, ra, D, scale, keep, BD, ACC)
     if ROW:
+        E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
         for m0 in range(0, M, BM):
-            _step_modes(x + b * D, y + b * D, state + b * M * 2, nu_log, theta_log, modes, E, ck, sk, m0, M, BM,
-                        ACC, TABLE)
+            offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
+                                                                              m0, M, BM, ACC, TABLE)
+            _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
     else:
-        _step_modes(x + b * D, y + b * D, state + b * M * 2, nu_log, theta_log, modes, E, ck, sk,
-                    tl.program_id(0) * BM, M, BM, ACC, TABLE)
+        # the block's loads are issued before the row's reduction, whose latency they overlap
+        offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
+                                                                          tl.program_id(0) * BM, M, BM, ACC, TABLE)
+        E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
+        _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
 
 
 def _amp(v, x):
