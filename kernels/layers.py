@@ -60,22 +60,66 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.to(acc), (self.width,), self.scale.to(acc) + 1, self.eps).to(x.dtype)
 
 
-class _AddBiasRound(torch.autograd.Function):
-    """(y + b) computed in b's wider dtype and stored rounded to y's, contiguous, in one
-    pass: the values of `(y + b).to(y.dtype)` without the wide intermediate (permuted,
-    so flatten would copy it too). Backward: y's gradient is the output's (what the wide
-    path rounds back to), b's its sum over the leading axes in b's dtype."""
+def _autocast_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype where autocast narrows these wider weights (eager only: compiled,
+    the plain formula is what inductor fuses), else None."""
+    dev = x.device.type
+    if torch.compiler.is_compiling() or not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    return dt if w.dtype != dt else None
+
+
+class _BlockDiagonalNarrow(torch.autograd.Function):
+    """Block-diagonal linears sharing their input x, in autocast's narrow dtype: per
+    (w, b) one batched GEMM over the H blocks, then b added in its wider dtype and the sum
+    rounded once into a contiguous output: the values of `(einsum(x, w) + b).to(x.dtype)`
+    without the wide, permuted intermediate. Backward: one dx for all the linears (a GEMM,
+    then accumulating GEMMs), contiguous, so that autograd's sum with x's other gradients
+    is a plain add; dw per linear in the narrow dtype; db the FP32 sum of the gradient."""
 
     @staticmethod
-    def forward(ctx, y, b):
-        ctx.b_dtype = b.dtype
-        if torch.compiler.is_compiling():   # inductor fuses the add and the cast into one pass
-            return (y + b).to(y.dtype, memory_format=torch.contiguous_format)
-        return torch.add(y, b, out=torch.empty(y.shape, dtype=y.dtype, device=y.device))
+    def forward(ctx, x, *wb):
+        ws, bs = wb[0::2], wb[1::2]
+        H, i = ws[0].shape[:2]
+        xh = x.reshape(-1, H, i).transpose(0, 1)                  # [H, N, i], a view
+        outs = []
+        for w, b in zip(ws, bs):
+            out = torch.empty(xh.shape[1], H, w.shape[2], dtype=x.dtype, device=x.device)
+            outs.append(torch.add(torch.bmm(xh, w).transpose(0, 1), b, out=out).view(*x.shape[:-1], -1))
+        ctx.save_for_backward(x, *ws)
+        ctx.b_dtypes = [b.dtype for b in bs]
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, g):
-        return g, g.sum(dim=tuple(range(g.dim() - 2)), dtype=ctx.b_dtype)
+    def backward(ctx, *gs):
+        x, *ws = ctx.saved_tensors
+        H, i = ws[0].shape[:2]
+        xh = x.reshape(-1, H, i).transpose(0, 1)
+        dxh, grads = None, []
+        for k, (g, w, b_dtype) in enumerate(zip(gs, ws, ctx.b_dtypes)):
+            if g is None:
+                grads += [None, None]
+                continue
+            gh = g.reshape(xh.shape[1], H, -1).transpose(0, 1)    # [H, N, j]
+            if ctx.needs_input_grad[0]:
+                wt = w.transpose(1, 2)
+                dxh = torch.bmm(gh, wt) if dxh is None else dxh.baddbmm_(gh, wt)
+            grads += [torch.bmm(xh.transpose(1, 2), gh) if ctx.needs_input_grad[1 + 2 * k] else None,
+                      gh.sum(1, dtype=b_dtype) if ctx.needs_input_grad[2 + 2 * k] else None]
+        dx = None if dxh is None else dxh.transpose(0, 1).reshape(x.shape)
+        return (dx, *grads)
+
+
+def block_diagonal(x: torch.Tensor, *linears: "BlockDiagonalLinear") -> tuple[torch.Tensor, ...]:
+    """Each of `linears` applied to x. Under autocast (eager) in one autograd node whose
+    backward gives x one gradient; otherwise each module's plain formula."""
+    dt = _autocast_dtype(x, linears[0].w)
+    if dt is None:
+        return tuple(m(x) for m in linears)
+    wb = [t for m in linears for t in (m.w.to(dt), m.b)]
+    return _BlockDiagonalNarrow.apply(x.to(dt), *wb)
 
 
 class BlockDiagonalLinear(nn.Module):
@@ -100,12 +144,12 @@ class BlockDiagonalLinear(nn.Module):
         nn.init.zeros_(self.b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _autocast_dtype(x, self.w) is not None:
+            return block_diagonal(x, self)[0]
         xs = x.unflatten(-1, (self.num_blocks, self.block_width))      # [..., H, W]
         y = torch.einsum("...hi,hij->...hj", xs, self.w)
-        # under autocast y is BF16 and b FP32: the sum in FP32 rounded once to BF16 (the
-        # mixers take gates in x's dtype), one pass each way
-        y = _AddBiasRound.apply(y, self.b) if y.dtype != self.b.dtype else y + self.b
-        return y.flatten(-2)
+        # compiled under autocast y is narrow and b wide: their sum rounded once to y's dtype
+        return (y + self.b).to(y.dtype).flatten(-2)
 
 
 class Conv1D(nn.Module):
@@ -235,8 +279,7 @@ class RGLRU(nn.Module):
                 return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [B, T, E]; segment_pos: [B, T]; cache: [B, E] FP32 state before x.
         Returns (y [B, T, E], final state [B, E] or None)."""
-        gate_x = self.input_gate(x).to(x.dtype)
-        gate_a = self.a_gate(x).to(x.dtype)
+        gate_x, gate_a = (g.to(x.dtype) for g in block_diagonal(x, self.input_gate, self.a_gate))
         return ops.rglru(x, gate_x, gate_a, self.a_param, segment_pos, cache, return_cache,
                          backend=self.backend)
 

@@ -139,27 +139,42 @@ def test_training_through_the_triton_kernels_equals_reference(mixer, backend):
 
 def test_block_diagonal_linear_under_autocast_rounds_once_in_one_pass():
     """Under BF16 autocast the gates are (einsum + b) summed in FP32 and rounded once to
-    BF16, as the wide formula then `.to(bf16)`: output and the x and w gradients bit for
-    bit, b's within FP32 summation order; the output is contiguous (flatten copies
-    nothing). Without autocast it is the plain FP32 formula."""
+    BF16, bit for bit the wide formula then `.to(bf16)`, contiguous (flatten copies
+    nothing). Gradients: x's one contiguous tensor for all the linears that share it, w's
+    and b's per linear, all as the wide formula's within BF16 rounding (and exactly
+    where one linear's dx needs no accumulation). Without autocast, the FP32 formula."""
     torch.manual_seed(0)
-    m = layers.BlockDiagonalLinear(96, 16)
+    m, m2 = layers.BlockDiagonalLinear(96, 16), layers.BlockDiagonalLinear(96, 16)
     with torch.no_grad():
         m.b.normal_()
+        m2.b.normal_()
     x = torch.randn(2, 5, 96, requires_grad=True)
 
-    def wide(x):
+    def wide(x, m):
         return (torch.einsum("...hi,hij->...hj", x.unflatten(-1, (16, 6)), m.w) + m.b).flatten(-2)
 
+    params = [x, m.w, m.b, m2.w, m2.b]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, want = m(x), wide(x).to(torch.bfloat16)
+        got, want = m(x), wide(x, m).to(torch.bfloat16)
+        pair, want2 = layers.block_diagonal(x, m, m2), wide(x, m2).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.is_contiguous() and torch.equal(got, want)
-    g = torch.randn_like(got)
+    assert all(p.is_contiguous() for p in pair) and torch.equal(pair[0], want) and torch.equal(pair[1], want2)
+    g, g2 = torch.randn_like(got), torch.randn_like(got)
     gg = torch.autograd.grad(got, [x, m.w, m.b], g)
-    gw = torch.autograd.grad(want, [x, m.w, m.b], g)
-    assert torch.equal(gg[0], gw[0]) and torch.equal(gg[1], gw[1]) and gg[2].dtype == torch.float32
+    gw = torch.autograd.grad(want, [x, m.w, m.b], g, retain_graph=True)
+    assert gg[0].is_contiguous() and torch.equal(gg[0], gw[0]) and gg[2].dtype == torch.float32
+    torch.testing.assert_close(gg[1], gw[1], rtol=0, atol=0)
     torch.testing.assert_close(gg[2], gw[2], rtol=1e-6, atol=1e-6)
-    assert torch.equal(m(x), wide(x))
+    gp = torch.autograd.grad(pair, params, (g, g2), retain_graph=True)
+    gq = torch.autograd.grad((want, want2), params, (g, g2), retain_graph=True)
+    for a, b in zip(gp, gq):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-2 * b.abs().max().item())
+    # an unused output passes no gradient
+    one = torch.autograd.grad(pair[1], [x, m.w, m2.w], g2, allow_unused=True)
+    ref = torch.autograd.grad(want2, [x, m2.w], g2)
+    assert one[1] is None and torch.equal(one[0], ref[0]) and torch.equal(one[2], ref[1])
+    assert torch.equal(m(x), wide(x, m))
 
 
 def test_presets_match_their_size_labels():

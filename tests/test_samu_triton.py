@@ -296,6 +296,24 @@ def test_decode_step_reading_the_mode_table_is_bitwise_the_recomputing_one(layou
             kernels.samu_step(x[:, 0], *params, s3, backend=layout, modes=bad)
 
 
+def test_fused_step_picks_its_layout_by_batch_and_table(monkeypatch):
+    """"fused" runs "blocked" below ROW_MIN_BATCH rows (ROW_MIN_BATCH_TABLE with a mode
+    table, whose "row" programs recompute nothing) and "row" from there."""
+    from kernels.ops.samu import step
+
+    seen = []
+    monkeypatch.setattr(step, "_launch", lambda layout, x, *a: seen.append(layout) or torch.empty_like(x))
+    p = make_inputs(torch.float32)
+    params = [p[k] for k in GRAD_NAMES[1:7]]
+    tab = kernels.ops.samu_mode_table(p["nu_log"], p["theta_log"], torch.float32)
+    for rows, modes, want in ((step.ROW_MIN_BATCH_TABLE - 1, tab, "blocked"), (step.ROW_MIN_BATCH_TABLE, tab, "row"),
+                              (step.ROW_MIN_BATCH - 1, None, "blocked"), (step.ROW_MIN_BATCH, None, "row")):
+        x = torch.zeros(rows, D)
+        step.samu_step(x, *params, torch.zeros(rows, M, dtype=torch.complex64), modes=modes)
+        assert seen[-1] == want, (rows, modes is not None)
+    assert step.ROW_MIN_BATCH_TABLE < step.ROW_MIN_BATCH
+
+
 def test_bad_options():
     inputs = make_inputs(torch.float32)
     for bad in (12, 128):

@@ -1,8 +1,9 @@
 """One-token SAMU decode step in one launch: controller, transition, write, in-place
 state update and relu. "row": one program per sequence walks all modes; "blocked": one
 program per (sequence, mode block), each recomputing its row's projections. "fused"
-takes "blocked" below ROW_MIN_BATCH sequences (where the two crossed on an H200 at
-D = 2560; the tune stage re-measures). No host synchronisation, no allocation besides y.
+takes "blocked" below ROW_MIN_BATCH sequences (ROW_MIN_BATCH_TABLE with a mode table:
+where the two crossed on an H200 at D = 2560; the tune stage re-measures). No host
+synchronisation, no allocation besides y.
 
 The per-mode constants come from `modes`, the mode_table of these parameters that the
 caller computed once (the generation engine does, per batch it starts); without it
@@ -26,6 +27,7 @@ from ..triton_utils import tl_acc as tl_dtype
 from .common import dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
 ROW_MIN_BATCH = 64
+ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
 
 
 @triton.jit
@@ -184,6 +186,6 @@ def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, t
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None):
     """Decode step with the layout measured fastest for the batch size (see ROW_MIN_BATCH)."""
     check_tensor("x", x, ndim=2)
-    layout = "row" if x.shape[0] >= ROW_MIN_BATCH else "blocked"
+    layout = "row" if x.shape[0] >= (ROW_MIN_BATCH if modes is None else ROW_MIN_BATCH_TABLE) else "blocked"
     return _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
                  "fused")
