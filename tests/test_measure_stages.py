@@ -69,6 +69,12 @@ def test_option_grids_follow_what_launchers_accept():
     per_op = {**grids, "samu/chunk": {"chunk_size": [8]}}
     assert tune.option_grid(explicit, "chunk", per_op, op="samu") == [{"chunk_size": 8}]
     assert tune.option_grid(explicit, "chunk", per_op, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
+    union = {"serial": [{"time_warps": [4, 8], "chunk_size": [8]}, {"time_warps": [1, 4], "chunk_size": [8]},
+                        {"time_warps": [1], "block_d": [16], "chunk_size": [64, 128]}]}
+    assert tune.option_grid(var, "serial", union) == [
+        {"chunk_size": 8, "time_warps": 4}, {"chunk_size": 8, "time_warps": 8}, {"chunk_size": 8, "time_warps": 1},
+        {"block_d": 16, "chunk_size": 64, "time_warps": 1}, {"block_d": 16, "chunk_size": 128, "time_warps": 1}]
+    assert tune.option_grid(explicit, "serial", union) == [{"chunk_size": 8}, {"chunk_size": 64}, {"chunk_size": 128}]
     assert cases.chunk_variants("chunk", var, [16, 32]) == [{"chunk_size": 16}, {"chunk_size": 32}]
     assert cases.chunk_variants("serial", var, [16]) == [{}]
     assert cases.chunk_variants("serial", explicit, [16]) == [{}]

@@ -29,13 +29,21 @@ _STEP_FIXED = {
 def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: str | None = None) -> list[dict]:
     """Every combination of launcher options for backend `name` of `op`: the grid for
     "op/name", else "name", else "*", keeping the keys the launcher accepts (named
-    parameters outside `fixed`, or any key when it takes **options)."""
+    parameters outside `fixed`, or any key when it takes **options). A list of grids is
+    their union, in order, without repeats (options that only make sense together, such
+    as a kernel family's own tile sizes)."""
     grids = grids or {}
-    grid = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
+    found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
     params, var_kw = cases.signature(fn)
-    space = {k: list(v) for k, v in grid.items() if (k in params and k not in fixed) or (var_kw and k not in params)}
-    keys = sorted(space)
-    return [dict(zip(keys, vals)) for vals in itertools.product(*(space[k] for k in keys))] or [{}]
+    out = []
+    for grid in found if isinstance(found, list) else [found]:
+        space = {k: list(v) for k, v in grid.items()
+                 if (k in params and k not in fixed) or (var_kw and k not in params)}
+        keys = sorted(space)
+        for vals in itertools.product(*(space[k] for k in keys)):
+            if (opts := dict(zip(keys, vals))) not in out:
+                out.append(opts)
+    return out or [{}]
 
 
 def candidates(op: str, fns: dict, settings: dict, device, names=None, fixed=frozenset()) -> list[tuple[str, dict]]:

@@ -69,8 +69,8 @@ INFER_PROBE_S = 0.5
 
 
 def _grid_size(grids: dict, op: str, name: str) -> int:
-    grid = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {}))) or {}
-    return math.prod(len(v) for v in grid.values())
+    found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {}))) or {}
+    return sum(math.prod(len(v) for v in g.values()) for g in (found if isinstance(found, list) else [found]))
 
 
 def _calls(warmup: int, reps: int, ms: float) -> float:
