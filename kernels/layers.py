@@ -72,11 +72,13 @@ def _autocast_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
 
 class _BlockDiagonalNarrow(torch.autograd.Function):
     """Block-diagonal linears sharing their input x, in autocast's narrow dtype: per
-    (w, b) one batched GEMM over the H blocks, then b added in its wider dtype and the sum
-    rounded once into a contiguous output: the values of `(einsum(x, w) + b).to(x.dtype)`
-    without the wide, permuted intermediate. Backward: one dx for all the linears (a GEMM,
-    then accumulating GEMMs), contiguous, so that autograd's sum with x's other gradients
-    is a plain add; dw per linear in the narrow dtype; db the FP32 sum of the gradient."""
+    (w, b) one batched GEMM over the H blocks that writes the [N, H, j] output in place
+    (the [H, N, j] view it is given has leading dimension H * j, which cuBLAS takes as
+    is), then b added in its wider dtype in place, the sum rounded once: the values of
+    `(einsum(x, w) + b).to(x.dtype)` in two contiguous passes. Backward: one dx for all
+    the linears (a GEMM, then accumulating GEMMs) written the same way into x's layout,
+    so that autograd's sum with x's other gradients is a plain add; dw per linear in the
+    narrow dtype; db the FP32 sum of the gradient."""
 
     @staticmethod
     def forward(ctx, x, *wb):
@@ -86,7 +88,8 @@ class _BlockDiagonalNarrow(torch.autograd.Function):
         outs = []
         for w, b in zip(ws, bs):
             out = torch.empty(xh.shape[1], H, w.shape[2], dtype=x.dtype, device=x.device)
-            outs.append(torch.add(torch.bmm(xh, w).transpose(0, 1), b, out=out).view(*x.shape[:-1], -1))
+            torch.bmm(xh, w, out=out.transpose(0, 1))
+            outs.append(out.add_(b).view(*x.shape[:-1], -1))
         ctx.save_for_backward(x, *ws)
         ctx.b_dtypes = [b.dtype for b in bs]
         ctx.set_materialize_grads(False)
@@ -97,7 +100,7 @@ class _BlockDiagonalNarrow(torch.autograd.Function):
         x, *ws = ctx.saved_tensors
         H, i = ws[0].shape[:2]
         xh = x.reshape(-1, H, i).transpose(0, 1)
-        dxh, grads = None, []
+        dx, grads = None, []
         for k, (g, w, b_dtype) in enumerate(zip(gs, ws, ctx.b_dtypes)):
             if g is None:
                 grads += [None, None]
@@ -105,11 +108,14 @@ class _BlockDiagonalNarrow(torch.autograd.Function):
             gh = g.reshape(xh.shape[1], H, -1).transpose(0, 1)    # [H, N, j]
             if ctx.needs_input_grad[0]:
                 wt = w.transpose(1, 2)
-                dxh = torch.bmm(gh, wt) if dxh is None else dxh.baddbmm_(gh, wt)
+                if dx is None:
+                    dx = torch.empty(xh.shape[1], H, i, dtype=x.dtype, device=x.device)
+                    torch.bmm(gh, wt, out=dx.transpose(0, 1))
+                else:
+                    dx.transpose(0, 1).baddbmm_(gh, wt)
             grads += [torch.bmm(xh.transpose(1, 2), gh) if ctx.needs_input_grad[1 + 2 * k] else None,
                       gh.sum(1, dtype=b_dtype) if ctx.needs_input_grad[2 + 2 * k] else None]
-        dx = None if dxh is None else dxh.transpose(0, 1).reshape(x.shape)
-        return (dx, *grads)
+        return (None if dx is None else dx.view(x.shape), *grads)
 
 
 def block_diagonal(x: torch.Tensor, *linears: "BlockDiagonalLinear") -> tuple[torch.Tensor, ...]:

@@ -137,7 +137,7 @@ def test_training_through_the_triton_kernels_equals_reference(mixer, backend):
         torch.testing.assert_close(g_k[n], g_ref[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
-def test_block_diagonal_linear_under_autocast_rounds_once_in_one_pass():
+def test_block_diagonal_linear_under_autocast_rounds_once():
     """Under BF16 autocast the gates are (einsum + b) summed in FP32 and rounded once to
     BF16, bit for bit the wide formula then `.to(bf16)`, contiguous (flatten copies
     nothing). Gradients: x's one contiguous tensor for all the linears that share it, w's
