@@ -449,7 +449,9 @@ class RecurrentBlock(nn.Module):
 
 class MLPBlock(nn.Module):
     """Gated GeLU MLP: ffw_down(gelu(up_gate(x)) * up_value(x)). `ffw_up` is one
-    Linear(D, 2 * expanded) whose first half is the gate and second half the value."""
+    Linear(D, 2 * expanded) whose first half is the gate and second half the value.
+    On CUDA (eager, 16-bit or FP32) the gated GeLU runs fused (kernels.ops.geglu.geglu:
+    one pass each way, no strided halves, no gradient concatenation)."""
 
     def __init__(self, width: int, expanded_width: int, final_w_init_variance_scale: float = 1.0,
                  device=None, dtype=None):
@@ -468,7 +470,13 @@ class MLPBlock(nn.Module):
         nn.init.zeros_(self.ffw_down.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, value = self.ffw_up(x).chunk(2, dim=-1)
+        up = self.ffw_up(x)
+        if up.is_cuda and not torch.compiler.is_compiling():
+            from .ops.geglu import DTYPES, geglu    # imports triton
+
+            if up.dtype in DTYPES:
+                return self.ffw_down(geglu(up.contiguous()))
+        gate, value = up.chunk(2, dim=-1)
         return self.ffw_down(gelu(gate) * value)
 
 

@@ -1,8 +1,9 @@
 """The training step (kernels.models.train) and the fused non-mixer kernels it runs:
 the chunked fused linear + cross-entropy, HawkLM.loss and train_step against the
 plain path (logits, F.cross_entropy, the same clipping and AdamW), in FP32 tightly
-and under BF16 autocast against float64 (no worse than the plain BF16 path), and the
-Triton causal convolution against layers.Conv1D's PyTorch path."""
+and under BF16 autocast against float64 (no worse than the plain BF16 path), the
+Triton causal convolution against layers.Conv1D's PyTorch path, and the fused gated
+GeLU against float64 and the MLP's PyTorch formula."""
 
 import copy
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from kernels import layers
 from kernels.models import HawkConfig, HawkLM, linear_cross_entropy, train, train_step
-from kernels.ops import conv
+from kernels.ops import conv, geglu
 from kernels.ops.triton_utils import poisoned
 
 B, T = 2, 7
@@ -166,6 +167,72 @@ def test_conv_kernel_equals_conv1d(dtype, starts):
         torch.testing.assert_close(a, b, **tol)
     with pytest.raises(ValueError, match="segment_pos"):
         conv.causal_conv1d(x, c.w, c.b, torch.zeros(Bc, Tc + 1, dtype=torch.long))
+
+
+def _geglu64(up):
+    gate, value = up.double().chunk(2, dim=-1)
+    return layers.gelu(gate) * value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_geglu_kernel_against_float64(dtype):
+    """Odd shapes (rows not a multiple of anything, E over one 1024-lane block with a
+    partial one), NaN-poisoned outputs: h and dup against float64 autograd of the
+    formula; FP32 tightly, BF16 no worse than the MLP's PyTorch BF16 formula (which
+    rounds twice) plus one BF16 rounding."""
+    torch.manual_seed(0)
+    up = (torch.randn(3, 5, 2 * 1100) * 3).to(dtype).requires_grad_()
+    dh = torch.randn(3, 5, 1100).to(dtype)
+    up64 = up.detach().double().requires_grad_()
+    want = _geglu64(up64)
+    (dwant,) = torch.autograd.grad(want, up64, dh.double())
+    with poisoned():
+        h = geglu.geglu(up)
+        (dup,) = torch.autograd.grad(h, up, dh)
+    assert h.dtype == dup.dtype == dtype and h.shape == (3, 5, 1100) and dup.shape == up.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dup.double(), dwant, rtol=1e-5, atol=1e-5)
+        return
+    gate, value = up.chunk(2, dim=-1)
+    plain = layers.gelu(gate) * value
+    (dplain,) = torch.autograd.grad(plain, up, dh)
+    for got, ref, base in ((h, want, plain), (dup, dwant, dplain)):
+        err = ((got.double() - ref).abs() / (ref.abs() + 1e-3)).max().item()
+        base_err = ((base.double() - ref).abs() / (ref.abs() + 1e-3)).max().item()
+        assert torch.isfinite(got).all() and err <= base_err + 2 ** -8, (err, base_err)
+
+
+def test_geglu_rejects_bad_input():
+    up = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="contiguous"):
+        geglu.geglu(up.t())
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2E\]"):
+        geglu.geglu(torch.randn(4, 5))
+    with pytest.raises(ValueError, match="float64"):
+        geglu.geglu(up.double())
+
+
+@pytest.mark.cuda
+def test_geglu_on_gpu_is_the_mlp_formula_within_bf16():
+    """At the 1.3b MLP's size, BF16: the fused MLP block against its PyTorch formula and float64."""
+    torch.manual_seed(0)
+    mlp = layers.MLPBlock(2560, 7680, device="cuda")
+    x = torch.randn(2, 1024, 2560, device="cuda", requires_grad=True)
+    dy = torch.randn(2, 1024, 2560, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = mlp(x)
+        up = mlp.ffw_up(x)
+        gate, value = up.chunk(2, dim=-1)
+        plain = mlp.ffw_down(layers.gelu(gate) * value)
+    assert y.dtype == plain.dtype == torch.bfloat16
+    got = torch.autograd.grad(y, [x, *mlp.parameters()], dy)
+    want = torch.autograd.grad(plain, [x, *mlp.parameters()], dy)
+    assert _rel(y, plain) < 1e-2
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 2e-2
+    up64 = up.detach().double()
+    assert _rel(geglu.geglu(up.detach().contiguous()), _geglu64(up64)) <= _rel(layers.gelu(gate) * value, _geglu64(up64))
 
 
 @pytest.mark.cuda
