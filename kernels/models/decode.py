@@ -32,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..ops import accounting
 from ..ops.checks import is_integer_dtype
-from ..ops.triton_utils import INTERPRET, cdiv, launcher, next_pow2, rne_bf16
+from ..ops.triton_utils import INTERPRET, cdiv, gelu_tanh, launcher, next_pow2, rne_bf16
 
 MAX_STOP_TOKENS = 8
 LINEAR_MAX_ROWS = 64
@@ -47,13 +47,6 @@ def _rnd(v, TY: tl.constexpr, RNE: tl.constexpr):
         return rne_bf16(v)
     else:
         return v.to(TY).to(tl.float32)
-
-
-@triton.jit
-def _gelu(x):
-    # tanh approximation, tanh(z) = 1 - 2 / (exp(2z) + 1) (no libdevice in the interpreter)
-    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
 
 
 # ----------------------------------------------------------------------------- row kernels
@@ -143,7 +136,7 @@ def gelu_mul_kernel(a, sa, b, sb, y, M, F, BM: tl.constexpr, BF: tl.constexpr, R
     m2 = (o_m < M)[:, None] & (o_f < F)[None, :]
     rows = o_m.to(tl.int64)[:, None]
     TY: tl.constexpr = y.dtype.element_ty
-    g = _rnd(_gelu(tl.load(a + rows * sa + o_f[None, :], mask=m2, other=0.0).to(tl.float32)), TY, RNE)
+    g = _rnd(gelu_tanh(tl.load(a + rows * sa + o_f[None, :], mask=m2, other=0.0).to(tl.float32)), TY, RNE)
     v = tl.load(b + rows * sb + o_f[None, :], mask=m2, other=0.0).to(tl.float32)
     tl.store(y + rows * F + o_f[None, :], _rnd(g * v, TY, RNE).to(TY), mask=m2)
 
@@ -244,9 +237,9 @@ def _epilogue(acc, acc2, ss, bp, out, out2, res, cstate, cw, cb, reset, o_m, m_m
             y = _conv(v, cstate, cw, cb, reset, o_m, m_m, o_n, m_n, N, HAS_RESET, CW, TY, RNE)
             tl.store(out2 + offs, y.to(TY), mask=m2)
         else:
-            tl.store(out + offs, _rnd(_gelu(v), TY, RNE).to(TY), mask=m2)
+            tl.store(out + offs, _rnd(gelu_tanh(v), TY, RNE).to(TY), mask=m2)
     else:
-        g = _rnd(_gelu(v), TY, RNE)
+        g = _rnd(gelu_tanh(v), TY, RNE)
         tl.store(out + offs, _rnd(g * _rnd(acc2, TY, RNE), TY, RNE).to(TY), mask=m2)
 
 

@@ -3,8 +3,8 @@
 in FP32 from the stored inputs (16-bit or FP32), each output rounded once. The
 backward writes both halves of dup in place, so no gradient of a half is copied into it:
     dgate = dh * value * gelu_tanh'(gate),  dvalue = dh * gelu_tanh(gate).
-tanh(z) = 2 sigmoid(2z) - 1: an exponential, no libdevice call, so the kernels run on the
-CPU interpreter as on the GPU.
+gelu_tanh is the one the decode kernels use (triton_utils: no libdevice call, so the
+kernels run on the CPU interpreter as on the GPU).
 """
 
 from __future__ import annotations
@@ -13,19 +13,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import INTERPRET, cdiv, empty, out
+from .triton_utils import INTERPRET, cdiv, empty, gelu_tanh, out
 
 BLOCK = 1024
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _gelu_and_slope(g):
-    """(gelu_tanh(g), its derivative) for FP32 g; 0.79788... = sqrt(2 / pi)."""
+def _gelu_slope(g):
+    """d gelu_tanh / dg = 0.5 (1 + tanh z) + 0.5 g (1 - tanh z)(1 + tanh z) z'(g) for FP32 g,
+    with 1 - tanh z = 2 / (e + 1) and 1 + tanh z = 2 e / (e + 1), e = exp(2z), each
+    formed without cancellation (the latter as 2 - (1 - tanh z) where e overflows);
+    0.79788... = sqrt(2 / pi)."""
     z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    t = 2 * tl.sigmoid(2 * z) - 1
-    half = 0.5 * (1 + t)
-    return g * half, half + 0.5 * g * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * g * g)
+    e = tl.exp(2.0 * z)
+    q = 2.0 / (e + 1.0)
+    p = tl.where(z > 0, 2.0 - q, e * q)
+    return 0.5 * p + 0.5 * g * q * p * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
 
 
 @triton.jit
@@ -35,8 +39,7 @@ def _geglu_fwd(up_ptr, h_ptr, E, RNE: tl.constexpr, BLOCK: tl.constexpr):
     m = c < E
     g = tl.load(up_ptr + row * 2 * E + c, mask=m, other=0).to(tl.float32)
     v = tl.load(up_ptr + row * 2 * E + E + c, mask=m, other=0).to(tl.float32)
-    act, _ = _gelu_and_slope(g)
-    tl.store(h_ptr + row * E + c, out(act * v, h_ptr, RNE), mask=m)
+    tl.store(h_ptr + row * E + c, out(gelu_tanh(g) * v, h_ptr, RNE), mask=m)
 
 
 @triton.jit
@@ -47,9 +50,8 @@ def _geglu_bwd(up_ptr, dh_ptr, dup_ptr, E, RNE: tl.constexpr, BLOCK: tl.constexp
     g = tl.load(up_ptr + row * 2 * E + c, mask=m, other=0).to(tl.float32)
     v = tl.load(up_ptr + row * 2 * E + E + c, mask=m, other=0).to(tl.float32)
     dh = tl.load(dh_ptr + row * E + c, mask=m, other=0).to(tl.float32)
-    act, slope = _gelu_and_slope(g)
-    tl.store(dup_ptr + row * 2 * E + c, out(dh * v * slope, dup_ptr, RNE), mask=m)
-    tl.store(dup_ptr + row * 2 * E + E + c, out(dh * act, dup_ptr, RNE), mask=m)
+    tl.store(dup_ptr + row * 2 * E + c, out(dh * v * _gelu_slope(g), dup_ptr, RNE), mask=m)
+    tl.store(dup_ptr + row * 2 * E + E + c, out(dh * gelu_tanh(g), dup_ptr, RNE), mask=m)
 
 
 class _GeGLU(torch.autograd.Function):

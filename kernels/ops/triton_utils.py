@@ -179,6 +179,14 @@ def launcher(fn):
 
 
 @triton.jit
+def gelu_tanh(x):
+    """GeLU, tanh approximation, for FP32 x; tanh(z) = 1 - 2 / (exp(2z) + 1): no libdevice
+    call, so the CPU interpreter runs it as the GPU does."""
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+
+
+@triton.jit
 def rne_bf16(v):
     """FP32 v rounded to the nearest BF16 (ties to even), returned as FP32."""
     bits = v.to(tl.uint32, bitcast=True)
