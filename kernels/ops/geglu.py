@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import INTERPRET, cdiv, empty, gelu_tanh, out
+from .triton_utils import INTERPRET, cdiv, empty, gelu_tanh, launcher, out
 
 BLOCK = 1024
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,6 +32,7 @@ def _gelu_slope(g):
     return 0.5 * p + 0.5 * g * q * p * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
 
 
+@launcher
 @triton.jit
 def _geglu_fwd(up_ptr, h_ptr, E, RNE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -42,6 +43,7 @@ def _geglu_fwd(up_ptr, h_ptr, E, RNE: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(h_ptr + row * E + c, out(gelu_tanh(g) * v, h_ptr, RNE), mask=m)
 
 
+@launcher
 @triton.jit
 def _geglu_bwd(up_ptr, dh_ptr, dup_ptr, E, RNE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
