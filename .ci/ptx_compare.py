@@ -6,10 +6,10 @@ compare, without a GPU.
 
 For each tree (a checkout of this repository) it runs every op in the Triton interpreter
 (rglru / scan / samu, serial and chunk, both serial layouts, forward and backward, bf16 and
-fp32, and the decode steps) and records each kernel launch: kernel, argument types,
-constexprs, num_warps / num_stages. It then compiles each launch for sm_90 with Triton's
-compiler (PTX needs no driver) and compares the launches in order by PTX instruction
-histogram and shared memory. Exit 0 when all are equal. Kernel names may differ (kernels
+fp32, the decode steps, and the training step's fused convolution and gated GeLU) and
+records each kernel launch: kernel, argument types, constexprs, num_warps / num_stages. It
+then compiles each launch for sm_90 with Triton's compiler (PTX needs no driver) and
+compares the launches in order by PTX instruction histogram and shared memory. Exit 0 when all are equal. Kernel names may differ (kernels
 merged under a constexpr flag compile to the same code). A PTX match means the same
 instructions, so the same speed; a mismatch needs a GPU to time it.
 """
@@ -57,6 +57,13 @@ for dtype in (torch.bfloat16, torch.float32):
         a, st = cases.step_inputs(op, 4, 32, 2, dtype, "cpu")
         with torch.no_grad():
             getattr(kernels, f"{op}_step")(*a, st)
+    from kernels.ops import conv, geglu
+    up = torch.randn(2, 3, 80, dtype=dtype, requires_grad=True)
+    h = geglu.geglu(up)
+    torch.autograd.grad(h, up, torch.randn_like(h))
+    x, w, b = (torch.randn(*s, dtype=dtype, requires_grad=True) for s in ((2, 40, 16), (4, 16), (16,)))
+    y = conv.causal_conv1d(x, w, b, torch.arange(40).expand(2, 40).contiguous())
+    torch.autograd.grad(y, (x, w, b), torch.randn_like(y))
 json.dump(specs, open(outp, "w"))
 '''
 
