@@ -1,6 +1,6 @@
 """The FSDP2 training mode on the CPU: two gloo ranks against one process.
 
-The data-parallel step (common/fsdp.py around track_train's Setup.step) over two
+The data-parallel step (common/fsdp.py around common/training.py's Setup.step) over two
 ranks of one document each must give the single-process step over both
 documents: the same loss, the same gradients after clipping (a clip small enough
 to be active, so the global gradient norm across shards is tested) and the same
@@ -20,10 +20,9 @@ import torch.multiprocessing as mp
 
 from pipeline_util import REPO, copy_repo, snakemake
 
-from common import fsdp, records  # noqa: E402
+from common import fsdp, records, training  # noqa: E402
 from common.stage import Files, Job  # noqa: E402
 
-import track_train  # noqa: E402
 import track_train_fsdp  # noqa: E402
 
 WORLD, B, T = 2, 1, 7
@@ -86,7 +85,7 @@ def rank_main(rank: int, world: int, port: int, out: str, variants: dict) -> Non
             seen = {}
 
             def setup():
-                s = track_train.Setup("tiny", mixer, T, world * B, settings, device, backend=backend)
+                s = training.Setup("tiny", mixer, T, world * B, settings, device, backend=backend)
                 fsdp.distribute(s, rank, world, param_dtype and getattr(torch, param_dtype))
                 block = s.model.blocks[0].recurrent_block
                 block.register_forward_pre_hook(lambda m, a: seen.update(linear=m.linear_x.weight.dtype))
@@ -117,7 +116,7 @@ def sharded(tmp_path_factory):
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_two_gloo_ranks_match_one_process(sharded, mixer):
     cpu = torch.device("cpu")
-    ref = reference_step(lambda: track_train.Setup("tiny", mixer, T, WORLD * B, SETTINGS, cpu,
+    ref = reference_step(lambda: training.Setup("tiny", mixer, T, WORLD * B, SETTINGS, cpu,
                                                    backend="reference"))
     got = sharded["fp32", mixer]
     assert got["dtypes"] == {"linear": torch.float32, "mixer": {torch.float32}}
@@ -161,7 +160,7 @@ def check_bf16(got: dict, mixer: str, device, backend: str) -> None:
     assert {g.dtype for g in got["grads"].values()} == {torch.float32}
 
     def single(settings):
-        r = reference_step(lambda: track_train.Setup("tiny", mixer, T, WORLD * B, settings, device, backend=backend))
+        r = reference_step(lambda: training.Setup("tiny", mixer, T, WORLD * B, settings, device, backend=backend))
         r["loss"] = r["loss"].reshape(1)
         return r
 

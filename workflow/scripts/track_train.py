@@ -9,15 +9,12 @@ spent budget cuts those. MFU: 6 x parameters x tokens over the probe's BF16 matm
 import json
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 from common import cases, measure, stage
 from common.cases import chunk_variants, opt_tag
+from common.training import Setup
 
 import kernels
 from kernels import parity
-from kernels.models import HawkConfig, HawkLM, compile_blocks, train_step
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
@@ -30,61 +27,6 @@ def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> 
         variants = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]
         out += [(name, opts) for opts in variants]
     return out
-
-
-class Setup:
-    """A model, its optimiser and a batch of random tokens: one timed step."""
-
-    def __init__(self, preset: str, mixer: str, T: int, B: int, settings: dict, device, backend="auto",
-                 official: bool = False, seed: int = 0):
-        torch.manual_seed(seed)
-        self.cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
-        model = HawkLM(self.cfg, backend=backend, device=device, dtype=torch.float32)
-        if official:
-            model = kernels.to_recurrentgemma(model)
-        self.compiled = bool(settings.get("compile")) and not official
-        if self.compiled:
-            compile_blocks(model)
-        self.model, self.official = model, official
-        self.opt = torch.optim.AdamW(model.parameters(), lr=settings.get("lr", 3e-4),
-                                     fused=device.type == "cuda")
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        toks = torch.randint(0, settings["vocab"], (B, T + 1), generator=g).to(device)
-        self.inp, self.tgt = toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
-        self.pos = torch.arange(T, device=device).expand(B, T).contiguous()
-        self.T, self.B, self.device = T, B, device
-        self.clip = settings.get("grad_clip", 1.0)
-        self.autocast = settings.get("autocast")
-        self.params = sum(p.numel() for p in model.parameters())
-
-    def step(self):
-        dtype = getattr(torch, self.autocast) if self.autocast else None
-        if not self.official:
-            return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype)
-        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-            logits, _ = self.model(self.inp, self.pos, return_logits=True, return_cache=False)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.tgt.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss
-
-    def figures(self, fields: dict, matmul_rate: float | None, peak_rate: float | None) -> dict:
-        med_s = fields["stats"]["median_ms"] * 1e-3
-        tokens = self.T * self.B
-        flops = 6 * self.params * tokens
-        lg = fields["logical"]
-        if lg is not None:
-            lg.update(param_bytes=4 * self.params, grad_bytes=4 * self.params, optimizer_state_bytes=8 * self.params,
-                      state_bytes=self.B * self.cfg.num_layers * self.cfg.lru_width * 4, model_flops_per_step=flops)
-        return {"tokens_per_step": tokens, "tokens_per_s": tokens / med_s, "step_ms": fields["stats"]["median_ms"],
-                "parameters": self.params, "compiled": self.compiled,
-                "non_embedding_parameters": self.cfg.non_embedding_parameters(), "model_flops_per_step": flops,
-                "mfu": flops / med_s / matmul_rate if matmul_rate else None,
-                "mfu_basis": "model FLOPs (6 x parameters x tokens) per second over the probe's measured BF16 "
-                             "matmul rate" if matmul_rate else None,
-                "mfu_of_peak": flops / med_s / peak_rate if peak_rate else None}
 
 
 LINEAR_COUNTS = ("launches", "accounted_launches", "bytes_read", "bytes_written", "memcpy", "memset")

@@ -17,9 +17,9 @@ import torch
 
 from common import atomic, fsdp, measure, records, stage
 from common.cases import opt_tag
+from common.training import Setup
 
 import kernels
-import track_train
 
 STAGE = "train_fsdp"
 MAX_LAUNCHES = 4
@@ -130,7 +130,7 @@ def worker(job_file: str) -> None:
     def make(item):
         name = item["backend"]
         backend = tuned if name == "auto" else kernels.Backend(name, **item["options"])
-        s = track_train.Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
+        s = Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
                               backend=backend)
         return fsdp.distribute(s, rank, world, param_dtype)
 
