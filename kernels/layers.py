@@ -35,6 +35,25 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _fused_gelu(*ts: torch.Tensor) -> bool:
+    """Whether the gated GeLU runs fused (kernels.ops.geglu): on CUDA, eager, one 16-bit or
+    FP32 dtype; compiled, inductor fuses the formula itself."""
+    if not ts[0].is_cuda or torch.compiler.is_compiling():
+        return False
+    from .ops.geglu import DTYPES    # imports triton
+
+    return all(t.dtype == ts[0].dtype for t in ts) and ts[0].dtype in DTYPES
+
+
+def gelu_mul(gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * value: one fused pass each way where _fused_gelu, else the formula."""
+    if _fused_gelu(gate, value) and gate.shape == value.shape:
+        from .ops.geglu import gelu_mul as fused    # imports triton
+
+        return fused(gate.contiguous(), value.contiguous())
+    return gelu(gate) * value
+
+
 @dataclass
 class RecurrentCache:
     """Decode cache of one recurrent block (see the module docstring for layouts)."""
@@ -425,11 +444,11 @@ class RecurrentBlock(nn.Module):
     def forward(self, x: torch.Tensor, segment_pos: torch.Tensor, cache: RecurrentCache | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, RecurrentCache | None]:
         """x: [B, T, D]; segment_pos: [B, T]. Returns (out [B, T, D], new cache or None)."""
-        y = gelu(self.linear_y(x))
+        y = self.linear_y(x)
         xb = self.linear_x(x)
         xb, conv_state = self.conv_1d(xb, segment_pos, None if cache is None else cache.conv_state, return_cache)
         xb, rnn_state = self.mixer(xb, segment_pos, None if cache is None else cache.rnn_state, return_cache)
-        out = self.linear_out(xb * y)
+        out = self.linear_out(gelu_mul(y, xb))
         return out, (RecurrentCache(conv_state, rnn_state) if return_cache else None)
 
     def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None,
@@ -441,17 +460,18 @@ class RecurrentBlock(nn.Module):
         step = self.mixer.step_backend
         if torch.is_grad_enabled() and not ops.step_has_backward(self.mixer_name, step, x.device):
             no_grad_inputs(ops.Backend.of(step).name, x=x, **dict(self.named_parameters()))
-        y = gelu(self.linear_y(x))
+        y = self.linear_y(x)
         xb = self.conv_1d.step(self.linear_x(x), cache.conv_state, reset)
         xb = self.mixer.step(xb, cache.rnn_state, reset, **mixer_kw)
-        return self.linear_out(xb * y)
+        return self.linear_out(gelu_mul(y, xb))
 
 
 class MLPBlock(nn.Module):
     """Gated GeLU MLP: ffw_down(gelu(up_gate(x)) * up_value(x)). `ffw_up` is one
     Linear(D, 2 * expanded) whose first half is the gate and second half the value.
     On CUDA (eager, 16-bit or FP32) the gated GeLU runs fused (kernels.ops.geglu.geglu:
-    one pass each way, no strided halves, no gradient concatenation)."""
+    one pass each way, no strided halves, no gradient concatenation), as does the
+    recurrent block's gelu(linear_y(x)) * mixer output (gelu_mul)."""
 
     def __init__(self, width: int, expanded_width: int, final_w_init_variance_scale: float = 1.0,
                  device=None, dtype=None):
@@ -471,11 +491,10 @@ class MLPBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.ffw_up(x)
-        if up.is_cuda and not torch.compiler.is_compiling():
-            from .ops.geglu import DTYPES, geglu    # imports triton
+        if _fused_gelu(up):
+            from .ops.geglu import geglu    # imports triton
 
-            if up.dtype in DTYPES:
-                return self.ffw_down(geglu(up.contiguous()))
+            return self.ffw_down(geglu(up.contiguous()))
         gate, value = up.chunk(2, dim=-1)
         return self.ffw_down(gelu(gate) * value)
 

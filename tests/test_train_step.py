@@ -174,33 +174,41 @@ def _geglu64(up):
     return layers.gelu(gate) * value
 
 
+@pytest.mark.parametrize("form", ["geglu", "gelu_mul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_geglu_kernel_against_float64(dtype):
+def test_geglu_kernel_against_float64(dtype, form):
     """Odd shapes (rows not a multiple of anything, E over one 1024-lane block with a
-    partial one), NaN-poisoned outputs: h and dup against float64 autograd of the
-    formula; FP32 tightly, BF16 no worse than the MLP's PyTorch BF16 formula (which
-    rounds twice) plus one BF16 rounding."""
+    partial one), NaN-poisoned outputs, both entry points (the halves of one projection;
+    two tensors): h and the gradients against float64 autograd of the formula; FP32
+    tightly, BF16 no worse than the PyTorch BF16 formula (which rounds twice) plus one
+    BF16 rounding."""
     torch.manual_seed(0)
-    up = (torch.randn(3, 5, 2 * 1100) * 3).to(dtype).requires_grad_()
+    up = (torch.randn(3, 5, 2 * 1100) * 3).to(dtype)
     dh = torch.randn(3, 5, 1100).to(dtype)
-    up64 = up.detach().double().requires_grad_()
-    want = _geglu64(up64)
-    (dwant,) = torch.autograd.grad(want, up64, dh.double())
+    if form == "geglu":
+        ins = [up.requires_grad_()]
+    else:
+        ins = [t.contiguous().requires_grad_() for t in up.chunk(2, dim=-1)]
+    ins64 = [t.detach().double().requires_grad_() for t in ins]
+    want = _geglu64(ins64[0]) if form == "geglu" else layers.gelu(ins64[0]) * ins64[1]
+    dwant = torch.autograd.grad(want, ins64, dh.double())
     with poisoned():
-        h = geglu.geglu(up)
-        (dup,) = torch.autograd.grad(h, up, dh)
-    assert h.dtype == dup.dtype == dtype and h.shape == (3, 5, 1100) and dup.shape == up.shape
+        h = geglu.geglu(*ins) if form == "geglu" else geglu.gelu_mul(*ins)
+        got = torch.autograd.grad(h, ins, dh)
+    assert h.dtype == dtype and h.shape == (3, 5, 1100)
+    assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(got, ins))
     if dtype == torch.float32:
         torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dup.double(), dwant, rtol=1e-5, atol=1e-5)
+        for g, w in zip(got, dwant):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
         return
-    gate, value = up.chunk(2, dim=-1)
+    gate, value = ins[0].chunk(2, dim=-1) if form == "geglu" else ins
     plain = layers.gelu(gate) * value
-    (dplain,) = torch.autograd.grad(plain, up, dh)
-    for got, ref, base in ((h, want, plain), (dup, dwant, dplain)):
-        err = ((got.double() - ref).abs() / (ref.abs() + 1e-3)).max().item()
+    dplain = torch.autograd.grad(plain, ins, dh)
+    for a, ref, base in ((h, want, plain), *zip(got, dwant, dplain)):
+        err = ((a.double() - ref).abs() / (ref.abs() + 1e-3)).max().item()
         base_err = ((base.double() - ref).abs() / (ref.abs() + 1e-3)).max().item()
-        assert torch.isfinite(got).all() and err <= base_err + 2 ** -8, (err, base_err)
+        assert torch.isfinite(a).all() and err <= base_err + 2 ** -8, (err, base_err)
 
 
 def test_geglu_rejects_bad_input():
@@ -211,11 +219,18 @@ def test_geglu_rejects_bad_input():
         geglu.geglu(torch.randn(4, 5))
     with pytest.raises(ValueError, match="float64"):
         geglu.geglu(up.double())
+    with pytest.raises(ValueError, match="value of gate's shape"):
+        geglu.gelu_mul(up, torch.randn(4, 5))
+    with pytest.raises(ValueError, match="value of gate's shape"):
+        geglu.gelu_mul(up, up.bfloat16())
+    with pytest.raises(ValueError, match="contiguous gate"):
+        geglu.gelu_mul(up[:, :3], up[:, 3:])
 
 
 @pytest.mark.cuda
 def test_geglu_on_gpu_is_the_mlp_formula_within_bf16():
-    """At the 1.3b MLP's size, BF16: the fused MLP block against its PyTorch formula and float64."""
+    """At the 1.3b MLP's size, BF16: the fused MLP block and gelu_mul against their PyTorch
+    formula and float64."""
     torch.manual_seed(0)
     mlp = layers.MLPBlock(2560, 7680, device="cuda")
     x = torch.randn(2, 1024, 2560, device="cuda", requires_grad=True)
@@ -233,6 +248,13 @@ def test_geglu_on_gpu_is_the_mlp_formula_within_bf16():
         assert _rel(a, b) < 2e-2
     up64 = up.detach().double()
     assert _rel(geglu.geglu(up.detach().contiguous()), _geglu64(up64)) <= _rel(layers.gelu(gate) * value, _geglu64(up64))
+    # the recurrent block's form: two tensors
+    g, v = (t.detach().contiguous().requires_grad_() for t in (gate, value))
+    h, plain = layers.gelu_mul(g, v), layers.gelu(g) * v
+    assert _rel(h, plain) < 1e-2 and _rel(h, _geglu64(up64)) <= _rel(plain, _geglu64(up64))
+    dh = torch.randn_like(h)
+    for a, b in zip(torch.autograd.grad(h, (g, v), dh), torch.autograd.grad(plain, (g, v), dh)):
+        assert _rel(a, b) < 2e-2
 
 
 @pytest.mark.cuda

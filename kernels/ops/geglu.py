@@ -1,8 +1,9 @@
-"""Fused gated GeLU of Hawk's MLP block (layers.MLPBlock) and its backward, one launch each way:
-    h = gelu_tanh(gate) * value,  [gate | value] = the two halves of up [..., 2E],
-in FP32 from the stored inputs (16-bit or FP32), each output rounded once. The
-backward writes both halves of dup in place, so no gradient of a half is copied into it:
-    dgate = dh * value * gelu_tanh'(gate),  dvalue = dh * gelu_tanh(gate).
+"""Fused gated GeLU and its backward, one launch each way:
+    h = gelu_tanh(gate) * value,  dgate = dh * value * gelu_tanh'(gate),  dvalue = dh * gelu_tanh(gate),
+in FP32 from the stored inputs (16-bit or FP32), each output rounded once. `geglu(up)`:
+Hawk's MLP block (layers.MLPBlock), [gate | value] the two halves of up [..., 2E]; the
+backward writes both halves of dup in place, so no gradient of a half is copied into it.
+`gelu_mul(gate, value)`: the recurrent block's gelu(linear_y(x)) * mixer output.
 gelu_tanh is the one the decode kernels use (triton_utils: no libdevice call, so the
 kernels run on the CPU interpreter as on the GPU).
 """
@@ -34,56 +35,98 @@ def _gelu_slope(g):
 
 @launcher
 @triton.jit
-def _geglu_fwd(up_ptr, h_ptr, E, RNE: tl.constexpr, BLOCK: tl.constexpr):
+def _gelu_mul_fwd(g_ptr, v_ptr, h_ptr, E, S, RNE: tl.constexpr, BLOCK: tl.constexpr):
+    # gate and value rows S elements apart (2E: the halves of one projection; E: two tensors)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < E
-    g = tl.load(up_ptr + row * 2 * E + c, mask=m, other=0).to(tl.float32)
-    v = tl.load(up_ptr + row * 2 * E + E + c, mask=m, other=0).to(tl.float32)
+    g = tl.load(g_ptr + row * S + c, mask=m, other=0).to(tl.float32)
+    v = tl.load(v_ptr + row * S + c, mask=m, other=0).to(tl.float32)
     tl.store(h_ptr + row * E + c, out(gelu_tanh(g) * v, h_ptr, RNE), mask=m)
 
 
 @launcher
 @triton.jit
-def _geglu_bwd(up_ptr, dh_ptr, dup_ptr, E, RNE: tl.constexpr, BLOCK: tl.constexpr):
+def _gelu_mul_bwd(g_ptr, v_ptr, dh_ptr, dg_ptr, dv_ptr, E, S, RNE: tl.constexpr, BLOCK: tl.constexpr):
+    # dg, dv laid out as g, v (rows S apart)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < E
-    g = tl.load(up_ptr + row * 2 * E + c, mask=m, other=0).to(tl.float32)
-    v = tl.load(up_ptr + row * 2 * E + E + c, mask=m, other=0).to(tl.float32)
+    g = tl.load(g_ptr + row * S + c, mask=m, other=0).to(tl.float32)
+    v = tl.load(v_ptr + row * S + c, mask=m, other=0).to(tl.float32)
     dh = tl.load(dh_ptr + row * E + c, mask=m, other=0).to(tl.float32)
-    tl.store(dup_ptr + row * 2 * E + c, out(dh * v * _gelu_slope(g), dup_ptr, RNE), mask=m)
-    tl.store(dup_ptr + row * 2 * E + E + c, out(dh * gelu_tanh(g), dup_ptr, RNE), mask=m)
+    tl.store(dg_ptr + row * S + c, out(dh * v * _gelu_slope(g), dg_ptr, RNE), mask=m)
+    tl.store(dv_ptr + row * S + c, out(dh * gelu_tanh(g), dv_ptr, RNE), mask=m)
+
+
+def _forward(g, v, S):
+    E = g.shape[-1]
+    N = g.numel() // E
+    h = empty((*g.shape[:-1], E), g.dtype, g.device)
+    _gelu_mul_fwd[(N, cdiv(E, BLOCK))](g, v, h, E, S, INTERPRET, BLOCK, num_warps=4)
+    return h
+
+
+def _backward(g, v, dh, dg, dv, S):
+    E = g.shape[-1]
+    N = dh.numel() // E
+    _gelu_mul_bwd[(N, cdiv(E, BLOCK))](g, v, dh.contiguous(), dg, dv, E, S, INTERPRET, BLOCK, num_warps=4)
 
 
 class _GeGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, up):
         E = up.shape[-1] // 2
-        N = up.numel() // (2 * E)
-        h = empty((*up.shape[:-1], E), up.dtype, up.device)
-        _geglu_fwd[(N, cdiv(E, BLOCK))](up, h, E, INTERPRET, BLOCK, num_warps=4)
         ctx.save_for_backward(up)
-        return h
+        return _forward(up[..., :E], up[..., E:], 2 * E)
 
     @staticmethod
     def backward(ctx, dh):
         (up,) = ctx.saved_tensors
         E = up.shape[-1] // 2
-        N = up.numel() // (2 * E)
         dup = empty(up.shape, up.dtype, up.device)
-        _geglu_bwd[(N, cdiv(E, BLOCK))](up, dh.contiguous(), dup, E, INTERPRET, BLOCK, num_warps=4)
+        _backward(up[..., :E], up[..., E:], dh, dup[..., :E], dup[..., E:], 2 * E)
         return dup
+
+
+class _GeluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, v):
+        ctx.save_for_backward(g, v)
+        return _forward(g, v, g.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dh):
+        g, v = ctx.saved_tensors
+        dg, dv = empty(g.shape, g.dtype, g.device), empty(v.shape, v.dtype, v.device)
+        _backward(g, v, dh, dg, dv, g.shape[-1])
+        return dg, dv
+
+
+def _check(name, t):
+    if t.dim() < 1 or t.shape[-1] == 0 or not t.is_contiguous():
+        raise ValueError(f"expected a contiguous {name} [..., {'2E' if name == 'up' else 'E'}] with E > 0, got "
+                         f"shape {list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"expected {name} in {[str(d) for d in DTYPES]}, got {t.dtype}")
 
 
 def geglu(up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(up[..., :E]) * up[..., E:] for up [..., 2E] contiguous, in up's dtype."""
-    if up.dim() < 1 or up.shape[-1] % 2 or up.shape[-1] == 0 or not up.is_contiguous():
-        raise ValueError(f"expected a contiguous up [..., 2E] with E > 0, got shape {list(up.shape)}"
-                         f"{'' if up.is_contiguous() else ' (not contiguous)'}")
-    if up.dtype not in DTYPES:
-        raise ValueError(f"expected up in {[str(d) for d in DTYPES]}, got {up.dtype}")
+    _check("up", up)
+    if up.shape[-1] % 2:
+        raise ValueError(f"expected up [..., 2E] with an even last dimension, got shape {list(up.shape)}")
     return _GeGLU.apply(up)
 
 
-__all__ = ["geglu"]
+def gelu_mul(gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * value for contiguous gate, value [..., E] of one shape and dtype."""
+    _check("gate", gate)
+    _check("value", value)
+    if value.shape != gate.shape or value.dtype != gate.dtype:
+        raise ValueError(f"expected value of gate's shape {list(gate.shape)} and dtype {gate.dtype}, got "
+                         f"{list(value.shape)} and {value.dtype}")
+    return _GeluMul.apply(gate, value)
+
+
+__all__ = ["geglu", "gelu_mul"]
