@@ -9,9 +9,10 @@ For each tree (a checkout of this repository) it runs every op in the Triton int
 fp32, the decode steps, and the training step's fused convolution and gated GeLU) and
 records each kernel launch: kernel, argument types, constexprs, num_warps / num_stages. It
 then compiles each launch for sm_90 with Triton's compiler (PTX needs no driver) and
-compares the launches in order by PTX instruction histogram and shared memory. Exit 0 when all are equal. Kernel names may differ (kernels
-merged under a constexpr flag compile to the same code). A PTX match means the same
-instructions, so the same speed; a mismatch needs a GPU to time it.
+compares the launches in order by PTX instruction histogram and shared memory. Exit 0
+when all are equal. Kernel names may differ (kernels merged under a constexpr flag
+compile to the same code). A PTX match means the same instructions, so the same speed;
+a mismatch needs a GPU to time it.
 """
 
 import collections

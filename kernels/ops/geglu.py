@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_same_device, check_tensor, shape_str
 from .triton_utils import INTERPRET, cdiv, empty, gelu_tanh, launcher, out
 
 BLOCK = 1024
@@ -103,17 +104,16 @@ class _GeluMul(torch.autograd.Function):
         return dg, dv
 
 
-def _check(name, t):
+def _check(name, t, last):
+    check_tensor(name, t, dtypes=DTYPES)
     if t.dim() < 1 or t.shape[-1] == 0 or not t.is_contiguous():
-        raise ValueError(f"expected a contiguous {name} [..., {'2E' if name == 'up' else 'E'}] with E > 0, got "
-                         f"shape {list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
-    if t.dtype not in DTYPES:
-        raise ValueError(f"expected {name} in {[str(d) for d in DTYPES]}, got {t.dtype}")
+        raise ValueError(f"expected a contiguous {name} [..., {last}] with E > 0, got shape {shape_str(t)}"
+                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
 
 
 def geglu(up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(up[..., :E]) * up[..., E:] for up [..., 2E] contiguous, in up's dtype."""
-    _check("up", up)
+    _check("up", up, "2E")
     if up.shape[-1] % 2:
         raise ValueError(f"expected up [..., 2E] with an even last dimension, got shape {list(up.shape)}")
     return _GeGLU.apply(up)
@@ -121,8 +121,9 @@ def geglu(up: torch.Tensor) -> torch.Tensor:
 
 def gelu_mul(gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * value for contiguous gate, value [..., E] of one shape and dtype."""
-    _check("gate", gate)
-    _check("value", value)
+    _check("gate", gate, "E")
+    _check("value", value, "E")
+    check_same_device(gate=gate, value=value)
     if value.shape != gate.shape or value.dtype != gate.dtype:
         raise ValueError(f"expected value of gate's shape {list(gate.shape)} and dtype {gate.dtype}, got "
                          f"{list(value.shape)} and {value.dtype}")
