@@ -2,8 +2,9 @@
 Under SLURM (or a user's CUDA_VISIBLE_DEVICES) those given are kept; on one node each
 stage takes the first k that no other stage of this results directory holds, by an
 exclusive flock on results/.tmp/gpus/<index>.lock held until its process exits (the
-kernel drops it even after a kill). Indices are NVML's PCI bus order, as CUDA's with
-CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+kernel drops it even after a kill; the lock files stay open across exec, so a stage
+that restarts itself keeps its claim). Indices are NVML's PCI bus order, as CUDA's with
+CUDA_DEVICE_ORDER=PCI_BUS_ID (`visible_env`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ _held: list = []  # open lock files: the claim lasts as long as the process
 def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list[int] | None:
     """Take the first `count` free GPUs of `n_gpus` and return their indices, or
     None when CUDA_VISIBLE_DEVICES is already set (SLURM, or the user) or there is
-    no GPU. Raises RuntimeError when fewer than `count` are free."""
+    no GPU. Raises RuntimeError when fewer than `count` are free. The process reaches
+    them through `visible_env` (common/stage.py starts the stage with it)."""
     if "CUDA_VISIBLE_DEVICES" in os.environ or n_gpus <= 0:
         return None
     lock_dir = Path(lock_dir)
@@ -40,7 +42,12 @@ def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list
             f"{count} GPU(s) wanted, {len(taken)} of {n_gpus} free: the others are held by other stages of "
             f"this results directory ({lock_dir}); run with --resources gpu=N where N is at most the number of GPUs"
         )
+    for _, f in taken:
+        os.set_inheritable(f.fileno(), True)
     _held.extend(f for _, f in taken)
-    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i, _ in taken)
     return [i for i, _ in taken]
+
+
+def visible_env(indices: list[int]) -> dict[str, str]:
+    """The environment under which CUDA numbers exactly the GPUs `indices` (NVML's order)."""
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in indices)}

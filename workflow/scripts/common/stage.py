@@ -24,6 +24,8 @@ from .facts import REPO_ROOT
 IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
 # Set by the Snakefile: the command line of the Snakemake call, for the archive's manifest.
 COMMAND_LINE = "KERNELS_PIPELINE_COMMAND_LINE"
+# Given to a stage restarted on the GPUs it claimed (pin_gpu): those GPUs, so the claim is not logged twice.
+CLAIMED = "KERNELS_PIPELINE_CLAIMED_GPUS"
 
 
 class Files(list):
@@ -95,12 +97,24 @@ def _script_path(smk) -> str:
     return str(path.resolve())
 
 
+def start_process(env: dict[str, str]) -> None:
+    """Make sure this process runs with `env` in its environment: where a variable
+    differs, replace the process (same pid, arguments and open log) by a fresh one
+    started with it. CUDA and Triton read these variables once, when they initialise,
+    so they are given at process start rather than written into a running process."""
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+
+
 def prepare_process() -> None:
-    """Pick Triton's interpreter when there is no GPU (set before triton is imported)."""
+    """Restart under Triton's interpreter when there is no GPU (unless the caller chose)."""
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        start_process({"TRITON_INTERPRET": "1"})
 
 
 @contextlib.contextmanager
@@ -136,16 +150,21 @@ def docker_runner():
 
 
 def pin_gpu(job: Job) -> None:
-    """Give a GPU stage its devices (common/devices.py) and log which."""
+    """Give a GPU stage its devices (common/devices.py), log which, and restart the
+    process with them visible (start_process; the claim's locks stay held)."""
     if job.gpus < 1:
         return
     from .profile import gpu_names
 
     claimed = devices.claim_gpus(REPO_ROOT / "results" / ".tmp" / "gpus", len(gpu_names()), job.gpus)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        how = "claimed" if claimed is not None else "given by the environment"
-        print(f"[stage] {job.rule} runs on GPU {visible!r} (CUDA_VISIBLE_DEVICES, {how})", flush=True)
+    if claimed is not None:
+        env = devices.visible_env(claimed)
+        print(f"[stage] {job.rule} runs on GPU {env['CUDA_VISIBLE_DEVICES']!r} (CUDA_VISIBLE_DEVICES, claimed)",
+              flush=True)
+        start_process({**env, CLAIMED: env["CUDA_VISIBLE_DEVICES"]})
+    elif (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None and os.environ.get(CLAIMED) != visible:
+        print(f"[stage] {job.rule} runs on GPU {visible!r} (CUDA_VISIBLE_DEVICES, given by the environment)",
+              flush=True)
 
 
 def _run_in_docker(job: Job) -> None:
