@@ -353,6 +353,23 @@ def test_throughput_grid_extends_until_tokens_per_s_stops_rising_or_memory_runs_
     assert plateau in got["plateau"] and got["batches"] == probed and asked == sorted(curve)[:len(asked)]
 
 
+@pytest.mark.parametrize("order", [1, -1])
+def test_decode_choice_takes_the_entry_nearest_in_log_batch(order):
+    """The infer track's step kernel per batch size: the tuned entry nearest in log(B),
+    the larger batch's on a tie whatever the table's order; other ops and unknown
+    backends never chosen."""
+    entries = [{"op": "samu_step", "B": 16, "backend": "blocked"}, {"op": "samu_step", "B": 64, "backend": "row"},
+               {"op": "samu_step", "B": 256, "backend": "row", "options": {}},
+               {"op": "rglru_step", "B": 32, "backend": "fused"}, {"op": "samu_step", "B": 32, "backend": "gone"}]
+    table = {"decode": entries[::order]}
+    got = {B: (e["B"], e["backend"]) for B in (1, 16, 24, 32, 48, 128, 4096)
+           if (e := track_infer.decode_choice(table, "samu", B))}
+    assert got == {1: (16, "blocked"), 16: (16, "blocked"), 24: (16, "blocked"), 32: (64, "row"), 48: (64, "row"),
+                   128: (256, "row"), 4096: (256, "row")}
+    assert track_infer.decode_choice(table, "rglru", 1)["B"] == 32
+    assert track_infer.decode_choice({"decode": []}, "samu", 16) is None
+
+
 def test_per_step_loop_counts_extrapolate_linearly_in_T(monkeypatch):
     """The training track counts a per-step loop at two short lengths and extrapolates:
     launches (and bytes) of such a loop are a fixed part plus the same work per step."""

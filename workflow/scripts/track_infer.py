@@ -95,12 +95,13 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, device) -> dict:
 
 
 def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
-    """The tuning table's decode entry for this mixer nearest in log(B), if any."""
+    """The tuning table's decode entry for this mixer nearest in log(B), if any; of two
+    equally near, the larger batch's (whatever the table's order)."""
     cands = [e for e in table.get("decode", []) if e.get("op") == f"{mixer}_step"
              and e.get("backend") in kernels.step_backends(mixer)]
     if not cands:
         return None
-    return min(cands, key=lambda e: abs(math.log(max(e["B"], 1) / max(B, 1))))
+    return min(cands, key=lambda e: (abs(math.log(max(e["B"], 1) / max(B, 1))), -e["B"]))
 
 
 def build_model(preset: str, mixer: str, settings: dict, device, backend="auto"):
