@@ -63,13 +63,24 @@ def test_second_call_launches_the_compiled_kernel_with_every_argument_in_order(l
     assert run[9:] == (x, y, 40, 0.25, 16, False, 1)     # defaults applied, constexprs included
 
 
-@pytest.mark.parametrize("change", ["dtype", "misaligned", "one", "div16", "wide", "constexpr", "default", "warps"])
-def test_whatever_triton_specialises_on_takes_its_path_again(launch, change):
+@pytest.mark.parametrize("positional", [True, False])
+@pytest.mark.parametrize("change", ["dtype", "misaligned", "one", "div16", "wide", "constexpr", "default",
+                                    "bool_for_int", "warps"])
+def test_whatever_triton_specialises_on_takes_its_path_again(launch, change, positional):
+    """Both keys: runtime arguments by position (the launchers' calls) or by keyword."""
     fake, k, _ = launch
     base = torch.zeros(64)
     args = dict(x=base[:8], y=base[8:16], n=40, eps=0.5, B=16)
     opts = {"num_warps": 4}
-    k[(1,)](**args, **opts)
+
+    def call(a, o):
+        if positional:
+            k[(1,)](a["x"], a["y"], a["n"], a["eps"], **{n: v for n, v in a.items() if n not in "x y n eps"}, **o)
+        else:
+            k[(1,)](**a, **o)
+    call(args, opts)
+    call(args, opts)
+    assert len(fake.calls) == 1 and len(fake.compiled[0].runs) == 1
     new = dict(args)
     if change == "dtype":
         new["x"] = base[:8].double()
@@ -85,10 +96,12 @@ def test_whatever_triton_specialises_on_takes_its_path_again(launch, change):
         new["B"] = 32
     elif change == "default":
         new["FLAG"] = True
+    elif change == "bool_for_int":
+        new["MODE"] = True                       # equal to the default 1, not the same constexpr
     else:
         opts = {"num_warps": 8}
-    k[(1,)](**new, **opts)
-    assert len(fake.calls) == 2 and not fake.compiled[0].runs
+    call(new, opts)
+    assert len(fake.calls) == 2 and len(fake.compiled[0].runs) == 1
 
 
 def test_hooks_tuple_free_grids_and_missing_arguments_go_through_triton(launch):
@@ -128,7 +141,7 @@ def test_on_the_gpu_the_second_call_skips_triton_and_writes_the_same_result(monk
     x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
     out = torch.full_like(x, float("nan"))
     k[(8,)](x, y, out, 1000, 2.0, BLOCK=128)
-    assert len(k.cache) == 1
+    assert len(k.fast) == 1 and not k.cache      # runtime arguments by position: the short key
     torch.testing.assert_close(out, 2.0 * x + y)
     entered = []
     original = axpy.run
@@ -136,7 +149,7 @@ def test_on_the_gpu_the_second_call_skips_triton_and_writes_the_same_result(monk
     x2, out2 = torch.randn(1000, device="cuda"), torch.full_like(x, float("nan"))
     k[(8,)](x2, y, out2, 1000, -0.5, BLOCK=128)
     torch.cuda.synchronize()
-    assert not entered and len(k.cache) == 1
+    assert not entered and len(k.fast) == 1
     want = torch.full_like(x, float("nan"))
     axpy[(8,)](x2, y, want, 1000, -0.5, BLOCK=128)
     assert torch.equal(out2, want)

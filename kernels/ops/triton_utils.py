@@ -128,19 +128,26 @@ class Launcher:
     tensor's dtype and alignment, `_arg_key` of other arguments, constexpr values, the
     launch options, the device); later calls launch that binary directly, without
     Triton's per-call binding, specialisation and key hashing (tens of microseconds of
-    host time per launch). Launch hooks (a profiler's) and
-    unhashable arguments take Triton's path every time."""
+    host time per launch). Launch hooks (a profiler's) and unhashable arguments take
+    Triton's path every time.
 
-    __slots__ = ("fn", "names", "name_set", "const", "defaults", "cache")
+    The usual call passes the runtime arguments by position and only constexprs and
+    launch options by keyword: its key is the positional arguments' and the keywords as
+    given (value and type), and the cache keeps the arguments after the positional ones
+    (all fixed by that key) ready, so a launch builds one short key and nothing else."""
+
+    __slots__ = ("fn", "names", "name_set", "runtime_names", "const", "defaults", "cache", "fast")
 
     def __init__(self, fn):
         self.fn = fn
         self.names = tuple(fn.arg_names)
         self.name_set = frozenset(self.names)
         self.const = tuple(i in fn.constexprs for i in range(len(self.names)))
+        self.runtime_names = frozenset(n for n, c in zip(self.names, self.const) if not c)
         self.defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
                          if p.default is not inspect.Parameter.empty}
         self.cache = {}
+        self.fast = {}
 
     def __getattr__(self, name):
         return getattr(self.fn, name)
@@ -149,6 +156,8 @@ class Launcher:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
+        if self.runtime_names.isdisjoint(kwargs):
+            return self._launch_positional(grid, args, kwargs)
         names, vals = self.names, list(args)
         try:
             vals += [kwargs[n] if n in kwargs else self.defaults[n] for n in names[len(args):]]
@@ -159,15 +168,47 @@ class Launcher:
             ck = self.cache.get(key)
         except (KeyError, TypeError):      # a missing argument (Triton says which) or an unhashable one
             return self.fn[grid](*args, **kwargs)
-        rt = triton.knobs.runtime
-        if ck is None or grid.__class__ is not tuple or rt.launch_enter_hook.calls or rt.launch_exit_hook.calls:
+        if ck is None or grid.__class__ is not tuple or _hooked():
             ck = self.fn[grid](*args, **kwargs)
             if ck is not None:
                 self.cache[key] = ck
             return ck
-        ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
-               ck.packed_metadata, None, None, None, *vals)
+        _run(ck, grid, stream, vals)
         return ck
+
+    def _launch_positional(self, grid, args, kwargs):
+        """Runtime arguments by position only: every later argument is a constexpr, a
+        default or a launch option, so the keywords as given key them."""
+        try:
+            device, stream = _raw_stream()
+            key = (device, tuple(kwargs.items()), tuple(map(type, kwargs.values())),
+                   *[(v.__class__, v) if c else (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, torch.Tensor)
+                     else _arg_key(v) for v, c in zip(args, self.const)])
+            hit = self.fast.get(key)
+        except TypeError:                  # an unhashable argument
+            return self.fn[grid](*args, **kwargs)
+        if hit is None or grid.__class__ is not tuple or _hooked():
+            ck = self.fn[grid](*args, **kwargs)
+            if ck is not None:
+                try:
+                    tail = tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):])
+                except KeyError:           # Triton compiled without it: nothing to keep
+                    return ck
+                self.fast[key] = (ck, tail)
+            return ck
+        ck, tail = hit
+        _run(ck, grid, stream, (*args, *tail))
+        return ck
+
+
+def _hooked() -> bool:
+    rt = triton.knobs.runtime
+    return bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)
+
+
+def _run(ck, grid, stream, vals):
+    ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
+           ck.packed_metadata, None, None, None, *vals)
 
 
 def launcher(fn):
