@@ -123,31 +123,27 @@ def _raw_stream():
 
 class Launcher:
     """A Triton kernel launched as `k[grid](*args, **kwargs)` like the JIT function it
-    wraps. The first call of an argument signature goes through Triton (compile, cache,
-    launch) and keeps the compiled kernel under a key finer than Triton's own (a
-    tensor's dtype and alignment, `_arg_key` of other arguments, constexpr values, the
-    launch options, the device); later calls launch that binary directly, without
-    Triton's per-call binding, specialisation and key hashing (tens of microseconds of
-    host time per launch). Launch hooks (a profiler's) and unhashable arguments take
-    Triton's path every time.
+    wraps, with the runtime arguments by position and constexprs and launch options by
+    keyword (as every launcher here calls them; a runtime argument by keyword takes
+    Triton's path every time). The first call of an argument signature goes through
+    Triton (compile, cache, launch) and keeps the compiled kernel under a key finer than
+    Triton's own: the device, each positional argument's (a tensor's dtype and 16-byte
+    alignment, `_arg_key` of another value, a constexpr's value) and the keywords as
+    given (values and types), which also fix every later argument, kept beside the
+    kernel. Later calls launch that binary directly, without Triton's per-call binding,
+    specialisation and key hashing (tens of microseconds of host time per launch).
+    Launch hooks (a profiler's) and unhashable arguments take Triton's path every time."""
 
-    The usual call passes the runtime arguments by position and only constexprs and
-    launch options by keyword: its key is the positional arguments' and the keywords as
-    given (value and type), and the cache keeps the arguments after the positional ones
-    (all fixed by that key) ready, so a launch builds one short key and nothing else."""
-
-    __slots__ = ("fn", "names", "name_set", "runtime_names", "const", "defaults", "cache", "fast")
+    __slots__ = ("fn", "names", "runtime_names", "const", "defaults", "cache")
 
     def __init__(self, fn):
         self.fn = fn
         self.names = tuple(fn.arg_names)
-        self.name_set = frozenset(self.names)
         self.const = tuple(i in fn.constexprs for i in range(len(self.names)))
         self.runtime_names = frozenset(n for n, c in zip(self.names, self.const) if not c)
         self.defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
                          if p.default is not inspect.Parameter.empty}
         self.cache = {}
-        self.fast = {}
 
     def __getattr__(self, name):
         return getattr(self.fn, name)
@@ -156,35 +152,14 @@ class Launcher:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
-        if self.runtime_names.isdisjoint(kwargs):
-            return self._launch_positional(grid, args, kwargs)
-        names, vals = self.names, list(args)
-        try:
-            vals += [kwargs[n] if n in kwargs else self.defaults[n] for n in names[len(args):]]
-            device, stream = _raw_stream()
-            key = (device, tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.name_set)),
-                   *[(v.__class__, v) if c else (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, torch.Tensor)
-                     else _arg_key(v) for v, c in zip(vals, self.const)])
-            ck = self.cache.get(key)
-        except (KeyError, TypeError):      # a missing argument (Triton says which) or an unhashable one
+        if not self.runtime_names.isdisjoint(kwargs):
             return self.fn[grid](*args, **kwargs)
-        if ck is None or grid.__class__ is not tuple or _hooked():
-            ck = self.fn[grid](*args, **kwargs)
-            if ck is not None:
-                self.cache[key] = ck
-            return ck
-        _run(ck, grid, stream, vals)
-        return ck
-
-    def _launch_positional(self, grid, args, kwargs):
-        """Runtime arguments by position only: every later argument is a constexpr, a
-        default or a launch option, so the keywords as given key them."""
         try:
             device, stream = _raw_stream()
             key = (device, tuple(kwargs.items()), tuple(map(type, kwargs.values())),
                    *[(v.__class__, v) if c else (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, torch.Tensor)
                      else _arg_key(v) for v, c in zip(args, self.const)])
-            hit = self.fast.get(key)
+            hit = self.cache.get(key)
         except TypeError:                  # an unhashable argument
             return self.fn[grid](*args, **kwargs)
         if hit is None or grid.__class__ is not tuple or _hooked():
@@ -192,23 +167,19 @@ class Launcher:
             if ck is not None:
                 try:
                     tail = tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):])
-                except KeyError:           # Triton compiled without it: nothing to keep
+                except KeyError:           # a missing argument: Triton has raised or will
                     return ck
-                self.fast[key] = (ck, tail)
+                self.cache[key] = (ck, tail)
             return ck
         ck, tail = hit
-        _run(ck, grid, stream, (*args, *tail))
+        ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
+               ck.packed_metadata, None, None, None, *args, *tail)
         return ck
 
 
 def _hooked() -> bool:
     rt = triton.knobs.runtime
     return bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)
-
-
-def _run(ck, grid, stream, vals):
-    ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
-           ck.packed_metadata, None, None, None, *vals)
 
 
 def launcher(fn):
