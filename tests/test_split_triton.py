@@ -5,7 +5,7 @@ reference, on the CPU interpreter; outputs poisoned with NaN.
 Two layouts: W = 2 warps of 8 steps (tiles of 16) with register prefetch at T = 37,
 D = 24 (partial last tile, one partial channel block: element masks), and W = 4 warps
 of 8 steps with pipelined loads at T = 32, D = 64 (whole tiles: the unmasked EVEN
-path). The forward saves every warp's entry state and the backward starts from them.
+path); each also with 128-channel blocks (block_d 128, D = 24 and 256). The forward saves every warp's entry state and the backward starts from them.
 """
 
 import pytest
@@ -24,6 +24,9 @@ FP32_TOL = parity.BACKEND_TOL[torch.float32]
 FP64_TOL = 1e-12
 ODD = {"T": 37, "D": 24, "opts": {"time_warps": 2, "chunk_size": 8}}
 EVEN = {"T": 32, "D": 64, "opts": {"time_warps": 4, "chunk_size": 8, "num_stages": 2}}
+# 128 channels per program (4 per lane): a partial block (D = 24) and whole ones (D = 256)
+WIDE_ODD = {"T": 37, "D": 24, "opts": {"time_warps": 2, "chunk_size": 8, "block_d": 128}}
+WIDE_EVEN = {"T": 32, "D": 256, "opts": {"time_warps": 4, "chunk_size": 8, "num_stages": 2, "block_d": 128}}
 # Resets at tile and warp edges (8, 16, 24, 32), inside segments (2, 5, 10, 13, 27), in
 # runs (20-22), at t = 0 (row 1) and at the last step of the odd shape (36); row 0
 # continues an earlier document.
@@ -60,7 +63,7 @@ def compare(op, shape, dtype, seed=0, h0=True, resets=True, final=True):
     return got, want
 
 
-@pytest.mark.parametrize("shape", [ODD, EVEN], ids=["odd", "even"])
+@pytest.mark.parametrize("shape", [ODD, EVEN, WIDE_ODD, WIDE_EVEN], ids=["odd", "even", "wide-odd", "wide-even"])
 @pytest.mark.parametrize("op", ["scan", "rglru"])
 def test_fp32_against_float64_reference(op, shape):
     got, want = compare(op, shape, torch.float32)
@@ -69,7 +72,8 @@ def test_fp32_against_float64_reference(op, shape):
         assert parity.rel_err(g, w) <= FP32_TOL, i
 
 
-@pytest.mark.parametrize("op,shape", [("rglru", ODD), ("scan", EVEN)], ids=["rglru-odd", "scan-even"])
+@pytest.mark.parametrize("op,shape", [("rglru", ODD), ("scan", EVEN), ("rglru", WIDE_EVEN)],
+                         ids=["rglru-odd", "scan-even", "rglru-wide-even"])
 def test_float64_is_exact(op, shape):
     # Any slip in the cross-warp composition, the tile carry, resets or the adjoint
     # would show far above rounding.
@@ -111,6 +115,8 @@ def test_default_is_split_and_launches():
     assert cfg["TW"] == fused_recurrent.SPLIT_DEFAULT["rglru"]["time_warps"] > 1 and cfg["TT"] == 8
     assert fused_recurrent.config(B, 37, 24, True)["TW"] == fused_recurrent.SPLIT_DEFAULT["scan"]["time_warps"]
     assert fused_recurrent.config(B, 37, 24, False, block_d=32)["TW"] == 1
+    wide = fused_recurrent.config(B, 37, 24, True, time_warps=4, block_d=128)
+    assert (wide["TW"], wide["BD"], wide["VEC"]) == (4, 128, 4)
     assert fused_recurrent.config(B, 37, 24, False, time_warps=1)["TW"] == 1
     # an RG-LRU forward without gradient defaults to the tile kernels (faster there)
     assert fused_recurrent.config(B, 37, 24, False, grad=False)["TW"] == 1
@@ -148,6 +154,8 @@ def test_pipeline_stages_fit_shared_memory():
     ({"time_warps": 32}, "time_warps"),
     ({"time_warps": 2, "vec": 2}, "serial options"),
     ({"time_warps": 2, "block_d": 16}, "block_d"),
+    ({"time_warps": 2, "block_d": 32}, "block_d"),
+    ({"time_warps": 2, "block_d": 256}, "block_d"),
     ({"time_warps": 2, "chunk_size": 6}, "chunk_size"),
     ({"time_warps": 2, "chunk_size": 128}, "chunk_size"),
     ({"time_warps": 2, "num_stages": 5}, "num_stages"),

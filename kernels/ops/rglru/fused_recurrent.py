@@ -4,7 +4,8 @@ walks the tiles in reverse, recomputes their states from the saved ones and runs
 adjoint (common.py). The a_param gradient is a per-program partial [B, D] reduced in a
 fixed order.
 
-Split kernels (time_warps W > 1, the default): BD = 64 channels (2 per lane), tiles of
+Split kernels (time_warps W > 1, the default): BD = 64 channels (2 per lane; block_d
+128: 4 per lane, half the programs), tiles of
 W * TT steps (TT = chunk_size): warp w holds TT consecutive steps, each thread its two
 channels' TT steps in registers. The tile is addressed in memory order [W, TT, BD] (so
 Triton's coalescing picks that layout) and relabelled [TT, W, BD] (common.mem_order)
@@ -25,8 +26,9 @@ registers, one associative scan, store y, carry the last row; the state entering
 tile ([B, NT, D] FP32) is saved.
 
 Options: chunk_size (steps per warp segment with W > 1, default 8; the tile with W = 1,
-default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (W = 1 only) and
-num_stages (pipelined loads; 1 prefetches the next tile into registers).
+default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (W = 1: any power of
+two in [8, 1024]; W > 1: 64 or 128) and num_stages (pipelined loads; 1 prefetches the
+next tile into registers).
 """
 
 from __future__ import annotations
@@ -248,6 +250,9 @@ def serial_bwd_kernel(
 # and W = 8, 4 stages (the bare scan at B=8, D=1024); tile kernels 64 x 16 (RG-LRU) and
 # 128 x 32 (scan) with 4 warps and register prefetch.
 SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_warps": 8, "num_stages": 4}}
+# Channels per split-kernel program: 64 by default; 128 halves the programs (B x D / 64
+# can exceed the multiprocessors by less than a wave: 160 programs on 132 at B x D = 10240).
+SPLIT_BLOCKS = (64, 128)
 OPTIONS = ("chunk_size", "time_warps", "block_d", "num_stages")
 
 
@@ -268,14 +273,15 @@ def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num
     if not isinstance(ns, int) or isinstance(ns, bool) or not 1 <= ns <= 4:
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
     if tw > 1:
-        if block_d is not None:
-            raise ValueError(f"expected block_d only with time_warps = 1 (the split kernels own 64 channels), "
-                             f"got block_d={block_d!r} with time_warps={tw}")
+        bd = 64 if block_d is None else block_d
+        if bd not in SPLIT_BLOCKS:
+            raise ValueError(f"expected block_d in {list(SPLIT_BLOCKS)} with time_warps > 1 (channels of a split "
+                             f"kernel's program, 2 or 4 per lane), got block_d={block_d!r} with time_warps={tw}")
         tt = 8 if chunk_size is None else chunk_size
         # the forward saves the state entering every warp's segment ([B, T / TT, D] FP32,
         # at most 1/8 of an FP32 activation: TT >= 8)
-        return {"backend": "serial", "BT": tt * tw, "TT": tt, "BD": 64, "num_warps": tw, "STAGES": ns,
-                "PREFETCH": ns == 1, "VEC": 2, "TW": tw, "STAGES_SET": stages_set}
+        return {"backend": "serial", "BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": ns,
+                "PREFETCH": ns == 1, "VEC": bd // 32, "TW": tw, "STAGES_SET": stages_set}
     bt = (128 if is_scan else 64) if chunk_size is None else chunk_size
     bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     return {"backend": "serial", "BT": bt, "TT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1,
