@@ -2,10 +2,9 @@
 
 Notation: M rows, D model width, E recurrent width, F MLP hidden width, CW conv width.
 Activations are in the model dtype (bf16, fp16 or fp32); arithmetic is FP32. Everything
-computes what `HawkLM.step` computes with the PyTorch formulas (on the CPU, or compiled),
-rounding where it rounds (every nn.Module output is in the model dtype, GeLU's too), so
-results differ from it only in FP32 summation order. Eager on CUDA, HawkLM's gated GeLUs
-run kernels.ops.geglu, which rounds gelu(gate) * value once: one BF16 rounding apart.
+computes what `HawkLM.step` computes, rounding where it rounds (every nn.Module output
+is in the model dtype, GeLU's too, as in kernels.ops.geglu), so results differ from it
+only in FP32 summation order.
 
 - row kernels around library matmuls (any M): `embed_rmsnorm`, `add_rmsnorm` (residual
   add then RMSNorm), `conv_step` (conv decode step, state updated in place), `gelu_mul`;

@@ -22,9 +22,8 @@ Step kernels (`kernels=`): "model" (HawkLM.step's own layers; any device and dty
 (the weight-streaming linears with the row work fused in, for B <= 64, "fused" above);
 "auto" (on CUDA: "gemm" up to AUTO_GEMM_MAX_ROWS rows and "fused" above for bf16/fp16,
 "fused" for fp32; "model" elsewhere). PDL (`pdl=None`) is on for "gemm" on Hopper and
-newer. All compute HawkLM.step with its roundings, up to the gated GeLU (see
-kernels.models.decode). A graph keeps the parameter storage it captured: build a new
-engine after replacing parameters.
+newer. All compute HawkLM.step with its roundings (kernels.models.decode). A graph
+keeps the parameter storage it captured: build a new engine after replacing parameters.
 The SAMU layers' mode tables (the per-mode constants their Triton steps read) are
 recomputed in place at every `start`, so parameters updated in place between batches
 are seen.

@@ -1,6 +1,9 @@
 """Fused gated GeLU and its backward, one launch each way:
     h = gelu_tanh(gate) * value,  dgate = dh * value * gelu_tanh'(gate),  dvalue = dh * gelu_tanh(gate),
-in FP32 from the stored inputs (16-bit or FP32), each output rounded once. `geglu(up)`:
+in FP32 from the stored inputs (16-bit or FP32), rounded where the PyTorch formula
+`gelu(gate) * value` in the inputs' dtype rounds: gelu(gate) and dh * value are rounded
+to that dtype before the product, each output once. So the model's MLP, the generation
+engine's decode kernels and the formula on the CPU round alike. `geglu(up)`:
 Hawk's MLP block (layers.MLPBlock), [gate | value] the two halves of up [..., 2E]; the
 backward writes both halves of dup in place, so no gradient of a half is copied into it.
 `gelu_mul(gate, value)`: the recurrent block's gelu(linear_y(x)) * mixer output.
@@ -43,7 +46,8 @@ def _gelu_mul_fwd(g_ptr, v_ptr, h_ptr, E, S, RNE: tl.constexpr, BLOCK: tl.conste
     m = c < E
     g = tl.load(g_ptr + row * S + c, mask=m, other=0).to(tl.float32)
     v = tl.load(v_ptr + row * S + c, mask=m, other=0).to(tl.float32)
-    tl.store(h_ptr + row * E + c, out(gelu_tanh(g) * v, h_ptr, RNE), mask=m)
+    gr = out(gelu_tanh(g), h_ptr, RNE).to(tl.float32)
+    tl.store(h_ptr + row * E + c, out(gr * v, h_ptr, RNE), mask=m)
 
 
 @launcher
@@ -56,8 +60,9 @@ def _gelu_mul_bwd(g_ptr, v_ptr, dh_ptr, dg_ptr, dv_ptr, E, S, RNE: tl.constexpr,
     g = tl.load(g_ptr + row * S + c, mask=m, other=0).to(tl.float32)
     v = tl.load(v_ptr + row * S + c, mask=m, other=0).to(tl.float32)
     dh = tl.load(dh_ptr + row * E + c, mask=m, other=0).to(tl.float32)
-    tl.store(dg_ptr + row * S + c, out(dh * v * _gelu_slope(g), dg_ptr, RNE), mask=m)
-    tl.store(dv_ptr + row * S + c, out(dh * gelu_tanh(g), dv_ptr, RNE), mask=m)
+    dhv = out(dh * v, dg_ptr, RNE).to(tl.float32)
+    tl.store(dg_ptr + row * S + c, out(dhv * _gelu_slope(g), dg_ptr, RNE), mask=m)
+    tl.store(dv_ptr + row * S + c, out(dh * out(gelu_tanh(g), dv_ptr, RNE).to(tl.float32), dv_ptr, RNE), mask=m)
 
 
 def _forward(g, v, S):
