@@ -550,6 +550,11 @@ def test_chunk_size_one_range_checked_once():
     for fn in (kernels.backends("rglru")["serial"], kernels.backends("samu")["chunk"]):
         args = (x, x, x, torch.zeros(4)) if fn is kernels.backends("rglru")["serial"] else (x, *p)
         _raises(lambda: fn(*args, chunk_size=16.0), "chunk_size", "16.0")
+        # after a valid call of equal hash: the launch configuration's cache keeps types
+        fn(*args, chunk_size=16)
+        _raises(lambda: fn(*args, chunk_size=16.0), "chunk_size", "16.0")
+        fn(*args, chunk_size=8)
+        _raises(lambda: fn(*args, chunk_size=8.0), "chunk_size", "8.0")
 
 
 def test_hawk_token_arguments(model):

@@ -76,6 +76,16 @@ def check_pow2(name: str, value, lo: int, hi: int) -> int:
     return value
 
 
+def opts_key(opts: dict) -> tuple:
+    """Launcher options as a cache key that keeps each value's type (8.0 and True hash as
+    8 and 1, which the option checks reject); `dict(opts_items(key))` gives them back."""
+    return tuple(sorted((k, v.__class__, v) for k, v in opts.items()))
+
+
+def opts_items(key: tuple) -> dict:
+    return {k: v for k, _, v in key}
+
+
 def spec_of(cfg: dict) -> str:
     """A launch configuration as the string a custom op carries ("BD=64,backend=serial,...")."""
     return ",".join(f"{k}={v}" for k, v in sorted(cfg.items()))

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..checks import no_double_backward
-from ..triton_utils import acc_dtype, cfg_of, spec_of
+from ..triton_utils import acc_dtype, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
 from .common import empty_sequence, reduce_dap
 
@@ -23,7 +23,7 @@ _BACKENDS = {"serial": fused_recurrent, "chunk": chunk}
 
 @functools.lru_cache(maxsize=1024)
 def _config(backend, B, T, D, is_scan, grad, opts):
-    return _BACKENDS[backend].config(B, T, D, is_scan, grad=grad, **dict(opts))
+    return _BACKENDS[backend].config(B, T, D, is_scan, grad=grad, **opts_items(opts))
 
 
 def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
@@ -153,7 +153,7 @@ def _run(backend, x, gate_x, gate_a, a_param, segment_pos, initial_state, output
     B, T, D = x.shape
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (x, gate_x, gate_a, a_param, initial_state))
-    cfg = _config(backend, B, T, D, False, grad, tuple(sorted(opts.items())))
+    cfg = _config(backend, B, T, D, False, grad, opts_key(opts))
     if T == 0:
         return empty_sequence(x, initial_state, output_final_state)
     return apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, cfg)
@@ -165,7 +165,7 @@ def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opt
 
         return reference.scan(a, b, segment_pos, initial_state, output_final_state)
     B, T, D = b.shape
-    cfg = _config(backend, B, T, D, True, True, tuple(sorted(opts.items())))
+    cfg = _config(backend, B, T, D, True, True, opts_key(opts))
     if T == 0:
         return empty_sequence(b, initial_state, output_final_state)
     a = a.to(b.dtype) if a.dtype != b.dtype else a

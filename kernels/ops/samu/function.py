@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..checks import no_double_backward
-from ..triton_utils import acc_dtype, cfg_of, spec_of
+from ..triton_utils import acc_dtype, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
 from .common import controls_bwd, controls_fwd, mode_table, scalar_param
 
@@ -24,7 +24,7 @@ _LAUNCH = {"serial": (fused_recurrent.serial_forward, fused_recurrent.serial_bac
 
 @functools.lru_cache(maxsize=256)
 def _config(backend, opts):
-    return fused_recurrent.config(backend, **dict(opts))
+    return fused_recurrent.config(backend, **opts_items(opts))
 
 
 def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, cfg):
@@ -135,7 +135,7 @@ torch.library.register_autograd("kernels::samu_fwd", _op_backward, setup_context
 
 def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
          initial_state, output_final_state, opts):
-    cfg = _config(backend, tuple(sorted(opts.items())))
+    cfg = _config(backend, opts_key(opts))
     acc = acc_dtype(x.dtype)
     pa = scalar_param(phase_amp, x.device, acc)
     ra = scalar_param(radial_amp, x.device, acc)
