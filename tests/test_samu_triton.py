@@ -270,6 +270,23 @@ def test_decode_steps_equal_sequence(layout, dtype):
     assert y1.shape == (B, D)
 
 
+@pytest.mark.parametrize("table", [False, True])
+def test_row_step_walks_every_mode_block(table):
+    """The row step covers a row's modes in blocks of at most 2048 (the first loaded
+    before the controls' reduction): M = 2052 takes two, the second partial; outputs and
+    the state in place against the reference, with a reset, NaN-poisoned y."""
+    d = 4104
+    inputs = make_inputs(torch.float32, b=2, t=2, d=d, seed=5)
+    params = [inputs[k] for k in GRAD_NAMES[1:7]]
+    tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], torch.float32) if table else None
+    s_ref, s = inputs["initial_state"].clone(), inputs["initial_state"].clone()
+    for t, r in ((0, None), (1, torch.tensor([True, False]))):
+        want = kernels.samu_step(inputs["x"][:, t], *params, s_ref, r, backend="reference")
+        with poisoned():
+            got = kernels.samu_step(inputs["x"][:, t], *params, s, r, backend="row", modes=tab)
+        assert rel(got, want) < 2e-6 and rel(s, s_ref) < 2e-6
+
+
 @pytest.mark.parametrize("layout", ["row", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_decode_step_reading_the_mode_table_is_bitwise_the_recomputing_one(layout, dtype):

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
-from ..triton_utils import acc_dtype, cdiv, launcher, next_pow2
+from ..triton_utils import acc_dtype, cdiv, empty, launcher, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
 from .common import dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
@@ -91,18 +91,18 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
     keep = 1.0
     if HAS_RESET:
         keep = tl.where(tl.load(reset + b) != 0, 0.0, 1.0)
+    # The first mode block's loads are issued before the row's reduction, whose latency
+    # they overlap ("row": block 0 of the row's; "blocked": the program's block).
+    m0 = 0 if ROW else tl.program_id(0) * BM
+    offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M,
+                                                                      BM, ACC, TABLE)
+    E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
+    _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
     if ROW:
-        E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
-        for m0 in range(0, M, BM):
+        for m1 in range(BM, M, BM):
             offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
-                                                                              m0, M, BM, ACC, TABLE)
+                                                                              m1, M, BM, ACC, TABLE)
             _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
-    else:
-        # the block's loads are issued before the row's reduction, whose latency they overlap
-        offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
-                                                                          tl.program_id(0) * BM, M, BM, ACC, TABLE)
-        E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
-        _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
 
 
 def _amp(v, x):
@@ -122,7 +122,7 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
                          "conjugate view (h.conj()); pass h.conj().resolve_conj() and keep that tensor")
     x = x.contiguous()
     sr = torch.view_as_real(state)
-    y = torch.empty_like(x)
+    y = empty(x.shape, x.dtype, x.device)
     acc = tl_dtype(sr.dtype)
     rs = reset.contiguous().view(torch.uint8) if reset is not None else sr
     args = (x, phase_dir.contiguous(), radial_dir.contiguous(), _amp(phase_amp, x),
