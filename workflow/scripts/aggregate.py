@@ -1,9 +1,5 @@
 """Aggregation -> results/report/: records.csv, comparison.csv, tables.md, plots and
-report.md, generated from the track records (never edited; no record modified): per
-configuration P10 / median / P95 of the headline clock beside the eager median, the
-AB / BA gap, logical bytes and launches, peak memory and the memory floor (logical
-bytes over the probe's copy bandwidth); SAMU / RG-LRU ratios per run order; the
-study's headline views; the probe and the audit."""
+report.md, generated from the track records (never edited; no record modified)."""
 
 import io
 import json

@@ -1,7 +1,5 @@
-"""Environment probe -> results/probe/environment.json: the GPUs as NVML sees them,
-software and CPU, two measured ceilings (device copy bandwidth, bytes read + written
-per second; the BF16 matrix-product rate) and whether Nsight Compute can read hardware
-counters. Without a GPU it says so and measures the CPU."""
+"""Environment probe -> results/probe/environment.json: GPUs, software and CPU, the device
+copy bandwidth and BF16 matmul rate, and whether Nsight Compute can read counters."""
 
 import csv
 import os

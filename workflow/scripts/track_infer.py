@@ -1,10 +1,7 @@
-"""Inference track (Griffin section 5) -> results/tracks/infer/records.jsonl: the
-profile's preset with BF16 random weights and FP32 caches, greedy decoding through the
-generation engine (kernels.models.generation.Engine; CUDA graphs on a GPU); prompt
-processing is untimed there. Prefill: the time to first token of a long prompt beside its floor. Latency: batch B, an empty and a long prompt, one trajectory
-read at every length, both orders. Throughput: probes over the profile's batch sizes,
-extended while tokens/s rises (`extend_grid`, which records where and why it ended),
-then each mixer's best batch sizes on fresh trajectories in both orders."""
+"""Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the
+generation engine (CUDA graphs on a GPU) of the profile's preset: prefill (time to first
+token), latency (one trajectory read at every length) and throughput (probes over batch
+sizes, extended while tokens/s rises, then the best on fresh trajectories), both orders."""
 
 import json
 import math

@@ -1,10 +1,7 @@
-"""Training-step track -> results/tracks/train/records.jsonl: identical Hawk models but
-the mixer, random tokens, 8192 tokens a step of kernels.models.train_step (fused loss,
-backward, clipping, fused AdamW; BF16 autocast over FP32 weights). First the diagnostics
-(every gated backend, chunked ones per chunk size), then the architecture comparison
-(each mixer's fastest exact diagnostics backend, else the tuning table's; fresh runs,
-both orders), last the slow PyTorch reference and the official recurrentgemma peer, so a
-spent budget cuts those. MFU: 6 x parameters x tokens over the probe's BF16 matmul rate."""
+"""Training-step track -> results/tracks/train/records.jsonl: Hawk models that differ only
+in the mixer, one kernels.models.train_step of 8192 tokens. Diagnostics (every gated
+backend) first, then the comparison (each mixer's fastest exact backend, fresh runs),
+last the slow PyTorch reference and the official peer, so a spent budget cuts those."""
 
 import json
 from pathlib import Path

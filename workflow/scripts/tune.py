@@ -1,10 +1,6 @@
-"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads; schema in
-kernels/ops/tuning.py) and records.jsonl. Per op and shape every exact candidate (backend
-x the option grid the launcher accepts) is checked against the reference and timed on
-probe runs; the fastest is re-measured on fresh runs, whose figures the entry carries.
-Decode steps likewise per batch size, timed as trajectories of `steps` fed-back steps
-(one CUDA-graph replay each on a GPU), SAMU's reading the mode table as the generation
-engine passes it."""
+"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads) and records.jsonl:
+per op and shape every exact candidate (backend x option grid) is checked and probed, the
+fastest re-measured on fresh runs; decode steps likewise per batch size, as trajectories."""
 
 import fnmatch
 import itertools

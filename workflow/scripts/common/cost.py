@@ -1,11 +1,7 @@
-"""Predicted GPU time per stage of a profile, printed when the Snakefile is parsed.
-A stage costs a fixed part plus, per configuration, a set-up part and its timed calls
-(warm-up + repetitions, one counting call) at a per-call time predicted from the
-shapes; work under 50 ms per call is timed on two clocks, so its calls count twice.
-The constants are H200 figures from the committed runs named in CALIBRATION (stage
-benchmarks, record timestamps and medians; tests/test_pipeline.py checks the model
-against the h200 and h800 runs' own configurations); configurations are counted from the profile alone,
-so option grids err high."""
+"""Predicted GPU time per stage of a profile, printed when the Snakefile is parsed: a
+fixed part plus, per configuration, set-up and timed calls (work under 50 ms per call
+is timed on two clocks, so counts twice). The constants are H200 figures from the runs
+named in CALIBRATION (tests/test_pipeline.py checks them); option grids err high."""
 
 from __future__ import annotations
 

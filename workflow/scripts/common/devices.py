@@ -1,10 +1,7 @@
-"""Whole GPUs per stage job: a stage declaring `gpu=k` measures on k GPUs of its own.
-Under SLURM (or a user's CUDA_VISIBLE_DEVICES) those given are kept; on one node each
-stage takes the first k that no other stage of this results directory holds, by an
-exclusive flock on results/.tmp/gpus/<index>.lock held until its process exits (the
-kernel drops it even after a kill; the lock files stay open across exec, so a stage
-that restarts itself keeps its claim). Indices are NVML's PCI bus order, as CUDA's with
-CUDA_DEVICE_ORDER=PCI_BUS_ID (`visible_env`)."""
+"""Whole GPUs per stage job: under SLURM (or a user's CUDA_VISIBLE_DEVICES) those given
+are kept; on one node a stage takes the first free ones by an exclusive flock on
+results/.tmp/gpus/<index>.lock, which the kernel drops when the process dies and which
+survives exec (a restarted stage keeps its claim). Indices are NVML's PCI bus order."""
 
 from __future__ import annotations
 

@@ -41,9 +41,6 @@ class _Scalar(torch.nn.Module):
         return x.reshape(1)
 
 
-_STORED = ".parametrizations."
-
-
 def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
           reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Apply FSDP2 in place to a HawkLM: one unit per mixer, per residual block, then the
@@ -95,27 +92,6 @@ def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = N
         setattr(setup, name, getattr(setup, name)[rank * b:(rank + 1) * b].contiguous())
     setup.B = b
     return setup
-
-
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and `grad.<name>` as a full tensor in the single-device names and
-    shapes, on every rank (a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    def full(t, stored):
-        t = t.full_tensor() if isinstance(t, DTensor) else t
-        return (t.reshape(()) if stored else t).clone()
-
-    out = {}
-    for name, p in model.named_parameters():
-        stored = _STORED in name
-        if stored:
-            owner, rest = name.split(_STORED)
-            name = f"{owner}.{rest.removesuffix('.original')}"
-        out[name] = full(p.detach(), stored)
-        if p.grad is not None:
-            out[f"grad.{name}"] = full(p.grad, stored)
-    return out
 
 
 def gather(obj) -> list:

@@ -1,9 +1,6 @@
-"""The measurement harness of every stage: `measure(fn, reps)` warms up, counts one
-call (launcher bytes, profiler launches), times `reps` eager calls and, on a GPU for
-work under DEVICE_CLOCK_MAX_MS, `reps` device-clock samples (one CUDA-graph replay of
-`calls` calls, else back-to-back launches); the headline is the device clock where its
-median is under SHORT_MS. `Runner` runs a stage's configurations with resume, failures
-as records, a time budget, restart after a poisoned CUDA context and the clock lock."""
+"""The measurement harness of every stage: `measure` (eager clock, device clock for short
+work, logical counts of one call) and `Runner` (resume, failures as records, a time budget,
+restart after a poisoned CUDA context, the clock lock)."""
 
 from __future__ import annotations
 
@@ -61,6 +58,19 @@ def _open_window(dev) -> int | None:
     return torch.cuda.memory_allocated(dev)
 
 
+def _stamp(cuda: bool):
+    """A point in time: a recorded CUDA event on a GPU, else perf_counter."""
+    if not cuda:
+        return time.perf_counter()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _ms(start, end) -> float:
+    return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
+
+
 def percentile(samples: list[float], q: float) -> float:
     """Linear-interpolated percentile, q in [0, 100]."""
     if not samples:
@@ -78,9 +88,8 @@ def summarize(samples: list[float]) -> dict:
 
 def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=None, budget_s: float | None = None,
             min_reps: int = 3) -> dict:
-    """The eager clock: `warmup` untimed calls, then `reps` calls each between two CUDA
-    events (perf_counter on the CPU); with `budget_s` it stops once that long has passed
-    and `min_reps` samples exist (`stopped_early`)."""
+    """The eager clock: `reps` calls each between two CUDA events (perf_counter on the CPU),
+    stopped early once `budget_s` has passed and `min_reps` samples exist."""
     for name, v, lo in (("reps", reps, 1), ("warmup", warmup, 0), ("min_reps", min_reps, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"expected {name} to be an integer >= {lo}, got {v!r}")
@@ -88,31 +97,22 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         fn()
-    base, peak = _open_window(dev), None
-    marks, stopped, t_start = [], False, time.perf_counter()
+    base, marks, stopped, t_start = _open_window(dev), [], False, time.perf_counter()
     for i in range(reps):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            marks.append((s, e))
-            # Waiting for the sample two behind keeps the queue non-empty while wall time tracks it.
-            if budget_s is not None and i >= 2:
-                marks[i - 2][1].synchronize()
-        else:
-            t0 = time.perf_counter()
-            fn()
-            marks.append((time.perf_counter() - t0) * 1e3)
+        start = _stamp(cuda)
+        fn()
+        marks.append((start, _stamp(cuda)))
+        # Waiting for the sample two behind keeps the queue non-empty while wall time tracks it.
+        if cuda and budget_s is not None and i >= 2:
+            marks[i - 2][1].synchronize()
         if budget_s is not None and min_reps <= i + 1 < reps and time.perf_counter() - t_start > budget_s:
             stopped = True
             break
-    samples = marks
     if cuda:
         torch.cuda.synchronize(dev)
-        samples = [s.elapsed_time(e) for s, e in marks]
-        peak = torch.cuda.max_memory_allocated(dev)
-    return {"samples_ms": samples, **summarize(samples), "peak_bytes": peak, "base_bytes": base,
+    samples = [_ms(s, e) for s, e in marks]
+    return {"samples_ms": samples, **summarize(samples), "base_bytes": base,
+            "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
             "clock": "cuda_event" if cuda else "perf_counter", "reps_requested": reps, "warmup": warmup,
             "stopped_early": stopped}
 
@@ -128,9 +128,8 @@ def _heal_rng(dev) -> None:
 
 
 def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) -> dict:
-    """The device clock: `calls` calls captured in one CUDA graph, replayed `reps` times
-    (after two untimed replays), or where capture fails `calls` back-to-back launches
-    between two events; a sample is the window over `calls`."""
+    """The device clock: `reps` replays of a CUDA graph of `calls` calls (back-to-back
+    launches where capture fails), per call."""
     dev = device_of(device)
     g, why = None, None
     try:
@@ -174,9 +173,8 @@ def copy_timing(n_bytes: int, reps: int, device=None) -> tuple[dict, float]:
 
 def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], device=None,
                     before: Callable[[], object] | None = None, warmup: int = 0) -> dict:
-    """One run of dependent steps step(0) .. step(max(checkpoints) - 1): cumulative ms at
-    every checkpoint. `before` (prompt, cache set-up) is untimed; `warmup` > 0 first runs
-    `before` and that many untimed steps, so no one-time work is timed."""
+    """Cumulative ms at every checkpoint of one run of dependent steps; `before` (prompt,
+    cache set-up) is untimed, and `warmup` untimed steps first keep one-time work out."""
     cps = sorted({int(c) for c in checkpoints})
     if not cps or cps[0] < 1:
         raise ValueError(f"expected checkpoints to be positive step counts, got {list(checkpoints)}")
@@ -192,31 +190,23 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
         torch.cuda.synchronize(dev)
     if before is not None:
         before()
-    base, peak = _open_window(dev), None
-    if cuda:
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-    marks, t0 = [], time.perf_counter()
+    base = _open_window(dev)
+    start, marks = _stamp(cuda), []
     for i in range(cps[-1]):
         step(i)
         if i + 1 in cps:
-            if cuda:
-                marks.append(torch.cuda.Event(enable_timing=True))
-                marks[-1].record()
-            else:
-                marks.append((time.perf_counter() - t0) * 1e3)
+            marks.append(_stamp(cuda))
     if cuda:
         torch.cuda.synchronize(dev)
-        marks = [start.elapsed_time(e) for e in marks]
-        peak = torch.cuda.max_memory_allocated(dev)
+    marks = [_ms(start, m) for m in marks]
     return {"checkpoints": cps, "cumulative_ms": marks, "interval_ms": [c - p for c, p in zip(marks, [0.0, *marks])],
-            "peak_bytes": peak, "base_bytes": base, "clock": "cuda_event" if cuda else "perf_counter",
-            "warmup_steps": warmup}
+            "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None, "base_bytes": base,
+            "clock": "cuda_event" if cuda else "perf_counter", "warmup_steps": warmup}
 
 
 class Clocks:
-    """NVML view of one GPU's SM clock: `sample()` (clock, slowdown reasons), `lock()` (at the
-    default applications clock; says whether it worked), `reset()` (a lock this process took)."""
+    """NVML view of one GPU's SM clock: sample it, lock it at the default applications
+    clock, reset a lock this process took."""
 
     SLOWDOWN = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # SW power cap, HW slowdown, SW/HW thermal, power brake
 
@@ -292,8 +282,8 @@ def clocks(device=None) -> Clocks:
 
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
             count: bool = True) -> dict:
-    """{"timing": headline samples and stats with "eager", "device", "sm_clock";
-    "logical": logical_counts or None}; see the module docstring."""
+    """{"timing", "logical"}: the headline is the device clock where its median is under
+    SHORT_MS, else the eager clock, which host work inflates."""
     dev = device_of(device)
     for _ in range(max(warmup - 1, 0)):
         fn()
@@ -308,7 +298,6 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     if dev.type == "cuda" and eager["median_ms"] < DEVICE_CLOCK_MAX_MS:
         calls = max(1, min(200, math.ceil(DEVICE_WINDOW_MS / max(eager["min_ms"], 1e-3))))
         dtime = device_time(fn, eager["n"], calls, dev)
-    # The device time, not the eager time that host work inflates, decides what is short.
     head = dtime if dtime is not None and dtime["median_ms"] < SHORT_MS else eager
     t = {**{k: eager[k] for k in ("peak_bytes", "base_bytes", "reps_requested", "warmup", "stopped_early")},
          **{k: head[k] for k in ("samples_ms", "n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
@@ -329,8 +318,8 @@ def timing_fields(m: dict) -> dict:
 
 def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, budget_s: float | None = None,
                  reuse: dict | None = None, logical: dict | None = None) -> dict:
-    """`timing_fields(measure(...))`, the launches counted only when neither `logical` (counts
-    taken elsewhere) nor `reuse` (the other run order's record) has counts to lend."""
+    """`timing_fields(measure(...))`, counting only when neither `logical` nor `reuse` (the
+    other run order's record) has counts to lend."""
     logical = logical or reuse_logical(reuse)
     f = timing_fields(measure(call, reps, warmup, device, count=logical is None, budget_s=budget_s))
     f["logical"] = f["logical"] or logical
@@ -338,8 +327,7 @@ def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, bud
 
 
 def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
-    """`f` with the memory floor: floor_bytes moved at the probe's copy bandwidth, and the
-    headline median's fraction of it."""
+    """`f` with the memory floor: floor_bytes moved at the probe's copy bandwidth."""
     floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else None
     f.update(floor_bytes=floor_bytes, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
              fraction_of_floor=floor_ms / f["stats"]["median_ms"] if floor_ms else None)
@@ -353,8 +341,7 @@ def orders(names: Sequence) -> list[tuple[str, list]]:
 
 
 def count_kernels(events) -> dict:
-    """Kernels, copies and fills among profiler events that ran on the GPU, with each
-    kernel name's count and summed device time (us), the breakdown of the call."""
+    """Kernels, copies and fills among the GPU's profiler events; calls and us per kernel."""
     out = {"kernels": 0, "memcpy": 0, "memset": 0, "by_name": {}, "us_by_name": {}, "device_us": 0.0}
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -369,8 +356,7 @@ def count_kernels(events) -> dict:
 
 
 def logical_counts(fn: Callable[[], object], device=None) -> dict:
-    """One call of fn under the launchers' accounting and, on a GPU, torch.profiler (whose
-    kernel count is `launches`, else the launchers')."""
+    """One call of fn under the launchers' accounting and, on a GPU, torch.profiler."""
     dev, lc, prof = device_of(device), {}, None
     if dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -484,8 +470,7 @@ def ncu_path(ncu: str = "ncu") -> str | None:
 
 def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, ncu: str = "ncu",
                  env: dict | None = None) -> list[dict] | None:
-    """One counter summary per configuration of `argv` run under Nsight Compute (each call
-    between two mark_boundary() calls), or None when it fails."""
+    """One counter summary per configuration of `argv` run under Nsight Compute, or None."""
     cmd = [ncu_path(ncu) or ncu, "--csv", "--page", "raw", "--metrics", ",".join(NCU_METRICS.values()), *argv]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
@@ -618,9 +603,7 @@ def log_line(msg: str) -> None:
 
 
 class Runner:
-    """Runs a stage's configurations: skips those recorded (resume), records failures,
-    starts none once the budget is spent, restarts the process after a poisoning failure
-    and stamps every record with the clock lock it tried."""
+    """Runs a stage's configurations; see the module docstring."""
 
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
                  restart: Callable[[], None] | None = None, lock_clocks: bool = False):
@@ -654,8 +637,7 @@ class Runner:
         return self.run_group([config_id], lambda: {config_id: body() or {}}, {config_id: fields}).get(config_id)
 
     def run_group(self, config_ids: list[str], body: Callable[[], dict], fields: dict) -> dict:
-        """One measurement, several records (all or none): `body()` gives {config_id: fields}
-        beside each record's own `fields[config_id]`."""
+        """One measurement, several records (all or none): `body()` gives {config_id: fields}."""
         for c in config_ids:
             if c in self.planned:
                 raise ValueError(f"configuration {c!r} planned twice in stage {self.stage}")

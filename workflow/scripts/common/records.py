@@ -1,9 +1,6 @@
-"""The one result schema (version 1) of the measuring stages: one self-describing JSON
-object per configuration (REQUIRED keys; a stage adds what it measures), written
-atomically to `records.d/<config_id>.json` as soon as it finishes; `done_ids` names
-what a resumed stage skips (a torn file is not done) and `collect` concatenates the
-records into the rule's `records.jsonl`. `logical` figures come from the launchers'
-accounting; `counters` are hardware counters or null, never a theoretical figure."""
+"""The one result schema (version 1) of the measuring stages: one JSON object per
+configuration, written atomically to `records.d/<config_id>.json` as soon as it finishes
+(what a resumed stage skips) and concatenated into the rule's `records.jsonl`."""
 
 from __future__ import annotations
 
