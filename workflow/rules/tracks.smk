@@ -24,7 +24,7 @@ for _track in ("ops", "scan", "train", "infer"):
         params:
             profile=PROFILE,
             section=_track,
-            settings=section(_track),
+            settings=PROFILE_CONFIG[_track],
             records_dir=f"results/tracks/{_track}/records.d",
         script:
             "../scripts/track_{params.section}.py"
@@ -46,7 +46,7 @@ rule track_train_fsdp:
     params:
         profile=PROFILE,
         section="train",
-        settings=section("train"),
+        settings=PROFILE_CONFIG["train"],
         records_dir="results/tracks/train_fsdp/records.d",
     script:
         "../scripts/track_train_fsdp.py"

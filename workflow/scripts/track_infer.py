@@ -20,9 +20,8 @@ from kernels.models.generation import Engine
 
 def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], reps: int, device, params: int,
                       reuse: dict | None = None, warmup: int = 2) -> dict:
-    """Per checkpoint, the cumulative ms of `reps` trajectories (after `warmup` untimed
-    steps from a fresh prefill), tokens/s, peak memory and the logical counts of one step
-    (from `reuse`, the other order's record, when it has them)."""
+    """Per checkpoint, the cumulative ms of `reps` trajectories, tokens/s, peak memory and
+    the logical counts of one step (from `reuse`, the other order's record, if it has them)."""
 
     def prefill():
         if prompt_tokens is None:
@@ -66,10 +65,8 @@ def resolved_backends(engine, B: int, prompt: int) -> dict:
 
 
 def prefill_fields(model, pre: dict, settings: dict, env: dict, device) -> dict:
-    """Time to first token: the engine's prefill of a [B, P] prompt and its first decode
-    step, eager (one call as a user makes it), beside its floor: the larger of the model
-    FLOPs (2 x non-embedding parameters x prompt tokens) over the probe's BF16 matmul rate
-    and one read of the weights over its copy bandwidth."""
+    """Time to first token (prefill of a [B, P] prompt and one decode step, eager) beside
+    its floor (`floor.basis`)."""
     B, P = pre["batch"], pre["prompt"]
     engine = Engine(model, graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -111,10 +108,8 @@ def build_model(preset: str, mixer: str, settings: dict, device, backend="auto")
 
 
 def extend_grid(probe_at, thr: dict) -> dict:
-    """Probe the profile's batch sizes in rising order, then keep doubling B while
-    tokens/s still rises by more than `plateau_rise` (default 2 %) up to `max_batch`;
-    stop at the first failure (out of memory). {"records": the completed probes,
-    "plateau": why the grid ends, with the batch sizes that decide it}."""
+    """Probe the profile's batch sizes, then double B while tokens/s rises by more than
+    `plateau_rise` up to `max_batch`; stop at the first failure; say why it ended."""
     batches, rise, cap = sorted(thr["batches"]), thr.get("plateau_rise", 0.02), thr.get("max_batch", 8192)
     done, i, why = [], 0, None
     while i < len(batches):

@@ -30,10 +30,8 @@ LINEAR_COUNTS = ("launches", "accounted_launches", "bytes_read", "bytes_written"
 
 
 def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
-    """Logical counts of one step of a per-step PyTorch loop at length T from two short
-    lengths: its launches and bytes are a fixed part plus the same work every time step
-    (affine in T), so two counts fix them, where counting the full loop under the
-    profiler costs about 20 of its steps (seconds each)."""
+    """Counts of one step of a per-step PyTorch loop at length T, extrapolated from two short
+    lengths (they are affine in T): profiling the full loop costs about 20 of its steps."""
     (t1, t2), got = lengths, []
     for t in (t1, t2):
         s = setup_at(t)
@@ -56,9 +54,8 @@ def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
 
 def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate, peak_rate,
           reuse: dict | None = None, count_at=None) -> dict:
-    """Build, warm up, count (unless the other order's record `reuse` has the counts, or
-    `count_at` = (setup at a length, the full length) counts a per-step loop at two short
-    lengths of settings["loop_count_T"]), time."""
+    """Build, count (unless `reuse` has the counts; a per-step loop via `count_at` = (setup
+    at a length, the full length) at settings["loop_count_T"]) and time."""
     logical = None
     if count_at is not None and measure.reuse_logical(reuse) is None and settings.get("loop_count_T"):
         logical = loop_counts(count_at[0], settings["loop_count_T"], count_at[1], device)

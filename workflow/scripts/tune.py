@@ -23,11 +23,9 @@ _STEP_FIXED = {
 
 
 def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: str | None = None) -> list[dict]:
-    """Every combination of launcher options for backend `name` of `op`: the grid for
-    "op/name", else "name", else "*", keeping the keys the launcher accepts (named
-    parameters outside `fixed`, or any key when it takes **options). A list of grids is
-    their union, in order, without repeats (options that only make sense together, such
-    as a kernel family's own tile sizes)."""
+    """Every combination of the options the launcher accepts (outside `fixed`) in the grid
+    for "op/name", else "name", else "*"; a list of grids (options that only make sense
+    together) is their union without repeats."""
     grids = grids or {}
     found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
     params, var_kw = cases.signature(fn)

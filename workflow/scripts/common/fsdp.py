@@ -43,9 +43,8 @@ class _Scalar(torch.nn.Module):
 
 def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
           reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Apply FSDP2 in place to a HawkLM: one unit per mixer, per residual block, then the
-    root. Blocks gather in `param_dtype` (None: FP32); mixers always in FP32, as the
-    single-GPU autocast step hands them their parameters."""
+    """FSDP2 in place on a HawkLM, one unit per mixer, per residual block, then the root;
+    mixers gather in FP32, as the single-GPU autocast step hands them their parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.nn.utils import parametrize
 
@@ -79,9 +78,8 @@ def rebuild_optimizer(opt: torch.optim.Optimizer, params) -> torch.optim.Optimiz
 
 
 def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = None):
-    """Make `setup` (model, opt, a global batch inp/tgt/pos of world x B documents) this
-    rank's part of a data-parallel step: model sharded, optimizer rebuilt, rows
-    rank * B .. rank * B + B - 1 kept (FSDP's mean gradient is the global batch's)."""
+    """`setup` (a global batch of world x B documents) made this rank's part of a
+    data-parallel step: model sharded, optimizer rebuilt, this rank's B rows kept."""
     rows = setup.inp.shape[0]
     if rows % world:
         raise ValueError(f"expected a global batch divisible by the world size {world}, got {rows} documents")

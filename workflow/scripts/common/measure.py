@@ -8,7 +8,6 @@ import atexit
 import contextlib
 import csv
 import gc
-import io
 import math
 import os
 import shutil
@@ -44,9 +43,7 @@ _STICKY = ("illegal memory access", "illegal instruction", "misaligned address",
 
 
 def device_of(device=None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _open_window(dev) -> int | None:
@@ -285,11 +282,9 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     """{"timing", "logical"}: the headline is the device clock where its median is under
     SHORT_MS, else the eager clock, which host work inflates."""
     dev = device_of(device)
-    for _ in range(max(warmup - 1, 0)):
+    for _ in range(max(warmup - 1, 0) + (not count)):
         fn()
     logical = logical_counts(fn, dev) if count else None
-    if not count:
-        fn()
     clk = clocks(dev)
     before = clk.sample()
     eager = time_fn(fn, reps, 0, dev, budget_s=budget_s, min_reps=min(3, reps))
@@ -427,9 +422,8 @@ def mark_boundary() -> None:
 
 def parse_ncu_csv(text: str) -> list[dict]:
     """Per-kernel rows of `ncu --csv --page raw`: name and our metric columns."""
-    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
     out = []
-    for r in csv.DictReader(io.StringIO("\n".join(lines))) if lines else []:
+    for r in csv.DictReader(ln for ln in text.splitlines() if ln.startswith('"')):
         name = r.get("Kernel Name") or r.get("Function Name") or ""
         if not name or name.startswith("nvtx") or r.get("ID", "").strip() == "":
             continue
@@ -598,10 +592,6 @@ class Budget:
         return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
 
 
-def log_line(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 class Runner:
     """Runs a stage's configurations; see the module docstring."""
 
@@ -610,8 +600,7 @@ class Runner:
         self.stage, self.profile, self.dir, self.device = stage, profile, Path(records_dir), device_of(device)
         self.budget, self.restart = Budget(budget_s), restart
         self.done = records.done_ids(self.dir, profile)
-        self.planned: list[str] = []
-        self.skipped: list[str] = []
+        self.planned, self.skipped = [], []
         self.clocks = clocks(self.device)
         self.clock_lock = self.clocks.lock() if lock_clocks else {
             "locked": False, "reason": "not requested (profile key probe.lock_clocks)"}
@@ -623,14 +612,13 @@ class Runner:
                    restart=lambda: reexec(job), lock_clocks=job.lock_clocks)
 
     def say(self, msg: str) -> None:
-        log_line(f"{self.stage}: {msg}")
+        print(f"[{time.strftime('%H:%M:%S')}] {self.stage}: {msg}", flush=True)
 
     def get(self, config_id: str) -> dict | None:
         return records.read_record(records.record_path(self.dir, config_id)) if config_id in self.done else None
 
     def ok(self, config_id: str) -> dict | None:
-        rec = self.get(config_id)
-        return rec if rec is not None and rec["status"] == STATUS_OK else None
+        return rec if (rec := self.get(config_id)) is not None and rec["status"] == STATUS_OK else None
 
     def run(self, config_id: str, body: Callable[[], dict], **fields) -> dict | None:
         """Record `body()`'s fields (or its failure); the record, or None when skipped."""
@@ -638,9 +626,8 @@ class Runner:
 
     def run_group(self, config_ids: list[str], body: Callable[[], dict], fields: dict) -> dict:
         """One measurement, several records (all or none): `body()` gives {config_id: fields}."""
-        for c in config_ids:
-            if c in self.planned:
-                raise ValueError(f"configuration {c!r} planned twice in stage {self.stage}")
+        if twice := [c for c in config_ids if c in self.planned]:
+            raise ValueError(f"configuration {twice[0]!r} planned twice in stage {self.stage}")
         self.planned += config_ids
         pending = [c for c in config_ids if c not in self.done]
         if pending and self.budget.exhausted():

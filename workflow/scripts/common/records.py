@@ -124,9 +124,8 @@ def done_ids(directory: str | Path, profile: str | None = None) -> set[str]:
 
 
 def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = None, ids=None) -> list[dict]:
-    """Concatenate the records (of `profile`, restricted to `ids` when given) into
-    `out_jsonl`, one per line, sorted by config_id; written atomically. An invalid
-    file among the selected ones is an error: the stage should have redone it."""
+    """Concatenate the records (of `profile`, of `ids`) into `out_jsonl` by config_id;
+    an invalid one is an error, as the stage should have redone it."""
     wanted = None if ids is None else set(ids)
     recs, bad = [], []
     for path in _files(directory):

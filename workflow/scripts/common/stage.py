@@ -96,10 +96,8 @@ def _script_path(smk) -> str:
 
 
 def start_process(env: dict[str, str]) -> None:
-    """Make sure this process runs with `env` in its environment: where a variable
-    differs, replace the process (same pid, arguments and open log) by a fresh one
-    started with it. CUDA and Triton read these variables once, when they initialise,
-    so they are given at process start rather than written into a running process."""
+    """Where `env` differs from this process's environment, replace the process (same pid,
+    arguments and log) by one started with it: CUDA and Triton read it once, at start."""
     if all(os.environ.get(k) == v for k, v in env.items()):
         return
     sys.stdout.flush()
