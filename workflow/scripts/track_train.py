@@ -93,15 +93,12 @@ def main(job):
         """Time the step with backend `name` ("auto": the tuning table), reusing the AB counts in BA."""
         reuse = runner.ok(cid[:-2] + "AB") if cid.endswith("-BA") else None
 
-        def make():
-            return Setup(preset, mixer, T, B, settings, device,
+        def make_at(t):
+            return Setup(preset, mixer, t, B, settings, device,
                          backend=tuned if name == "auto" else kernels.Backend(name, **opts))
 
-        def make_at(t):
-            return Setup(preset, mixer, t, B, settings, device, backend=kernels.Backend(name, **opts))
-
         def body():
-            return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse,
+            return timed(lambda: make_at(T), reps, warmup, settings, device, matmul_rate, peak_rate, reuse,
                          (make_at, T) if name == "reference" else None)
 
         runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=cid[-2:], **fields)
@@ -142,9 +139,10 @@ def main(job):
                 parity.load_official()
             except ImportError as e:
                 raise measure.Skip(f"recurrentgemma not installed ({e})") from None
-            return timed(lambda: Setup(preset, "rglru", T, B, settings, device, official=True),
-                         off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate, peak_rate,
-                         count_at=(lambda t: Setup(preset, "rglru", t, B, settings, device, official=True), T))
+            def at(t):
+                return Setup(preset, "rglru", t, B, settings, device, official=True)
+            return timed(lambda: at(T), off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate,
+                         peak_rate, count_at=(at, T))
 
         runner.run(cid, peer_body, **base(preset, T, B, "rglru"), backend="peer:recurrentgemma", options={},
                    role="peer", exact=True)

@@ -129,16 +129,12 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool 
     on a GPU each is one replay of the captured steps, as in the inference engine."""
     if graph and device.type == "cuda":
         xin = x0.clone()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            step(xin)
-        torch.cuda.current_stream(device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+
+        def steps():
             x = xin
             for _ in range(n_steps):
                 x = step(x)
+        g = measure.cuda_graph(lambda: step(xin), steps, device)
         g.replay()
         return [measure.time_trajectory(lambda i: g.replay(), [1], device)["cumulative_ms"][-1]
                 for _ in range(count)]

@@ -5,6 +5,7 @@ named in CALIBRATION (tests/test_pipeline.py checks them); option grids err high
 
 from __future__ import annotations
 
+import itertools
 import math
 
 CALIBRATION = "H200, runs h200-20261201-run3, -run4-partial, h200-20261202-run6 and -run7-h800"
@@ -169,14 +170,8 @@ def train(s: dict) -> float:
 
 def _budgeted(configs: list[float], budget: float | None) -> float:
     """A stage with a time budget starts no configuration after the budget is spent."""
-    if budget is None:
-        return sum(configs)
-    spent = 0.0
-    for c in configs:
-        if spent >= budget:
-            break
-        spent += c
-    return spent
+    totals = itertools.accumulate(configs, initial=0.0)
+    return sum(configs) if budget is None else next((t for t in totals if t >= budget), sum(configs))
 
 
 def infer_step_ms(B: int, preset: str = "1.3b") -> float:

@@ -114,31 +114,30 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
             "stopped_early": stopped}
 
 
-def _heal_rng(dev) -> None:
-    """One trivial completed capture: a failed one leaves the CUDA generator capturing (every
-    later random draw raises "Offset increment outside graph capture")."""
-    x = torch.zeros(1, device=dev)
+def cuda_graph(warm: Callable[[], object], body: Callable[[], object], dev) -> torch.cuda.CUDAGraph:
+    """`body` captured in a CUDA graph, after `warm` ran on a side stream as capture requires."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        warm()
+    torch.cuda.current_stream(dev).wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        x.add_(1)
-    torch.cuda.synchronize(dev)
+        body()
+    return g
 
 
 def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) -> dict:
     """The device clock: `reps` replays of a CUDA graph of `calls` calls (back-to-back
     launches where capture fails), per call."""
-    dev = device_of(device)
-    g, why = None, None
-    try:
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
+    dev, g, why = device_of(device), None, None
+
+    def calls_of_fn():
+        for _ in range(calls):
             fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
+
+    try:
+        g = cuda_graph(fn, calls_of_fn, dev)
         g.replay()
         g.replay()
         torch.cuda.synchronize(dev)
@@ -146,16 +145,15 @@ def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) ->
         g, why = None, f"{type(exc).__name__}: {exc}"[:500]
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(dev)
-        _heal_rng(dev)
+        # A failed capture leaves the CUDA generator capturing (every later random draw
+        # raises "Offset increment outside graph capture"): one completed capture heals it.
+        x = torch.zeros(1, device=dev)
+        cuda_graph(lambda: None, lambda: x.add_(1), dev)
+        torch.cuda.synchronize(dev)
 
-    def window():
-        if g is not None:
-            return g.replay()
-        for _ in range(calls):
-            fn()
-
+    window = calls_of_fn if g is None else g.replay
     samples = [s / calls for s in time_fn(window, reps, 0 if g is not None else 1, dev)["samples_ms"]]
-    del g
+    del g, window
     return {"samples_ms": samples, **summarize(samples), "method": "back_to_back" if why else "cuda_graph",
             "calls_per_sample": calls, "graph_error": why}
 
