@@ -3,7 +3,6 @@ report.md, generated from the track records (never edited; no record modified)."
 
 import io
 import json
-import re
 from pathlib import Path
 
 import pandas as pd

@@ -5,7 +5,6 @@ import csv
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 
@@ -83,9 +82,7 @@ def cpu_facts() -> dict:
 
 
 def _tool_version(cmd: list[str]) -> str | None:
-    if shutil.which(cmd[0]) is None:
-        return None
-    try:
+    try:  # a tool not installed raises FileNotFoundError, an OSError
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None

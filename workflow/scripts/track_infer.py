@@ -81,10 +81,9 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, device) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rate, bw = measure.matmul_rate(env), measure.copy_bandwidth(env)
     floors = {"flops_ms": flops / rate * 1e3 if rate else None, "bytes_ms": weight_bytes / bw * 1e3 if bw else None}
-    known = [v for v in floors.values() if v is not None]
-    return {**fields, "prompt_tokens": B * P, "ttft_ms": fields["stats"]["median_ms"], "floor_ms": max(known) if known else None,
-            "floor": {"model_flops": flops, "weight_bytes": weight_bytes, **floors,
-                      "ms": max(known) if known else None,
+    floor_ms = max((v for v in floors.values() if v is not None), default=None)
+    return {**fields, "prompt_tokens": B * P, "ttft_ms": fields["stats"]["median_ms"], "floor_ms": floor_ms,
+            "floor": {"model_flops": flops, "weight_bytes": weight_bytes, **floors, "ms": floor_ms,
                       "basis": "max(2 x non-embedding parameters x B x P / probe BF16 rate, weights / probe copy bandwidth)"}}
 
 
@@ -101,10 +100,8 @@ def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
 def build_model(preset: str, mixer: str, settings: dict, device, backend="auto"):
     torch.manual_seed(0)
     cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
-    model = HawkLM(cfg, backend=backend, device=device, dtype=getattr(torch, settings["dtype"])).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
+    model = HawkLM(cfg, backend=backend, device=device, dtype=getattr(torch, settings["dtype"]))
+    return model.eval().requires_grad_(False)
 
 
 def extend_grid(probe_at, thr: dict) -> dict:
