@@ -29,6 +29,7 @@ WORLD, B, T = 2, 1, 7
 MIXERS = ("samu", "rglru")
 SETTINGS = {"vocab": 256, "lr": 1e-2, "grad_clip": 0.05, "autocast": None}
 BF16 = {**SETTINGS, "autocast": "bfloat16"}
+STORED = ".parametrizations."   # where parametrize keeps a scalar stored with shape [1]
 
 
 def free_port() -> int:
@@ -37,12 +38,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and `grad.<name>` as a full tensor in the single-device names and
+    shapes, on every rank (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    def full(t, stored):
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        return (t.reshape(()) if stored else t).clone()
+
+    out = {}
+    for name, p in model.named_parameters():
+        stored = STORED in name
+        if stored:
+            owner, rest = name.split(STORED)
+            name = f"{owner}.{rest.removesuffix('.original')}"
+        out[name] = full(p.detach(), stored)
+        if p.grad is not None:
+            out[f"grad.{name}"] = full(p.grad, stored)
+    return out
+
+
 def reference_step(setup_fn) -> dict:
     """Loss, parameters before the step, clipped gradients (at the optimizer step)
     and parameters after the step of `setup_fn()`, all as full tensors."""
     s = setup_fn()
     seen = {}
-    s.opt.register_step_pre_hook(lambda *_: seen.update(fsdp.full_state(s.model)))
+    s.opt.register_step_pre_hook(lambda *_: seen.update(full_state(s.model)))
     clip = torch.nn.utils.clip_grad_norm_
 
     def recording_clip(*args, **kwargs):
@@ -55,7 +77,7 @@ def reference_step(setup_fn) -> dict:
         loss = s.step()
     finally:
         torch.nn.utils.clip_grad_norm_ = clip
-    after = {k: v for k, v in fsdp.full_state(s.model).items() if not k.startswith("grad.")}
+    after = {k: v for k, v in full_state(s.model).items() if not k.startswith("grad.")}
     return {"loss": loss.detach(), "norm": seen.pop("norm"),
             "grads": {k: v for k, v in seen.items() if k.startswith("grad.")},
             "before": {k: v for k, v in seen.items() if not k.startswith("grad.")}, "params": after, "opt": s.opt}

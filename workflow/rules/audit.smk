@@ -12,6 +12,6 @@ rule audit:
         **stage_resources("audit"),
     params:
         profile=PROFILE,
-        settings=section("audit"),
+        settings=PROFILE_CONFIG["audit"],
     script:
         "../scripts/audit.py"

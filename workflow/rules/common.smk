@@ -33,6 +33,7 @@ try:
     PROFILE, PROFILE_CONFIG = resolve_profile(config, gpus=_GPUS)
 except ValueError as e:
     raise WorkflowError(str(e)) from None
+# A stage's settings go in its rule's params: a change reruns the stage.
 print(choice(config["profile"], PROFILE, _GPUS), file=sys.stderr)
 print(cost.summary(PROFILE, PROFILE_CONFIG), file=sys.stderr)
 # A CUDA profile on a machine without a GPU stops here, not after the probe; a dry
@@ -83,14 +84,10 @@ if config["container"]["runtime"] == "apptainer":
         )
 
 
-def container_uri(container):
-    image = container["image"]
-    if "://" in image or image.endswith(".sif"):
-        return image
-    return f"docker://{image}"
-
-
-CONTAINER = container_uri(config["container"])
+_IMAGE = config["container"]["image"]
+CONTAINER = (
+    _IMAGE if "://" in _IMAGE or _IMAGE.endswith(".sif") else f"docker://{_IMAGE}"
+)
 COMMIT = facts.commit()
 # Named by what it holds (commit, tree state, profile), never by the date, so that
 # a resumed run finishes the same artifact.
@@ -148,8 +145,3 @@ def stage_resources(stage):
 def reported(path, caption, category, **kwargs):
     """An output shown in the Snakemake report, captioned by workflow/report/<caption>.rst."""
     return report(path, caption=f"../report/{caption}.rst", category=category, **kwargs)
-
-
-def section(name):
-    """A stage's settings in the active profile (params: a change reruns the stage on)."""
-    return PROFILE_CONFIG[name]

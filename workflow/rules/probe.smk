@@ -9,6 +9,6 @@ rule probe:
         **stage_resources("probe"),
     params:
         profile=PROFILE,
-        settings=section("probe"),
+        settings=PROFILE_CONFIG["probe"],
     script:
         "../scripts/probe.py"

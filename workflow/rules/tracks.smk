@@ -1,16 +1,20 @@
-# The scan, training and inference tracks read the probe, the audit and the tuning table.
+# Every track reads the probe; all but the ops track also the audit and the tuning table.
 # `script:` is read after the loop has ended, so its path is formatted from params.
-for _track in ("scan", "train", "infer"):
+_GATED = {"gates": rules.audit.output.gates, "table": rules.tune.output.table}
+for _track in ("ops", "scan", "train", "infer"):
 
     rule:
         name:
             f"track_{_track}"
         input:
+            **({} if _track == "ops" else _GATED),
             environment=rules.probe.output.environment,
-            gates=rules.audit.output.gates,
-            table=rules.tune.output.table,
         output:
-            records=f"results/tracks/{_track}/records.jsonl",
+            records=(
+                reported("results/tracks/ops/records.jsonl", "ops", "Tracks")
+                if _track == "ops"
+                else f"results/tracks/{_track}/records.jsonl"
+            ),
         log:
             log_path(f"track_{_track}"),
         benchmark:
@@ -20,7 +24,7 @@ for _track in ("scan", "train", "infer"):
         params:
             profile=PROFILE,
             section=_track,
-            settings=section(_track),
+            settings=PROFILE_CONFIG[_track],
             records_dir=f"results/tracks/{_track}/records.d",
         script:
             "../scripts/track_{params.section}.py"
@@ -42,27 +46,7 @@ rule track_train_fsdp:
     params:
         profile=PROFILE,
         section="train",
-        settings=section("train"),
+        settings=PROFILE_CONFIG["train"],
         records_dir="results/tracks/train_fsdp/records.d",
     script:
         "../scripts/track_train_fsdp.py"
-
-
-rule track_ops:
-    input:
-        environment=rules.probe.output.environment,
-    output:
-        records=reported("results/tracks/ops/records.jsonl", "ops", "Tracks"),
-    log:
-        log_path("track_ops"),
-    benchmark:
-        benchmark_path("track_ops")
-    resources:
-        **stage_resources("track"),
-    params:
-        profile=PROFILE,
-        section="ops",
-        settings=section("ops"),
-        records_dir="results/tracks/ops/records.d",
-    script:
-        "../scripts/track_ops.py"

@@ -14,7 +14,7 @@ rule tune:
     params:
         profile=PROFILE,
         section="tune",
-        settings=section("tune"),
+        settings=PROFILE_CONFIG["tune"],
         records_dir="results/tune/records.d",
     script:
         "../scripts/tune.py"

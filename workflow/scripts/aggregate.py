@@ -1,13 +1,8 @@
 """Aggregation -> results/report/: records.csv, comparison.csv, tables.md, plots and
-report.md, generated from the track records (never edited; no record modified): per
-configuration P10 / median / P95 of the headline clock beside the eager median, the
-AB / BA gap, logical bytes and launches, peak memory and the memory floor (logical
-bytes over the probe's copy bandwidth); SAMU / RG-LRU ratios per run order; the
-study's headline views; the probe and the audit."""
+report.md, generated from the track records (never edited; no record modified)."""
 
 import io
 import json
-import re
 from pathlib import Path
 
 import pandas as pd
@@ -89,9 +84,8 @@ def order_key(df):
 
 
 def add_floor(df, bandwidth: float | None):
-    """`floor_ms`: a stage's own where recorded, else logical bytes moved at the probe's copy
-    bandwidth; `x_floor`: the median's multiple of it; `ab_ba_pct`: the gap between the
-    run orders of the same configuration."""
+    """`floor_ms` (a stage's own, else logical bytes at the probe's copy bandwidth), the
+    median's multiple of it and `ab_ba_pct`, the gap between the run orders."""
     if df.empty:
         return df
     moved = df["logical.bytes_read"].astype("float64") + df["logical.bytes_written"].astype("float64")
@@ -109,9 +103,8 @@ ORDER_TOL_PCT, ORDER_MIN_MS = 5.0, 0.05
 
 
 def order_section(df) -> str:
-    """Whether the run orders agree: every configuration timed in both orders with a median
-    over ORDER_MIN_MS, and for each gap over ORDER_TOL_PCT the reasons the records give
-    (sample ranges that overlap, few samples, a throttled SM clock, a host clock)."""
+    """Whether the run orders agree (medians over ORDER_MIN_MS), and for each gap over
+    ORDER_TOL_PCT the reasons the records give."""
     if df.empty or "ab_ba_pct" not in df:
         return ""
     paired = df[df["ab_ba_pct"].notna()].assign(key=order_key(df))
@@ -313,9 +306,7 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
 
 
 def ops_view(ok) -> str:
-    """The ops track: ours and every peer side by side per op, shape and mode (device
-    time P10 / median / P95 and the eager median, each `AB / BA`; the floor; each
-    variant's median over ours)."""
+    """The ops track: ours and every peer side by side per op, shape and mode."""
     g = ok[ok["stage"] == "ops"] if "stage" in ok else ok
     if g.empty:
         return ""
@@ -381,9 +372,8 @@ def probe_section(env: dict) -> str:
 
 
 def timed_implementations(recs: list[dict], table: dict) -> dict[str, set[int | None]]:
-    """"op/backend" of every implementation the run timed (peers aside), with the
-    batch sizes where the tuning table sends decode steps: the records' own
-    backends, and for the `auto` backend the table's op and decode entries."""
+    """"op/backend" of every implementation the run timed (peers aside; for `auto` the
+    table's entries), with the batch sizes where the tuning table sends decode steps."""
     out: dict[str, set] = {}
     for r in recs:
         op = r.get("op") or r["mixer"] or ("scan" if r["stage"] == "scan" else None)
@@ -397,9 +387,8 @@ def timed_implementations(recs: list[dict], table: dict) -> dict[str, set[int | 
 
 
 def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
-    """The audit's outcome and, truthfully, which timed implementations a gate
-    covered: a backend is gated when its `backends/<op>/<backend>` checks passed and
-    count (checks recorded as inexact by design are reported, not gated)."""
+    """The audit's outcome and which timed implementations a `backends/<op>/<backend>`
+    gate covered (checks inexact by design are reported, not gated)."""
     checks = gates["checks"]
     per_backend = [c for c in checks if c["check"].startswith("backends/") and c.get("op") and c.get("backend")]
     gated = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") not in ("inexact-by-design", "yardstick")}

@@ -1,9 +1,6 @@
-"""Archive -> results/artifact-<commit>[-dirty]-<profile>.tar.gz: MANIFEST.json (sha256
-and size of every file, resolved config, commit, probe, container, command line), this
-run's results (the folders the rules write, never committed runs), config.yaml and,
-for a dirty tree, the uncommitted diff. Sorted entries, normalised owners, modes and
-mtimes (SOURCE_DATE_EPOCH, else the commit time) and a nameless gzip header make the
-same results give the same bytes; the stage verifies what it wrote."""
+"""Archive -> results/artifact-<commit>[-dirty]-<profile>.tar.gz: MANIFEST.json, this run's
+results, config.yaml and any uncommitted diff. Sorted entries, normalised metadata and a
+nameless gzip header make the same results give the same bytes; the stage verifies it."""
 
 import gzip
 import io

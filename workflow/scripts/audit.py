@@ -1,7 +1,5 @@
-"""Correctness audit -> results/audit/gates.json and audit.md: the gates of SPEC 5
-(kernels.parity) at the profile's shapes and dtypes, each check with its error and
-tolerance. Any failure prints the table and exits non-zero without outputs, so no
-timing stage runs."""
+"""Correctness audit -> results/audit/gates.json and audit.md: the gates of kernels.parity
+at the profile's shapes and dtypes. Any failure exits non-zero, so no timing stage runs."""
 
 import sys
 

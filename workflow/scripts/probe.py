@@ -1,13 +1,10 @@
-"""Environment probe -> results/probe/environment.json: the GPUs as NVML sees them,
-software and CPU, two measured ceilings (device copy bandwidth, bytes read + written
-per second; the BF16 matrix-product rate) and whether Nsight Compute can read hardware
-counters. Without a GPU it says so and measures the CPU."""
+"""Environment probe -> results/probe/environment.json: GPUs, software and CPU, the device
+copy bandwidth and BF16 matmul rate, and whether Nsight Compute can read counters."""
 
 import csv
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 
@@ -85,9 +82,7 @@ def cpu_facts() -> dict:
 
 
 def _tool_version(cmd: list[str]) -> str | None:
-    if shutil.which(cmd[0]) is None:
-        return None
-    try:
+    try:  # a tool not installed raises FileNotFoundError, an OSError
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None

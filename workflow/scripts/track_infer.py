@@ -1,10 +1,7 @@
-"""Inference track (Griffin section 5) -> results/tracks/infer/records.jsonl: the
-profile's preset with BF16 random weights and FP32 caches, greedy decoding through the
-generation engine (kernels.models.generation.Engine; CUDA graphs on a GPU); prompt
-processing is untimed there. Prefill: the time to first token of a long prompt beside its floor. Latency: batch B, an empty and a long prompt, one trajectory
-read at every length, both orders. Throughput: probes over the profile's batch sizes,
-extended while tokens/s rises (`extend_grid`, which records where and why it ended),
-then each mixer's best batch sizes on fresh trajectories in both orders."""
+"""Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the
+generation engine (CUDA graphs on a GPU) of the profile's preset: prefill (time to first
+token), latency (one trajectory read at every length) and throughput (probes over batch
+sizes, extended while tokens/s rises, then the best on fresh trajectories), both orders."""
 
 import json
 import math
@@ -23,9 +20,8 @@ from kernels.models.generation import Engine
 
 def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], reps: int, device, params: int,
                       reuse: dict | None = None, warmup: int = 2) -> dict:
-    """Per checkpoint, the cumulative ms of `reps` trajectories (after `warmup` untimed
-    steps from a fresh prefill), tokens/s, peak memory and the logical counts of one step
-    (from `reuse`, the other order's record, when it has them)."""
+    """Per checkpoint, the cumulative ms of `reps` trajectories, tokens/s, peak memory and
+    the logical counts of one step (from `reuse`, the other order's record, if it has them)."""
 
     def prefill():
         if prompt_tokens is None:
@@ -69,10 +65,8 @@ def resolved_backends(engine, B: int, prompt: int) -> dict:
 
 
 def prefill_fields(model, pre: dict, settings: dict, env: dict, device) -> dict:
-    """Time to first token: the engine's prefill of a [B, P] prompt and its first decode
-    step, eager (one call as a user makes it), beside its floor: the larger of the model
-    FLOPs (2 x non-embedding parameters x prompt tokens) over the probe's BF16 matmul rate
-    and one read of the weights over its copy bandwidth."""
+    """Time to first token (prefill of a [B, P] prompt and one decode step, eager) beside
+    its floor (`floor.basis`)."""
     B, P = pre["batch"], pre["prompt"]
     engine = Engine(model, graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -87,10 +81,9 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, device) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rate, bw = measure.matmul_rate(env), measure.copy_bandwidth(env)
     floors = {"flops_ms": flops / rate * 1e3 if rate else None, "bytes_ms": weight_bytes / bw * 1e3 if bw else None}
-    known = [v for v in floors.values() if v is not None]
-    return {**fields, "prompt_tokens": B * P, "ttft_ms": fields["stats"]["median_ms"], "floor_ms": max(known) if known else None,
-            "floor": {"model_flops": flops, "weight_bytes": weight_bytes, **floors,
-                      "ms": max(known) if known else None,
+    floor_ms = max((v for v in floors.values() if v is not None), default=None)
+    return {**fields, "prompt_tokens": B * P, "ttft_ms": fields["stats"]["median_ms"], "floor_ms": floor_ms,
+            "floor": {"model_flops": flops, "weight_bytes": weight_bytes, **floors, "ms": floor_ms,
                       "basis": "max(2 x non-embedding parameters x B x P / probe BF16 rate, weights / probe copy bandwidth)"}}
 
 
@@ -107,17 +100,13 @@ def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
 def build_model(preset: str, mixer: str, settings: dict, device, backend="auto"):
     torch.manual_seed(0)
     cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
-    model = HawkLM(cfg, backend=backend, device=device, dtype=getattr(torch, settings["dtype"])).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
+    model = HawkLM(cfg, backend=backend, device=device, dtype=getattr(torch, settings["dtype"]))
+    return model.eval().requires_grad_(False)
 
 
 def extend_grid(probe_at, thr: dict) -> dict:
-    """Probe the profile's batch sizes in rising order, then keep doubling B while
-    tokens/s still rises by more than `plateau_rise` (default 2 %) up to `max_batch`;
-    stop at the first failure (out of memory). {"records": the completed probes,
-    "plateau": why the grid ends, with the batch sizes that decide it}."""
+    """Probe the profile's batch sizes, then double B while tokens/s rises by more than
+    `plateau_rise` up to `max_batch`; stop at the first failure; say why it ended."""
     batches, rise, cap = sorted(thr["batches"]), thr.get("plateau_rise", 0.02), thr.get("max_batch", 8192)
     done, i, why = [], 0, None
     while i < len(batches):

@@ -1,11 +1,7 @@
-"""Ops track (SPEC 5, track 0) -> results/tracks/ops/records.jsonl: the ops as users call
-them (`backend="auto"`) beside their peers, at the presets' training shapes with resets,
-fwd and fwd_bwd, both orders: `scan` (against accelerated-scan and fla's HGRN), `rglru`,
-`rglru_layer` and `rglru_step` (against the official recurrentgemma layer), `samu`,
-`samu_step`. Every variant is first gated against float64 (a peer in FP32 within
-PEER_GATE_TOL, its track-dtype error recorded beside); a failed gate is a failed record.
-`track_ops.py --standalone --profile h200 --out DIR` runs it outside Snakemake, measuring
-the copy bandwidth itself."""
+"""Ops track -> results/tracks/ops/records.jsonl: the ops as users call them
+(`backend="auto"`) beside their peers, both orders, each variant first gated against
+float64 (a peer in FP32 within PEER_GATE_TOL); a failed gate is a failed record.
+`track_ops.py --standalone --profile h200 --out DIR` runs it outside Snakemake."""
 
 import argparse
 import copy

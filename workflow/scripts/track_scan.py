@@ -1,8 +1,6 @@
-"""Scan track (SPEC 5, track 1) -> results/tracks/scan/records.jsonl: Griffin's Fig. 8a
-shape (B = 8, D = 1024 real states, SAMU 512 complex modes, T = 2048 .. 16384), forward
-only, every backend of every op (chunked ones per chunk size; inexact-by-design ones
-exact=False) in both orders, with the memory floor over the probe's copy bandwidth and
-hardware counters from one Nsight Compute pass where readable."""
+"""Scan track -> results/tracks/scan/records.jsonl: Griffin's Fig. 8a shape, forward only,
+every backend of every op in both orders, with the memory floor and hardware counters
+from one Nsight Compute pass where readable."""
 
 import json
 import os

@@ -1,10 +1,7 @@
-"""Training-step track -> results/tracks/train/records.jsonl: identical Hawk models but
-the mixer, random tokens, 8192 tokens a step of kernels.models.train_step (fused loss,
-backward, clipping, fused AdamW; BF16 autocast over FP32 weights). First the diagnostics
-(every gated backend, chunked ones per chunk size), then the architecture comparison
-(each mixer's fastest exact diagnostics backend, else the tuning table's; fresh runs,
-both orders), last the slow PyTorch reference and the official recurrentgemma peer, so a
-spent budget cuts those. MFU: 6 x parameters x tokens over the probe's BF16 matmul rate."""
+"""Training-step track -> results/tracks/train/records.jsonl: Hawk models that differ only
+in the mixer, one kernels.models.train_step of 8192 tokens. Diagnostics (every gated
+backend) first, then the comparison (each mixer's fastest exact backend, fresh runs),
+last the slow PyTorch reference and the official peer, so a spent budget cuts those."""
 
 import json
 from pathlib import Path
@@ -33,10 +30,8 @@ LINEAR_COUNTS = ("launches", "accounted_launches", "bytes_read", "bytes_written"
 
 
 def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
-    """Logical counts of one step of a per-step PyTorch loop at length T from two short
-    lengths: its launches and bytes are a fixed part plus the same work every time step
-    (affine in T), so two counts fix them, where counting the full loop under the
-    profiler costs about 20 of its steps (seconds each)."""
+    """Counts of one step of a per-step PyTorch loop at length T, extrapolated from two short
+    lengths (they are affine in T): profiling the full loop costs about 20 of its steps."""
     (t1, t2), got = lengths, []
     for t in (t1, t2):
         s = setup_at(t)
@@ -59,9 +54,8 @@ def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
 
 def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate, peak_rate,
           reuse: dict | None = None, count_at=None) -> dict:
-    """Build, warm up, count (unless the other order's record `reuse` has the counts, or
-    `count_at` = (setup at a length, the full length) counts a per-step loop at two short
-    lengths of settings["loop_count_T"]), time."""
+    """Build, count (unless `reuse` has the counts; a per-step loop via `count_at` = (setup
+    at a length, the full length) at settings["loop_count_T"]) and time."""
     logical = None
     if count_at is not None and measure.reuse_logical(reuse) is None and settings.get("loop_count_T"):
         logical = loop_counts(count_at[0], settings["loop_count_T"], count_at[1], device)
@@ -99,15 +93,12 @@ def main(job):
         """Time the step with backend `name` ("auto": the tuning table), reusing the AB counts in BA."""
         reuse = runner.ok(cid[:-2] + "AB") if cid.endswith("-BA") else None
 
-        def make():
-            return Setup(preset, mixer, T, B, settings, device,
+        def make_at(t):
+            return Setup(preset, mixer, t, B, settings, device,
                          backend=tuned if name == "auto" else kernels.Backend(name, **opts))
 
-        def make_at(t):
-            return Setup(preset, mixer, t, B, settings, device, backend=kernels.Backend(name, **opts))
-
         def body():
-            return timed(make, reps, warmup, settings, device, matmul_rate, peak_rate, reuse,
+            return timed(lambda: make_at(T), reps, warmup, settings, device, matmul_rate, peak_rate, reuse,
                          (make_at, T) if name == "reference" else None)
 
         runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=cid[-2:], **fields)
@@ -148,9 +139,10 @@ def main(job):
                 parity.load_official()
             except ImportError as e:
                 raise measure.Skip(f"recurrentgemma not installed ({e})") from None
-            return timed(lambda: Setup(preset, "rglru", T, B, settings, device, official=True),
-                         off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate, peak_rate,
-                         count_at=(lambda t: Setup(preset, "rglru", t, B, settings, device, official=True), T))
+            def at(t):
+                return Setup(preset, "rglru", t, B, settings, device, official=True)
+            return timed(lambda: at(T), off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate,
+                         peak_rate, count_at=(at, T))
 
         runner.run(cid, peer_body, **base(preset, T, B, "rglru"), backend="peer:recurrentgemma", options={},
                    role="peer", exact=True)

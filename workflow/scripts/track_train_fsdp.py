@@ -1,11 +1,7 @@
 """Multi-GPU training track -> results/tracks/train_fsdp/records.jsonl: track_train's step
-data parallel over `train.world_size` GPUs of one node with FSDP2 (common/fsdp.py), B
-documents of T tokens per rank (weak scaling), each mixer on the backend track_train's
-comparison chose at that shape (else `auto`), both orders. A step takes its slowest
-rank's time; records add tokens/s in total and per GPU, MFU per GPU, every rank's peak
-memory and the scaling efficiency against single-GPU tokens/s. The stage runs torchrun
-on this script (`--worker`); rank 0 decides what runs and writes the records; a
-configuration during which a rank died is recorded failed and torchrun restarts."""
+data parallel with FSDP2 over `train.world_size` GPUs (weak scaling), each mixer on the
+backend track_train chose. The stage runs torchrun on this script (`--worker`); rank 0
+writes the records; a configuration during which a rank died is recorded failed."""
 
 import json
 import subprocess

@@ -1,10 +1,6 @@
-"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads; schema in
-kernels/ops/tuning.py) and records.jsonl. Per op and shape every exact candidate (backend
-x the option grid the launcher accepts) is checked against the reference and timed on
-probe runs; the fastest is re-measured on fresh runs, whose figures the entry carries.
-Decode steps likewise per batch size, timed as trajectories of `steps` fed-back steps
-(one CUDA-graph replay each on a GPU), SAMU's reading the mode table as the generation
-engine passes it."""
+"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads) and records.jsonl:
+per op and shape every exact candidate (backend x option grid) is checked and probed, the
+fastest re-measured on fresh runs; decode steps likewise per batch size, as trajectories."""
 
 import fnmatch
 import itertools
@@ -27,11 +23,9 @@ _STEP_FIXED = {
 
 
 def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: str | None = None) -> list[dict]:
-    """Every combination of launcher options for backend `name` of `op`: the grid for
-    "op/name", else "name", else "*", keeping the keys the launcher accepts (named
-    parameters outside `fixed`, or any key when it takes **options). A list of grids is
-    their union, in order, without repeats (options that only make sense together, such
-    as a kernel family's own tile sizes)."""
+    """Every combination of the options the launcher accepts (outside `fixed`) in the grid
+    for "op/name", else "name", else "*"; a list of grids (options that only make sense
+    together) is their union without repeats."""
     grids = grids or {}
     found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
     params, var_kw = cases.signature(fn)
@@ -135,16 +129,12 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool 
     on a GPU each is one replay of the captured steps, as in the inference engine."""
     if graph and device.type == "cuda":
         xin = x0.clone()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            step(xin)
-        torch.cuda.current_stream(device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+
+        def steps():
             x = xin
             for _ in range(n_steps):
                 x = step(x)
+        g = measure.cuda_graph(lambda: step(xin), steps, device)
         g.replay()
         return [measure.time_trajectory(lambda i: g.replay(), [1], device)["cumulative_ms"][-1]
                 for _ in range(count)]

@@ -1,9 +1,5 @@
 """Verify a study artifact (.tar.gz or extracted folder) against its MANIFEST.json:
-every listed file present with its size and sha256, nothing else present.
-
-    python workflow/scripts/verify_archive.py results/artifact-<commit>-<profile>.tar.gz
-
-Exit status 0 when it verifies, 1 with one line per problem otherwise."""
+`python workflow/scripts/verify_archive.py ARTIFACT` exits 1 with one line per problem."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
-"""Predicted GPU time per stage of a profile, printed when the Snakefile is parsed.
-A stage costs a fixed part plus, per configuration, a set-up part and its timed calls
-(warm-up + repetitions, one counting call) at a per-call time predicted from the
-shapes; work under 50 ms per call is timed on two clocks, so its calls count twice.
-The constants are H200 figures from the committed runs named in CALIBRATION (stage
-benchmarks, record timestamps and medians; tests/test_pipeline.py checks the model
-against the h200 and h800 runs' own configurations); configurations are counted from the profile alone,
-so option grids err high."""
+"""Predicted GPU time per stage of a profile, printed when the Snakefile is parsed: a
+fixed part plus, per configuration, set-up and timed calls (work under 50 ms per call
+is timed on two clocks, so counts twice). The constants are H200 figures from the runs
+named in CALIBRATION (tests/test_pipeline.py checks them); option grids err high."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 CALIBRATION = "H200, runs h200-20261201-run3, -run4-partial, h200-20261202-run6 and -run7-h800"
@@ -173,14 +170,8 @@ def train(s: dict) -> float:
 
 def _budgeted(configs: list[float], budget: float | None) -> float:
     """A stage with a time budget starts no configuration after the budget is spent."""
-    if budget is None:
-        return sum(configs)
-    spent = 0.0
-    for c in configs:
-        if spent >= budget:
-            break
-        spent += c
-    return spent
+    totals = itertools.accumulate(configs, initial=0.0)
+    return sum(configs) if budget is None else next((t for t in totals if t >= budget), sum(configs))
 
 
 def infer_step_ms(B: int, preset: str = "1.3b") -> float:

@@ -1,10 +1,7 @@
-"""Whole GPUs per stage job: a stage declaring `gpu=k` measures on k GPUs of its own.
-Under SLURM (or a user's CUDA_VISIBLE_DEVICES) those given are kept; on one node each
-stage takes the first k that no other stage of this results directory holds, by an
-exclusive flock on results/.tmp/gpus/<index>.lock held until its process exits (the
-kernel drops it even after a kill; the lock files stay open across exec, so a stage
-that restarts itself keeps its claim). Indices are NVML's PCI bus order, as CUDA's with
-CUDA_DEVICE_ORDER=PCI_BUS_ID (`visible_env`)."""
+"""Whole GPUs per stage job: under SLURM (or a user's CUDA_VISIBLE_DEVICES) those given
+are kept; on one node a stage takes the first free ones by an exclusive flock on
+results/.tmp/gpus/<index>.lock, which the kernel drops when the process dies and which
+survives exec (a restarted stage keeps its claim). Indices are NVML's PCI bus order."""
 
 from __future__ import annotations
 
@@ -16,10 +13,8 @@ _held: list = []  # open lock files: the claim lasts as long as the process
 
 
 def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list[int] | None:
-    """Take the first `count` free GPUs of `n_gpus` and return their indices, or
-    None when CUDA_VISIBLE_DEVICES is already set (SLURM, or the user) or there is
-    no GPU. Raises RuntimeError when fewer than `count` are free. The process reaches
-    them through `visible_env` (common/stage.py starts the stage with it)."""
+    """Indices of the first `count` free GPUs of `n_gpus`, now held; None when
+    CUDA_VISIBLE_DEVICES is set or there is no GPU. RuntimeError when too few are free."""
     if "CUDA_VISIBLE_DEVICES" in os.environ or n_gpus <= 0:
         return None
     lock_dir = Path(lock_dir)

@@ -26,9 +26,8 @@ SOURCE = ("Snakefile", "config.yaml", "pyproject.toml", "envs", "kernels", "work
 
 
 def source_digest(root: Path = REPO_ROOT) -> str:
-    """sha256 over the paths and bytes of the source that produces a record (SOURCE,
-    no caches): it names the code even where the git metadata beside it is stale or
-    missing (a copied tree); `python workflow/scripts/common/facts.py DIR` prints it."""
+    """sha256 over the paths and bytes of SOURCE: it names the code where git metadata is
+    stale or missing (a copied tree); `python workflow/scripts/common/facts.py DIR` prints it."""
     h = hashlib.sha256()
     files = [p for name in SOURCE for p in ([root / name] if (root / name).is_file() else sorted((root / name).rglob("*")))]
     for p in files:

@@ -41,14 +41,10 @@ class _Scalar(torch.nn.Module):
         return x.reshape(1)
 
 
-_STORED = ".parametrizations."
-
-
 def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
           reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Apply FSDP2 in place to a HawkLM: one unit per mixer, per residual block, then the
-    root. Blocks gather in `param_dtype` (None: FP32); mixers always in FP32, as the
-    single-GPU autocast step hands them their parameters."""
+    """FSDP2 in place on a HawkLM, one unit per mixer, per residual block, then the root;
+    mixers gather in FP32, as the single-GPU autocast step hands them their parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.nn.utils import parametrize
 
@@ -82,9 +78,8 @@ def rebuild_optimizer(opt: torch.optim.Optimizer, params) -> torch.optim.Optimiz
 
 
 def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = None):
-    """Make `setup` (model, opt, a global batch inp/tgt/pos of world x B documents) this
-    rank's part of a data-parallel step: model sharded, optimizer rebuilt, rows
-    rank * B .. rank * B + B - 1 kept (FSDP's mean gradient is the global batch's)."""
+    """`setup` (a global batch of world x B documents) made this rank's part of a
+    data-parallel step: model sharded, optimizer rebuilt, this rank's B rows kept."""
     rows = setup.inp.shape[0]
     if rows % world:
         raise ValueError(f"expected a global batch divisible by the world size {world}, got {rows} documents")
@@ -95,27 +90,6 @@ def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = N
         setattr(setup, name, getattr(setup, name)[rank * b:(rank + 1) * b].contiguous())
     setup.B = b
     return setup
-
-
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and `grad.<name>` as a full tensor in the single-device names and
-    shapes, on every rank (a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    def full(t, stored):
-        t = t.full_tensor() if isinstance(t, DTensor) else t
-        return (t.reshape(()) if stored else t).clone()
-
-    out = {}
-    for name, p in model.named_parameters():
-        stored = _STORED in name
-        if stored:
-            owner, rest = name.split(_STORED)
-            name = f"{owner}.{rest.removesuffix('.original')}"
-        out[name] = full(p.detach(), stored)
-        if p.grad is not None:
-            out[f"grad.{name}"] = full(p.grad, stored)
-    return out
 
 
 def gather(obj) -> list:

@@ -1,9 +1,6 @@
-"""The measurement harness of every stage: `measure(fn, reps)` warms up, counts one
-call (launcher bytes, profiler launches), times `reps` eager calls and, on a GPU for
-work under DEVICE_CLOCK_MAX_MS, `reps` device-clock samples (one CUDA-graph replay of
-`calls` calls, else back-to-back launches); the headline is the device clock where its
-median is under SHORT_MS. `Runner` runs a stage's configurations with resume, failures
-as records, a time budget, restart after a poisoned CUDA context and the clock lock."""
+"""The measurement harness of every stage: `measure` (eager clock, device clock for short
+work, logical counts of one call) and `Runner` (resume, failures as records, a time budget,
+restart after a poisoned CUDA context, the clock lock)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ import atexit
 import contextlib
 import csv
 import gc
-import io
 import math
 import os
 import shutil
@@ -47,9 +43,7 @@ _STICKY = ("illegal memory access", "illegal instruction", "misaligned address",
 
 
 def device_of(device=None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _open_window(dev) -> int | None:
@@ -59,6 +53,19 @@ def _open_window(dev) -> int | None:
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     return torch.cuda.memory_allocated(dev)
+
+
+def _stamp(cuda: bool):
+    """A point in time: a recorded CUDA event on a GPU, else perf_counter."""
+    if not cuda:
+        return time.perf_counter()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _ms(start, end) -> float:
+    return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -78,9 +85,8 @@ def summarize(samples: list[float]) -> dict:
 
 def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=None, budget_s: float | None = None,
             min_reps: int = 3) -> dict:
-    """The eager clock: `warmup` untimed calls, then `reps` calls each between two CUDA
-    events (perf_counter on the CPU); with `budget_s` it stops once that long has passed
-    and `min_reps` samples exist (`stopped_early`)."""
+    """The eager clock: `reps` calls each between two CUDA events (perf_counter on the CPU),
+    stopped early once `budget_s` has passed and `min_reps` samples exist."""
     for name, v, lo in (("reps", reps, 1), ("warmup", warmup, 0), ("min_reps", min_reps, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"expected {name} to be an integer >= {lo}, got {v!r}")
@@ -88,61 +94,50 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         fn()
-    base, peak = _open_window(dev), None
-    marks, stopped, t_start = [], False, time.perf_counter()
+    base, marks, stopped, t_start = _open_window(dev), [], False, time.perf_counter()
     for i in range(reps):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            marks.append((s, e))
-            # Waiting for the sample two behind keeps the queue non-empty while wall time tracks it.
-            if budget_s is not None and i >= 2:
-                marks[i - 2][1].synchronize()
-        else:
-            t0 = time.perf_counter()
-            fn()
-            marks.append((time.perf_counter() - t0) * 1e3)
+        start = _stamp(cuda)
+        fn()
+        marks.append((start, _stamp(cuda)))
+        # Waiting for the sample two behind keeps the queue non-empty while wall time tracks it.
+        if cuda and budget_s is not None and i >= 2:
+            marks[i - 2][1].synchronize()
         if budget_s is not None and min_reps <= i + 1 < reps and time.perf_counter() - t_start > budget_s:
             stopped = True
             break
-    samples = marks
     if cuda:
         torch.cuda.synchronize(dev)
-        samples = [s.elapsed_time(e) for s, e in marks]
-        peak = torch.cuda.max_memory_allocated(dev)
-    return {"samples_ms": samples, **summarize(samples), "peak_bytes": peak, "base_bytes": base,
+    samples = [_ms(s, e) for s, e in marks]
+    return {"samples_ms": samples, **summarize(samples), "base_bytes": base,
+            "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
             "clock": "cuda_event" if cuda else "perf_counter", "reps_requested": reps, "warmup": warmup,
             "stopped_early": stopped}
 
 
-def _heal_rng(dev) -> None:
-    """One trivial completed capture: a failed one leaves the CUDA generator capturing (every
-    later random draw raises "Offset increment outside graph capture")."""
-    x = torch.zeros(1, device=dev)
+def cuda_graph(warm: Callable[[], object], body: Callable[[], object], dev) -> torch.cuda.CUDAGraph:
+    """`body` captured in a CUDA graph, after `warm` ran on a side stream as capture requires."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        warm()
+    torch.cuda.current_stream(dev).wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        x.add_(1)
-    torch.cuda.synchronize(dev)
+        body()
+    return g
 
 
 def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) -> dict:
-    """The device clock: `calls` calls captured in one CUDA graph, replayed `reps` times
-    (after two untimed replays), or where capture fails `calls` back-to-back launches
-    between two events; a sample is the window over `calls`."""
-    dev = device_of(device)
-    g, why = None, None
-    try:
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
+    """The device clock: `reps` replays of a CUDA graph of `calls` calls (back-to-back
+    launches where capture fails), per call."""
+    dev, g, why = device_of(device), None, None
+
+    def calls_of_fn():
+        for _ in range(calls):
             fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
+
+    try:
+        g = cuda_graph(fn, calls_of_fn, dev)
         g.replay()
         g.replay()
         torch.cuda.synchronize(dev)
@@ -150,16 +145,15 @@ def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) ->
         g, why = None, f"{type(exc).__name__}: {exc}"[:500]
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(dev)
-        _heal_rng(dev)
+        # A failed capture leaves the CUDA generator capturing (every later random draw
+        # raises "Offset increment outside graph capture"): one completed capture heals it.
+        x = torch.zeros(1, device=dev)
+        cuda_graph(lambda: None, lambda: x.add_(1), dev)
+        torch.cuda.synchronize(dev)
 
-    def window():
-        if g is not None:
-            return g.replay()
-        for _ in range(calls):
-            fn()
-
+    window = calls_of_fn if g is None else g.replay
     samples = [s / calls for s in time_fn(window, reps, 0 if g is not None else 1, dev)["samples_ms"]]
-    del g
+    del g, window
     return {"samples_ms": samples, **summarize(samples), "method": "back_to_back" if why else "cuda_graph",
             "calls_per_sample": calls, "graph_error": why}
 
@@ -174,9 +168,8 @@ def copy_timing(n_bytes: int, reps: int, device=None) -> tuple[dict, float]:
 
 def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], device=None,
                     before: Callable[[], object] | None = None, warmup: int = 0) -> dict:
-    """One run of dependent steps step(0) .. step(max(checkpoints) - 1): cumulative ms at
-    every checkpoint. `before` (prompt, cache set-up) is untimed; `warmup` > 0 first runs
-    `before` and that many untimed steps, so no one-time work is timed."""
+    """Cumulative ms at every checkpoint of one run of dependent steps; `before` (prompt,
+    cache set-up) is untimed, and `warmup` untimed steps first keep one-time work out."""
     cps = sorted({int(c) for c in checkpoints})
     if not cps or cps[0] < 1:
         raise ValueError(f"expected checkpoints to be positive step counts, got {list(checkpoints)}")
@@ -192,31 +185,23 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
         torch.cuda.synchronize(dev)
     if before is not None:
         before()
-    base, peak = _open_window(dev), None
-    if cuda:
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-    marks, t0 = [], time.perf_counter()
+    base = _open_window(dev)
+    start, marks = _stamp(cuda), []
     for i in range(cps[-1]):
         step(i)
         if i + 1 in cps:
-            if cuda:
-                marks.append(torch.cuda.Event(enable_timing=True))
-                marks[-1].record()
-            else:
-                marks.append((time.perf_counter() - t0) * 1e3)
+            marks.append(_stamp(cuda))
     if cuda:
         torch.cuda.synchronize(dev)
-        marks = [start.elapsed_time(e) for e in marks]
-        peak = torch.cuda.max_memory_allocated(dev)
+    marks = [_ms(start, m) for m in marks]
     return {"checkpoints": cps, "cumulative_ms": marks, "interval_ms": [c - p for c, p in zip(marks, [0.0, *marks])],
-            "peak_bytes": peak, "base_bytes": base, "clock": "cuda_event" if cuda else "perf_counter",
-            "warmup_steps": warmup}
+            "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None, "base_bytes": base,
+            "clock": "cuda_event" if cuda else "perf_counter", "warmup_steps": warmup}
 
 
 class Clocks:
-    """NVML view of one GPU's SM clock: `sample()` (clock, slowdown reasons), `lock()` (at the
-    default applications clock; says whether it worked), `reset()` (a lock this process took)."""
+    """NVML view of one GPU's SM clock: sample it, lock it at the default applications
+    clock, reset a lock this process took."""
 
     SLOWDOWN = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # SW power cap, HW slowdown, SW/HW thermal, power brake
 
@@ -292,14 +277,12 @@ def clocks(device=None) -> Clocks:
 
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
             count: bool = True) -> dict:
-    """{"timing": headline samples and stats with "eager", "device", "sm_clock";
-    "logical": logical_counts or None}; see the module docstring."""
+    """{"timing", "logical"}: the headline is the device clock where its median is under
+    SHORT_MS, else the eager clock, which host work inflates."""
     dev = device_of(device)
-    for _ in range(max(warmup - 1, 0)):
+    for _ in range(max(warmup - 1, 0) + (not count)):
         fn()
     logical = logical_counts(fn, dev) if count else None
-    if not count:
-        fn()
     clk = clocks(dev)
     before = clk.sample()
     eager = time_fn(fn, reps, 0, dev, budget_s=budget_s, min_reps=min(3, reps))
@@ -308,7 +291,6 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     if dev.type == "cuda" and eager["median_ms"] < DEVICE_CLOCK_MAX_MS:
         calls = max(1, min(200, math.ceil(DEVICE_WINDOW_MS / max(eager["min_ms"], 1e-3))))
         dtime = device_time(fn, eager["n"], calls, dev)
-    # The device time, not the eager time that host work inflates, decides what is short.
     head = dtime if dtime is not None and dtime["median_ms"] < SHORT_MS else eager
     t = {**{k: eager[k] for k in ("peak_bytes", "base_bytes", "reps_requested", "warmup", "stopped_early")},
          **{k: head[k] for k in ("samples_ms", "n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
@@ -329,8 +311,8 @@ def timing_fields(m: dict) -> dict:
 
 def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, budget_s: float | None = None,
                  reuse: dict | None = None, logical: dict | None = None) -> dict:
-    """`timing_fields(measure(...))`, the launches counted only when neither `logical` (counts
-    taken elsewhere) nor `reuse` (the other run order's record) has counts to lend."""
+    """`timing_fields(measure(...))`, counting only when neither `logical` nor `reuse` (the
+    other run order's record) has counts to lend."""
     logical = logical or reuse_logical(reuse)
     f = timing_fields(measure(call, reps, warmup, device, count=logical is None, budget_s=budget_s))
     f["logical"] = f["logical"] or logical
@@ -338,8 +320,7 @@ def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, bud
 
 
 def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
-    """`f` with the memory floor: floor_bytes moved at the probe's copy bandwidth, and the
-    headline median's fraction of it."""
+    """`f` with the memory floor: floor_bytes moved at the probe's copy bandwidth."""
     floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else None
     f.update(floor_bytes=floor_bytes, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
              fraction_of_floor=floor_ms / f["stats"]["median_ms"] if floor_ms else None)
@@ -353,8 +334,7 @@ def orders(names: Sequence) -> list[tuple[str, list]]:
 
 
 def count_kernels(events) -> dict:
-    """Kernels, copies and fills among profiler events that ran on the GPU, with each
-    kernel name's count and summed device time (us), the breakdown of the call."""
+    """Kernels, copies and fills among the GPU's profiler events; calls and us per kernel."""
     out = {"kernels": 0, "memcpy": 0, "memset": 0, "by_name": {}, "us_by_name": {}, "device_us": 0.0}
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -369,8 +349,7 @@ def count_kernels(events) -> dict:
 
 
 def logical_counts(fn: Callable[[], object], device=None) -> dict:
-    """One call of fn under the launchers' accounting and, on a GPU, torch.profiler (whose
-    kernel count is `launches`, else the launchers')."""
+    """One call of fn under the launchers' accounting and, on a GPU, torch.profiler."""
     dev, lc, prof = device_of(device), {}, None
     if dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -441,9 +420,8 @@ def mark_boundary() -> None:
 
 def parse_ncu_csv(text: str) -> list[dict]:
     """Per-kernel rows of `ncu --csv --page raw`: name and our metric columns."""
-    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
     out = []
-    for r in csv.DictReader(io.StringIO("\n".join(lines))) if lines else []:
+    for r in csv.DictReader(ln for ln in text.splitlines() if ln.startswith('"')):
         name = r.get("Kernel Name") or r.get("Function Name") or ""
         if not name or name.startswith("nvtx") or r.get("ID", "").strip() == "":
             continue
@@ -484,8 +462,7 @@ def ncu_path(ncu: str = "ncu") -> str | None:
 
 def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, ncu: str = "ncu",
                  env: dict | None = None) -> list[dict] | None:
-    """One counter summary per configuration of `argv` run under Nsight Compute (each call
-    between two mark_boundary() calls), or None when it fails."""
+    """One counter summary per configuration of `argv` run under Nsight Compute, or None."""
     cmd = [ncu_path(ncu) or ncu, "--csv", "--page", "raw", "--metrics", ",".join(NCU_METRICS.values()), *argv]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
@@ -613,22 +590,15 @@ class Budget:
         return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
 
 
-def log_line(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 class Runner:
-    """Runs a stage's configurations: skips those recorded (resume), records failures,
-    starts none once the budget is spent, restarts the process after a poisoning failure
-    and stamps every record with the clock lock it tried."""
+    """Runs a stage's configurations; see the module docstring."""
 
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
                  restart: Callable[[], None] | None = None, lock_clocks: bool = False):
         self.stage, self.profile, self.dir, self.device = stage, profile, Path(records_dir), device_of(device)
         self.budget, self.restart = Budget(budget_s), restart
         self.done = records.done_ids(self.dir, profile)
-        self.planned: list[str] = []
-        self.skipped: list[str] = []
+        self.planned, self.skipped = [], []
         self.clocks = clocks(self.device)
         self.clock_lock = self.clocks.lock() if lock_clocks else {
             "locked": False, "reason": "not requested (profile key probe.lock_clocks)"}
@@ -640,25 +610,22 @@ class Runner:
                    restart=lambda: reexec(job), lock_clocks=job.lock_clocks)
 
     def say(self, msg: str) -> None:
-        log_line(f"{self.stage}: {msg}")
+        print(f"[{time.strftime('%H:%M:%S')}] {self.stage}: {msg}", flush=True)
 
     def get(self, config_id: str) -> dict | None:
         return records.read_record(records.record_path(self.dir, config_id)) if config_id in self.done else None
 
     def ok(self, config_id: str) -> dict | None:
-        rec = self.get(config_id)
-        return rec if rec is not None and rec["status"] == STATUS_OK else None
+        return rec if (rec := self.get(config_id)) is not None and rec["status"] == STATUS_OK else None
 
     def run(self, config_id: str, body: Callable[[], dict], **fields) -> dict | None:
         """Record `body()`'s fields (or its failure); the record, or None when skipped."""
         return self.run_group([config_id], lambda: {config_id: body() or {}}, {config_id: fields}).get(config_id)
 
     def run_group(self, config_ids: list[str], body: Callable[[], dict], fields: dict) -> dict:
-        """One measurement, several records (all or none): `body()` gives {config_id: fields}
-        beside each record's own `fields[config_id]`."""
-        for c in config_ids:
-            if c in self.planned:
-                raise ValueError(f"configuration {c!r} planned twice in stage {self.stage}")
+        """One measurement, several records (all or none): `body()` gives {config_id: fields}."""
+        if twice := [c for c in config_ids if c in self.planned]:
+            raise ValueError(f"configuration {twice[0]!r} planned twice in stage {self.stage}")
         self.planned += config_ids
         pending = [c for c in config_ids if c not in self.done]
         if pending and self.budget.exhausted():

@@ -1,9 +1,6 @@
-"""The one result schema (version 1) of the measuring stages: one self-describing JSON
-object per configuration (REQUIRED keys; a stage adds what it measures), written
-atomically to `records.d/<config_id>.json` as soon as it finishes; `done_ids` names
-what a resumed stage skips (a torn file is not done) and `collect` concatenates the
-records into the rule's `records.jsonl`. `logical` figures come from the launchers'
-accounting; `counters` are hardware counters or null, never a theoretical figure."""
+"""The one result schema (version 1) of the measuring stages: one JSON object per
+configuration, written atomically to `records.d/<config_id>.json` as soon as it finishes
+(what a resumed stage skips) and concatenated into the rule's `records.jsonl`."""
 
 from __future__ import annotations
 
@@ -127,9 +124,8 @@ def done_ids(directory: str | Path, profile: str | None = None) -> set[str]:
 
 
 def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = None, ids=None) -> list[dict]:
-    """Concatenate the records (of `profile`, restricted to `ids` when given) into
-    `out_jsonl`, one per line, sorted by config_id; written atomically. An invalid
-    file among the selected ones is an error: the stage should have redone it."""
+    """Concatenate the records (of `profile`, of `ids`) into `out_jsonl` by config_id;
+    an invalid one is an error, as the stage should have redone it."""
     wanted = None if ids is None else set(ids)
     recs, bad = [], []
     for path in _files(directory):

@@ -1,9 +1,6 @@
-"""Clears what a killed run (SIGKILL, a lost node) leaves behind, so the same command
-resumes: while the Snakefile is parsed, unless another controlling Snakemake process
-works in the same directory, its SLURM jobs are cancelled (a stage never runs twice at
-once), its directory locks released and the outputs it left marked incomplete removed.
-Finished configurations live in records.d, never a declared output. Snakemake
-processes inside jobs (`--mode remote` / `subprocess`) never clear anything."""
+"""Clears what a killed run leaves behind, so the same command resumes: unless another
+controlling Snakemake works in the same directory, its SLURM jobs are cancelled, its
+locks released and its incomplete outputs removed. Jobs of a cluster run clear nothing."""
 
 from __future__ import annotations
 

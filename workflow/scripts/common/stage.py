@@ -1,9 +1,7 @@
-"""Entry point of every stage script: `main(job)` ends the script with
-`if __name__ == "__main__": stage.run(main, globals().get("snakemake"))` (no
-`from __future__` import: Snakemake puts its preamble above the first line). `run`
-sends the output to the rule's log and calls `main` with a plain `Job`; with
-`container.runtime: docker` it runs the same script inside the image through
-containers/docker_runner.py as `python <script> --job <file>`."""
+"""Entry point of every stage script: `stage.run(main, globals().get("snakemake"))` sends
+the output to the rule's log and calls `main` with a plain `Job`, inside the image through
+containers/docker_runner.py with `container.runtime: docker`. (No `from __future__`
+import in a stage script: Snakemake puts its preamble above the first line.)"""
 
 from __future__ import annotations
 
@@ -98,10 +96,8 @@ def _script_path(smk) -> str:
 
 
 def start_process(env: dict[str, str]) -> None:
-    """Make sure this process runs with `env` in its environment: where a variable
-    differs, replace the process (same pid, arguments and open log) by a fresh one
-    started with it. CUDA and Triton read these variables once, when they initialise,
-    so they are given at process start rather than written into a running process."""
+    """Where `env` differs from this process's environment, replace the process (same pid,
+    arguments and log) by one started with it: CUDA and Triton read it once, at start."""
     if all(os.environ.get(k) == v for k, v in env.items()):
         return
     sys.stdout.flush()
