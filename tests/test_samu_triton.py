@@ -272,9 +272,9 @@ def test_decode_steps_equal_sequence(layout, dtype):
 
 @pytest.mark.parametrize("table", [False, True])
 def test_row_step_walks_every_mode_block(table):
-    """The row step covers a row's modes in blocks of at most 2048 (the first loaded
-    before the controls' reduction): M = 2052 takes two, the second partial; outputs and
-    the state in place against the reference, with a reset, NaN-poisoned y."""
+    """The row step covers a row's modes in blocks of at most 2048: M = 2052 takes two,
+    the second partial; outputs and the state in place against the reference, with a
+    reset, NaN-poisoned y."""
     d = 4104
     inputs = make_inputs(torch.float32, b=2, t=2, d=d, seed=5)
     params = [inputs[k] for k in GRAD_NAMES[1:7]]
