@@ -166,3 +166,32 @@ def test_bad_options(opts, match):
         kernels.backends("scan")["serial"](*args, **opts)
     with pytest.raises(ValueError, match=match):
         kernels.backends("rglru")["serial"](*make("rglru", 5, 24, torch.float32, 0)[0], **opts)
+
+
+def test_scan_forward_takes_wide_blocks_where_64_overfill_a_wave(monkeypatch):
+    """Without gradient and without options the scan forward takes SCAN_FWD_WIDE where
+    B x D / 64 programs exceed the device's multiprocessors; never with gradient, options
+    given (chunk_size aside), or off the GPU (sms None). End to end on the interpreter
+    with the count patched to 1: the wide kernels run and match float64."""
+    cfg = fused_recurrent.config
+    wide = cfg(4, 2048, 2560, True, grad=False, sms=132)
+    assert (wide["TW"], wide["BD"], wide["STAGES"], wide["TT"]) == (4, 128, 4, 8)
+    assert cfg(4, 2048, 2560, True, grad=False, sms=132, chunk_size=16)["BD"] == 128
+    for narrow in (cfg(8, 4096, 1024, True, grad=False, sms=132),       # 128 programs: one wave
+                   cfg(4, 2048, 2560, True, grad=True, sms=132),
+                   cfg(4, 2048, 2560, True, grad=False, sms=None),
+                   cfg(4, 2048, 2560, False, grad=False, sms=132),      # the RG-LRU: tile kernels
+                   cfg(4, 2048, 2560, True, grad=False, sms=132, time_warps=8)):
+        assert narrow["BD"] != 128
+    with pytest.raises(ValueError, match="serial options"):
+        kernels.scan(torch.rand(1, 4, 8), torch.rand(1, 4, 8), backend=kernels.Backend("serial", sms=1))
+    monkeypatch.setattr(fused_recurrent, "multiprocessors", lambda device: 1)
+    seen, launch = [], fused_recurrent._launch
+    monkeypatch.setattr(fused_recurrent, "_launch", lambda k, x, pos, s, cfg, *a, **kw: (
+        seen.append(cfg["BD"]), launch(k, x, pos, s, cfg, *a, **kw)))
+    args, h0 = make("scan", WIDE_EVEN["T"], WIDE_EVEN["D"], torch.float32, 3)
+    with accounting.counting() as c:
+        y, h = kernels.scan(*args, initial_state=h0, output_final_state=True, backend="serial")
+    assert c.launches == 1 and seen == [128]
+    want, hw = reference.scan(*[a.double() for a in args], None, h0.double(), True)
+    assert parity.rel_err(y, want) < FP32_TOL and parity.rel_err(h, hw) < FP32_TOL

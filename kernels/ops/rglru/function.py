@@ -21,9 +21,18 @@ from .common import empty_sequence, reduce_dap
 _BACKENDS = {"serial": fused_recurrent, "chunk": chunk}
 
 
+def _config(backend, x, is_scan, grad, opts):
+    if "sms" in opts:     # the device's, not an option
+        raise ValueError(f"expected {backend} options among {list(_BACKENDS[backend].OPTIONS)}, got ['sms']")
+    B, T, D = x.shape
+    sms = fused_recurrent.multiprocessors(x.device) if backend == "serial" else None
+    return _cached_config(backend, B, T, D, is_scan, grad, sms, opts_key(opts))
+
+
 @functools.lru_cache(maxsize=1024)
-def _config(backend, B, T, D, is_scan, grad, opts):
-    return _BACKENDS[backend].config(B, T, D, is_scan, grad=grad, **opts_items(opts))
+def _cached_config(backend, B, T, D, is_scan, grad, sms, opts):
+    kw = {"sms": sms} if backend == "serial" else {}
+    return _BACKENDS[backend].config(B, T, D, is_scan, grad=grad, **kw, **opts_items(opts))
 
 
 def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
@@ -153,7 +162,7 @@ def _run(backend, x, gate_x, gate_a, a_param, segment_pos, initial_state, output
     B, T, D = x.shape
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (x, gate_x, gate_a, a_param, initial_state))
-    cfg = _config(backend, B, T, D, False, grad, opts_key(opts))
+    cfg = _config(backend, x, False, grad, opts)
     if T == 0:
         return empty_sequence(x, initial_state, output_final_state)
     return apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, cfg)
@@ -164,9 +173,9 @@ def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opt
         from .. import reference
 
         return reference.scan(a, b, segment_pos, initial_state, output_final_state)
-    B, T, D = b.shape
-    cfg = _config(backend, B, T, D, True, True, opts_key(opts))
-    if T == 0:
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, initial_state))
+    cfg = _config(backend, b, True, grad, opts)
+    if b.shape[1] == 0:
         return empty_sequence(b, initial_state, output_final_state)
     a = a.to(b.dtype) if a.dtype != b.dtype else a
     return apply(b, None, a, None, segment_pos, initial_state, output_final_state, True, cfg)

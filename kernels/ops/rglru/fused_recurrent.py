@@ -253,13 +253,24 @@ SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_war
 # Channels per split-kernel program: 64 by default; 128 halves the programs (B x D / 64
 # can exceed the multiprocessors by less than a wave: 160 programs on 132 at B x D = 10240).
 SPLIT_BLOCKS = (64, 128)
+# The scan forward without gradient where 64-channel blocks overfill one wave (B x D / 64
+# programs > multiprocessors): 128-channel blocks, 4 warps, 4 stages. In the pipeline's
+# H200 tune records (B=4 T=2048 D=2560: 160 programs of 64 channels on 132 SMs) this ran
+# 0.057 ms against 0.073 for the best 64-channel split; at B=8 D=1024 (128 programs, one
+# wave) the 64-channel default stayed faster (0.084 against 0.109).
+SCAN_FWD_WIDE = {"time_warps": 4, "block_d": 128, "num_stages": 4}
 OPTIONS = ("chunk_size", "time_warps", "block_d", "num_stages")
 
 
 def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num_stages=None, grad=True,
-           **unknown):
+           sms=None, **unknown):
+    """Launch configuration from the options; `sms`: the device's multiprocessors (None
+    off the GPU), which picks SCAN_FWD_WIDE where no option but chunk_size is given."""
     if unknown:
         raise ValueError(f"expected serial options among {list(OPTIONS)}, got {sorted(unknown)}")
+    if (is_scan and not grad and sms and time_warps is None and block_d is None and num_stages is None
+            and B * cdiv(D, 64) > sms):
+        time_warps, block_d, num_stages = SCAN_FWD_WIDE.values()
     stages_set = num_stages is not None
     if chunk_size is not None:
         check_chunk_size(chunk_size)
@@ -288,17 +299,24 @@ def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num
             "VEC": 0, "TW": 1}
 
 
+def multiprocessors(device: torch.device):
+    """The CUDA device's multiprocessor count (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    return _props(device.index if device.index is not None else torch.cuda.current_device()).multi_processor_count
+
+
 def smem_limit(device: torch.device):
     """Shared memory one program may use on a CUDA device (None elsewhere: no limit)."""
     if device.type != "cuda":
         return None
-    return _smem_limit(device.index if device.index is not None else torch.cuda.current_device())
+    return _props(device.index if device.index is not None else torch.cuda.current_device()).shared_memory_per_block_optin
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_limit(index: int) -> int:
+def _props(index: int):
     # queried once per device: the launchers run on the host's critical path
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    return torch.cuda.get_device_properties(index)
 
 
 def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> dict:
