@@ -5,7 +5,8 @@ reference, on the CPU interpreter; outputs poisoned with NaN.
 Two layouts: W = 2 warps of 8 steps (tiles of 16) with register prefetch at T = 37,
 D = 24 (partial last tile, one partial channel block: element masks), and W = 4 warps
 of 8 steps with pipelined loads at T = 32, D = 64 (whole tiles: the unmasked EVEN
-path); each also with 128-channel blocks (block_d 128, D = 24 and 256). The forward saves every warp's entry state and the backward starts from them.
+path); each also with 128- and 256-channel blocks (block_d 128: D = 24 and 256; 256: D = 24
+and 256; T = 20, D = 40 in float64). The forward saves every warp's entry state and the backward starts from them.
 """
 
 import pytest
@@ -27,6 +28,9 @@ EVEN = {"T": 32, "D": 64, "opts": {"time_warps": 4, "chunk_size": 8, "num_stages
 # 128 channels per program (4 per lane): a partial block (D = 24) and whole ones (D = 256)
 WIDE_ODD = {"T": 37, "D": 24, "opts": {"time_warps": 2, "chunk_size": 8, "block_d": 128}}
 WIDE_EVEN = {"T": 32, "D": 256, "opts": {"time_warps": 4, "chunk_size": 8, "num_stages": 2, "block_d": 128}}
+# 256 channels per program (8 per lane): a partial block and a whole one
+WIDER_ODD = {"T": 20, "D": 40, "opts": {"time_warps": 2, "chunk_size": 8, "block_d": 256}}
+WIDER_EVEN = {"T": 16, "D": 256, "opts": {"time_warps": 2, "chunk_size": 8, "num_stages": 2, "block_d": 256}}
 # Resets at tile and warp edges (8, 16, 24, 32), inside segments (2, 5, 10, 13, 27), in
 # runs (20-22), at t = 0 (row 1) and at the last step of the odd shape (36); row 0
 # continues an earlier document.
@@ -63,7 +67,8 @@ def compare(op, shape, dtype, seed=0, h0=True, resets=True, final=True):
     return got, want
 
 
-@pytest.mark.parametrize("shape", [ODD, EVEN, WIDE_ODD, WIDE_EVEN], ids=["odd", "even", "wide-odd", "wide-even"])
+@pytest.mark.parametrize("shape", [ODD, EVEN, WIDE_ODD, WIDE_EVEN, WIDER_EVEN],
+                         ids=["odd", "even", "wide-odd", "wide-even", "wider-even"])
 @pytest.mark.parametrize("op", ["scan", "rglru"])
 def test_fp32_against_float64_reference(op, shape):
     got, want = compare(op, shape, torch.float32)
@@ -72,8 +77,8 @@ def test_fp32_against_float64_reference(op, shape):
         assert parity.rel_err(g, w) <= FP32_TOL, i
 
 
-@pytest.mark.parametrize("op,shape", [("rglru", ODD), ("scan", EVEN), ("rglru", WIDE_EVEN)],
-                         ids=["rglru-odd", "scan-even", "rglru-wide-even"])
+@pytest.mark.parametrize("op,shape", [("rglru", ODD), ("scan", EVEN), ("rglru", WIDE_EVEN), ("scan", WIDER_ODD)],
+                         ids=["rglru-odd", "scan-even", "rglru-wide-even", "scan-wider-odd"])
 def test_float64_is_exact(op, shape):
     # Any slip in the cross-warp composition, the tile carry, resets or the adjoint
     # would show far above rounding.
@@ -155,7 +160,7 @@ def test_pipeline_stages_fit_shared_memory():
     ({"time_warps": 2, "vec": 2}, "serial options"),
     ({"time_warps": 2, "block_d": 16}, "block_d"),
     ({"time_warps": 2, "block_d": 32}, "block_d"),
-    ({"time_warps": 2, "block_d": 256}, "block_d"),
+    ({"time_warps": 2, "block_d": 512}, "block_d"),
     ({"time_warps": 2, "chunk_size": 6}, "chunk_size"),
     ({"time_warps": 2, "chunk_size": 128}, "chunk_size"),
     ({"time_warps": 2, "num_stages": 5}, "num_stages"),

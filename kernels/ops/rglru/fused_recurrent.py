@@ -5,9 +5,9 @@ adjoint (common.py). The a_param gradient is a per-program partial [B, D] reduce
 fixed order.
 
 Split kernels (time_warps W > 1, the default): BD = 64 channels (2 per lane; block_d
-128: 4 per lane, half the programs), tiles of
-W * TT steps (TT = chunk_size): warp w holds TT consecutive steps, each thread its two
-channels' TT steps in registers. The tile is addressed in memory order [W, TT, BD] (so
+128 or 256: 4 or 8 per lane, a half or a quarter of the programs), tiles of W * TT steps
+(TT = chunk_size): warp w holds TT consecutive steps, each thread its channels' TT steps
+in registers. The tile is addressed in memory order [W, TT, BD] (so
 Triton's coalescing picks that layout) and relabelled [TT, W, BD] (common.mem_order)
 for the scans along axis 0. Offsets are int32 from one int64 base per tile; EVEN (T and
 D multiples of the tile) forms no element masks. Forward, per tile: each warp scans its
@@ -251,8 +251,10 @@ def serial_bwd_kernel(
 # 128 x 32 (scan) with 4 warps and register prefetch.
 SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_warps": 8, "num_stages": 4}}
 # Channels per split-kernel program: 64 by default; 128 halves the programs (B x D / 64
-# can exceed the multiprocessors by less than a wave: 160 programs on 132 at B x D = 10240).
-SPLIT_BLOCKS = (64, 128)
+# can exceed the multiprocessors by less than a wave: 160 programs on 132 at B x D = 10240)
+# and gives each lane more independent chains; 256 (8 channels, one 16-byte BF16 load per
+# lane and step) quarters them.
+SPLIT_BLOCKS = (64, 128, 256)
 # The scan forward without gradient where 64-channel blocks overfill one wave (B x D / 64
 # programs > multiprocessors): 128-channel blocks, 4 warps, 4 stages. In the pipeline's
 # H200 tune records (B=4 T=2048 D=2560: 160 programs of 64 channels on 132 SMs) this ran
@@ -287,7 +289,7 @@ def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num
         bd = 64 if block_d is None else block_d
         if bd not in SPLIT_BLOCKS:
             raise ValueError(f"expected block_d in {list(SPLIT_BLOCKS)} with time_warps > 1 (channels of a split "
-                             f"kernel's program, 2 or 4 per lane), got block_d={block_d!r} with time_warps={tw}")
+                             f"kernel's program, 2, 4 or 8 per lane), got block_d={block_d!r} with time_warps={tw}")
         tt = 8 if chunk_size is None else chunk_size
         # the forward saves the state entering every warp's segment ([B, T / TT, D] FP32,
         # at most 1/8 of an FP32 activation: TT >= 8)
