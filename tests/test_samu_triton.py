@@ -287,6 +287,30 @@ def test_row_step_walks_every_mode_block(table):
         assert rel(got, want) < 2e-6 and rel(s, s_ref) < 2e-6
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_row_step_block_m(block_m):
+    """The row step's `block_m` (a tuning option): M = 20 modes in blocks of 16 (two, the
+    second partial) or 32 (one), with and without the mode table, equal the default
+    bit for bit and the reference; a bad block_m raises."""
+    inputs = make_inputs(torch.float32, b=3, t=3, d=40, seed=7)
+    params = [inputs[k] for k in GRAD_NAMES[1:7]]
+    tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], torch.float32)
+    row = STEPS["samu"]["row"]
+    for modes in (None, tab):
+        s0, s1, s_ref = (inputs["initial_state"].clone() for _ in range(3))
+        for t, r in ((0, None), (1, torch.tensor([True, False, False])), (2, None)):
+            x = inputs["x"][:, t]
+            want = kernels.samu_step(x, *params, s_ref, r, backend="reference")
+            y0 = row(x, *params, s0, r, modes=modes)
+            with poisoned():
+                y1 = row(x, *params, s1, r, modes=modes, block_m=block_m)
+            assert torch.equal(y1, y0) and torch.equal(s1, s0)
+            assert rel(y1, want) < 2e-6 and rel(s1, s_ref) < 2e-6
+    for bad in (8, 24, 4096, 16.0):
+        with pytest.raises(ValueError, match="block_m"):
+            row(inputs["x"][:, 0], *params, s0, None, block_m=bad)
+
+
 @pytest.mark.parametrize("layout", ["row", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_decode_step_reading_the_mode_table_is_bitwise_the_recomputing_one(layout, dtype):

@@ -22,11 +22,12 @@ import triton.language as tl
 
 from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
-from ..triton_utils import acc_dtype, cdiv, empty, launcher, next_pow2
+from ..triton_utils import acc_dtype, cdiv, check_pow2, empty, launcher, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
 from .common import dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
 ROW_MIN_BATCH = 64
+ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most (its default: all, up to this)
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
 
 
@@ -114,7 +115,8 @@ def _amp(v, x):
     return scalar_param(v, x.device, acc_dtype(x.dtype))
 
 
-def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes):
+def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
+            block_m=0):
     B, D = x.shape
     M = D // 2
     if not state.is_contiguous():
@@ -134,7 +136,7 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
     if B == 0:
         return y
     if layout == "row":
-        BM = min(next_pow2(M), 2048)
+        BM = block_m or min(next_pow2(M), ROW_BLOCK_M)
         _step_kernel[(B,)](*args, **flags, ROW=True, BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=8)
     else:
         BM = 128
@@ -151,32 +153,38 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
 @torch.library.custom_op("kernels::samu_step", mutates_args=("state",))
 def _step_op(x: torch.Tensor, phase_dir: torch.Tensor, radial_dir: torch.Tensor, phase_amp: torch.Tensor,
              radial_amp: torch.Tensor, nu_log: torch.Tensor, theta_log: torch.Tensor, state: torch.Tensor,
-             reset: Optional[torch.Tensor], modes: Optional[torch.Tensor], layout: str) -> torch.Tensor:
-    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes)
+             reset: Optional[torch.Tensor], modes: Optional[torch.Tensor], layout: str, block_m: int) -> torch.Tensor:
+    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
+                   block_m)
 
 
 @_step_op.register_fake
-def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes, layout):
+def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes, layout, block_m):
     return torch.empty_like(x)
 
 
 def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes=None,
-          name=None):
+          name=None, block_m=0):
     """The custom op kernels::samu_step under torch.compile, else the launcher. An input
     requiring grad under grad mode raises ValueError naming the step (default the layout)."""
     no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
                    radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     if torch.compiler.is_compiling():
         return torch.ops.kernels.samu_step(x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
-                                           nu_log, theta_log, state, reset, modes, layout)
-    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes)
+                                           nu_log, theta_log, state, reset, modes, layout, block_m)
+    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
+                   block_m)
 
 
-def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None):
-    """Decode step, one program per sequence. x: [B, D]; state: [B, M] complex64, updated
-    in place; reset: [B] bool; modes: mode_table(nu_log, theta_log) of these parameters
-    or None. Returns y [B, D] in x's dtype. No backward."""
-    return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes)
+def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
+                  block_m=None):
+    """Decode step, one program per sequence walking its modes in blocks of `block_m` (a
+    power of two in [16, 2048]; default all modes up to ROW_BLOCK_M). x: [B, D]; state:
+    [B, M] complex64, updated in place; reset: [B] bool; modes: mode_table(nu_log,
+    theta_log) of these parameters or None. Returns y [B, D] in x's dtype. No backward."""
+    bm = 0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M)
+    return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
+                 block_m=bm)
 
 
 def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None,
