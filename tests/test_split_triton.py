@@ -182,14 +182,14 @@ def test_scan_forward_takes_wide_blocks_where_64_overfill_a_wave(monkeypatch):
     given (chunk_size aside), or off the GPU (sms None). End to end on the interpreter
     with the count patched to 1: the wide kernels run and match float64."""
     cfg = fused_recurrent.config
-    wide = cfg(4, 2048, 2560, True, grad=False, sms=132)
+    wide = cfg(4, 2048, 2560, True, 132, grad=False)
     assert (wide["TW"], wide["BD"], wide["STAGES"], wide["TT"]) == (4, 128, 4, 8)
-    assert cfg(4, 2048, 2560, True, grad=False, sms=132, chunk_size=16)["BD"] == 128
-    for narrow in (cfg(8, 4096, 1024, True, grad=False, sms=132),       # 128 programs: one wave
-                   cfg(4, 2048, 2560, True, grad=True, sms=132),
-                   cfg(4, 2048, 2560, True, grad=False, sms=None),
-                   cfg(4, 2048, 2560, False, grad=False, sms=132),      # the RG-LRU: tile kernels
-                   cfg(4, 2048, 2560, True, grad=False, sms=132, time_warps=8)):
+    assert cfg(4, 2048, 2560, True, 132, grad=False, chunk_size=16)["BD"] == 128
+    for narrow in (cfg(8, 4096, 1024, True, 132, grad=False),       # 128 programs: one wave
+                   cfg(4, 2048, 2560, True, 132, grad=True),
+                   cfg(4, 2048, 2560, True, None, grad=False),
+                   cfg(4, 2048, 2560, False, 132, grad=False),      # the RG-LRU: tile kernels
+                   cfg(4, 2048, 2560, True, 132, grad=False, time_warps=8)):
         assert narrow["BD"] != 128
     with pytest.raises(ValueError, match="serial options"):
         kernels.scan(torch.rand(1, 4, 8), torch.rand(1, 4, 8), backend=kernels.Backend("serial", sms=1))

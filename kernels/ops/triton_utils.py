@@ -78,7 +78,7 @@ def check_pow2(name: str, value, lo: int, hi: int) -> int:
 
 def opts_key(opts: dict) -> tuple:
     """Launcher options as a cache key that keeps each value's type (8.0 and True hash as
-    8 and 1, which the option checks reject); `dict(opts_items(key))` gives them back."""
+    8 and 1, which the option checks reject); `opts_items(key)` gives them back."""
     return tuple(sorted((k, v.__class__, v) for k, v in opts.items()))
 
 

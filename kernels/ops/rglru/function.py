@@ -22,17 +22,16 @@ _BACKENDS = {"serial": fused_recurrent, "chunk": chunk}
 
 
 def _config(backend, x, is_scan, grad, opts):
-    if "sms" in opts:     # the device's, not an option
-        raise ValueError(f"expected {backend} options among {list(_BACKENDS[backend].OPTIONS)}, got ['sms']")
     B, T, D = x.shape
-    sms = fused_recurrent.multiprocessors(x.device) if backend == "serial" else None
-    return _cached_config(backend, B, T, D, is_scan, grad, sms, opts_key(opts))
+    # the serial kernels' default depends on the device's multiprocessors (positional:
+    # not an option a caller can pass)
+    dev = (fused_recurrent.multiprocessors(x.device),) if backend == "serial" else ()
+    return _cached_config(backend, B, T, D, is_scan, grad, dev, opts_key(opts))
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_config(backend, B, T, D, is_scan, grad, sms, opts):
-    kw = {"sms": sms} if backend == "serial" else {}
-    return _BACKENDS[backend].config(B, T, D, is_scan, grad=grad, **kw, **opts_items(opts))
+def _cached_config(backend, B, T, D, is_scan, grad, dev, opts):
+    return _BACKENDS[backend].config(B, T, D, is_scan, *dev, grad=grad, **opts_items(opts))
 
 
 def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):

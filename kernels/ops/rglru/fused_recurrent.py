@@ -264,8 +264,8 @@ SCAN_FWD_WIDE = {"time_warps": 4, "block_d": 128, "num_stages": 4}
 OPTIONS = ("chunk_size", "time_warps", "block_d", "num_stages")
 
 
-def config(B, T, D, is_scan, chunk_size=None, time_warps=None, block_d=None, num_stages=None, grad=True,
-           sms=None, **unknown):
+def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, block_d=None, num_stages=None,
+           grad=True, **unknown):
     """Launch configuration from the options; `sms`: the device's multiprocessors (None
     off the GPU), which picks SCAN_FWD_WIDE where no option but chunk_size is given."""
     if unknown:

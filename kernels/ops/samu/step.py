@@ -100,8 +100,8 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
             _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
     else:
         # The block's loads are issued before the row's reduction, whose latency they
-        # overlap. The row step does not: holding a whole row's modes across the reduction
-        # made it 1.34x slower at B = 512 on the H200 (and 7 % faster at B = 64).
+        # overlap. The row step loads after it: a whole row's modes held across the
+        # reduction cost registers, slower at large B.
         offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
                                                                           tl.program_id(0) * BM, M, BM, ACC, TABLE)
         E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
