@@ -270,11 +270,14 @@ def test_decode_steps_equal_sequence(layout, dtype):
     assert y1.shape == (B, D)
 
 
-@pytest.mark.parametrize("table", [False, True])
-def test_row_step_walks_every_mode_block(table):
-    """The row step covers a row's modes in blocks of at most 2048: M = 2052 takes two,
-    the second partial; outputs and the state in place against the reference, with a
-    reset, NaN-poisoned y."""
+@pytest.mark.parametrize("table,block_m", [(False, None), (True, None), (True, 2048)])
+def test_row_step_walks_every_mode_block(table, block_m):
+    """The row step covers a row's modes in blocks: M = 2052 takes nine of the default
+    ROW_DEFAULT_BLOCK_M = 256, or two of the largest, 2048, the last partial; outputs and
+    the state in place against the reference, with a reset, NaN-poisoned y."""
+    from kernels.ops.samu.step import ROW_BLOCK_M, ROW_DEFAULT_BLOCK_M
+
+    assert (ROW_DEFAULT_BLOCK_M, ROW_BLOCK_M) == (256, 2048)
     d = 4104
     inputs = make_inputs(torch.float32, b=2, t=2, d=d, seed=5)
     params = [inputs[k] for k in GRAD_NAMES[1:7]]
@@ -283,7 +286,7 @@ def test_row_step_walks_every_mode_block(table):
     for t, r in ((0, None), (1, torch.tensor([True, False]))):
         want = kernels.samu_step(inputs["x"][:, t], *params, s_ref, r, backend="reference")
         with poisoned():
-            got = kernels.samu_step(inputs["x"][:, t], *params, s, r, backend="row", modes=tab)
+            got = STEPS["samu"]["row"](inputs["x"][:, t], *params, s, r, modes=tab, block_m=block_m)
         assert rel(got, want) < 2e-6 and rel(s, s_ref) < 2e-6
 
 

@@ -27,7 +27,10 @@ from ..triton_utils import tl_acc as tl_dtype
 from .common import dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
 ROW_MIN_BATCH = 64
-ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most (its default: all, up to this)
+ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
+# The row step's default modes per iteration: 256 was the fastest of 256, 512 and 2048 (the
+# whole row at D = 2560) at every batch size of the H200 decode tune (B = 16 to 256).
+ROW_DEFAULT_BLOCK_M = 256
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
 
 
@@ -136,7 +139,7 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
     if B == 0:
         return y
     if layout == "row":
-        BM = block_m or min(next_pow2(M), ROW_BLOCK_M)
+        BM = block_m or min(next_pow2(M), ROW_DEFAULT_BLOCK_M)
         _step_kernel[(B,)](*args, **flags, ROW=True, BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=8)
     else:
         BM = 128
@@ -179,7 +182,7 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
                   block_m=None):
     """Decode step, one program per sequence walking its modes in blocks of `block_m` (a
-    power of two in [16, 2048]; default all modes up to ROW_BLOCK_M). x: [B, D]; state:
+    power of two in [16, 2048]; default ROW_DEFAULT_BLOCK_M, or all modes where fewer). x: [B, D]; state:
     [B, M] complex64, updated in place; reset: [B] bool; modes: mode_table(nu_log,
     theta_log) of these parameters or None. Returns y [B, D] in x's dtype. No backward."""
     bm = 0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M)
