@@ -127,6 +127,25 @@ def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):
             ("serial", {})
 
 
+def test_tuning_lookup_tells_equal_token_counts_apart_by_batch():
+    """Entries of equal B x T and D (the training shapes B4 T2048 and B1 T8192, whose
+    serial kernels run 4x apart in programs): each call takes its own batch's entry; a
+    call between them the nearest in log(B x T), log(D) and log(B); another op or dtype
+    none."""
+    def entry(B, T, D, backend):
+        return {"op": "rglru", "dtype": "bfloat16", "B": B, "T": T, "D": D, "backend": backend}
+    wide, long_ = entry(4, 2048, 2560, "serial"), entry(1, 8192, 2560, "chunk")
+    for entries in ([wide, long_], [long_, wide]):
+        t = tuning.TuningTable.from_dict({"schema": 1, "entries": entries})
+        assert t.lookup("rglru", "bfloat16", 4, 2048, 2560) is wide
+        assert t.lookup("rglru", "bfloat16", 1, 8192, 2560) is long_
+        assert t.lookup("rglru", "bfloat16", 1, 8192, 2048) is long_        # the 400m width
+        assert t.lookup("rglru", "bfloat16", 16, 4096, 2560) is wide        # the prefill
+        assert t.lookup("rglru", "bfloat16", 1, 16384, 2560) is long_
+        assert t.lookup("samu", "bfloat16", 1, 8192, 2560) is None
+        assert t.lookup("rglru", "float32", 1, 8192, 2560) is None
+
+
 def test_inexact_and_failing_candidates_are_recorded_and_left_out(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 

@@ -11,7 +11,8 @@ pair of names). Schema version 1:
         {"op": "rglru" | "samu" | "scan", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560,
          "backend": "chunk", "chunk_size": 32, "options": {...launcher keyword arguments...}}]}
 
-Lookup takes the entry of the same op and dtype nearest in log(B*T) and log(D) (cached).
+Lookup takes the entry of the same op and dtype nearest in log(B*T), log(D) and log(B)
+(cached).
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ class TuningTable:
             return None
 
         def dist(e):
-            return abs(math.log(max(e["B"] * e["T"], 1) / max(B * T, 1))) + abs(math.log(max(e["D"], 1) / max(D, 1)))
+            # the tokens, the width, and the batch alone: the serial kernels' programs
+            # are B x D / block, so B1 T8192 and B4 T2048 (equal tokens) run differently
+            return sum(abs(math.log(max(a, 1) / max(b, 1)))
+                       for a, b in ((e["B"] * e["T"], B * T), (e["D"], D), (e["B"], B)))
 
         return min(cands, key=dist)
 
