@@ -5,7 +5,6 @@ float64 (a peer in FP32 within PEER_GATE_TOL); a failed gate is a failed record.
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -224,8 +223,7 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
     for order, seq in measure.orders(list(case.variants)):
         for name in seq:
             cid = f"{case.tag()}-{name.replace(':', '-')}-{order}"
-            ours = name.startswith("ours")
-            reuse = runner.ok(f"{case.tag()}-{name.replace(':', '-')}-AB") if order == "BA" else None
+            ours, reuse = name.startswith("ours"), runner.twin(cid)
 
             def body(name=name, reuse=reuse):
                 call, gate = gated(case, name, s)
@@ -256,15 +254,12 @@ def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float
         run_case(runner, outcome.value, settings, bandwidth, device)
         del outcome
         measure.release(device)
-    recs = runner.finish(out_jsonl)
-    runner.say(f"{len(recs)} records")
-    return recs
+    return runner.finish(out_jsonl)
 
 
 def main(job):
-    env = json.loads(Path(job.input.environment).read_text())
     track(job.params["settings"], job.profile, job.params["records_dir"], job.output.records,
-          measure.copy_bandwidth(env), restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
+          measure.copy_bandwidth(job.load("environment")), restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
 
 
 def standalone(argv) -> None:

@@ -3,15 +3,11 @@ in the mixer, one kernels.models.train_step of 8192 tokens. Diagnostics (every g
 backend) first, then the comparison (each mixer's fastest exact backend, fresh runs),
 last the slow PyTorch reference and the official peer, so a spent budget cuts those."""
 
-import json
-from pathlib import Path
-
-from common import cases, measure, stage
+from common import cases, measure, stage, training
 from common.cases import chunk_variants, opt_tag
 from common.training import Setup
 
 import kernels
-from kernels import parity
 
 
 def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
@@ -73,11 +69,10 @@ def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate,
 def main(job):
     settings = job.params["settings"]
     device = measure.device_of()
-    gates = json.loads(Path(job.input.gates).read_text())
-    env = json.loads(Path(job.input.environment).read_text())
+    gates = job.load("gates")
 
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
-    matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
+    matmul_rate, peak_rate = measure.matmul_rate(job.load("environment")), settings.get("peak_flop_per_s")
     runner = measure.Runner.for_job(job, "train", settings, device)
     mixers = settings["mixers"]
     shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
@@ -85,13 +80,9 @@ def main(job):
     diag_shapes = shapes if diag == "all" else [(d["preset"], d["T"], d["B"]) for d in diag]
     ref_lim, off = settings.get("reference", {}), settings.get("official", {})
 
-    def base(preset, T, B, mixer):
-        return {"shapes": {"preset": preset, "T": T, "B": B, "vocab": settings["vocab"]}, "mixer": mixer,
-                "dtype": settings.get("autocast") or "float32"}
-
     def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, **fields):
         """Time the step with backend `name` ("auto": the tuning table), reusing the AB counts in BA."""
-        reuse = runner.ok(cid[:-2] + "AB") if cid.endswith("-BA") else None
+        reuse = runner.twin(cid)
 
         def make_at(t):
             return Setup(preset, mixer, t, B, settings, device,
@@ -101,7 +92,7 @@ def main(job):
             return timed(lambda: make_at(T), reps, warmup, settings, device, matmul_rate, peak_rate, reuse,
                          (make_at, T) if name == "reference" else None)
 
-        runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=cid[-2:], **fields)
+        runner.run(cid, body, **training.identity(preset, T, B, mixer, settings), backend=name, options=opts, order=cid[-2:], **fields)
 
     # On a GPU the PyTorch per-step reference is the slow one; on the CPU it is what
     # the architecture comparison measures, so it runs first there.
@@ -112,9 +103,7 @@ def main(job):
         for preset, T, B in diag_shapes:
             items = [(mx, name, opts) for mx in mixers for name, opts in backend_variants(mx, settings, gates, device)
                      if (name in slow_names) == slow]
-            for order, seq in measure.orders(items):
-                if order not in settings.get("diagnostic_orders", ["AB", "BA"]):
-                    continue
+            for order, seq in measure.orders(items, settings.get("diagnostic_orders", ["AB", "BA"])):
                 for mixer, name, opts in seq:
                     diagnostic(preset, T, B, order, seq, mixer, name, opts)
             if slow and "rglru" in mixers and preset in off.get("presets", []) and T <= off.get("max_T", 0):
@@ -135,16 +124,14 @@ def main(job):
         cid = f"train-peer-{preset}-T{T}-B{B}-rglru-official"
 
         def peer_body():
-            try:
-                parity.load_official()
-            except ImportError as e:
-                raise measure.Skip(f"recurrentgemma not installed ({e})") from None
+            cases.load_official()
+
             def at(t):
                 return Setup(preset, "rglru", t, B, settings, device, official=True)
             return timed(lambda: at(T), off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate,
                          peak_rate, count_at=(at, T))
 
-        runner.run(cid, peer_body, **base(preset, T, B, "rglru"), backend="peer:recurrentgemma", options={},
+        runner.run(cid, peer_body, **training.identity(preset, T, B, "rglru", settings), backend="peer:recurrentgemma", options={},
                    role="peer", exact=True)
 
     diagnostics(slow=False)
@@ -155,7 +142,7 @@ def main(job):
         for mixer in mixers:
             recs = (runner.ok(rid) for rid in list(runner.done))
             cands = [r for r in recs if r and r.get("role") == "diagnostic" and r["mixer"] == mixer and r.get("exact")
-                     and (r["shapes"].get("preset"), r["shapes"].get("T"), r["shapes"].get("B")) == (preset, T, B)
+                     and training.shape_of(r) == (preset, T, B)
                      and cases.exact_backend_names(mixer, [r["backend"]], gates, inexact)]
             if cands:
                 best = min(cands, key=lambda r: r["stats"]["median_ms"])
@@ -170,8 +157,7 @@ def main(job):
                          name, opts, settings["fresh_reps"], settings["warmup"], role="fresh", exact=True,
                          selected_from=sel, selected_by=why, sequence=list(seq))
     diagnostics(slow=True)
-    recs = runner.finish(job.output.records)
-    print(f"track_train: {len(recs)} records", flush=True)
+    runner.finish(job.output.records)
 
 
 if __name__ == "__main__":

@@ -202,9 +202,8 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
 def main(job):
     settings = job.params["settings"]
     device = measure.device_of()
-    gates = json.loads(open(job.input.gates).read())
     runner = measure.Runner.for_job(job, "tune", settings, device)
-    entries = tune_ops(runner, settings, gates, device)
+    entries = tune_ops(runner, settings, job.load("gates"), device)
     decode = tune_decode(runner, settings, device)
     gpu = facts.gpu()
     doc = {"schema": 1, "profile": job.profile, "gpu": gpu["name"] if gpu else None, "device": device.type,

@@ -10,6 +10,7 @@ import csv
 import gc
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -327,10 +328,11 @@ def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
     return f
 
 
-def orders(names: Sequence) -> list[tuple[str, list]]:
-    """Both run orders of a comparison: ("AB", names) then ("BA", reversed)."""
+def orders(names: Sequence, keep: Sequence = ("AB", "BA")) -> list[tuple[str, list]]:
+    """Both run orders of a comparison, those in `keep`: ("AB", names) then ("BA", reversed)."""
     names = list(names)
-    return [("AB", names)] if len(names) < 2 else [("AB", names), ("BA", names[::-1])]
+    both = [("AB", names)] if len(names) < 2 else [("AB", names), ("BA", names[::-1])]
+    return [(o, seq) for o, seq in both if o in keep]
 
 
 def count_kernels(events) -> dict:
@@ -618,6 +620,11 @@ class Runner:
     def ok(self, config_id: str) -> dict | None:
         return rec if (rec := self.get(config_id)) is not None and rec["status"] == STATUS_OK else None
 
+    def twin(self, config_id: str) -> dict | None:
+        """The successful AB record of a BA configuration, whose logical counts the BA run reuses."""
+        ab = re.sub(r"-BA(?=-|$)", "-AB", config_id)
+        return self.ok(ab) if ab != config_id else None
+
     def run(self, config_id: str, body: Callable[[], dict], **fields) -> dict | None:
         """Record `body()`'s fields (or its failure); the record, or None when skipped."""
         return self.run_group([config_id], lambda: {config_id: body() or {}}, {config_id: fields}).get(config_id)
@@ -666,4 +673,6 @@ class Runner:
         if self.skipped:
             self.say(f"time budget spent: {len(self.skipped)} configurations not run: {self.skipped}")
         ids = [c for c in dict.fromkeys(self.planned) if c in self.done]
-        return records.collect(self.dir, out_jsonl, profile=self.profile, ids=ids)
+        recs = records.collect(self.dir, out_jsonl, profile=self.profile, ids=ids)
+        self.say(f"{len(recs)} records")
+        return recs
