@@ -25,38 +25,33 @@ def nvml_facts() -> dict:
     except pynvml.NVMLError as e:
         return {"available": False, "reason": f"NVML: {e}", "devices": []}
 
-    def q(fn, *args):
+    def q(fn, *args, then=lambda v: v):
+        """fn(*args) passed to `then`; None where the device does not support it."""
         try:
             v = fn(*args)
         except (pynvml.NVMLError, AttributeError):
             return None
-        return v.decode() if isinstance(v, bytes) else v
+        return then(v.decode() if isinstance(v, bytes) else v)
 
     try:
-        cuda = q(pynvml.nvmlSystemGetCudaDriverVersion)
-        out = {"available": True, "driver_version": q(pynvml.nvmlSystemGetDriverVersion),
-               "cuda_driver_version": None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
-               "nvml_version": q(pynvml.nvmlSystemGetNVMLVersion), "devices": []}
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = q(pynvml.nvmlDeviceGetMemoryInfo, h)
-            cc = q(pynvml.nvmlDeviceGetCudaComputeCapability, h)
-            ecc = q(pynvml.nvmlDeviceGetEccMode, h)
-            power = q(pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
-            n = pynvml
+        n = pynvml
+        out = {"available": True, "driver_version": q(n.nvmlSystemGetDriverVersion),
+               "cuda_driver_version": q(n.nvmlSystemGetCudaDriverVersion, then=lambda v: f"{v // 1000}.{v % 1000 // 10}"),
+               "nvml_version": q(n.nvmlSystemGetNVMLVersion), "devices": []}
+        for i in range(n.nvmlDeviceGetCount()):
+            h = n.nvmlDeviceGetHandleByIndex(i)
             clocks = {f"{label}{kind}_mhz": q(fn, h, clock)
                       for label, clock in (("sm", n.NVML_CLOCK_SM), ("memory", n.NVML_CLOCK_MEM))
                       for kind, fn in (("", n.nvmlDeviceGetClockInfo), ("_max", n.nvmlDeviceGetMaxClockInfo))}
-            persistence = q(n.nvmlDeviceGetPersistenceMode, h)
             out["devices"].append({
                 "index": i, "name": q(n.nvmlDeviceGetName, h), "uuid": q(n.nvmlDeviceGetUUID, h),
-                "compute_capability": None if cc is None else f"{cc[0]}.{cc[1]}",
-                "memory_total_bytes": None if mem is None else mem.total,
-                "memory_used_bytes": None if mem is None else mem.used, "clocks": clocks,
-                "power_limit_w": None if power is None else power / 1000.0,
-                "ecc_mode_current": None if ecc is None else bool(ecc[0]),
-                "ecc_mode_pending": None if ecc is None else bool(ecc[1]),
-                "persistence_mode": None if persistence is None else bool(persistence),
+                "compute_capability": q(n.nvmlDeviceGetCudaComputeCapability, h, then=lambda cc: f"{cc[0]}.{cc[1]}"),
+                "memory_total_bytes": q(n.nvmlDeviceGetMemoryInfo, h, then=lambda m: m.total),
+                "memory_used_bytes": q(n.nvmlDeviceGetMemoryInfo, h, then=lambda m: m.used), "clocks": clocks,
+                "power_limit_w": q(n.nvmlDeviceGetEnforcedPowerLimit, h, then=lambda mw: mw / 1000.0),
+                "ecc_mode_current": q(n.nvmlDeviceGetEccMode, h, then=lambda ecc: bool(ecc[0])),
+                "ecc_mode_pending": q(n.nvmlDeviceGetEccMode, h, then=lambda ecc: bool(ecc[1])),
+                "persistence_mode": q(n.nvmlDeviceGetPersistenceMode, h, then=bool),
                 "temperature_c": q(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU),
                 "pcie_link_gen_max": q(n.nvmlDeviceGetMaxPcieLinkGeneration, h)})
         return out

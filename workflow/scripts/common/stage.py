@@ -141,6 +141,14 @@ def log_to(path: str | None):
                 os.close(fd)
 
 
+def docker_runner():
+    path = REPO_ROOT / "containers" / "docker_runner.py"
+    spec = importlib.util.spec_from_file_location("kernels_docker_runner", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def pin_gpu(job: Job) -> None:
     """Give a GPU stage its devices (common/devices.py), log which, and restart the
     process with them visible (start_process; the claim's locks stay held)."""
@@ -169,10 +177,7 @@ def _run_in_docker(job: Job) -> None:
     atomic.write_text(job_file, text)
     print(f"[stage] running {job.rule} in docker image {container['image']}", flush=True)
     env = {IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ}}
-    spec = importlib.util.spec_from_file_location("kernels_docker_runner", REPO_ROOT / "containers" / "docker_runner.py")
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
-    status = runner.run(container["image"], ["python", job.script, "--job", str(job_file)], repo=REPO_ROOT,
+    status = docker_runner().run(container["image"], ["python", job.script, "--job", str(job_file)], repo=REPO_ROOT,
                                  results=results, env=env,
                                  gpus=visible.split(",") if (visible := os.environ.get("CUDA_VISIBLE_DEVICES"))
                                  else bool(gpu_names()))
