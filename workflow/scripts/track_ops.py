@@ -6,6 +6,7 @@ float64 (a peer in FP32 within PEER_GATE_TOL); a failed gate is a failed record.
 import argparse
 import copy
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -187,17 +188,14 @@ def plan(s: dict, device):
     for preset in s["presets"]:
         c = HawkConfig.preset(preset)
         for mode in s["modes"]:
-            for op in s["ops"]:
-                if op == "rglru_layer":
-                    out.append(lambda p=preset, c=c, m=mode: layer_case(p, c.lru_width, c.gate_blocks, m, s, device, dtype))
-                else:
-                    out.append(lambda o=op, p=preset, c=c, m=mode: op_case(o, p, c.lru_width, m, s, device, dtype))
+            out += [partial(layer_case, preset, c.lru_width, c.gate_blocks, mode, s, device, dtype)
+                    if op == "rglru_layer" else partial(op_case, op, preset, c.lru_width, mode, s, device, dtype)
+                    for op in s["ops"]]
     dec = s.get("decode") or {}
     if dec:
         c = HawkConfig.preset(dec["preset"])
-        for op in dec["ops"]:
-            for B in dec["batches"]:
-                out.append(lambda o=op, b=B: step_case(o, b, c.lru_width, c.gate_blocks, {**s, **dec}, device, dtype))
+        out += [partial(step_case, op, B, c.lru_width, c.gate_blocks, {**s, **dec}, device, dtype)
+                for op in dec["ops"] for B in dec["batches"]]
     return out
 
 

@@ -117,15 +117,10 @@ def worker(job_file: str) -> None:
                             lock_clocks=job.lock_clocks) if rank == 0 else None
     budget = measure.Budget(fs["budget_s"])
 
-    def make(item):
-        name = item["backend"]
-        backend = tuned if name == "auto" else kernels.Backend(name, **item["options"])
-        s = Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
-                              backend=backend)
-        return fsdp.distribute(s, rank, world, param_dtype)
-
     def timed_rank(item, count: bool) -> dict:
-        s = make(item)
+        backend = tuned if item["backend"] == "auto" else kernels.Backend(item["backend"], **item["options"])
+        s = fsdp.distribute(Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
+                                  backend=backend), rank, world, param_dtype)
         try:
             # No time budget inside a configuration: every rank must take the same steps.
             m = measure.measure(s.step, fs["reps"], fs["warmup"], device, count=count)

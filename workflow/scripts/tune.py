@@ -179,11 +179,10 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
                         "cuda_graph": graph}
 
             def probe(name, opts):
-                ref_state, got_state = state0.clone(), state0.clone()
+                ref, got = make_step("reference", {}), make_step(name, opts)
                 xr = xg = args[0]
                 for _ in range(4):
-                    xr = fns["reference"](xr, *args[1:], ref_state, None)
-                    xg = fns[name](xg, *args[1:], got_state, None, **opts, **(table if name != "reference" else {}))
+                    xr, xg = ref(xr), got(xg)
                 checked({"decode output after 4 steps": rel_err(xg, xr)}, tol)
                 f, step = trajectories(name, opts), make_step(name, opts)
                 logical = measure.logical_counts(lambda: step(args[0]), device)
