@@ -8,7 +8,10 @@ import re
 import subprocess
 import sys
 
+import torch
+
 from common import atomic, facts, records, stage
+from common.measure import copy_timing, ncu_path, time_fn
 
 COUNTER_METRICS = ("dram__bytes_read.sum", "lts__t_bytes.sum", "sm__warps_active.avg.pct_of_peak_sustained_active")
 NCU_TIMEOUT_S = 300
@@ -86,10 +89,6 @@ def _tool_version(cmd: list[str]) -> str | None:
 
 
 def software_facts() -> dict:
-    import torch
-
-    from common.measure import ncu_path
-
     out = {**facts.versions(), "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
            "nvcc": _tool_version(["nvcc", "--version"]), "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
            "triton_interpret": os.environ.get("TRITON_INTERPRET")}
@@ -104,10 +103,6 @@ def software_facts() -> dict:
 
 def measure(device: str, settings: dict) -> dict:
     """The two ceilings later stages divide by (copy bandwidth counts bytes read + written)."""
-    import torch
-
-    from common.measure import copy_timing, time_fn
-
     reps, n_bytes, n = settings["reps"], settings["copy_bytes"], settings["matmul_n"]
     copy, copy_bps = copy_timing(n_bytes, reps, device)
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -171,8 +166,6 @@ def counter_check(has_gpu: bool) -> dict:
     base = {"tool": "ncu", "metrics": list(COUNTER_METRICS)}
     if not has_gpu:
         return {**base, "counters_available": False, "reason": "no GPU: hardware counters not applicable"}
-    from common.measure import ncu_path
-
     ncu = ncu_path()
     if ncu is None:
         return {**base, "counters_available": False, "reason": "ncu (Nsight Compute) not found on PATH"}
@@ -191,8 +184,6 @@ def counter_check(has_gpu: bool) -> dict:
 
 
 def main(job):
-    import torch
-
     has_gpu = torch.cuda.is_available()
     gpu = nvml_facts()
     inside = any(os.environ.get(v) for v in (stage.IN_CONTAINER, "APPTAINER_CONTAINER", "SINGULARITY_CONTAINER"))

@@ -61,11 +61,8 @@ def main(argv=None) -> int:
     problems = verify(args.artifact)
     for p in problems:
         print(f"FAIL {p}")
-    if problems:
-        print(f"{args.artifact}: {len(problems)} problem(s)")
-        return 1
-    print(f"{args.artifact}: OK")
-    return 0
+    print(f"{args.artifact}: {len(problems)} problem(s)" if problems else f"{args.artifact}: OK")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
