@@ -115,7 +115,7 @@ def worker(job_file: str) -> None:
     items = plan(settings, records.read_jsonl(job.input.single))
     runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device,
                             lock_clocks=job.lock_clocks) if rank == 0 else None
-    budget = measure.Budget(fs["budget_s"])
+    exhausted = measure.deadline(fs["budget_s"])
 
     def timed_rank(item, count: bool) -> dict:
         backend = tuned if item["backend"] == "auto" else kernels.Backend(item["backend"], **item["options"])
@@ -144,7 +144,7 @@ def worker(job_file: str) -> None:
     marker = work / "current.json"
     for item in items:
         cid = item["config_id"]
-        go = fsdp.broadcast(cid not in runner.done and not budget.exhausted() if rank == 0 else None)
+        go = fsdp.broadcast(cid not in runner.done and not exhausted() if rank == 0 else None)
         if rank == 0 and not go and cid not in runner.done:
             skipped.append(cid)
         if not go:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -581,15 +581,11 @@ def reexec(job, max_restarts: int = 8) -> None:
     os.execve(sys.executable, [sys.executable, job.script, "--job", str(path)], {**os.environ, RESTARTS_ENV: str(n)})
 
 
-@dataclass
-class Budget:
-    """Wall-clock budget of a stage: configurations not started in time stay unrecorded."""
-
-    seconds: float | None
-    start: float = field(default_factory=time.perf_counter)
-
-    def exhausted(self) -> bool:
-        return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
+def deadline(seconds: float | None) -> Callable[[], bool]:
+    """Whether a stage's wall-clock budget of `seconds` from now is spent (never without one):
+    configurations not started in time stay unrecorded."""
+    end = math.inf if seconds is None else time.perf_counter() + seconds
+    return lambda: time.perf_counter() >= end
 
 
 class Runner:
@@ -598,7 +594,7 @@ class Runner:
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
                  restart: Callable[[], None] | None = None, lock_clocks: bool = False):
         self.stage, self.profile, self.dir, self.device = stage, profile, Path(records_dir), device_of(device)
-        self.budget, self.restart = Budget(budget_s), restart
+        self.exhausted, self.restart = deadline(budget_s), restart
         self.done = records.done_ids(self.dir, profile)
         self.planned, self.skipped = [], []
         self.clocks = clocks(self.device)
@@ -635,7 +631,7 @@ class Runner:
             raise ValueError(f"configuration {twice[0]!r} planned twice in stage {self.stage}")
         self.planned += config_ids
         pending = [c for c in config_ids if c not in self.done]
-        if pending and self.budget.exhausted():
+        if pending and self.exhausted():
             self.skipped += pending
         elif pending:
             t0 = time.perf_counter()
