@@ -39,7 +39,8 @@ def nvml_facts() -> dict:
     try:
         n = pynvml
         out = {"available": True, "driver_version": q(n.nvmlSystemGetDriverVersion),
-               "cuda_driver_version": q(n.nvmlSystemGetCudaDriverVersion, then=lambda v: f"{v // 1000}.{v % 1000 // 10}"),
+               "cuda_driver_version": q(n.nvmlSystemGetCudaDriverVersion,
+                                        then=lambda v: f"{v // 1000}.{v % 1000 // 10}"),
                "nvml_version": q(n.nvmlSystemGetNVMLVersion), "devices": []}
         for i in range(n.nvmlDeviceGetCount()):
             h = n.nvmlDeviceGetHandleByIndex(i)

@@ -257,7 +257,8 @@ def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float
 
 def main(job):
     track(job.params["settings"], job.profile, job.params["records_dir"], job.output.records,
-          measure.copy_bandwidth(job.load("environment")), restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
+          measure.copy_bandwidth(job.load("environment")), restart=lambda: measure.reexec(job),
+          lock_clocks=job.lock_clocks)
 
 
 def standalone(argv) -> None:

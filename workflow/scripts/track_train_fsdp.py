@@ -52,9 +52,9 @@ def plan(settings: dict, single: list[dict]) -> list[dict]:
 
 def identity(item: dict, settings: dict) -> dict:
     """The fields that name a configuration in its record."""
-    return {**training.identity(item["preset"], item["T"], item["B"], item["mixer"], settings), "backend": item["backend"],
-            "options": item["options"], "order": item["order"], "role": "fsdp", "exact": True,
-            "sequence": item["sequence"], "world_size": settings["world_size"],
+    return {**training.identity(item["preset"], item["T"], item["B"], item["mixer"], settings),
+            "backend": item["backend"], "options": item["options"], "order": item["order"], "role": "fsdp",
+            "exact": True, "sequence": item["sequence"], "world_size": settings["world_size"],
             "selected_from": sorted(r["config_id"] for r in item["single"]),
             "selected_by": "the single-GPU architecture comparison's backend" if item["single"]
             else "tuning table (no single-GPU record at this preset and shape)"}
