@@ -34,9 +34,7 @@ def context(c: dict) -> str:
 
 
 def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3e}"
-    return "" if v is None else str(v)
+    return f"{v:.3e}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 def markdown(doc: dict) -> str:

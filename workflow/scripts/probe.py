@@ -11,7 +11,7 @@ import sys
 import torch
 
 from common import atomic, facts, records, stage
-from common.measure import copy_timing, ncu_path, time_fn
+from common.measure import copy_timing, ncu_path, number, time_fn
 
 COUNTER_METRICS = ("dram__bytes_read.sum", "lts__t_bytes.sum", "sm__warps_active.avg.pct_of_peak_sustained_active")
 NCU_TIMEOUT_S = 300
@@ -150,17 +150,8 @@ def ncu_metric_values(output: str) -> dict:
     if header is None:
         return {}
     name, value = header.index("Metric Name"), header.index("Metric Value")
-    out = {}
-    for r in rows:
-        if r is header or len(r) <= max(name, value):
-            continue
-        v = r[value].replace(",", "")
-        try:
-            float(v)
-        except ValueError:
-            continue
-        out[r[name]] = v
-    return out
+    return {r[name]: r[value].replace(",", "") for r in rows
+            if r is not header and len(r) > max(name, value) and number(r[value]) is not None}
 
 
 def counter_check(has_gpu: bool) -> dict:

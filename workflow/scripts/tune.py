@@ -26,7 +26,6 @@ def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: s
     """Every combination of the options the launcher accepts (outside `fixed`) in the grid
     for "op/name", else "name", else "*"; a list of grids (options that only make sense
     together) is their union without repeats."""
-    grids = grids or {}
     found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
     params, var_kw = cases.signature(fn)
     out = []

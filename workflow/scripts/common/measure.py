@@ -427,11 +427,12 @@ def parse_ncu_csv(text: str) -> list[dict]:
         name = r.get("Kernel Name") or r.get("Function Name") or ""
         if not name or name.startswith("nvtx") or r.get("ID", "").strip() == "":
             continue
-        out.append({"name": name, **{key: _number(r.get(metric)) for key, metric in NCU_METRICS.items()}})
+        out.append({"name": name, **{key: number(r.get(metric)) for key, metric in NCU_METRICS.items()}})
     return out
 
 
-def _number(text: str | None) -> float | None:
+def number(text: str | None) -> float | None:
+    """A number as Nsight Compute prints it (thousands separated by commas), or None."""
     try:
         return float((text or "").replace(",", "").strip())
     except ValueError:
