@@ -10,8 +10,8 @@ import tarfile
 from pathlib import Path
 
 from common import atomic, facts, stage
+from common.artifact import MANIFEST, sha256, verify
 from common.stage import COMMAND_LINE
-from verify_archive import MANIFEST, sha256, verify
 
 SKIP_PARTS = {".tmp", "records.d"}
 # The folders of results/ that this run's rules write (stage outputs, logs, benchmarks).
