@@ -270,17 +270,17 @@ def test_counter_check_recognises_failures():
 
 def test_archive_bytes_are_reproducible_and_tamper_is_caught(tmp_path):
     import archive
-    import verify_archive
+    from common import artifact
 
     entries = {"results/b.txt": b"b", "results/a/x.json": b"{}", "config/config.yaml": b"profile: auto\n"}
-    manifest = {"files": {n: {"sha256": verify_archive.sha256(d), "bytes": len(d)} for n, d in entries.items()}}
+    manifest = {"files": {n: {"sha256": artifact.sha256(d), "bytes": len(d)} for n, d in entries.items()}}
     entries["MANIFEST.json"] = json.dumps(manifest).encode()
     one = archive.build(dict(entries), "artifact-x", 1_700_000_000)
     two = archive.build(dict(reversed(list(entries.items()))), "artifact-x", 1_700_000_000)
     assert one == two
     path = tmp_path / "artifact-x.tar.gz"
     path.write_bytes(one)
-    assert verify_archive.verify(path) == []
+    assert artifact.verify(path) == []
     with tarfile.open(path) as tar:
         names = tar.getnames()
         assert names == sorted(names) and all(m.mtime == 1_700_000_000 and m.uid == 0 for m in tar)
@@ -288,13 +288,13 @@ def test_archive_bytes_are_reproducible_and_tamper_is_caught(tmp_path):
 
     tampered = dict(entries, **{"results/b.txt": b"B"})
     path.write_bytes(archive.build(tampered, "artifact-x", 1_700_000_000))
-    assert verify_archive.verify(path) == ["content differs from the manifest: results/b.txt"]
+    assert artifact.verify(path) == ["content differs from the manifest: results/b.txt"]
     extra = dict(entries, **{"results/new.txt": b"?"})
     path.write_bytes(archive.build(extra, "artifact-x", 1_700_000_000))
-    assert verify_archive.verify(path) == ["not in the manifest: results/new.txt"]
+    assert artifact.verify(path) == ["not in the manifest: results/new.txt"]
     fewer = {k: v for k, v in entries.items() if k != "results/b.txt"}
     path.write_bytes(archive.build(fewer, "artifact-x", 1_700_000_000))
-    assert verify_archive.verify(path) == ["missing: results/b.txt"]
+    assert artifact.verify(path) == ["missing: results/b.txt"]
     cli = subprocess.run([sys.executable, str(REPO / "workflow/scripts/verify_archive.py"), str(path)],
                          capture_output=True, text=True)
     assert cli.returncode == 1 and "FAIL missing: results/b.txt" in cli.stdout

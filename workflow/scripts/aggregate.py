@@ -420,9 +420,7 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
 
 
 def main(job):
-    env = json.loads(Path(job.input.environment).read_text())
-    gates = json.loads(Path(job.input.gates).read_text())
-    table = json.loads(Path(job.input.table).read_text())
+    env, gates, table = job.load("environment"), job.load("gates"), job.load("table")
     recs = [r for path in job.input.records for r in records.read_jsonl(path)]
     df = add_floor(flatten(recs), env.get("measured", {}).get("copy_bandwidth_bytes_per_s"))
     cmp_df = comparison(df)

@@ -4,15 +4,14 @@ nameless gzip header make the same results give the same bytes; the stage verifi
 
 import gzip
 import io
-import json
 import os
 import subprocess
 import tarfile
 from pathlib import Path
 
 from common import atomic, facts, stage
+from common.artifact import MANIFEST, sha256, verify
 from common.stage import COMMAND_LINE
-from verify_archive import MANIFEST, sha256, verify
 
 SKIP_PARTS = {".tmp", "records.d"}
 # The folders of results/ that this run's rules write (stage outputs, logs, benchmarks).
@@ -55,7 +54,7 @@ def main(job):
     manifest = {"schema": 1, "artifact": artifact.name, "profile": job.profile, "commit": commit, "config": job.config,
                 "container": {"runtime": job.params["runtime"], "image": job.params["image"]},
                 "command_line": os.environ.get(COMMAND_LINE),
-                "probe": json.loads(Path(job.input.environment).read_text()),
+                "probe": job.load("environment"),
                 "files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in sorted(entries.items())}}
     entries[MANIFEST] = (atomic.dumps(manifest) + "\n").encode()
     prefix = artifact.name.removesuffix(".tar.gz")

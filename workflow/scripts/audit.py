@@ -3,15 +3,15 @@ at the profile's shapes and dtypes. Any failure exits non-zero, so no timing sta
 
 import sys
 
+import torch
+
 from common import atomic, facts, records, stage
+
+from kernels import parity
 
 
 def run_checks(settings: dict) -> list[dict]:
     """Every gate per dtype: backend gates once, official-parity modules per model backend."""
-    import torch
-
-    from kernels import parity
-
     device = settings["device"]
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the profile's audit runs on cuda but no GPU is visible; pick the cpu-smoke profile")
@@ -34,9 +34,7 @@ def context(c: dict) -> str:
 
 
 def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3e}"
-    return "" if v is None else str(v)
+    return f"{v:.3e}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 def markdown(doc: dict) -> str:

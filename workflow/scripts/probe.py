@@ -8,7 +8,10 @@ import re
 import subprocess
 import sys
 
+import torch
+
 from common import atomic, facts, records, stage
+from common.measure import copy_timing, ncu_path, number, time_fn
 
 COUNTER_METRICS = ("dram__bytes_read.sum", "lts__t_bytes.sum", "sm__warps_active.avg.pct_of_peak_sustained_active")
 NCU_TIMEOUT_S = 300
@@ -25,38 +28,34 @@ def nvml_facts() -> dict:
     except pynvml.NVMLError as e:
         return {"available": False, "reason": f"NVML: {e}", "devices": []}
 
-    def q(fn, *args):
+    def q(fn, *args, then=lambda v: v):
+        """fn(*args) passed to `then`; None where the device does not support it."""
         try:
             v = fn(*args)
         except (pynvml.NVMLError, AttributeError):
             return None
-        return v.decode() if isinstance(v, bytes) else v
+        return then(v.decode() if isinstance(v, bytes) else v)
 
     try:
-        cuda = q(pynvml.nvmlSystemGetCudaDriverVersion)
-        out = {"available": True, "driver_version": q(pynvml.nvmlSystemGetDriverVersion),
-               "cuda_driver_version": None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
-               "nvml_version": q(pynvml.nvmlSystemGetNVMLVersion), "devices": []}
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = q(pynvml.nvmlDeviceGetMemoryInfo, h)
-            cc = q(pynvml.nvmlDeviceGetCudaComputeCapability, h)
-            ecc = q(pynvml.nvmlDeviceGetEccMode, h)
-            power = q(pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
-            n = pynvml
+        n = pynvml
+        out = {"available": True, "driver_version": q(n.nvmlSystemGetDriverVersion),
+               "cuda_driver_version": q(n.nvmlSystemGetCudaDriverVersion,
+                                        then=lambda v: f"{v // 1000}.{v % 1000 // 10}"),
+               "nvml_version": q(n.nvmlSystemGetNVMLVersion), "devices": []}
+        for i in range(n.nvmlDeviceGetCount()):
+            h = n.nvmlDeviceGetHandleByIndex(i)
             clocks = {f"{label}{kind}_mhz": q(fn, h, clock)
                       for label, clock in (("sm", n.NVML_CLOCK_SM), ("memory", n.NVML_CLOCK_MEM))
                       for kind, fn in (("", n.nvmlDeviceGetClockInfo), ("_max", n.nvmlDeviceGetMaxClockInfo))}
-            persistence = q(n.nvmlDeviceGetPersistenceMode, h)
             out["devices"].append({
                 "index": i, "name": q(n.nvmlDeviceGetName, h), "uuid": q(n.nvmlDeviceGetUUID, h),
-                "compute_capability": None if cc is None else f"{cc[0]}.{cc[1]}",
-                "memory_total_bytes": None if mem is None else mem.total,
-                "memory_used_bytes": None if mem is None else mem.used, "clocks": clocks,
-                "power_limit_w": None if power is None else power / 1000.0,
-                "ecc_mode_current": None if ecc is None else bool(ecc[0]),
-                "ecc_mode_pending": None if ecc is None else bool(ecc[1]),
-                "persistence_mode": None if persistence is None else bool(persistence),
+                "compute_capability": q(n.nvmlDeviceGetCudaComputeCapability, h, then=lambda cc: f"{cc[0]}.{cc[1]}"),
+                "memory_total_bytes": q(n.nvmlDeviceGetMemoryInfo, h, then=lambda m: m.total),
+                "memory_used_bytes": q(n.nvmlDeviceGetMemoryInfo, h, then=lambda m: m.used), "clocks": clocks,
+                "power_limit_w": q(n.nvmlDeviceGetEnforcedPowerLimit, h, then=lambda mw: mw / 1000.0),
+                "ecc_mode_current": q(n.nvmlDeviceGetEccMode, h, then=lambda ecc: bool(ecc[0])),
+                "ecc_mode_pending": q(n.nvmlDeviceGetEccMode, h, then=lambda ecc: bool(ecc[1])),
+                "persistence_mode": q(n.nvmlDeviceGetPersistenceMode, h, then=bool),
                 "temperature_c": q(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU),
                 "pcie_link_gen_max": q(n.nvmlDeviceGetMaxPcieLinkGeneration, h)})
         return out
@@ -91,10 +90,6 @@ def _tool_version(cmd: list[str]) -> str | None:
 
 
 def software_facts() -> dict:
-    import torch
-
-    from common.measure import ncu_path
-
     out = {**facts.versions(), "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
            "nvcc": _tool_version(["nvcc", "--version"]), "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
            "triton_interpret": os.environ.get("TRITON_INTERPRET")}
@@ -109,10 +104,6 @@ def software_facts() -> dict:
 
 def measure(device: str, settings: dict) -> dict:
     """The two ceilings later stages divide by (copy bandwidth counts bytes read + written)."""
-    import torch
-
-    from common.measure import copy_timing, time_fn
-
     reps, n_bytes, n = settings["reps"], settings["copy_bytes"], settings["matmul_n"]
     copy, copy_bps = copy_timing(n_bytes, reps, device)
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -159,25 +150,14 @@ def ncu_metric_values(output: str) -> dict:
     if header is None:
         return {}
     name, value = header.index("Metric Name"), header.index("Metric Value")
-    out = {}
-    for r in rows:
-        if r is header or len(r) <= max(name, value):
-            continue
-        v = r[value].replace(",", "")
-        try:
-            float(v)
-        except ValueError:
-            continue
-        out[r[name]] = v
-    return out
+    return {r[name]: r[value].replace(",", "") for r in rows
+            if r is not header and len(r) > max(name, value) and number(r[value]) is not None}
 
 
 def counter_check(has_gpu: bool) -> dict:
     base = {"tool": "ncu", "metrics": list(COUNTER_METRICS)}
     if not has_gpu:
         return {**base, "counters_available": False, "reason": "no GPU: hardware counters not applicable"}
-    from common.measure import ncu_path
-
     ncu = ncu_path()
     if ncu is None:
         return {**base, "counters_available": False, "reason": "ncu (Nsight Compute) not found on PATH"}
@@ -196,8 +176,6 @@ def counter_check(has_gpu: bool) -> dict:
 
 
 def main(job):
-    import torch
-
     has_gpu = torch.cuda.is_available()
     gpu = nvml_facts()
     inside = any(os.environ.get(v) for v in (stage.IN_CONTAINER, "APPTAINER_CONTAINER", "SINGULARITY_CONTAINER"))

@@ -3,10 +3,8 @@ generation engine (CUDA graphs on a GPU) of the profile's preset: prefill (time 
 token), latency (one trajectory read at every length) and throughput (probes over batch
 sizes, extended while tokens/s rises, then the best on fresh trajectories), both orders."""
 
-import json
 import math
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -97,13 +95,6 @@ def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
     return min(cands, key=lambda e: (abs(math.log(max(e["B"], 1) / max(B, 1))), -e["B"]))
 
 
-def build_model(preset: str, mixer: str, settings: dict, device, backend="auto"):
-    torch.manual_seed(0)
-    cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
-    model = HawkLM(cfg, backend=backend, device=device, dtype=getattr(torch, settings["dtype"]))
-    return model.eval().requires_grad_(False)
-
-
 def extend_grid(probe_at, thr: dict) -> dict:
     """Probe the profile's batch sizes, then double B while tokens/s rises by more than
     `plateau_rise` up to `max_batch`; stop at the first failure; say why it ended."""
@@ -134,7 +125,7 @@ def extend_grid(probe_at, thr: dict) -> dict:
 def main(job):
     settings = job.params["settings"]
     device = measure.device_of()
-    table = json.loads(Path(job.input.table).read_text())
+    table = job.load("table")
     auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(table))
     runner = measure.Runner.for_job(job, "infer", settings, device)
     preset, mixers = settings["preset"], settings["mixers"]
@@ -145,7 +136,10 @@ def main(job):
         if mixer not in models:
             models.clear()
             measure.release(device)
-            models[mixer] = build_model(preset, mixer, settings, device, auto)
+            torch.manual_seed(0)
+            cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
+            models[mixer] = HawkLM(cfg, backend=auto, device=device, dtype=getattr(torch, settings["dtype"])
+                                   ).eval().requires_grad_(False)
         return models[mixer]
 
     def base(mixer, B, prompt):
@@ -154,7 +148,7 @@ def main(job):
 
     def group(prefix, mixer, B, prompt, lengths, reps, order, extra):
         ids = [f"{prefix}-N{n}" for n in lengths]
-        reuse = runner.ok(f"{prefix[:-2]}AB-N{lengths[0]}") if order == "BA" else None
+        reuse = runner.twin(ids[0])
 
         def body():
             m = model(mixer)
@@ -189,7 +183,7 @@ def main(job):
 
     pre = settings.get("prefill")
     if pre:
-        env = json.loads(Path(job.input.environment).read_text())
+        env = job.load("environment")
         for order, seq in measure.orders(mixers):
             for mixer in seq:
                 cid = f"infer-prefill-{preset}-P{pre['prompt']}-B{pre['batch']}-{mixer}-{order}"
@@ -225,8 +219,7 @@ def main(job):
                           thr.get("reps", 1), order,
                           {"role": "fresh", "sequence": list(seq), "selected_from": sel,
                            "selected_by": "highest probe tokens/s", "throughput_grid": plateau})
-    recs = runner.finish(job.output.records)
-    print(f"track_infer: {len(recs)} records", flush=True)
+    runner.finish(job.output.records)
 
 
 if __name__ == "__main__":

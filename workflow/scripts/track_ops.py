@@ -5,8 +5,8 @@ float64 (a peer in FP32 within PEER_GATE_TOL); a failed gate is a failed record.
 
 import argparse
 import copy
-import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -188,17 +188,14 @@ def plan(s: dict, device):
     for preset in s["presets"]:
         c = HawkConfig.preset(preset)
         for mode in s["modes"]:
-            for op in s["ops"]:
-                if op == "rglru_layer":
-                    out.append(lambda p=preset, c=c, m=mode: layer_case(p, c.lru_width, c.gate_blocks, m, s, device, dtype))
-                else:
-                    out.append(lambda o=op, p=preset, c=c, m=mode: op_case(o, p, c.lru_width, m, s, device, dtype))
+            out += [partial(layer_case, preset, c.lru_width, c.gate_blocks, mode, s, device, dtype)
+                    if op == "rglru_layer" else partial(op_case, op, preset, c.lru_width, mode, s, device, dtype)
+                    for op in s["ops"]]
     dec = s.get("decode") or {}
     if dec:
         c = HawkConfig.preset(dec["preset"])
-        for op in dec["ops"]:
-            for B in dec["batches"]:
-                out.append(lambda o=op, b=B: step_case(o, b, c.lru_width, c.gate_blocks, {**s, **dec}, device, dtype))
+        out += [partial(step_case, op, B, c.lru_width, c.gate_blocks, {**s, **dec}, device, dtype)
+                for op in dec["ops"] for B in dec["batches"]]
     return out
 
 
@@ -224,8 +221,7 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
     for order, seq in measure.orders(list(case.variants)):
         for name in seq:
             cid = f"{case.tag()}-{name.replace(':', '-')}-{order}"
-            ours = name.startswith("ours")
-            reuse = runner.ok(f"{case.tag()}-{name.replace(':', '-')}-AB") if order == "BA" else None
+            ours, reuse = name.startswith("ours"), runner.twin(cid)
 
             def body(name=name, reuse=reuse):
                 call, gate = gated(case, name, s)
@@ -256,15 +252,13 @@ def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float
         run_case(runner, outcome.value, settings, bandwidth, device)
         del outcome
         measure.release(device)
-    recs = runner.finish(out_jsonl)
-    runner.say(f"{len(recs)} records")
-    return recs
+    return runner.finish(out_jsonl)
 
 
 def main(job):
-    env = json.loads(Path(job.input.environment).read_text())
     track(job.params["settings"], job.profile, job.params["records_dir"], job.output.records,
-          measure.copy_bandwidth(env), restart=lambda: measure.reexec(job), lock_clocks=job.lock_clocks)
+          measure.copy_bandwidth(job.load("environment")), restart=lambda: measure.reexec(job),
+          lock_clocks=job.lock_clocks)
 
 
 def standalone(argv) -> None:

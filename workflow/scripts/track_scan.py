@@ -104,9 +104,8 @@ def collect_counters(job, items: list[dict], env: dict, settings: dict) -> dict:
 def main(job):
     settings = job.params["settings"]
     device = measure.device_of()
-    gates = json.loads(Path(job.input.gates).read_text())
-    env = json.loads(Path(job.input.environment).read_text())
-    items = plan(settings, gates)
+    env = job.load("environment")
+    items = plan(settings, job.load("gates"))
     profiled = [i for i in items if i["backend"] not in COUNTERS_SKIP]
     if os.environ.get(COUNTERS_PASS):
         counters_pass(profiled, settings, device)
@@ -116,12 +115,10 @@ def main(job):
     runner = measure.Runner.for_job(job, "scan", settings, device)
     inputs = Inputs(settings, device)
     for T in settings["T"]:
-        for order, seq in measure.orders([i for i in items if i["T"] == T]):
-            if order not in settings.get("orders", ["AB", "BA"]):
-                continue
+        for order, seq in measure.orders([i for i in items if i["T"] == T], settings.get("orders", ["AB", "BA"])):
             for item in seq:
                 slow = settings.get("slow", {}).get(item["backend"], {})
-                reuse = None if order == "AB" else runner.ok(config_id(item, settings, "AB"))
+                reuse = runner.twin(config_id(item, settings, order))
 
                 def body(item=item, slow=slow, reuse=reuse):
                     call, args = inputs.call(item)
@@ -139,8 +136,7 @@ def main(job):
                            sequence=[i["backend"] + opt_tag(i["options"]) + "/" + i["op"] for i in seq],
                            dtype=settings["dtype"], counters=counter,
                            counters_reason=None if counter else counters.get("_reason"))
-    recs = runner.finish(job.output.records)
-    print(f"track_scan: {len(recs)} records", flush=True)
+    runner.finish(job.output.records)
 
 
 if __name__ == "__main__":

@@ -3,29 +3,14 @@ in the mixer, one kernels.models.train_step of 8192 tokens. Diagnostics (every g
 backend) first, then the comparison (each mixer's fastest exact backend, fresh runs),
 last the slow PyTorch reference and the official peer, so a spent budget cuts those."""
 
-import json
-from pathlib import Path
-
-from common import cases, measure, stage
+from common import cases, measure, stage, training
 from common.cases import chunk_variants, opt_tag
 from common.training import Setup
 
 import kernels
-from kernels import parity
 
 
-def backend_variants(mixer: str, settings: dict, gates: dict | None, device) -> list[tuple[str, dict]]:
-    """(backend, options) diagnostics of one mixer; chunk sizes only on a GPU."""
-    fns = kernels.backends(mixer)
-    out = []
-    for name in cases.diagnostic_backend_names(mixer, fns, gates)[0]:
-        if settings.get("backends") and name not in settings["backends"]:
-            continue
-        variants = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]
-        out += [(name, opts) for opts in variants]
-    return out
-
-
+PEER = "peer:recurrentgemma"
 LINEAR_COUNTS = ("launches", "accounted_launches", "bytes_read", "bytes_written", "memcpy", "memset")
 
 
@@ -73,11 +58,9 @@ def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate,
 def main(job):
     settings = job.params["settings"]
     device = measure.device_of()
-    gates = json.loads(Path(job.input.gates).read_text())
-    env = json.loads(Path(job.input.environment).read_text())
-
+    gates, inexact = job.load("gates"), settings.get("inexact", [])
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
-    matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
+    matmul_rate, peak_rate = measure.matmul_rate(job.load("environment")), settings.get("peak_flop_per_s")
     runner = measure.Runner.for_job(job, "train", settings, device)
     mixers = settings["mixers"]
     shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
@@ -85,77 +68,61 @@ def main(job):
     diag_shapes = shapes if diag == "all" else [(d["preset"], d["T"], d["B"]) for d in diag]
     ref_lim, off = settings.get("reference", {}), settings.get("official", {})
 
-    def base(preset, T, B, mixer):
-        return {"shapes": {"preset": preset, "T": T, "B": B, "vocab": settings["vocab"]}, "mixer": mixer,
-                "dtype": settings.get("autocast") or "float32"}
-
-    def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, **fields):
-        """Time the step with backend `name` ("auto": the tuning table), reusing the AB counts in BA."""
-        reuse = runner.ok(cid[:-2] + "AB") if cid.endswith("-BA") else None
+    def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, order=None, **fields):
+        """Time the step with backend `name` ("auto": the tuning table, PEER: the official
+        model), reusing the AB counts in BA; a per-step loop is counted at short lengths."""
+        official, reuse = name == PEER, runner.twin(cid)
 
         def make_at(t):
-            return Setup(preset, mixer, t, B, settings, device,
-                         backend=tuned if name == "auto" else kernels.Backend(name, **opts))
+            backend = tuned if name == "auto" else "auto" if official else kernels.Backend(name, **opts)
+            return Setup(preset, mixer, t, B, settings, device, backend=backend, official=official)
 
         def body():
+            if official:
+                cases.load_official()
             return timed(lambda: make_at(T), reps, warmup, settings, device, matmul_rate, peak_rate, reuse,
-                         (make_at, T) if name == "reference" else None)
+                         (make_at, T) if name in ("reference", PEER) else None)
 
-        runner.run(cid, body, **base(preset, T, B, mixer), backend=name, options=opts, order=cid[-2:], **fields)
+        runner.run(cid, body, **training.identity(preset, T, B, mixer, settings), backend=name, options=opts,
+                   order=order, **fields)
 
     # On a GPU the PyTorch per-step reference is the slow one; on the CPU it is what
     # the architecture comparison measures, so it runs first there.
     slow_names = {"reference"} if device.type == "cuda" else set()
 
     def diagnostics(slow: bool):
-        """Diagnostics at every diagnostics shape: the slow PyTorch loops or the others."""
+        """Every gated backend (chunk sizes only on a GPU) at every diagnostics shape: the
+        slow PyTorch loops or the others."""
+        items = []
+        for mixer in mixers:
+            fns = kernels.backends(mixer)
+            for name in cases.diagnostic_backend_names(mixer, fns, gates)[0]:
+                if (name in slow_names) == slow and (not settings.get("backends") or name in settings["backends"]):
+                    opts = chunk_variants(name, fns[name], settings["chunk_sizes"]) if device.type == "cuda" else [{}]
+                    items += [(mixer, name, o) for o in opts]
         for preset, T, B in diag_shapes:
-            items = [(mx, name, opts) for mx in mixers for name, opts in backend_variants(mx, settings, gates, device)
-                     if (name in slow_names) == slow]
-            for order, seq in measure.orders(items):
-                if order not in settings.get("diagnostic_orders", ["AB", "BA"]):
-                    continue
+            for order, seq in measure.orders(items, settings.get("diagnostic_orders", ["AB", "BA"])):
                 for mixer, name, opts in seq:
-                    diagnostic(preset, T, B, order, seq, mixer, name, opts)
+                    reps, warmup = settings["reps"], settings["warmup"]
+                    if name == "reference":
+                        if T > ref_lim.get("max_T", 0) or preset not in ref_lim.get("presets", []):
+                            continue
+                        reps, warmup = ref_lim.get("reps", 1), ref_lim.get("warmup", 1)
+                    measured(f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}", preset, T, B,
+                             mixer, name, opts, reps, warmup, order, role="diagnostic",
+                             exact=name in cases.exact_backend_names(mixer, [name], gates, inexact),
+                             sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
             if slow and "rglru" in mixers and preset in off.get("presets", []) and T <= off.get("max_T", 0):
-                official_peer(preset, T, B)
-
-    def diagnostic(preset, T, B, order, seq, mixer, name, opts):
-        reps, warmup = settings["reps"], settings["warmup"]
-        if name == "reference":
-            if T > ref_lim.get("max_T", 0) or preset not in ref_lim.get("presets", []):
-                return
-            reps, warmup = ref_lim.get("reps", 1), ref_lim.get("warmup", 1)
-        measured(f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}", preset, T, B, mixer, name,
-                 opts, reps, warmup, role="diagnostic",
-                 exact=name in cases.exact_backend_names(mixer, [name], gates, settings.get("inexact", [])),
-                 sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
-
-    def official_peer(preset, T, B):
-        cid = f"train-peer-{preset}-T{T}-B{B}-rglru-official"
-
-        def peer_body():
-            try:
-                parity.load_official()
-            except ImportError as e:
-                raise measure.Skip(f"recurrentgemma not installed ({e})") from None
-            def at(t):
-                return Setup(preset, "rglru", t, B, settings, device, official=True)
-            return timed(lambda: at(T), off.get("reps", 2), off.get("warmup", 1), settings, device, matmul_rate,
-                         peak_rate, count_at=(at, T))
-
-        runner.run(cid, peer_body, **base(preset, T, B, "rglru"), backend="peer:recurrentgemma", options={},
-                   role="peer", exact=True)
+                measured(f"train-peer-{preset}-T{T}-B{B}-rglru-official", preset, T, B, "rglru", PEER, {},
+                         off.get("reps", 2), off.get("warmup", 1), role="peer", exact=True)
 
     diagnostics(slow=False)
-
-    inexact = settings.get("inexact", [])
     for preset, T, B in shapes:
         chosen = {}
         for mixer in mixers:
             recs = (runner.ok(rid) for rid in list(runner.done))
             cands = [r for r in recs if r and r.get("role") == "diagnostic" and r["mixer"] == mixer and r.get("exact")
-                     and (r["shapes"].get("preset"), r["shapes"].get("T"), r["shapes"].get("B")) == (preset, T, B)
+                     and training.shape_of(r) == (preset, T, B)
                      and cases.exact_backend_names(mixer, [r["backend"]], gates, inexact)]
             if cands:
                 best = min(cands, key=lambda r: r["stats"]["median_ms"])
@@ -167,11 +134,10 @@ def main(job):
             for mixer in seq:
                 name, opts, sel, why = chosen[mixer]
                 measured(f"train-arch-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}", preset, T, B, mixer,
-                         name, opts, settings["fresh_reps"], settings["warmup"], role="fresh", exact=True,
+                         name, opts, settings["fresh_reps"], settings["warmup"], order, role="fresh", exact=True,
                          selected_from=sel, selected_by=why, sequence=list(seq))
     diagnostics(slow=True)
-    recs = runner.finish(job.output.records)
-    print(f"track_train: {len(recs)} records", flush=True)
+    runner.finish(job.output.records)
 
 
 if __name__ == "__main__":

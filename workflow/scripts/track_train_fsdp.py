@@ -13,6 +13,7 @@ import torch
 
 from common import atomic, fsdp, measure, records, stage
 from common.cases import opt_tag
+from common import training
 from common.training import Setup
 
 import kernels
@@ -29,15 +30,9 @@ def fsdp_settings(settings: dict) -> dict:
             "budget_s": fs.get("budget_s")}
 
 
-def single_gpu(recs: list[dict], preset: str, T: int, B: int, mixer: str) -> list[dict]:
-    """track_train's successful fresh records of one preset, shape and mixer."""
-    return [r for r in recs if r.get("stage") == "train" and r.get("role") == "fresh" and r["status"] == "ok"
-            and r["mixer"] == mixer and (r["shapes"].get("preset"), r["shapes"].get("T"), r["shapes"].get("B"))
-            == (preset, T, B)]
-
-
 def plan(settings: dict, single: list[dict]) -> list[dict]:
-    """Every configuration in run order: preset, shape, order, mixer and backend."""
+    """Every configuration in run order: preset, shape, order, mixer and the backend of
+    track_train's successful fresh records (`single`) at that preset, shape and mixer."""
     world, fs = settings["world_size"], fsdp_settings(settings)
     out = []
     for preset in fs["presets"]:
@@ -45,7 +40,8 @@ def plan(settings: dict, single: list[dict]) -> list[dict]:
             T, B = shape["T"], shape["B"]
             for order, seq in measure.orders(settings["mixers"]):
                 for mixer in seq:
-                    base = single_gpu(single, preset, T, B, mixer)
+                    base = [r for r in single if r.get("stage") == "train" and r.get("role") == "fresh"
+                            and r["status"] == "ok" and r["mixer"] == mixer and training.shape_of(r) == (preset, T, B)]
                     backend, opts = (base[0]["backend"], base[0].get("options") or {}) if base else ("auto", {})
                     out.append({
                         "config_id": f"train-fsdp{world}-{preset}-T{T}-B{B}-{mixer}-{backend}{opt_tag(opts)}-{order}",
@@ -56,10 +52,9 @@ def plan(settings: dict, single: list[dict]) -> list[dict]:
 
 def identity(item: dict, settings: dict) -> dict:
     """The fields that name a configuration in its record."""
-    return {"shapes": {"preset": item["preset"], "T": item["T"], "B": item["B"], "vocab": settings["vocab"]},
-            "mixer": item["mixer"], "dtype": settings.get("autocast") or "float32", "backend": item["backend"],
-            "options": item["options"], "order": item["order"], "role": "fsdp", "exact": True,
-            "sequence": item["sequence"], "world_size": settings["world_size"],
+    return {**training.identity(item["preset"], item["T"], item["B"], item["mixer"], settings),
+            "backend": item["backend"], "options": item["options"], "order": item["order"], "role": "fsdp",
+            "exact": True, "sequence": item["sequence"], "world_size": settings["world_size"],
             "selected_from": sorted(r["config_id"] for r in item["single"]),
             "selected_by": "the single-GPU architecture comparison's backend" if item["single"]
             else "tuning table (no single-GPU record at this preset and shape)"}
@@ -114,24 +109,18 @@ def worker(job_file: str) -> None:
         raise RuntimeError(f"expected {settings['world_size']} ranks (train.world_size), torchrun started {world}")
     fs = fsdp_settings(settings)
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
-    env = json.loads(Path(job.input.environment).read_text())
-    matmul_rate, peak_rate = measure.matmul_rate(env), settings.get("peak_flop_per_s")
+    matmul_rate, peak_rate = measure.matmul_rate(job.load("environment")), settings.get("peak_flop_per_s")
     autocast = settings.get("autocast")
     param_dtype = getattr(torch, autocast) if autocast else None
     items = plan(settings, records.read_jsonl(job.input.single))
     runner = measure.Runner(STAGE, job.profile, job.params["records_dir"], None, device,
                             lock_clocks=job.lock_clocks) if rank == 0 else None
-    budget = measure.Budget(fs["budget_s"])
-
-    def make(item):
-        name = item["backend"]
-        backend = tuned if name == "auto" else kernels.Backend(name, **item["options"])
-        s = Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
-                              backend=backend)
-        return fsdp.distribute(s, rank, world, param_dtype)
+    exhausted = measure.deadline(fs["budget_s"])
 
     def timed_rank(item, count: bool) -> dict:
-        s = make(item)
+        backend = tuned if item["backend"] == "auto" else kernels.Backend(item["backend"], **item["options"])
+        s = fsdp.distribute(Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
+                                  backend=backend), rank, world, param_dtype)
         try:
             # No time budget inside a configuration: every rank must take the same steps.
             m = measure.measure(s.step, fs["reps"], fs["warmup"], device, count=count)
@@ -155,7 +144,7 @@ def worker(job_file: str) -> None:
     marker = work / "current.json"
     for item in items:
         cid = item["config_id"]
-        go = fsdp.broadcast(cid not in runner.done and not budget.exhausted() if rank == 0 else None)
+        go = fsdp.broadcast(cid not in runner.done and not exhausted() if rank == 0 else None)
         if rank == 0 and not go and cid not in runner.done:
             skipped.append(cid)
         if not go:

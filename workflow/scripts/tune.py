@@ -26,7 +26,6 @@ def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: s
     """Every combination of the options the launcher accepts (outside `fixed`) in the grid
     for "op/name", else "name", else "*"; a list of grids (options that only make sense
     together) is their union without repeats."""
-    grids = grids or {}
     found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
     params, var_kw = cases.signature(fn)
     out = []
@@ -179,11 +178,10 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
                         "cuda_graph": graph}
 
             def probe(name, opts):
-                ref_state, got_state = state0.clone(), state0.clone()
+                ref, got = make_step("reference", {}), make_step(name, opts)
                 xr = xg = args[0]
                 for _ in range(4):
-                    xr = fns["reference"](xr, *args[1:], ref_state, None)
-                    xg = fns[name](xg, *args[1:], got_state, None, **opts, **(table if name != "reference" else {}))
+                    xr, xg = ref(xr), got(xg)
                 checked({"decode output after 4 steps": rel_err(xg, xr)}, tol)
                 f, step = trajectories(name, opts), make_step(name, opts)
                 logical = measure.logical_counts(lambda: step(args[0]), device)
@@ -202,9 +200,8 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
 def main(job):
     settings = job.params["settings"]
     device = measure.device_of()
-    gates = json.loads(open(job.input.gates).read())
     runner = measure.Runner.for_job(job, "tune", settings, device)
-    entries = tune_ops(runner, settings, gates, device)
+    entries = tune_ops(runner, settings, job.load("gates"), device)
     decode = tune_decode(runner, settings, device)
     gpu = facts.gpu()
     doc = {"schema": 1, "profile": job.profile, "gpu": gpu["name"] if gpu else None, "device": device.type,

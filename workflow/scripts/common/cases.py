@@ -140,20 +140,14 @@ def samu_kinks(args: list):
 def gated_backends(gates: dict) -> dict[str, set[str]] | None:
     """{op: backends with a check and no failed check} from gates.json, or None when
     its checks name no backend."""
-    checks = gates.get("checks") if isinstance(gates, dict) else None
-    if not isinstance(checks, list):
-        return None
     passed: dict[str, set[str]] = {}
     failed: dict[str, set[str]] = {}
-    named = False
-    for c in checks:
-        if not isinstance(c, dict) or c.get("backend") is None:
-            continue
-        named = True
-        # A backend inexact by design is recorded by the audit but never exact.
-        bucket = passed if c.get("passed") and c.get("role") != "inexact-by-design" else failed
-        bucket.setdefault(str(c.get("op") or c.get("mixer") or ""), set()).add(str(c["backend"]))
-    return {op: names - failed.get(op, set()) for op, names in passed.items()} if named else None
+    for c in gates.get("checks") or []:
+        if c.get("backend") is not None:
+            # A backend inexact by design is recorded by the audit but never exact.
+            bucket = passed if c.get("passed") and c.get("role") != "inexact-by-design" else failed
+            bucket.setdefault(str(c.get("op") or c.get("mixer") or ""), set()).add(str(c["backend"]))
+    return {op: names - failed.get(op, set()) for op, names in passed.items()} if passed or failed else None
 
 
 def exact_backend_names(op: str, names, gates: dict | None, inexact=()) -> list[str]:
@@ -235,13 +229,18 @@ class Peer:
         return ga.masked_fill(self.reset[..., None], 0), self.to_btd(gb)
 
 
+def load_official():
+    """The official recurrentgemma package; measure.Skip where it is not installed."""
+    try:
+        return parity.load_official()
+    except ImportError as e:
+        raise Skip(f"recurrentgemma not available ({e})") from None
+
+
 def official_rglru(D: int, blocks: int, dtype, device, seed: int = 0):
     """(the official RG-LRU layer in FP32 with weights rounded to `dtype`, our float64
     reference layer with the same weights); measure.Skip without recurrentgemma."""
-    try:
-        rg = parity.load_official()
-    except ImportError as e:
-        raise Skip(f"recurrentgemma not available ({e})") from None
+    rg = load_official()
     torch.manual_seed(seed)
     official = rg.RGLRU(D, blocks, device=device)
     with torch.no_grad():

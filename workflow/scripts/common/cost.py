@@ -108,11 +108,9 @@ def scan(s: dict) -> float:
         items = []
         for op in s["ops"]:
             for name, ms in SCAN_MS[op].items():
-                if s.get("backends") and name not in s["backends"]:
-                    continue
-                if name == "reference" and T > s.get("reference_max_T", 0):
-                    continue
-                items += [(name, ms)] * (n_chunk if name == "chunk" else 1)
+                if (not s.get("backends") or name in s["backends"]) and \
+                        (name != "reference" or T <= s.get("reference_max_T", 0)):
+                    items += [(name, ms)] * (n_chunk if name == "chunk" else 1)
         for name, ms in items:
             reps = slow.get(name, {}).get("reps", s["reps"])
             warmup = slow.get(name, {}).get("warmup", s["warmup"])
@@ -150,21 +148,18 @@ def train(s: dict) -> float:
     for preset, T, _B in diag_shapes:
         for mixer in s["mixers"]:
             for name in names:
-                for _k in range(len(s.get("chunk_sizes", [])) if name == "chunk" else 1):
-                    for o in orders:
-                        configs.append(_train_config(preset, name, T, s["warmup"], s["reps"], o == "AB"))
+                configs += [_train_config(preset, name, T, s["warmup"], s["reps"], o == "AB") for o in orders] \
+                    * (len(s.get("chunk_sizes", [])) if name == "chunk" else 1)
             if (not s.get("backends") or "reference" in s["backends"]) and preset in ref.get("presets", []) \
                     and T <= ref.get("max_T", 0):
-                for o in orders:
-                    configs.append(_train_config(preset, "reference", T, ref.get("warmup", 1), ref.get("reps", 1),
-                                                 o == "AB", s.get("loop_count_T")))
+                configs += [_train_config(preset, "reference", T, ref.get("warmup", 1), ref.get("reps", 1), o == "AB",
+                                          s.get("loop_count_T")) for o in orders]
         if "rglru" in s["mixers"] and preset in off.get("presets", []) and T <= off.get("max_T", 0):
             configs.append(_train_config(preset, "official", T, off.get("warmup", 1), off.get("reps", 2), True,
                                          s.get("loop_count_T")))
     for preset, T, _B in shapes:
-        for _mixer in s["mixers"]:
-            for o in ("AB", "BA"):
-                configs.append(_train_config(preset, "chunk", T, s["warmup"], s["fresh_reps"], o == "AB"))
+        configs += [_train_config(preset, "chunk", T, s["warmup"], s["fresh_reps"], o == "AB")
+                    for o in ("AB", "BA")] * len(s["mixers"])
     return FIXED_S["train"] + _budgeted(configs, s.get("budget_s"))
 
 

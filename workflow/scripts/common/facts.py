@@ -41,10 +41,9 @@ def commit() -> dict:
     """{"sha": full hash or "unknown", "dirty": bool or None, "source_sha256"}. Files
     under results/ are outputs, not source, so they do not make the tree dirty."""
     sha = _git("rev-parse", "HEAD")
-    if sha is None:
-        return {"sha": "unknown", "dirty": None, "source_sha256": source_digest()}
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
-    return {"sha": sha, "dirty": bool(status), "source_sha256": source_digest()}
+    dirty = None if sha is None else bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                               ":(exclude)results"))
+    return {"sha": sha or "unknown", "dirty": dirty, "source_sha256": source_digest()}
 
 
 def commit_time() -> int:

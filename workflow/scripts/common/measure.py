@@ -10,13 +10,14 @@ import csv
 import gc
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -327,10 +328,11 @@ def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
     return f
 
 
-def orders(names: Sequence) -> list[tuple[str, list]]:
-    """Both run orders of a comparison: ("AB", names) then ("BA", reversed)."""
+def orders(names: Sequence, keep: Sequence = ("AB", "BA")) -> list[tuple[str, list]]:
+    """Both run orders of a comparison, those in `keep`: ("AB", names) then ("BA", reversed)."""
     names = list(names)
-    return [("AB", names)] if len(names) < 2 else [("AB", names), ("BA", names[::-1])]
+    both = [("AB", names)] if len(names) < 2 else [("AB", names), ("BA", names[::-1])]
+    return [(o, seq) for o, seq in both if o in keep]
 
 
 def count_kernels(events) -> dict:
@@ -425,11 +427,12 @@ def parse_ncu_csv(text: str) -> list[dict]:
         name = r.get("Kernel Name") or r.get("Function Name") or ""
         if not name or name.startswith("nvtx") or r.get("ID", "").strip() == "":
             continue
-        out.append({"name": name, **{key: _number(r.get(metric)) for key, metric in NCU_METRICS.items()}})
+        out.append({"name": name, **{key: number(r.get(metric)) for key, metric in NCU_METRICS.items()}})
     return out
 
 
-def _number(text: str | None) -> float | None:
+def number(text: str | None) -> float | None:
+    """A number as Nsight Compute prints it (thousands separated by commas), or None."""
     try:
         return float((text or "").replace(",", "").strip())
     except ValueError:
@@ -579,15 +582,11 @@ def reexec(job, max_restarts: int = 8) -> None:
     os.execve(sys.executable, [sys.executable, job.script, "--job", str(path)], {**os.environ, RESTARTS_ENV: str(n)})
 
 
-@dataclass
-class Budget:
-    """Wall-clock budget of a stage: configurations not started in time stay unrecorded."""
-
-    seconds: float | None
-    start: float = field(default_factory=time.perf_counter)
-
-    def exhausted(self) -> bool:
-        return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
+def deadline(seconds: float | None) -> Callable[[], bool]:
+    """Whether a stage's wall-clock budget of `seconds` from now is spent (never without one):
+    configurations not started in time stay unrecorded."""
+    end = math.inf if seconds is None else time.perf_counter() + seconds
+    return lambda: time.perf_counter() >= end
 
 
 class Runner:
@@ -596,7 +595,7 @@ class Runner:
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
                  restart: Callable[[], None] | None = None, lock_clocks: bool = False):
         self.stage, self.profile, self.dir, self.device = stage, profile, Path(records_dir), device_of(device)
-        self.budget, self.restart = Budget(budget_s), restart
+        self.exhausted, self.restart = deadline(budget_s), restart
         self.done = records.done_ids(self.dir, profile)
         self.planned, self.skipped = [], []
         self.clocks = clocks(self.device)
@@ -618,6 +617,11 @@ class Runner:
     def ok(self, config_id: str) -> dict | None:
         return rec if (rec := self.get(config_id)) is not None and rec["status"] == STATUS_OK else None
 
+    def twin(self, config_id: str) -> dict | None:
+        """The successful AB record of a BA configuration, whose logical counts the BA run reuses."""
+        ab = re.sub(r"-BA(?=-|$)", "-AB", config_id)
+        return self.ok(ab) if ab != config_id else None
+
     def run(self, config_id: str, body: Callable[[], dict], **fields) -> dict | None:
         """Record `body()`'s fields (or its failure); the record, or None when skipped."""
         return self.run_group([config_id], lambda: {config_id: body() or {}}, {config_id: fields}).get(config_id)
@@ -628,7 +632,7 @@ class Runner:
             raise ValueError(f"configuration {twice[0]!r} planned twice in stage {self.stage}")
         self.planned += config_ids
         pending = [c for c in config_ids if c not in self.done]
-        if pending and self.budget.exhausted():
+        if pending and self.exhausted():
             self.skipped += pending
         elif pending:
             t0 = time.perf_counter()
@@ -666,4 +670,6 @@ class Runner:
         if self.skipped:
             self.say(f"time budget spent: {len(self.skipped)} configurations not run: {self.skipped}")
         ids = [c for c in dict.fromkeys(self.planned) if c in self.done]
-        return records.collect(self.dir, out_jsonl, profile=self.profile, ids=ids)
+        recs = records.collect(self.dir, out_jsonl, profile=self.profile, ids=ids)
+        self.say(f"{len(recs)} records")
+        return recs

@@ -25,12 +25,6 @@ def _is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def _stats_ok(v, rec) -> bool:
-    if rec["status"] == "ok":
-        return isinstance(v, dict) and all(_is_number(v.get(k)) for k in STATS_KEYS)
-    return v is None or isinstance(v, dict)
-
-
 # (key, test of the value in its record, what is expected), in the order checked
 CHECKS = (
     ("schema", lambda v, r: v == SCHEMA, f"== {SCHEMA}"),
@@ -43,7 +37,9 @@ CHECKS = (
     ("error", lambda v, r: r["status"] == "ok" or (isinstance(v, str) and bool(v)), "a message unless status is 'ok'"),
     ("samples_ms", lambda v, r: isinstance(v, list) and all(map(_is_number, v)) and (bool(v) or r["status"] != "ok"),
      "a list of numbers, non-empty when status is 'ok'"),
-    ("stats", _stats_ok, f"an object with numbers {list(STATS_KEYS)} when status is 'ok', else an object or null"),
+    ("stats", lambda v, r: isinstance(v, dict) and all(_is_number(v.get(k)) for k in STATS_KEYS)
+     if r["status"] == "ok" else v is None or isinstance(v, dict),
+     f"an object with numbers {list(STATS_KEYS)} when status is 'ok', else an object or null"),
     ("logical", lambda v, r: v is None or (isinstance(v, dict) and all(
         k in v and (v[k] is None or _is_number(v[k])) for k in LOGICAL_KEYS)),
      f"null or an object with numbers (or null for a figure not counted) under {list(LOGICAL_KEYS)}"),

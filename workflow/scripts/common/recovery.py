@@ -35,26 +35,17 @@ def other_runs(workdir: Path) -> list[int]:
 
     me = psutil.Process()
     mine = {me.pid, *(p.pid for p in me.parents())}
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
-        try:
-            info = p.info
-            cmdline = info["cmdline"]
-            if info["pid"] in mine or not cmdline or not is_snakemake(cmdline) or job_mode(cmdline):
-                continue
-            if info["cwd"] and Path(info["cwd"]).resolve() == workdir.resolve():
-                found.append(info["pid"])
-        except (psutil.Error, OSError):
-            continue
-    return found
+    # process_iter fills `info` up front: a process that has gone or hides a field reads None there.
+    infos = [p.info for p in psutil.process_iter(["pid", "cmdline", "cwd"])]
+    return [i["pid"] for i in infos if i["pid"] not in mine and i["cmdline"] and is_snakemake(i["cmdline"])
+            and not job_mode(i["cmdline"]) and i["cwd"] and Path(i["cwd"]).resolve() == workdir.resolve()]
 
 
 NON_EXECUTING = (
     "--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--report",
-    "--summary", "--detailed-summary", "--unlock", "--cleanup-metadata", "--list-rules", "--list",
-    "--list-target-rules", "--list-changes", "--list-input-changes", "--list-code-changes",
-    "--list-params-changes", "--list-untracked", "--containerize", "--print-compilation", "--archive",
-)
+    "--summary", "--detailed-summary", "--unlock", "--cleanup-metadata", "--containerize", "--print-compilation",
+    "--archive",
+)  # and every --list* option
 
 
 def executes(argv: list[str]) -> bool:

@@ -55,6 +55,10 @@ class Job:
     def profile(self) -> str:
         return self.params["profile"]
 
+    def load(self, name: str):
+        """The JSON document of the named input (environment, gates, table)."""
+        return json.loads(Path(getattr(self.input, name)).read_text())
+
     @property
     def lock_clocks(self) -> bool:
         """The profile's probe.lock_clocks: whether the timing stages try to lock the SM clock."""
@@ -72,17 +76,12 @@ class Job:
                    log=str(smk.log[0]) if len(smk.log) else None, gpus=int(smk.resources.get("gpu", 0)))
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["input"] = {"paths": list(self.input), "names": self.input.names}
-        d["output"] = {"paths": list(self.output), "names": self.output.names}
-        return d
+        return {**asdict(self), **{k: {"paths": list(f), "names": f.names}
+                                   for k, f in (("input", self.input), ("output", self.output))}}
 
     @classmethod
     def from_json(cls, d: dict) -> "Job":
-        d = dict(d)
-        d["input"] = Files(d["input"]["paths"], d["input"]["names"])
-        d["output"] = Files(d["output"]["paths"], d["output"]["names"])
-        return cls(**d)
+        return cls(**{**d, **{k: Files(d[k]["paths"], d[k]["names"]) for k in ("input", "output")}})
 
 
 def _script_path(smk) -> str:

@@ -9,6 +9,17 @@ import kernels
 from kernels.models import HawkConfig, HawkLM, compile_blocks, train_step
 
 
+def identity(preset: str, T: int, B: int, mixer: str, settings: dict) -> dict:
+    """The record fields that name a training configuration: shapes, mixer and dtype."""
+    return {"shapes": {"preset": preset, "T": T, "B": B, "vocab": settings["vocab"]}, "mixer": mixer,
+            "dtype": settings.get("autocast") or "float32"}
+
+
+def shape_of(rec: dict) -> tuple:
+    """(preset, T, B) of a training record."""
+    return rec["shapes"].get("preset"), rec["shapes"].get("T"), rec["shapes"].get("B")
+
+
 class Setup:
     """A model, its optimiser and a batch of random tokens: one timed step."""
 

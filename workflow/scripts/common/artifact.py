@@ -1,0 +1,52 @@
+"""A study artifact's manifest check: `verify(path)` lists every file missing, altered or
+not listed in MANIFEST.json of a .tar.gz artifact or an extracted folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tarfile
+from pathlib import Path, PurePosixPath
+
+MANIFEST = "MANIFEST.json"
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_tar(path: Path) -> tuple[dict[str, bytes], list[str]]:
+    """Files of the artifact's one top folder by relative name, and unexpected members."""
+    files, unusual = {}, []
+    with tarfile.open(path, "r:gz") as tar:
+        for m in tar.getmembers():
+            parts = PurePosixPath(m.name).parts
+            if not m.isdir() and (not m.isfile() or len(parts) < 2 or ".." in parts or m.name.startswith("/")):
+                unusual.append(f"unexpected member: {m.name} (type {m.type!r})")
+            elif m.isfile():
+                files[str(PurePosixPath(*parts[1:]))] = tar.extractfile(m).read()
+    return files, unusual
+
+
+def verify(path: str | Path) -> list[str]:
+    """Problems found (an empty list means the artifact verifies)."""
+    path = Path(path)
+    if not path.exists():
+        return [f"no such artifact: {path}"]
+    try:
+        present, problems = read_tar(path) if path.is_file() else (
+            {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}, [])
+        if MANIFEST not in present:
+            return [f"no {MANIFEST} in {path}"]
+        listed = json.loads(present.pop(MANIFEST)).get("files")
+    except (tarfile.TarError, OSError, EOFError, json.JSONDecodeError) as e:
+        return [f"cannot read {path}: {e}"]
+    if not isinstance(listed, dict) or not listed:
+        return problems + ["the manifest lists no files"]
+    for name in sorted(listed):
+        data = present.get(name)
+        if data is None:
+            problems.append(f"missing: {name}")
+        elif len(data) != listed[name]["bytes"] or sha256(data) != listed[name]["sha256"]:
+            problems.append(f"content differs from the manifest: {name}")
+    return problems + [f"not in the manifest: {name}" for name in sorted(set(present) - set(listed))]
