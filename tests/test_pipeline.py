@@ -388,6 +388,26 @@ def test_report_says_which_run_orders_disagree_and_why():
     assert agree == "## Run orders\n\n1 of 1 configurations timed in both orders with a median over 0.05 ms agree within 5 %.\n"
 
 
+def test_report_checks_the_eager_medians_between_run_orders_too():
+    """Eager medians quoted beside a device headline get the same order check; a gap names
+    whether the device clocks moved as well (else the host did)."""
+    import aggregate
+
+    def pair(cid, dev, eager):
+        return [_rec(f"{cid}-{o}", order=o, clock="device:cuda_graph", eager={"median_ms": e},
+                     stats={"p10_ms": d * 0.99, "median_ms": d, "p95_ms": d * 1.01})
+                for o, d, e in (("AB", dev[0], eager[0]), ("BA", dev[1], eager[1]))]
+
+    recs = (pair("steady", (1.0, 1.01), (1.2, 1.22)) + pair("host", (0.06, 0.06), (0.1, 0.17))
+            + pair("both", (1.0, 1.5), (1.1, 1.7)) + pair("tiny", (0.004, 0.004), (0.01, 0.03)))
+    text = aggregate.order_section(aggregate.add_floor(aggregate.flatten(recs), None))
+    assert "Eager medians beside a device-clock headline: 1 of 3 over 0.05 ms agree within 5 %" in text, text
+    tail = text.split("Eager medians")[1]
+    lines = {ln.split("|")[1].strip().split("/")[1]: ln for ln in tail.splitlines() if ln.startswith("| scan/")}
+    assert set(lines) == {"host", "both"}
+    assert "host time" in lines["host"] and "differ too" in lines["both"]
+
+
 # ---- the cost model --------------------------------------------------------------
 
 
