@@ -2,6 +2,7 @@
 orders, selection, counted calls, failure capture and the resumable runner."""
 
 import json
+import statistics
 import time
 
 import pytest
@@ -39,6 +40,16 @@ def test_time_fn_budget_stops_after_min_reps():
     out = measure.time_fn(lambda: time.sleep(0.02), reps=50, warmup=0, device="cpu", budget_s=0.05, min_reps=3)
     assert out["stopped_early"] is True
     assert 3 <= out["n"] < 50 and out["reps_requested"] == 50
+
+
+def test_eager_clock_keeps_the_host_time_inside_each_call():
+    """`host_ms`: the host's time inside each eager call, one per sample; measure() records
+    the samples and their median beside the eager clock."""
+    out = measure.time_fn(lambda: time.sleep(0.003), reps=4, warmup=0, device="cpu")
+    assert len(out["host_ms"]) == out["n"] == 4 and all(2.5 < h < 50 for h in out["host_ms"])
+    t = measure.measure(lambda: time.sleep(0.002), reps=3, warmup=1, device="cpu", count=False)["timing"]
+    assert len(t["eager"]["host_samples_ms"]) == 3
+    assert t["eager"]["host_median_ms"] == statistics.median(t["eager"]["host_samples_ms"]) > 1.5
 
 
 def test_time_trajectory_reads_every_checkpoint_from_one_run():

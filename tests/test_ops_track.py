@@ -44,7 +44,7 @@ def test_the_device_time_decides_the_headline(monkeypatch, eager_ms, device_ms, 
     def fake_eager(fn, reps, warmup, dev, **kw):
         st = measure.summarize([eager_ms] * reps)
         return {"samples_ms": [eager_ms] * reps, **st, "peak_bytes": 0, "base_bytes": 0, "clock": "cuda_event",
-                "reps_requested": reps, "warmup": warmup, "stopped_early": False}
+                "reps_requested": reps, "warmup": warmup, "stopped_early": False, "host_ms": [0.01] * reps}
 
     def fake_device(fn, reps, calls, dev, graph=True):
         assert device_ms is not None, "the device clock was tried for work over DEVICE_CLOCK_MAX_MS"
@@ -184,6 +184,9 @@ def test_peers_are_gated_in_fp32_and_their_track_dtype_error_is_recorded(tmp_pat
     assert any("| ours " in line and line.split("|")[-2].strip() == "1" for line in rows), view   # ours over ours
     assert any("| peer:recurrentgemma " in line for line in rows) and " / " in view   # the peer beside it, AB / BA
     assert "| 9 " in view and "9.0" not in view
+    # the host's time inside the eager calls, per record and beside the eager median
+    assert all(r["eager"]["host_median_ms"] > 0 and len(r["eager"]["host_samples_ms"]) == r["eager"]["n"] for r in recs)
+    assert "host_ms" in view.splitlines()[2]
 
 
 def test_a_miswired_peer_fails_its_fp32_gate(tmp_path, monkeypatch):

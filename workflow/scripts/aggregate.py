@@ -67,7 +67,8 @@ def flatten(recs: list[dict]):
         row.update({f"logical.{k}": (r.get("logical") or {}).get(k) for k in records.LOGICAL_KEYS})
         gate = r.get("gate") or {}
         row.update(peak_bytes=r.get("peak_bytes"), clock=r.get("clock"),
-                   eager_ms=(r.get("eager") or {}).get("median_ms"), gate_dtype=gate.get("dtype"),
+                   eager_ms=(r.get("eager") or {}).get("median_ms"), host_ms=(r.get("eager") or {}).get("host_median_ms"),
+                   gate_dtype=gate.get("dtype"),
                    gate_err=max(gate["max_rel_err"].values()) if gate.get("max_rel_err") else None,
                    timed_dtype_err=max(gate["timed_dtype_rel_err"].values()) if gate.get("timed_dtype_rel_err") else None,
                    throttled=(r.get("sm_clock") or {}).get("throttled"),
@@ -222,7 +223,8 @@ def stage_tables(df) -> str:
     for name, g in df.groupby("stage", sort=True):
         ids = ident_cols(g)
         ok = g[g["status"] == "ok"].sort_values([*ids, *SERIES[2:]], na_position="first")
-        cols = [*ids, *SERIES, "n_samples", "clock", "p10_ms", "median_ms", "p95_ms", "eager_ms", "ab_ba_pct", *FIGURES,
+        cols = [*ids, *SERIES, "n_samples", "clock", "p10_ms", "median_ms", "p95_ms", "eager_ms", "host_ms", "ab_ba_pct",
+                *FIGURES,
                 "floor_ms", "x_floor", "gate_dtype", "gate_err", "timed_dtype_err", "throttled", "logical.bytes_read",
                 "logical.bytes_written", "logical.launches", "logical.param_bytes", "logical.state_bytes", "peak_bytes"]
         out.append(f"### {name}\n\n{len(ok)} configurations measured; bytes and launches are logical (from the "
@@ -306,7 +308,8 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
     if ok.empty or "role" not in ok.columns:
         return "## Summary\n\nNo track produced records in this run.\n", []
     out, made = ["## Summary\n", "P10 / median / P95 of the raw samples of the headline clock (device time where a "
-                 "call's device time is under 2 ms, `eager_ms` beside it; a trajectory's cumulative time for latency); "
+                 "call's device time is under 2 ms, `eager_ms` beside it and `host_ms`, the host's time inside those "
+                 "eager calls; a trajectory's cumulative time for latency); "
                  "where a configuration ran in both orders the figures read `AB / BA` (SAMU first / RG-LRU first).\n",
                  ops_view(ok)], []
     for name, title, stage_name, role, keys, cols, x, y, ylabel in VIEWS:
@@ -345,7 +348,7 @@ def ops_view(ok) -> str:
             med = vg["median_ms"].astype("float64").median()
             rows.append({**{k.removeprefix("shape."): MISSING if x != x else str(_num(x)) for k, x in zip(keys, key)},
                          "variant": v,
-                         **{c: _pair(vg, c) for c in ("p10_ms", "median_ms", "p95_ms", "eager_ms")},
+                         **{c: _pair(vg, c) for c in ("p10_ms", "median_ms", "p95_ms", "eager_ms", "host_ms")},
                          "floor_ms": _cell(vg["floor_ms"].iloc[0] if "floor_ms" in vg else None),
                          "x_ours": _cell(med / ours if ours == ours and ours else None, "{:.3g}")})
     return ("**Ops** (ours as users call them, `backend=\"auto\"`, beside the peers in the same run; device "
@@ -469,7 +472,8 @@ def main(job):
         summary, order_section(df), breakdown_section(recs), probe_section(env), audit_section(gates, recs + records.read_jsonl(job.input.tune_records), table),
         "## Tracks\n", "Times are per call, P10 / median / P95 over the raw samples kept in each record, of the "
         "headline clock (`clock`: the device clock where device time is under 2 ms, eager otherwise), the eager "
-        "median beside it (`eager_ms`); `ab_ba_pct` is the gap between the run orders; `floor_ms` is the logical "
+        "median beside it (`eager_ms`) and the host's time inside those calls (`host_ms`: launch work, checks, any "
+        "wait); `ab_ba_pct` is the gap between the run orders; `floor_ms` is the logical "
         "bytes moved over the measured copy bandwidth; `gate_err` the largest error against float64 of the gate "
         "run before timing (a peer is gated in FP32, its error in the track's dtype beside it).\n",
         tables, "## SAMU / RG-LRU per run order\n", cmp_md, "## Plots\n",

@@ -87,7 +87,8 @@ def summarize(samples: list[float]) -> dict:
 def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=None, budget_s: float | None = None,
             min_reps: int = 3) -> dict:
     """The eager clock: `reps` calls each between two CUDA events (perf_counter on the CPU),
-    stopped early once `budget_s` has passed and `min_reps` samples exist."""
+    stopped early once `budget_s` has passed and `min_reps` samples exist; `host_ms`: the
+    host's time inside each call (perf_counter around it: launch work, checks, any wait)."""
     for name, v, lo in (("reps", reps, 1), ("warmup", warmup, 0), ("min_reps", min_reps, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"expected {name} to be an integer >= {lo}, got {v!r}")
@@ -95,10 +96,12 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         fn()
-    base, marks, stopped, t_start = _open_window(dev), [], False, time.perf_counter()
+    base, marks, host, stopped, t_start = _open_window(dev), [], [], False, time.perf_counter()
     for i in range(reps):
         start = _stamp(cuda)
+        h = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - h) * 1e3)
         marks.append((start, _stamp(cuda)))
         # Waiting for the sample two behind keeps the queue non-empty while wall time tracks it.
         if cuda and budget_s is not None and i >= 2:
@@ -109,7 +112,7 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
     if cuda:
         torch.cuda.synchronize(dev)
     samples = [_ms(s, e) for s, e in marks]
-    return {"samples_ms": samples, **summarize(samples), "base_bytes": base,
+    return {"samples_ms": samples, **summarize(samples), "host_ms": host[:len(samples)], "base_bytes": base,
             "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
             "clock": "cuda_event" if cuda else "perf_counter", "reps_requested": reps, "warmup": warmup,
             "stopped_early": stopped}
@@ -296,7 +299,8 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     t = {**{k: eager[k] for k in ("peak_bytes", "base_bytes", "reps_requested", "warmup", "stopped_early")},
          **{k: head[k] for k in ("samples_ms", "n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
          "clock": f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}",
-         "eager": {"samples_ms": eager["samples_ms"], **summarize(eager["samples_ms"]), "clock": eager["clock"]},
+         "eager": {"samples_ms": eager["samples_ms"], **summarize(eager["samples_ms"]), "clock": eager["clock"],
+                   "host_samples_ms": eager["host_ms"], "host_median_ms": statistics.median(eager["host_ms"])},
          "device": dtime, "sm_clock": clk.span(before, clk.sample())}
     return {"timing": t, "logical": logical}
 
