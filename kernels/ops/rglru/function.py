@@ -144,10 +144,14 @@ def _op_backward(ctx, dy, dht, _):
 torch.library.register_autograd("kernels::rglru_fwd", _op_backward, setup_context=_setup_context)
 
 
-def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg, grad):
     """(y, final state or None): the custom op under torch.compile, RecurrenceFunction
-    where a gradient is needed, else the launcher alone (no states kept)."""
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gx, ga, a_param, h0))
+    where a gradient is needed (`grad`, which also chose `cfg`), else the launcher alone
+    (no states kept)."""
     if not torch.compiler.is_compiling():
         if grad:
             return RecurrenceFunction.apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
@@ -159,12 +163,11 @@ def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg):
 
 def _run(backend, x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts):
     B, T, D = x.shape
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (x, gate_x, gate_a, a_param, initial_state))
+    grad = _needs_grad(x, gate_x, gate_a, a_param, initial_state)
     cfg = _config(backend, x, False, grad, opts)
     if T == 0:
         return empty_sequence(x, initial_state, output_final_state)
-    return apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, cfg)
+    return apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, cfg, grad)
 
 
 def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opts):
@@ -172,12 +175,12 @@ def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opt
         from .. import reference
 
         return reference.scan(a, b, segment_pos, initial_state, output_final_state)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, initial_state))
+    grad = _needs_grad(a, b, initial_state)
     cfg = _config(backend, b, True, grad, opts)
     if b.shape[1] == 0:
         return empty_sequence(b, initial_state, output_final_state)
     a = a.to(b.dtype) if a.dtype != b.dtype else a
-    return apply(b, None, a, None, segment_pos, initial_state, output_final_state, True, cfg)
+    return apply(b, None, a, None, segment_pos, initial_state, output_final_state, True, cfg, grad)
 
 
 def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,

@@ -103,8 +103,7 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
             _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
     else:
         # The block's loads are issued before the row's reduction, whose latency they
-        # overlap. The row step loads after it: a whole row's modes held across the
-        # reduction cost registers, slower at large B.
+        # overlap; the row step walks its blocks after it.
         offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
                                                                           tl.program_id(0) * BM, M, BM, ACC, TABLE)
         E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
@@ -182,9 +181,10 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
                   block_m=None):
     """Decode step, one program per sequence walking its modes in blocks of `block_m` (a
-    power of two in [16, 2048]; default ROW_DEFAULT_BLOCK_M, or all modes where fewer). x: [B, D]; state:
-    [B, M] complex64, updated in place; reset: [B] bool; modes: mode_table(nu_log,
-    theta_log) of these parameters or None. Returns y [B, D] in x's dtype. No backward."""
+    power of two in [16, 2048]; default ROW_DEFAULT_BLOCK_M, or all modes where fewer).
+    x: [B, D]; state: [B, M] complex64, updated in place; reset: [B] bool; modes:
+    mode_table(nu_log, theta_log) of these parameters or None. Returns y [B, D] in x's
+    dtype. No backward."""
     bm = 0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M)
     return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
                  block_m=bm)
