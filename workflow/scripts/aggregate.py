@@ -86,7 +86,8 @@ def order_key(df):
 
 def add_floor(df, bandwidth: float | None):
     """`floor_ms` (a stage's own, else logical bytes at the probe's copy bandwidth), the
-    median's multiple of it and `ab_ba_pct`, the gap between the run orders."""
+    median's multiple of it, and the gaps between the run orders of the median (`ab_ba_pct`)
+    and of the eager median (`eager_ab_ba_pct`)."""
     if df.empty:
         return df
     moved = df["logical.bytes_read"].astype("float64") + df["logical.bytes_written"].astype("float64")
@@ -94,9 +95,9 @@ def add_floor(df, bandwidth: float | None):
     df["floor_ms"] = df["floor_ms"].astype("float64").fillna(derived) if "floor_ms" in df else derived
     df["x_floor"] = df["median_ms"].astype("float64") / df["floor_ms"]
     key = order_key(df)
-    med = df["median_ms"].astype("float64").where(df["status"] == "ok")
-    both = med.groupby(key).transform("count") == 2
-    df["ab_ba_pct"] = (100 * (med.groupby(key).transform("max") / med.groupby(key).transform("min") - 1)).where(both)
+    for col, gap in (("median_ms", "ab_ba_pct"), ("eager_ms", "eager_ab_ba_pct")):
+        v = df[col].astype("float64").where(df["status"] == "ok").groupby(key)
+        df[gap] = (100 * (v.transform("max") / v.transform("min") - 1)).where(v.transform("count") == 2)
     return df
 
 
@@ -143,16 +144,16 @@ def eager_orders(df) -> str:
     """The same check for the eager medians quoted beside a device-clock headline: host
     time is inside their window, so the device clocks' gap says whether the GPU work or
     the host moved between the orders."""
-    ok = df[(df["status"] == "ok") & df["clock"].fillna("").str.startswith("device") & df["eager_ms"].notna()]
-    both = ok.assign(key=order_key(ok)).groupby("key").filter(
-        lambda g: len(g) == 2 and g["eager_ms"].astype("float64").min() > ORDER_MIN_MS)
+    paired = df[df["clock"].fillna("").str.startswith("device") & df["eager_ab_ba_pct"].notna()]
+    both = paired.assign(key=order_key(paired)).groupby("key").filter(
+        lambda g: g["eager_ms"].astype("float64").min() > ORDER_MIN_MS)
     if both.empty:
         return ""
     rows = []
     for k, g in both.groupby("key", sort=True):
-        by = dict(zip(g["order"], g["eager_ms"].astype("float64")))
-        gap, dev = 100 * (max(by.values()) / min(by.values()) - 1), g["ab_ba_pct"].iloc[0]
+        gap, dev = g["eager_ab_ba_pct"].iloc[0], g["ab_ba_pct"].iloc[0]
         if gap > ORDER_TOL_PCT:
+            by = dict(zip(g["order"], g["eager_ms"].astype("float64")))
             rows.append({"configuration": k, "AB_eager_ms": by.get("AB"), "BA_eager_ms": by.get("BA"),
                          "gap_pct": gap, "device_gap_pct": dev,
                          "why": f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %"

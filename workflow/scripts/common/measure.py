@@ -112,7 +112,7 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
     if cuda:
         torch.cuda.synchronize(dev)
     samples = [_ms(s, e) for s, e in marks]
-    return {"samples_ms": samples, **summarize(samples), "host_ms": host[:len(samples)], "base_bytes": base,
+    return {"samples_ms": samples, **summarize(samples), "host_ms": host, "base_bytes": base,
             "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
             "clock": "cuda_event" if cuda else "perf_counter", "reps_requested": reps, "warmup": warmup,
             "stopped_early": stopped}
