@@ -15,14 +15,27 @@ def kern(x, y, n, eps, B, FLAG=False, MODE=1):     # the wrapped kernel's signat
     pass
 
 
+class FakeRun:
+    """Triton's launcher object: __call__ allocates any scratch, then calls the C `launch`."""
+    launch_cooperative_grid, launch_pdl, profile_scratch_size = "coop", "pdl", 0
+
+    def __init__(self, scratch, runs):
+        self.global_scratch_size, self.runs = scratch, runs
+
+    def __call__(self, *a):
+        self.runs.append(("run", *a))
+
+    def launch(self, *a):
+        self.runs.append(("launch", *a))
+
+
 class FakeCompiled:
     function, packed_metadata = "fn", "meta"
+    scratch = 0
 
     def __init__(self):
         self.runs = []
-
-    def run(self, *a):
-        self.runs.append(a)
+        self.run = FakeRun(self.scratch, self.runs)
 
 
 class FakeJit:
@@ -59,8 +72,21 @@ def test_second_call_launches_the_compiled_kernel_with_every_argument_in_order(l
     k[(5,)](x, y, 40, 0.25, B=16, num_warps=4)           # same signature: no Triton call
     assert len(fake.calls) == 1
     (run,) = fake.compiled[0].runs
-    assert run[:9] == (5, 1, 1, 1234, "fn", "meta", None, None, None)
-    assert run[9:] == (x, y, 40, 0.25, 16, False, 1)     # defaults applied, constexprs included
+    # the C launch: grid, stream, function, its launch flags, no scratch, metadata, no hooks
+    assert run[:14] == ("launch", 5, 1, 1, 1234, "fn", "coop", "pdl", None, None, "meta", None, None, None)
+    # tensors as their addresses, defaults applied, constexprs included
+    assert run[14:] == (x.data_ptr(), y.data_ptr(), 40, 0.25, 16, False, 1)
+
+
+def test_a_kernel_with_scratch_launches_through_tritons_launcher_object(launch, monkeypatch):
+    monkeypatch.setattr(FakeCompiled, "scratch", 256)
+    fake, k, _ = launch
+    x = torch.zeros(8)
+    k[(2,)](x, x, 40, 0.5, B=16)
+    k[(2,)](x, x, 40, 0.5, B=16)
+    (run,) = fake.compiled[0].runs
+    assert run == ("run", 2, 1, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), x.data_ptr(), 40, 0.5, 16,
+                   False, 1)
 
 
 @pytest.mark.parametrize("positional", [True, False])
@@ -156,3 +182,6 @@ def test_on_the_gpu_the_second_call_skips_triton_and_writes_the_same_result(monk
     want = torch.full_like(x, float("nan"))
     axpy[(8,)](x2, y, want, 1000, -0.5, BLOCK=128)
     assert torch.equal(out2, want)
+    # a CPU tensor keys apart from the cached entry: Triton's own pointer check rejects it
+    with pytest.raises(ValueError, match="cpu tensor"):
+        k[(8,)](x2.cpu(), y, out2, 1000, -0.5, BLOCK=128)

@@ -136,12 +136,15 @@ class Launcher:
     wraps, with the runtime arguments by position and constexprs and launch options by
     keyword (as every launcher here calls them; a runtime argument by keyword takes
     Triton's path every time). The first call of an argument signature goes through
-    Triton (compile, cache, launch) and keeps the compiled kernel under a key finer than
-    Triton's own: the device, each positional argument's (a tensor's dtype and 16-byte
-    alignment, `_arg_key` of another value, a constexpr's value) and the keywords as
-    given (values and types), which also fix every later argument, kept beside the
-    kernel. Later calls launch that binary directly, without Triton's per-call binding,
-    specialisation and key hashing (tens of microseconds of host time per launch).
+    Triton (compile, cache, launch, its checks of every pointer) and keeps the compiled
+    kernel under a key finer than Triton's own: the device, each positional argument's
+    (a tensor's dtype, whether it is on a GPU and its 16-byte alignment, `_arg_key` of
+    another value, a constexpr's value) and the keywords as given (values and types),
+    which also fix every later argument, kept beside the kernel. Later calls hand that
+    binary's C launcher the tensors' addresses as integers, which skips Triton's
+    per-call binding, specialisation and key hashing and the launcher's per-pointer
+    method call and driver query (tens of microseconds of host time per launch); a
+    CPU tensor never hits an entry (its key differs), so Triton rejects it as before.
     Launch hooks (a profiler's) and unhashable arguments take Triton's path every time."""
 
     __slots__ = ("fn", "names", "runtime_names", "const", "defaults", "cache")
@@ -164,11 +167,13 @@ class Launcher:
     def _launch(self, grid, *args, **kwargs):
         if not self.runtime_names.isdisjoint(kwargs):
             return self.fn[grid](*args, **kwargs)
+        # a tensor's address (what the C launcher would ask it for), any other value as is
+        vals = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args]
         try:
             device, stream = _raw_stream()
             key = (device, tuple(kwargs.items()), tuple(map(type, kwargs.values())),
-                   *[(v.__class__, v) if c else (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, torch.Tensor)
-                     else _arg_key(v) for v, c in zip(args, self.const)])
+                   *[(v.__class__, v) if c else _arg_key(v) if p is v else (v.dtype, v.is_cuda, p & 15 == 0)
+                     for v, p, c in zip(args, vals, self.const)])
             hit = self.cache.get(key)
         except TypeError:                  # an unhashable argument
             return self.fn[grid](*args, **kwargs)
@@ -179,11 +184,19 @@ class Launcher:
                     tail = tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):])
                 except KeyError:           # a missing argument: Triton has raised or will
                     return ck
-                self.cache[key] = (ck, tail)
+                run = ck.run
+                # the C launch itself where the kernel needs no scratch the Python wrapper allocates
+                direct = not run.global_scratch_size and not run.profile_scratch_size
+                self.cache[key] = (ck, tail, run.launch if direct else None, run, ck.function, ck.packed_metadata,
+                                   run.launch_cooperative_grid, run.launch_pdl)
             return ck
-        ck, tail = hit
-        ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
-               ck.packed_metadata, None, None, None, *args, *tail)
+        ck, tail, launch, run, function, meta, coop, pdl = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        if launch is not None:
+            launch(grid[0], g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None, *vals, *tail)
+        else:
+            run(grid[0], g1, g2, stream, function, meta, None, None, None, *vals, *tail)
         return ck
 
 
