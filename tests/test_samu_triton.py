@@ -143,47 +143,6 @@ def test_float64_matches_reference(backend, chunk, ref64):
     assert_close_all(got, ref64, 1e-11)
 
 
-@pytest.mark.parametrize("chunk", [8, 16])
-def test_grouped_prefix_matches_reference(chunk, ref64, monkeypatch):
-    """The grouped prefix (taken beyond PREFIX_DIRECT_MAX chunks; forced here at T = 37:
-    5 or 3 chunks in groups of 4 or 2) against the reference, forward and backward; the
-    direct walk is what every other chunk test runs."""
-    from kernels.ops.samu import chunk as samu_chunk
-
-    monkeypatch.setattr(samu_chunk, "PREFIX_DIRECT_MAX", 0)
-    calls = []
-    group = samu_chunk._group_kernel
-    monkeypatch.setattr(samu_chunk, "_group_kernel", _Recording(group, calls))
-    p = leaves(make_inputs(torch.float64))
-    with poisoned():
-        got = run(BACKENDS["samu"]["chunk"], p, chunk_size=chunk)
-    assert len(calls) == 4          # compose and fill, forward and backward
-    assert_close_all(got, ref64, 1e-11)
-
-
-def test_direct_prefix_over_many_chunks():
-    """The direct walk over 37 chunks (K = 8, T = 290: three unrolled rounds of 16, the
-    last partial) with resets and an initial state, forward and backward, float64."""
-    from kernels.ops.samu import chunk as samu_chunk
-
-    assert 37 <= samu_chunk.PREFIX_DIRECT_MAX and samu_chunk.DIRECT_UNROLL < 37
-    inputs = make_inputs(torch.float64, b=2, t=290, d=8, seed=7)
-    seg = segment_positions(290, [{40, 41, 200}, {0, 137}])
-    want = run(reference.samu, leaves(inputs), segment_pos=seg)
-    with poisoned():
-        got = run(BACKENDS["samu"]["chunk"], leaves(inputs), segment_pos=seg, chunk_size=8)
-    assert_close_all(got, want, 1e-11)
-
-
-class _Recording:
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("backend", ["serial", "chunk"])
 def test_float32_matches_float64(backend):
     inputs = make_inputs(torch.float32)
@@ -261,8 +220,7 @@ def test_prefill_and_dispatch():
         else:                       # no states kept: the replay writes y alone
             assert k["samu_chunk_replay"]["bytes_written"] == y_bytes
             assert k["samu_chunk_summary"]["bytes_read"] >= x_bytes and k["samu_chunk_replay"]["bytes_read"] >= x_bytes
-            # mode table, controls, summary, the prefix's one walk (3 chunks), replay
-            assert c.launches == 5 and k["samu_prefix"]["launches"] == 1
+            assert c.launches == 7 and k["samu_prefix_fill"]["launches"] == 1
     # "auto" on the CPU is the reference: no kernel launches.
     with torch.no_grad(), accounting.counting() as c:
         kernels.samu(*[inputs[k] for k in GRAD_NAMES[:7]], segment_pos=SEGMENT_POS, backend="auto")

@@ -3,10 +3,9 @@
 Forward over chunks of K tokens (a partial last chunk's missing steps are identity):
 1. summary per (chunk, mode block): h_out = P_c h_in + Q_c (P_c = prod a_t, Q_c the
    state from zero);
-2. prefix over the N summaries: up to PREFIX_DIRECT_MAX chunks one serial walk (one
-   launch); beyond, in groups of GS ~ sqrt(N) chunks: each group composed into one map,
-   a serial prefix over the groups, then every group walked again from its incoming
-   state; either writes the state entering each chunk (kept for the backward);
+2. prefix over the N summaries in groups of GS ~ sqrt(N) chunks: each group composed
+   into one map, a serial prefix over the groups, then every group walked again from
+   its incoming state writing the state entering each chunk (kept for the backward);
 3. replay per (chunk, mode block) from its entering state, writing y = relu(h).
 Backward: the same on the adjoint, R_{c-1} = conj(P_c) R_c + Qbar_c with Qbar_c =
 sum_t conj(prod_{u<=t} a_u) g_t, composed right to left, then each chunk's adjoint
@@ -28,10 +27,6 @@ from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, serial_backward, serial_for
 
 PREFIX_BM = 128
 PREFIX_UNROLL = 4
-# Up to this many chunks the prefix is one serial walk over the chunk maps (one launch
-# instead of three, loads of DIRECT_UNROLL chunks in flight at once).
-PREFIX_DIRECT_MAX = 128
-DIRECT_UNROLL = 16
 
 
 def group_sizes(n: int) -> tuple[int, int, int]:
@@ -89,9 +84,8 @@ def _group_kernel(A, Bv, carry, S, AG, BG, N, NG, M, GS: tl.constexpr, V: tl.con
 @launcher
 @triton.jit(do_not_specialize=["NG", "M"])
 def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
-                  CONJ: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr):
-    """Serial prefix over NG maps (the groups', or every chunk's; CONJ: conjugated A):
-    the state entering each map (carry), and the final one."""
+                  HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr):
+    """Serial prefix over the group maps: each group's incoming state, and the final one."""
     pid_m, b, offs_m, mask_m = block_ids(M, BM, 1)
     sr, si = load_state(init, b * M + offs_m, mask_m, HAS_INIT, BM, ACC)
     for j0 in range(0, NGP, V):
@@ -106,8 +100,6 @@ def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.co
             gidx = (b * NG + g) * M + offs_m
             store_pair(carry, gidx, sr, si, lm)
             ar, ai = load_pair(AG, gidx, lm, 1.0, 0.0)
-            if CONJ:
-                ai = -ai
             br, bi = load_pair(BG, gidx, lm, 0.0, 0.0)
             sr, si = cmul_add(ar, ai, sr, si, br, bi)
     store_pair(final, b * M + offs_m, sr, si, mask_m)
@@ -192,32 +184,23 @@ def prefix_shapes(B: int, N: int, M: int) -> tuple:
 
 
 def _prefix(A, Bv, init, S, conj, reverse, work):
-    """Prefix over the chunk maps A, Bv [B, N, M, 2]: writes the state entering every
-    chunk to S and returns the final one [B, M, 2]; work: the scratch buffers of
-    prefix_shapes (unused up to PREFIX_DIRECT_MAX chunks)."""
+    """Grouped prefix over the chunk maps A, Bv [B, N, M, 2]: writes the state entering
+    every chunk to S (linear work) and returns the final one [B, M, 2]; work: the
+    scratch buffers of prefix_shapes."""
     B, N, M, _ = A.shape
     acc = A.dtype
-    final = alloc((B, M, 2), acc, A.device)
-    nmb = cdiv(M, PREFIX_BM)
-    init_or = init if init is not None else final
-    if N <= PREFIX_DIRECT_MAX:
-        n_p = next_pow2(N)
-        _outer_kernel[(nmb, B)](A, Bv, init_or, S, final, N, M, NGP=n_p, V=min(n_p, DIRECT_UNROLL), BM=PREFIX_BM,
-                                CONJ=conj, HAS_INIT=init is not None, REVERSE=reverse, ACC=tl_dtype(acc),
-                                num_warps=4)
-        if accounting.on():
-            accounting.record("samu_prefix", accounting.nbytes(A, Bv, init), accounting.nbytes(S, final))
-        return final
     gs, ng, ngp = group_sizes(N)
     AG, BG, carry = work
-    kw = dict(GS=gs, V=min(gs, PREFIX_UNROLL), BM=PREFIX_BM, CONJ=conj, REVERSE=reverse, ACC=tl_dtype(acc),
-              num_warps=4)
+    final = alloc((B, M, 2), acc, A.device)
+    nmb = cdiv(M, PREFIX_BM)
+    V = min(gs, PREFIX_UNROLL)
+    kw = dict(GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse, ACC=tl_dtype(acc), num_warps=4)
     _group_kernel[(nmb, ng, B)](A, Bv, carry, S, AG, BG, N, ng, M, FILL=False, **kw)
     if accounting.on():
         accounting.record("samu_prefix_group", accounting.nbytes(A, Bv), accounting.nbytes(AG, BG))
-    # the group maps are composed already conjugated
-    _outer_kernel[(nmb, B)](AG, BG, init_or, carry, final, ng, M, NGP=ngp, V=min(ngp, PREFIX_UNROLL), BM=PREFIX_BM,
-                            CONJ=False, HAS_INIT=init is not None, REVERSE=reverse, ACC=tl_dtype(acc), num_warps=4)
+    _outer_kernel[(nmb, B)](AG, BG, init if init is not None else final, carry, final, ng, M, NGP=ngp,
+                            V=min(ngp, PREFIX_UNROLL), BM=PREFIX_BM, HAS_INIT=init is not None, REVERSE=reverse,
+                            ACC=tl_dtype(acc), num_warps=4)
     if accounting.on():
         accounting.record("samu_prefix_outer", accounting.nbytes(AG, BG, init), accounting.nbytes(carry, final))
     _group_kernel[(nmb, ng, B)](A, Bv, carry, S, AG, BG, N, ng, M, FILL=True, **kw)
