@@ -9,7 +9,9 @@ scaling or logit soft-cap; checkpoints with local-attention blocks are refused),
 HawkLM state dict (the preset and --mixer must describe it). Prompts are random tokens
 after a BOS (--prompt-len 0: BOS alone). Prints the prefill time, ms per decode step and
 tokens/s (--json: also one JSON object), timed over one trajectory (CUDA events on
-CUDA) after the graph capture and warm-up.
+CUDA) after the graph capture and warm-up. With $KERNELS_TUNING_TABLE set (the pipeline's
+results/tune/tuning.json), "auto" mixer backends and the weight-streaming linears' tiles
+come from that table, as in the pipeline's inference track.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import time
 import torch
 
 from .models import PRESETS, HawkConfig, HawkLM
+from .models import decode as dk
 from .models.generation import KERNELS, Engine
+from .ops import tuning
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -118,9 +122,14 @@ def main(argv=None) -> dict:
     cfg = model.config
     if any(not 0 <= t < cfg.vocab_size for t in a.stop):
         p.error(f"--stop ids must lie in [0, {cfg.vocab_size}), got {a.stop}")
+    table = tuning.env_table()
+    linear_configs = None
+    if table is not None and device.type == "cuda":
+        linear_configs = table.linear_configs(str(dtype).removeprefix("torch."), dk.rows_block(a.batch),
+                                              gpu=torch.cuda.get_device_name(device))
     try:
         engine = Engine(model, kernels=a.kernels, graphs=False if a.no_graphs else None,
-                        pdl={"auto": None, "on": True, "off": False}[a.pdl])
+                        pdl={"auto": None, "on": True, "off": False}[a.pdl], linear_configs=linear_configs)
     except ValueError as e:
         p.error(str(e))
     bos = engine.bos_id

@@ -440,3 +440,39 @@ def test_tune_times_samu_steps_with_the_engines_mode_table(tmp_path, monkeypatch
     assert seen and all(t is not None for t in seen)
     assert torch.equal(seen[0], ops.samu_mode_table(*cases.step_inputs("samu", 2, 8, 2, torch.float32,
                                                                        torch.device("cpu"))[0][5:7], torch.float32))
+
+
+def test_tune_picks_decode_linear_tiles_role_by_role_behind_a_gate(tmp_path, monkeypatch):
+    """Each role's grid beside the default tiles, gated on the first step from BOS: a tile
+    choice that writes wrong results is recorded as failed and never chosen; the table
+    hands the chosen tiles back by row block, and the inference track passes them on."""
+    from kernels.models import decode as dk
+
+    monkeypatch.setattr(tune, "LINEAR_ROLES", ("out", "logits"))
+    real = dk.linear
+
+    def wrong_at_split_2(*args, config=None, **kw):
+        got = real(*args, config=config, **kw)
+        if (config or {}).get("SPLIT") == 2 and kw.get("epilogue", dk.EPI_BIAS) == dk.EPI_BIAS:
+            return -got                             # the logits negated: another argmax
+        return got
+    monkeypatch.setattr(dk, "linear", wrong_at_split_2)
+    lin = {"preset": "tiny", "batch": 2, "dtype": "float32", "steps": 2, "trajectories": 2, "warmup": 0,
+           "options": {"SPLIT": [2]}}
+    settings = tune_settings(linears=lin)
+    runner = measure.Runner.for_job(make_job(tmp_path, "tune", "tune", settings, {}), "tune", settings,
+                                    torch.device("cpu"))
+    entries = tune.tune_linears(runner, settings, torch.device("cpu"))
+    assert [e["role"] for e in entries] == ["out", "logits"]
+    assert all(e["rows"] == 16 and e["dtype"] == "float32" and e["candidates"] >= 1 for e in entries)
+    by_role = {e["role"]: e for e in entries}
+    assert by_role["logits"]["config"] == {}       # SPLIT 2 failed its gate: the default stays
+    failed = [c for c in runner.planned if (runner.get(c) or {}).get("status") != "ok"]
+    assert failed == ["tune-linear-logits-tiny-float32-B2-gemm-SPLIT2-probe"]
+    assert "first-step tokens differ" in runner.get(failed[0])["error"]
+    doc = {"schema": 1, "entries": [], "decode_linears": entries}
+    table = kernels.TuningTable.from_dict(tuning.validate_table(doc))
+    assert table.linear_configs("float32", 16) == {e["role"]: e["config"] for e in entries}
+    assert table.linear_configs("float32", 64) == {} and table.linear_configs("bfloat16", 16) == {}
+    with pytest.raises(ValueError, match="decode_linears"):
+        tuning.validate_table({"schema": 1, "decode_linears": [{"role": "out", "rows": 16}]})

@@ -349,6 +349,19 @@ def test_report_says_which_timed_implementations_were_gated():
     assert "samu_step/row` (the tuning table" not in stepped
 
 
+def test_report_names_the_tuned_decode_linear_tiles_apart_from_the_audit():
+    import aggregate
+
+    recs = [_rec("a", backend="gemm", op="decode_linear_xy"), _rec("b", backend="chunk")]
+    table = {"entries": [], "decode": [], "decode_linears": [
+        {"role": "xy", "rows": 16, "config": {"BN": 32, "SPLIT": 4}}, {"role": "out", "rows": 16, "config": {}}]}
+    assert "decode_linear" not in "".join(aggregate.timed_implementations(recs, table))
+    text = aggregate.linear_tiles(table)
+    assert "tuned at 16 rows" in text and 'xy {"BN": 32, "SPLIT": 4}' in text and "out" not in text
+    assert "stayed for every role" in aggregate.linear_tiles({"decode_linears": [table["decode_linears"][1]]})
+    assert aggregate.linear_tiles({"entries": []}) == ""
+
+
 def test_report_tables_have_no_nan_cells_and_labels_come_from_records():
     import aggregate
 

@@ -345,7 +345,8 @@ def linear_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _rows_block(M: int) -> int:
+def rows_block(M: int) -> int:
+    """The row block (BM) `linear` launches M rows with: 16 or, above 16 rows, 64."""
     return min(64, max(16, next_pow2(M)))
 
 
@@ -582,7 +583,7 @@ def default_config(cols: int, K: int, rows: int = 16) -> dict:
     blocks times K splits), each streaming at least ~512 of K. BK: slice of K per
     iteration; SPLIT: requested K splits (see split_plan); SWAP: the weight tile as the
     dot's M operand (M = BN >= 64 suits wgmma)."""
-    tuned = TUNED.get((cols, K, _rows_block(rows)))
+    tuned = TUNED.get((cols, K, rows_block(rows)))
     if tuned is not None:
         return dict(tuned, num_stages=3)
     bn = 128 if cols >= 128 * 200 else 64 if cols >= 64 * 80 else 32
@@ -700,7 +701,7 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         if norm_scale is None:
             raise ValueError(f"expected norm_scale of shape [{K}] with PRO_NORM")
         norm_scale = _vec("norm_scale", norm_scale, K, dev)
-    BM = _rows_block(M)
+    BM = rows_block(M)
     cfg = _fit_smem(dict(default_config(2 * N if epilogue == EPI_XY else N, K, M), **(config or {})), BM, gated,
                     dt.itemsize)
     if cfg["BN"] < 16 or cfg["BK"] < 16:
@@ -767,4 +768,5 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
 
 __all__ = ["embed_rmsnorm", "add_rmsnorm", "conv_step", "gelu_mul", "advance", "linear", "default_config",
            "PRO_PLAIN", "PRO_NORM", "PRO_MUL", "EPI_BIAS", "EPI_RESIDUAL", "EPI_XY", "EPI_GATED",
-           "MAX_STOP_TOKENS", "LINEAR_MAX_ROWS", "Workspace", "split_plan", "CONFIG_KEYS", "TUNED"]
+           "MAX_STOP_TOKENS", "LINEAR_MAX_ROWS", "Workspace", "split_plan", "CONFIG_KEYS", "TUNED",
+           "rows_block"]

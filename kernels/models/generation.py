@@ -48,6 +48,8 @@ KERNELS = ("auto", "model", "fused", "gemm")
 # "auto" uses the weight-streaming linears up to this batch (H200, preset 1.3b: 1.39 ms
 # per step against 1.68 for "fused" at B = 16; at B = 32 and 64 "fused" was faster).
 AUTO_GEMM_MAX_ROWS = 16
+# The weight-streaming linears of a step, the keys of `linear_configs`.
+LINEAR_ROLES = ("xy", "out", "up", "down", "logits")
 # The beginning-of-sequence id of the recurrentgemma tokenizer (the engine's default).
 BOS_ID = 2
 # Smallest positive temperature: FP32 holds 1 / MIN_TEMPERATURE with room to spare.

@@ -12,7 +12,11 @@ pair of names). Schema version 1:
          "backend": "chunk", "chunk_size": 32, "options": {...launcher keyword arguments...}}]}
 
 Lookup takes the entry of the same op and dtype nearest in log(B*T), log(D) and log(B)
-(cached).
+(cached). A table may also carry the tile options of the decode step's weight-streaming
+linears by role, tuned at a row block (`linear_configs`):
+
+    "decode_linears": [{"role": "xy" | "out" | "up" | "down" | "logits", "dtype": "bfloat16",
+                        "rows": 16, "config": {...kernels.models.decode.CONFIG_KEYS...}}]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 SCHEMA = 1
 ENV = "KERNELS_TUNING_TABLE"
 REQUIRED_KEYS = ("op", "dtype", "B", "T", "D", "backend")
+LINEAR_KEYS = ("role", "dtype", "rows", "config")
 
 
 def validate_table(table: dict) -> dict:
@@ -37,6 +42,11 @@ def validate_table(table: dict) -> dict:
         if missing:
             raise ValueError(f"expected every tuning table entry with keys {list(REQUIRED_KEYS)}, got entry {i} "
                              f"lacking {missing}: {e}")
+    for i, e in enumerate(table.get("decode_linears", [])):
+        missing = [k for k in LINEAR_KEYS if k not in e]
+        if missing or not isinstance(e["config"], dict):
+            raise ValueError(f"expected every decode_linears entry with keys {list(LINEAR_KEYS)} and a dict config, "
+                             f"got entry {i}: {e}")
     return table
 
 
@@ -47,6 +57,7 @@ class TuningTable:
         validate_table(doc)
         self.gpu = doc.get("gpu")
         self.entries = tuple(doc.get("entries", ()))
+        self.linears = tuple(doc.get("decode_linears", ()))
         self.source = source
         self._found: dict = {}
 
@@ -68,6 +79,15 @@ class TuningTable:
         if key not in self._found:
             self._found[key] = self._nearest(op, dtype, B, T, D, gpu)
         return self._found[key]
+
+    def linear_configs(self, dtype: str, rows: int, gpu: str | None = None) -> dict[str, dict]:
+        """Tile options of the decode linears by role tuned for `rows` rows per launch
+        (the linear's row block, kernels.models.decode.rows_block), {} where none are (or,
+        given the caller's `gpu`, where the table was tuned on another GPU)."""
+        if gpu and self.gpu and self.gpu != gpu:
+            _warn_other_gpu(self.gpu, gpu, self.source)
+            return {}
+        return {e["role"]: dict(e["config"]) for e in self.linears if e["dtype"] == dtype and e["rows"] == rows}
 
     def _nearest(self, op, dtype, B, T, D, gpu):
         if gpu and self.gpu and self.gpu != gpu:

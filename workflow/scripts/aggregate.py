@@ -409,12 +409,24 @@ def timed_implementations(recs: list[dict], table: dict) -> dict[str, set[int | 
     for r in recs:
         op = r.get("op") or r["mixer"] or ("scan" if r["stage"] == "scan" else None)
         backend = r["backend"]
-        if op is None or backend is None or backend == "auto" or backend.startswith("peer:"):
+        if op is None or backend is None or backend == "auto" or backend.startswith("peer:") \
+                or op.startswith("decode_linear_"):       # tiles of the engine's linears (linear_tiles)
             continue
         out.setdefault(f"{op}/{backend}", set()).add(None)
     for e in [*table.get("entries", []), *table.get("decode", [])]:
         out.setdefault(f"{e['op']}/{e['backend']}", set()).add(e.get("B") if e["op"].endswith("_step") else None)
     return out
+
+
+def linear_tiles(table: dict) -> str:
+    """What the table holds for the decode step's weight-streaming linears."""
+    lin = table.get("decode_linears") or []
+    if not lin:
+        return ""
+    changed = [f"{e['role']} {json.dumps(e['config'], sort_keys=True)}" for e in lin if e["config"]]
+    return (f" Decode linears tuned at {', '.join(sorted({str(e['rows']) for e in lin}))} rows, each tile choice "
+            f"gated against the built-in tiles' first engine step (tokens equal, states within the tolerance): "
+            + ("; ".join(changed) if changed else "the built-in tiles stayed for every role") + ".")
 
 
 def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
@@ -469,7 +481,7 @@ def main(job):
         f"# SAMU and RG-LRU: study report ({job.profile})", "", f"<!-- {GENERATED} -->", "",
         f"{len(recs)} records from {len(job.input.records)} tracks; "
         + (", ".join(f"{s} {st}: {n}" for (s, st), n in sorted(counts.items())) or "no measurements")
-        + f". Tuning table: {len(table.get('entries', []))} entries.", "",
+        + f". Tuning table: {len(table.get('entries', []))} entries." + linear_tiles(table), "",
         summary, order_section(df), breakdown_section(recs), probe_section(env), audit_section(gates, recs + records.read_jsonl(job.input.tune_records), table),
         "## Tracks\n", "Times are per call, P10 / median / P95 over the raw samples kept in each record, of the "
         "headline clock (`clock`: the device clock where device time is under 2 ms, eager otherwise), the eager "

@@ -13,6 +13,7 @@ from common import measure, stage
 import kernels
 from kernels import ops
 from kernels.models import HawkConfig, HawkLM
+from kernels.models import decode as dk
 from kernels.models.generation import Engine
 
 
@@ -62,11 +63,18 @@ def resolved_backends(engine, B: int, prompt: int) -> dict:
     return {"prefill": name, "prefill_options": opts, "step": engine.describe(B)["mixer_step_backend"]}
 
 
-def prefill_fields(model, pre: dict, settings: dict, env: dict, device) -> dict:
+def engine_for(model, B: int, table: kernels.TuningTable, settings: dict, device) -> Engine:
+    """The generation engine at batch size B with the table's tiles for the weight-streaming
+    linears of B's row block (none tuned: the built-in ones)."""
+    return Engine(model, graphs=settings.get("cuda_graphs", True) and device.type == "cuda",
+                  linear_configs=table.linear_configs(settings["dtype"], dk.rows_block(B)))
+
+
+def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.TuningTable, device) -> dict:
     """Time to first token (prefill of a [B, P] prompt and one decode step, eager) beside
     its floor (`floor.basis`)."""
     B, P = pre["batch"], pre["prompt"]
-    engine = Engine(model, graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
+    engine = engine_for(model, B, table, settings, device)
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(1, settings["vocab"], (B, P), generator=g).to(device)
     try:
@@ -156,7 +164,7 @@ def main(job):
             # The decode table picks the step kernel and its launcher options by batch size.
             step = kernels.Backend(choice["backend"], **choice.get("options", {})) if choice else "auto"
             m.set_backend(auto, step_backend=step)
-            engine = Engine(m, graphs=settings.get("cuda_graphs", True) and device.type == "cuda")
+            engine = engine_for(m, B, auto.table, settings, device)
             g = torch.Generator(device="cpu").manual_seed(0)
             tokens = torch.randint(1, settings["vocab"], (B, prompt), generator=g).to(device) if prompt else None
             try:
@@ -187,7 +195,8 @@ def main(job):
         for order, seq in measure.orders(mixers):
             for mixer in seq:
                 cid = f"infer-prefill-{preset}-P{pre['prompt']}-B{pre['batch']}-{mixer}-{order}"
-                runner.run(cid, lambda mixer=mixer: prefill_fields(model(mixer), pre, settings, env, device),
+                runner.run(cid, lambda mixer=mixer: prefill_fields(model(mixer), pre, settings, env, auto.table,
+                                                                   device),
                            **base(mixer, pre["batch"], pre["prompt"]), order=order, role="prefill",
                            sequence=list(seq))
 

@@ -1,6 +1,7 @@
 """Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads) and records.jsonl:
 per op and shape every exact candidate (backend x option grid) is checked and probed, the
-fastest re-measured on fresh runs; decode steps likewise per batch size, as trajectories."""
+fastest re-measured on fresh runs; decode steps likewise per batch size, as trajectories;
+the decode step's weight-streaming linears role by role, as trajectories of whole steps."""
 
 import fnmatch
 import itertools
@@ -13,6 +14,9 @@ from common import atomic, cases, facts, measure, records, stage
 from common.cases import OPS, STEP_OPS, checked, floor_bytes, make_call, op_inputs, opt_tag, rel_err, step_inputs
 
 import kernels
+from kernels.models import HawkConfig, HawkLM
+from kernels.models import decode as dk
+from kernels.models.generation import LINEAR_ROLES, Engine
 from kernels.ops import tuning
 
 # Arguments of the decode steps that are not launcher options.
@@ -197,20 +201,88 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
     return entries
 
 
+def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
+    """Tile options of the weight-streaming linears, one role at a time (the roles before
+    it at their choices): every combination of the grid beside the default, each gated
+    on the first step from BOS (tokens equal to the default's, every state within the
+    tolerance) and timed as trajectories of whole engine steps (CUDA graphs on a GPU)."""
+    lin = settings.get("linears") or {}
+    if not lin:
+        return []
+    dt_name = lin.get("dtype", "bfloat16")
+    B, steps, n_traj = lin["batch"], lin["steps"], lin["trajectories"]
+    tol = settings["check_tolerance"][dt_name]
+    torch.manual_seed(0)
+    cfg = HawkConfig.preset(lin["preset"], mixer="rglru", **({"vocab_size": lin["vocab"]} if "vocab" in lin else {}))
+    model = HawkLM(cfg, device=device, dtype=getattr(torch, dt_name)).eval().requires_grad_(False)
+    graph = lin.get("cuda_graphs", True) and device.type == "cuda"
+    rows = dk.rows_block(B)
+
+    def first_step(configs):
+        eng = Engine(model, kernels="gemm", graphs=graph, linear_configs=configs)
+        eng.start(batch_size=B)
+        tokens = eng.step().clone()
+        return tokens, [t.clone() for c in eng.cache.layers for t in (c.conv_state, c.rnn_state)]
+
+    def trajectories(configs):
+        eng = Engine(model, kernels="gemm", graphs=graph, linear_configs=configs)
+        runs = [measure.time_trajectory(lambda i: eng.step(), [steps], device, before=lambda: eng.start(batch_size=B),
+                                        warmup=lin.get("warmup", 2) if k == 0 else 0) for k in range(n_traj)]
+        traj = [r["cumulative_ms"][-1] for r in runs]
+        return {"samples_ms": traj, "stats": measure.summarize(traj), "steps_per_trajectory": steps,
+                "cuda_graph": graph}
+
+    want = first_step({})
+    grid = lin.get("options", {})
+    keys = sorted(grid)
+    options = [{}] + [dict(zip(keys, v)) for v in itertools.product(*(grid[k] for k in keys))]
+    chosen, entries = {}, []
+    for role in LINEAR_ROLES:
+        def with_role(opts, role=role):
+            return {**chosen, role: opts} if opts else dict(chosen)
+
+        def probe(name, opts):
+            configs = with_role(opts)
+            tokens, states = first_step(configs)
+            if not torch.equal(tokens, want[0]):
+                raise ValueError(f"{role} tiles {opts}: first-step tokens differ from the default tiles'")
+            checked({f"state {i}": rel_err(g, w) for i, (g, w) in enumerate(zip(states, want[1]))}, tol)
+            eager = Engine(model, kernels="gemm", graphs=False, linear_configs=configs)
+            eager.start(batch_size=B)
+            eager.step()
+            return {**trajectories(configs), "logical": measure.logical_counts(eager.step, device),
+                    "linear_configs": configs}
+
+        tag = f"linear-{role}-{lin['preset']}-{dt_name}-B{B}"
+        got = select(runner, tag, [("gemm", o) for o in options], probe, lambda n, o: trajectories(with_role(o)),
+                     {"shapes": {"preset": lin["preset"], "B": B, "rows": rows}, "op": f"decode_linear_{role}",
+                      "dtype": dt_name})
+        if got is None:
+            continue
+        if got["options"]:
+            chosen[role] = got["options"]
+        entries.append({"role": role, "dtype": dt_name, "rows": rows, "config": got.pop("options"), "B": B,
+                        "preset": lin["preset"],
+                        "probe_median_trajectory_ms": statistics.median(got.pop("best")["samples_ms"]), **got})
+    return entries
+
+
 def main(job):
     settings = job.params["settings"]
     device = measure.device_of()
     runner = measure.Runner.for_job(job, "tune", settings, device)
     entries = tune_ops(runner, settings, job.load("gates"), device)
     decode = tune_decode(runner, settings, device)
+    linears = tune_linears(runner, settings, device)
     gpu = facts.gpu()
     doc = {"schema": 1, "profile": job.profile, "gpu": gpu["name"] if gpu else None, "device": device.type,
            "commit": facts.commit(), "versions": facts.versions(), "timestamp": records.now(),
-           "entries": entries, "decode": decode}
+           "entries": entries, "decode": decode, "decode_linears": linears}
     tuning.validate_table(doc)
     runner.finish(job.output.records)
     atomic.write_json(job.output.table, doc)
-    runner.say(f"{len(entries)} op entries, {len(decode)} decode entries -> {job.output.table}")
+    runner.say(f"{len(entries)} op entries, {len(decode)} decode entries, {len(linears)} decode linear entries "
+               f"-> {job.output.table}")
 
 
 if __name__ == "__main__":

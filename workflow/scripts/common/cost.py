@@ -30,6 +30,11 @@ TUNE_MS_PER_ELEMENT = {("rglru", "fwd_bwd"): 0.75 / 20.97e6, ("samu", "fwd_bwd")
                        ("scan", "fwd_bwd"): 0.6 / 20.97e6, ("rglru", "fwd"): 0.2 / 33.55e6,
                        ("samu", "fwd"): 0.6 / 33.55e6, ("scan", "fwd"): 0.2 / 33.55e6}
 TUNE_ASSOC_FACTOR = 16.0
+# The decode linears, per candidate: a compile of its tiles, two engines built and captured,
+# one eager step counted and the trajectories (an estimate until tune records hold it).
+TUNE_LINEAR_CANDIDATE_S = 2.5
+TUNE_LINEAR_MODEL_S = 5.0
+LINEAR_ROLES = 5
 OP_BACKENDS = dict.fromkeys(("rglru", "samu", "scan"), ("serial", "chunk", "assoc"))
 STEP_BACKENDS = {"rglru": ["fused"], "samu": ["fused", "row", "blocked"]}
 
@@ -94,6 +99,12 @@ def tune(s: dict) -> float:
         for op, names in STEP_BACKENDS.items():
             n = sum(_grid_size(dec.get("options", {}), op, name) for name in names)
             total += len(dec["batches"]) * (n + 1) * TUNE_DECODE_CANDIDATE_S
+    lin = s.get("linears")
+    if lin:
+        n = math.prod(len(v) for v in lin.get("options", {}).values()) + 1
+        steps = (lin.get("warmup", 2) + lin["trajectories"] * lin["steps"]) * (n + 1) * LINEAR_ROLES
+        total += TUNE_LINEAR_MODEL_S + LINEAR_ROLES * (n + 1) * TUNE_LINEAR_CANDIDATE_S \
+            + steps * infer_step_ms(lin["batch"], lin["preset"]) / 1e3
     return total
 
 
