@@ -122,7 +122,10 @@ def main(argv=None) -> dict:
     cfg = model.config
     if any(not 0 <= t < cfg.vocab_size for t in a.stop):
         p.error(f"--stop ids must lie in [0, {cfg.vocab_size}), got {a.stop}")
-    table = tuning.env_table()
+    try:
+        table = tuning.env_table()
+    except ValueError as e:
+        p.error(str(e))
     linear_configs = None
     if table is not None and device.type == "cuda":
         linear_configs = table.linear_configs(str(dtype).removeprefix("torch."), dk.rows_block(a.batch),

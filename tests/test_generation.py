@@ -329,7 +329,7 @@ def test_decoder_interface():
     assert dec.step().shape == (2,)
 
 
-def test_command_line_and_checkpoints(tmp_path, capsys):
+def test_command_line_and_checkpoints(tmp_path, capsys, monkeypatch):
     torch.manual_seed(0)
     m = HawkLM(HawkConfig.preset("tiny"), dtype=torch.float32)
     torch.save(to_recurrentgemma(m).state_dict(), tmp_path / "official.pt")
@@ -362,9 +362,21 @@ def test_command_line_and_checkpoints(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             generate.main(argv)
         assert e.value.code == 2, argv
+    # $KERNELS_TUNING_TABLE naming no file: an argparse error, not a traceback
+    from kernels.ops import tuning
+
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "no-table.json"))
+    tuning.env_table.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as e:
+            generate.main(args)
+        assert e.value.code == 2
+    finally:
+        monkeypatch.delenv(tuning.ENV)
+        tuning.env_table.cache_clear()
     err = capsys.readouterr().err
     for what in ("cannot build the model", "no such file", "--top-k must be at least 1", "--top-k needs",
-                 "--temperature must be", "--stop ids"):
+                 "--temperature must be", "--stop ids", "expected $KERNELS_TUNING_TABLE to name a tuning table"):
         assert what in err, what
 
 
