@@ -262,7 +262,7 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self, s: _Slot, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        B, P = tokens.shape
+        P = tokens.shape[1]
         for c in s.cache.layers:
             c.conv_state.zero_()
             c.rnn_state.zero_()
@@ -273,8 +273,7 @@ class Engine:
             s.reset.fill_(True)
             return
         # recurrentgemma's sampler: position t - (P - length), pads at -1.
-        pos = torch.arange(P, device=self.device)[None, :] - (P - lengths)[:, None]
-        pos = pos.clamp_(min=-1)
+        pos = (torch.arange(P, device=self.device)[None, :] - (P - lengths)[:, None]).clamp_(min=-1)
         if P > 1:
             m = self.model
             body, bpos = tokens[:, :-1], pos[:, :-1]
@@ -305,13 +304,13 @@ class Engine:
         MAX_STOP_TOKENS ids after which a row emits pad_id; generator: a torch.Generator
         on the model's device for sampling.
         """
+        V = self.model.config.vocab_size
         sampling = Sampling(float(temperature), top_k)
-        if sampling.top_k is not None and sampling.top_k > self.model.config.vocab_size:
-            raise ValueError(f"expected top_k <= vocab_size = {self.model.config.vocab_size}, got {top_k}")
+        if sampling.top_k is not None and sampling.top_k > V:
+            raise ValueError(f"expected top_k <= vocab_size = {V}, got {top_k}")
         stops = _ids(stop_tokens, "stop_tokens", scalar=True).tolist()
         if len(stops) > dk.MAX_STOP_TOKENS:
             raise ValueError(f"expected at most {dk.MAX_STOP_TOKENS} stop tokens, got {len(stops)}")
-        V = self.model.config.vocab_size
         if any(not 0 <= t < V for t in stops):
             raise ValueError(f"expected stop tokens in [0, {V}), got {stops}")
         if generator is not None and (not isinstance(generator, torch.Generator)
@@ -447,13 +446,12 @@ class Engine:
         torch.cuda.current_stream(self.device).wait_stream(side)
         for t, v in zip(s.state(), saved):
             t.copy_(v)
-        if generator is not None:
-            generator.set_state(rng)
-        else:
-            torch.cuda.set_rng_state(rng, self.device)
         graph = torch.cuda.CUDAGraph()
         if generator is not None:
+            generator.set_state(rng)
             graph.register_generator_state(generator)
+        else:
+            torch.cuda.set_rng_state(rng, self.device)
         with torch.cuda.graph(graph):
             logits = self._body(s, sampling, generator)
         return graph, logits
