@@ -476,8 +476,7 @@ class Engine:
 
     def _steps(self, max_new_tokens, sync_every: int, prompts, start_kw: dict):
         """start(prompts, **start_kw); returns B and an iterator over up to max_new_tokens
-        steps' token buffers that, with stop tokens, ends once every row has stopped
-        (checked every `sync_every` steps: one host synchronisation each)."""
+        steps' token buffers that stops early as `stream` says."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
         B, s = self.start(prompts, **start_kw), self._cur
