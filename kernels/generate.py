@@ -52,13 +52,9 @@ def load_checkpoint(path: str, *, preset: str, mixer: str, device, dtype, backen
                                                   logits_soft_cap=0.0, scan_type=rg.ScanType.AUTO)
         official = rg.Griffin(cfg, gradient_checkpointing=False, device="meta")
         official.load_state_dict(state, strict=True, assign=True)
-        official = official.to(device=device, dtype=dtype)
-        model = convert.from_recurrentgemma(official, backend=backend)
-        del official
-        return model.eval()
+        return convert.from_recurrentgemma(official.to(device=device, dtype=dtype), backend=backend).eval()
     if "embed.weight" in state:
-        V = state["embed.weight"].shape[0]
-        cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=V)
+        cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=state["embed.weight"].shape[0])
         model = HawkLM(cfg, backend=backend, device="meta")
         model.load_state_dict(state, strict=True, assign=True)
         return model.to(device=device, dtype=dtype).eval()
@@ -135,12 +131,11 @@ def main(argv=None) -> dict:
                         pdl={"auto": None, "on": True, "off": False}[a.pdl], linear_configs=linear_configs)
     except ValueError as e:
         p.error(str(e))
-    bos = engine.bos_id
-    g = torch.Generator().manual_seed(a.seed)
     prompts = None
     if a.prompt_len:
+        g = torch.Generator().manual_seed(a.seed)
         prompts = torch.randint(0, cfg.vocab_size, (a.batch, a.prompt_len), generator=g)
-        prompts[:, 0] = bos
+        prompts[:, 0] = engine.bos_id
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator(device=device).manual_seed(a.seed) if a.temperature > 0 else None
     kw = dict(batch_size=None if prompts is not None else a.batch, temperature=a.temperature, top_k=a.top_k,

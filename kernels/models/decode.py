@@ -13,10 +13,9 @@ only in FP32 summation order.
   epilogue: bias, residual add, GeLU, the conv step, the gated-MLP product), so a Hawk
   layer is four launches plus the mixer step. RMSNorm's 1 / rms is a per-row factor,
   applied to the FP32 sums: the matmul reads round(x * (1 + scale)) where the model
-  reads round(x / rms * (1 + scale)), one rounding at another place. Each of SPLIT
-  programs per column block writes FP32 partials to a workspace and counts itself; the
-  last to arrive adds them in a fixed order (deterministic), runs the epilogue and
-  resets the count for the next launch or graph replay.
+  reads round(x / rms * (1 + scale)), one rounding at another place. The last of a
+  column block's K splits to arrive adds their FP32 partials in a fixed order
+  (deterministic) and runs the epilogue.
 
 `advance` updates the decoding state after the next-token choice in one launch. Nothing
 here synchronises with the host, so every launcher can run under CUDA-graph capture.
@@ -48,9 +47,6 @@ def _rnd(v, TY: tl.constexpr, RNE: tl.constexpr):
         return rne_bf16(v)
     else:
         return v.to(TY).to(tl.float32)
-
-
-# ----------------------------------------------------------------------------- row kernels
 
 
 @triton.jit
@@ -158,8 +154,6 @@ def advance_kernel(nxt, tokens, pos, reset, done, stops, pad_id, M, S: tl.conste
     tl.store(pos + o, p, mask=mk)
     tl.store(reset + o, (p == 0).to(tl.int8), mask=mk)
 
-
-# ----------------------------------------------------------------------------- weight-streaming linear
 
 # Prologues (input rows): plain; RMSNorm of `a` with `nscale`; rounded product a * a2.
 PRO_PLAIN, PRO_NORM, PRO_MUL = 0, 1, 2
@@ -342,15 +336,24 @@ def linear_kernel(
                       eps, PRO, EPI, HAS_BIAS, HAS_RESET, CW, TY, RNE)
 
 
-# ----------------------------------------------------------------------------- launchers
-
-
 def rows_block(M: int) -> int:
     """The row block (BM) `linear` launches M rows with: 16 or, above 16 rows, 64."""
     return min(64, max(16, next_pow2(M)))
 
 
-def _check_2d(name, t, M, N, dtype=None, device=None, out=False):
+def _on(name, t, device, whose=""):
+    if t.device != device:
+        raise ValueError(f"expected {name} on {device}{whose}, got {t.device}")
+
+
+def _rows(name, t):
+    """The shape (M, N) of a 2-D input with unit column stride (its row stride is free)."""
+    if t.stride(1) != 1:
+        raise ValueError(f"expected {name} with unit column stride, got strides {list(t.stride())}")
+    return t.shape
+
+
+def _check_2d(name, t, M, N, dtype, device, out=False):
     """A [M, N] tensor with unit column stride in `dtype` on `device`; an output (`out`)
     must also be contiguous (the kernels write rows at stride N)."""
     if not isinstance(t, torch.Tensor):
@@ -358,19 +361,21 @@ def _check_2d(name, t, M, N, dtype=None, device=None, out=False):
     if t.dim() != 2 or t.shape[0] != M or t.shape[1] != N or t.stride(1) != 1:
         raise ValueError(f"expected {name} of shape [{M}, {N}] with unit column stride, got "
                          f"{list(t.shape)} strides {list(t.stride())}")
-    if dtype is not None and t.dtype != dtype:
+    if t.dtype != dtype:
         raise ValueError(f"expected {name} with dtype {dtype}, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"expected {name} on {device}, got {t.device}")
+    _on(name, t, device)
     if out and not t.is_contiguous():
         raise ValueError(f"expected a contiguous {name} (rows are written at stride {N}), got strides "
                          f"{list(t.stride())}")
     return t
 
 
-def _out(name, t, M, N, dtype, device):
-    """The output buffer `t`, checked, or a new one."""
-    return torch.empty(M, N, dtype=dtype, device=device) if t is None else _check_2d(name, t, M, N, dtype, device, True)
+def _out(name, t, M, N, dtype, device, strict=(), elementwise=()):
+    """The output buffer `t`, checked (aliasing as in `_no_alias`), or a new one."""
+    if t is None:
+        return torch.empty(M, N, dtype=dtype, device=device)
+    _no_alias(name, _check_2d(name, t, M, N, dtype, device, True), strict, elementwise)
+    return t
 
 
 def _vec(name, t, n, device, dtype=None):
@@ -381,8 +386,7 @@ def _vec(name, t, n, device, dtype=None):
         raise ValueError(f"expected {name} of shape [{n}], got {got}")
     if (dtype is not None and t.dtype != dtype) or not t.dtype.is_floating_point:
         raise ValueError(f"expected {name} with {dtype or 'a floating dtype'}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"expected {name} on {device}, got {t.device}")
+    _on(name, t, device)
     return t.contiguous()
 
 
@@ -431,8 +435,7 @@ def _flags(name, t, M, device):
     """A [M] bool / int8 / uint8 flag vector on `device`."""
     if t.shape != (M,) or t.dtype not in (torch.bool, torch.uint8, torch.int8):
         raise ValueError(f"expected {name} of shape [{M}] and dtype bool, got {list(t.shape)} {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"expected {name} on {device}, got {t.device}")
+    _on(name, t, device)
 
 
 def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
@@ -445,14 +448,11 @@ def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
                          f"strides {list(table.stride())}")
     M, D = tokens.shape[0], table.shape[1]
     dev = table.device
-    if tokens.device != dev:
-        raise ValueError(f"expected tokens on {dev} (the table's device), got {tokens.device}")
+    _on("tokens", tokens, dev, " (the table's device)")
     tokens = tokens.contiguous()
     scale = _vec("scale", scale, D, dev)
-    x = _out("x", x, M, D, table.dtype, dev)
-    xn = _out("xn", xn, M, D, table.dtype, dev)
-    _no_alias("xn", xn, strict=(("x", x), ("table", table)))
-    _no_alias("x", x, strict=(("table", table),))
+    x = _out("x", x, M, D, table.dtype, dev, strict=(("table", table),))
+    xn = _out("xn", xn, M, D, table.dtype, dev, strict=(("x", x), ("table", table)))
     embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
     if accounting.on():
         accounting.record("embed_rmsnorm", accounting.nbytes(tokens, x, scale), accounting.nbytes(x, xn))
@@ -467,8 +467,7 @@ def add_rmsnorm(h, x, scale, eps, xn=None):
         raise ValueError("expected contiguous h and x in add_rmsnorm")
     scale = _vec("scale", scale, D, x.device)
     _no_alias("x", x, elementwise=(("h", h),))
-    xn = _out("xn", xn, M, D, x.dtype, x.device)
-    _no_alias("xn", xn, strict=(("x", x),), elementwise=(("h", h),))
+    xn = _out("xn", xn, M, D, x.dtype, x.device, strict=(("x", x),), elementwise=(("h", h),))
     add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
     if accounting.on():
         accounting.record("add_rmsnorm", accounting.nbytes(h, x, scale), accounting.nbytes(x, xn))
@@ -493,22 +492,18 @@ def _check_conv(conv_state, conv_w, conv_b, M, E, device):
         raise ValueError(f"expected a contiguous conv_state of shape [{M}, {CW - 1}, {E}], "
                          f"got {list(conv_state.shape)} strides {list(conv_state.stride())}")
     for n, t in (("conv_state", conv_state), ("conv_w", conv_w), ("conv_b", conv_b)):
-        if t.device != device:
-            raise ValueError(f"expected {n} on {device}, got {t.device}")
+        _on(n, t, device)
     return CW, conv_w.contiguous(), conv_b.contiguous()
 
 
 def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     """Causal-conv decode step. x: [M, E] (row stride free); conv_state [M, CW-1, E]
     updated in place (inputs of a row with reset are dropped); returns y [M, E]."""
-    M, E = x.shape
-    if x.stride(1) != 1:
-        raise ValueError(f"expected x with unit column stride, got strides {list(x.stride())}")
+    M, E = _rows("x", x)
     CW, conv_w, conv_b = _check_conv(conv_state, conv_w, conv_b, M, E, x.device)
     _no_alias("conv_state", conv_state, strict=(("x", x),))
     rst = _reset_arg(reset, M, x.device)
-    y = _out("y", y, M, E, x.dtype, x.device)
-    _no_alias("y", y, strict=(("conv_state", conv_state),), elementwise=(("x", x),))
+    y = _out("y", y, M, E, x.dtype, x.device, strict=(("conv_state", conv_state),), elementwise=(("x", x),))
     BM, BC = 16, 256
     conv_step_kernel[(cdiv(E, BC), cdiv(M, BM))](
         x, x.stride(0), conv_state, conv_w, conv_b, rst if rst is not None else conv_state, y, M, E,
@@ -521,12 +516,9 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
 
 def gelu_mul(a, b, y=None):
     """round(round(gelu_tanh(a)) * b) for a, b [M, F] (row strides free)."""
-    M, F = a.shape
+    M, F = _rows("a", a)
     _check_2d("b", b, M, F, a.dtype, a.device)
-    if a.stride(1) != 1:
-        raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
-    y = _out("y", y, M, F, a.dtype, a.device)
-    _no_alias("y", y, elementwise=(("a", a), ("b", b)))
+    y = _out("y", y, M, F, a.dtype, a.device, elementwise=(("a", a), ("b", b)))
     BM, BF = 16, 512
     gelu_mul_kernel[(cdiv(F, BF), cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F, BM=BM, BF=BF, RNE=INTERPRET)
     if accounting.on():
@@ -543,8 +535,7 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     M, dev = tokens.shape[0], tokens.device
     for n, t in (("nxt", nxt), ("pos", pos), ("stops", stops)):
         _check_tokens(n, t, None if n == "stops" else M)
-        if t.device != dev:
-            raise ValueError(f"expected {n} on {dev} (the tokens' device), got {t.device}")
+        _on(n, t, dev, " (the tokens' device)")
     _flags("reset", reset, M, dev)
     _flags("done", done, M, dev)
     written = (("tokens", tokens), ("pos", pos), ("reset", reset), ("done", done))
@@ -674,11 +665,9 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     a's dtype on its device; strided vectors are copied; out, out2, residual and
     conv_state must not share memory with a, a2 or each other (ValueError otherwise).
     """
-    M, K = a.shape
+    M, K = _rows("a", a)
     if M > LINEAR_MAX_ROWS:
         raise ValueError(f"expected at most {LINEAR_MAX_ROWS} rows for the weight-streaming linear, got {M}")
-    if a.stride(1) != 1:
-        raise ValueError(f"expected a with unit column stride, got strides {list(a.stride())}")
     unknown = set(config or {}) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"expected config keys among {list(CONFIG_KEYS)}, got {sorted(unknown)}")
@@ -719,9 +708,9 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
             raise ValueError("expected out None (or the residual itself) with EPI_RESIDUAL: the result is "
                              "written into residual")
         out = residual
+        _no_alias("residual", out, strict=inputs)
     else:
-        out = _out("out", out, M, N, dt, dev)
-    _no_alias("residual" if epilogue == EPI_RESIDUAL else "out", out, strict=inputs)
+        out = _out("out", out, M, N, dt, dev, strict=inputs)
     if epilogue == EPI_XY:
         _weight("w2", w2, w.shape, dt, dev)
         if bias2 is not None:
@@ -731,17 +720,14 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         cstate, cw, cb = conv
         CW, cw, cb = _check_conv(cstate, cw, cb, M, N, dev)
         rst = _reset_arg(reset, M, dev)
-        out2 = _out("out2", out2, M, N, dt, dev)
-        _no_alias("out2", out2, strict=(*inputs, ("out", out), ("conv_state", cstate)))
+        out2 = _out("out2", out2, M, N, dt, dev, strict=(*inputs, ("out", out), ("conv_state", cstate)))
         _no_alias("conv_state", cstate, strict=(*inputs, ("out", out)))
         n_blocks *= 2
     if split > 1:
         floats = n_blocks * split * BM * (cfg["BN"] * (2 if gated else 1) + 1)
-        if workspace is None:
-            ws = torch.empty(floats, dtype=torch.float32, device=dev)
-            counts = torch.zeros(n_blocks, dtype=torch.int32, device=dev)
-        else:
-            ws, counts = workspace.take(floats, n_blocks)
+        ws, counts = (workspace.take(floats, n_blocks) if workspace is not None else
+                      (torch.empty(floats, dtype=torch.float32, device=dev),
+                       torch.zeros(n_blocks, dtype=torch.int32, device=dev)))
     else:
         ws = counts = out
 

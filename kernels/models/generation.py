@@ -5,11 +5,10 @@ captured in a CUDA graph per batch size, sampling, stop tokens and a streaming i
     out = engine.generate(prompts, 128, temperature=0.8, top_k=50, stop_tokens=[1])
     for tokens in engine.stream(prompts, 128): ...              # tokens [B] per step
 
-Each batch size B has one `_Slot` of static decoding state: the cache, the next input
-token and its position per row, reset and done flags, stop tokens and temperature. A
-step runs embedding, blocks, final norm and logits, chooses the next token and writes
-it back into `tokens`: fixed device work with no host synchronisation, captured once
-per (B, greedy or sampled, top_k, generator) on CUDA and replayed.
+Each batch size B has one `_Slot` of static decoding state. A step (embedding, blocks,
+final norm, logits, next-token choice written back into the slot's `tokens`) is fixed
+device work with no host synchronisation, captured once per (B, greedy or sampled,
+top_k, generator) on CUDA and replayed.
 
 Prompts are left-padded to a common length P; as in recurrentgemma's sampler, positions
 are t - (P - length) clipped at -1, so each row's first real token is a document start
@@ -110,10 +109,6 @@ class _Slot:
         return out
 
 
-def _is_int(t: torch.Tensor) -> bool:
-    return is_integer_dtype(t.dtype)
-
-
 def _ids(v, name: str, scalar: bool = False) -> torch.Tensor:
     """Token ids given as a sequence, tensor or array (`scalar`: or one int) -> int64
     [n], never rounded; anything else (a string, a ragged list, floats) raises ValueError."""
@@ -124,7 +119,7 @@ def _ids(v, name: str, scalar: bool = False) -> torch.Tensor:
         t = torch.as_tensor(v)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{what} {v!r} ({e})") from None
-    if t.numel() and ((t.dim() > 1 if scalar else t.dim() != 1) or not _is_int(t)):
+    if t.numel() and ((t.dim() > 1 if scalar else t.dim() != 1) or not is_integer_dtype(t.dtype)):
         raise ValueError(f"{what} {shape_str(t)} {t.dtype}")
     return t.to(torch.int64).reshape(-1)
 
@@ -175,11 +170,7 @@ class Engine:
         self._sampling = Sampling()
         self._generator: torch.Generator | None = None
         self._has_stops = False
-        # per block, what its mixer's decode step takes besides x, state and reset: a SAMU
-        # layer's mode table, refreshed in place by `start` (captured graphs read it)
-        self._step_kw: list[dict] | None = None
-
-    # ------------------------------------------------------------------ state
+        self._step_kw: list[dict] | None = None     # per block, its mixer's extra step arguments
 
     def _kernels_for(self, B: int) -> str:
         """The step kernels of batch size B ("auto" here means a bf16/fp16 CUDA model)."""
@@ -225,12 +216,10 @@ class Engine:
                 "pdl": self.pdl and kernels == "gemm", "prefill_chunk": self.prefill_chunk,
                 "linear_configs": dict(self.linear_configs)}
 
-    # ------------------------------------------------------------------ prompts and prefill
-
     def _prompt_batch(self, prompts, lengths):
         dev, V = self.device, self.model.config.vocab_size
         if isinstance(prompts, torch.Tensor):
-            if prompts.dim() != 2 or not _is_int(prompts):
+            if prompts.dim() != 2 or not is_integer_dtype(prompts.dtype):
                 raise ValueError(f"expected prompts an integer tensor of shape [B, P], got {shape_str(prompts)} "
                                  f"{prompts.dtype}")
             tokens = prompts.to(dev, torch.int64)
@@ -239,7 +228,7 @@ class Engine:
                 lengths = torch.full((B,), P, dtype=torch.int64)
             else:
                 lengths = torch.as_tensor(lengths)
-                if not _is_int(lengths):    # a float length would be truncated, a bool one read as 0 / 1
+                if not is_integer_dtype(lengths.dtype):    # a float length would be truncated, a bool one read as 0 / 1
                     raise ValueError(f"expected lengths with an integer dtype, got {lengths.dtype}")
                 lengths = lengths.to("cpu", torch.int64)
                 if lengths.shape != (B,):
@@ -254,11 +243,9 @@ class Engine:
             P = max(len(q) for q in seqs)
             tokens = torch.full((len(seqs), P), self.pad_id, dtype=torch.int64)
             for i, q in enumerate(seqs):
-                if len(q):
-                    tokens[i, P - len(q):] = q
+                tokens[i, P - len(q):] = q
             lengths = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
             tokens = tokens.to(dev)
-            B = len(seqs)
         if P and (bool((lengths < 0).any()) or bool((lengths > P).any())):
             raise ValueError(f"expected every prompt length in [0, {P}], got {lengths.tolist()}")
         if P == 0 and bool((lengths != 0).any()):
@@ -275,7 +262,7 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self, s: _Slot, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        B, P = tokens.shape
+        P = tokens.shape[1]
         for c in s.cache.layers:
             c.conv_state.zero_()
             c.rnn_state.zero_()
@@ -286,8 +273,7 @@ class Engine:
             s.reset.fill_(True)
             return
         # recurrentgemma's sampler: position t - (P - length), pads at -1.
-        pos = torch.arange(P, device=self.device)[None, :] - (P - lengths)[:, None]
-        pos = pos.clamp_(min=-1)
+        pos = (torch.arange(P, device=self.device)[None, :] - (P - lengths)[:, None]).clamp_(min=-1)
         if P > 1:
             m = self.model
             body, bpos = tokens[:, :-1], pos[:, :-1]
@@ -318,13 +304,13 @@ class Engine:
         MAX_STOP_TOKENS ids after which a row emits pad_id; generator: a torch.Generator
         on the model's device for sampling.
         """
+        V = self.model.config.vocab_size
         sampling = Sampling(float(temperature), top_k)
-        if sampling.top_k is not None and sampling.top_k > self.model.config.vocab_size:
-            raise ValueError(f"expected top_k <= vocab_size = {self.model.config.vocab_size}, got {top_k}")
+        if sampling.top_k is not None and sampling.top_k > V:
+            raise ValueError(f"expected top_k <= vocab_size = {V}, got {top_k}")
         stops = _ids(stop_tokens, "stop_tokens", scalar=True).tolist()
         if len(stops) > dk.MAX_STOP_TOKENS:
             raise ValueError(f"expected at most {dk.MAX_STOP_TOKENS} stop tokens, got {len(stops)}")
-        V = self.model.config.vocab_size
         if any(not 0 <= t < V for t in stops):
             raise ValueError(f"expected stop tokens in [0, {V}), got {stops}")
         if generator is not None and (not isinstance(generator, torch.Generator)
@@ -349,9 +335,10 @@ class Engine:
         return s.B
 
     def _refresh_step_kw(self) -> None:
-        """The SAMU layers' decode mode tables of the parameters as they are now, written
-        into the tensors captured graphs read (a table the reference step would ignore is
-        kept, never freed under a graph)."""
+        """Per block, what its mixer's decode step takes besides x, state and reset: a SAMU
+        layer's mode table of the parameters as they are now, written into the tensors
+        captured graphs read (a table the reference step would ignore is kept, never freed
+        under a graph)."""
         mixers = [b.recurrent_block.mixer for b in self.model.blocks]
         if self._step_kw is None:
             self._step_kw = [{} for _ in mixers]
@@ -361,8 +348,6 @@ class Engine:
                 kw["modes"].copy_(tab)
             elif tab is not None:
                 kw["modes"] = tab
-
-    # ------------------------------------------------------------------ the step
 
     def _logits_model(self, s: _Slot) -> torch.Tensor:
         m = self.model
@@ -461,13 +446,12 @@ class Engine:
         torch.cuda.current_stream(self.device).wait_stream(side)
         for t, v in zip(s.state(), saved):
             t.copy_(v)
-        if generator is not None:
-            generator.set_state(rng)
-        else:
-            torch.cuda.set_rng_state(rng, self.device)
         graph = torch.cuda.CUDAGraph()
         if generator is not None:
+            generator.set_state(rng)
             graph.register_generator_state(generator)
+        else:
+            torch.cuda.set_rng_state(rng, self.device)
         with torch.cuda.graph(graph):
             logits = self._body(s, sampling, generator)
         return graph, logits
@@ -490,12 +474,9 @@ class Engine:
         s.logits = entry[1]
         return s.tokens
 
-    # ------------------------------------------------------------------ generation
-
     def _steps(self, max_new_tokens, sync_every: int, prompts, start_kw: dict):
         """start(prompts, **start_kw); returns B and an iterator over up to max_new_tokens
-        steps' token buffers that, with stop tokens, ends once every row has stopped
-        (checked every `sync_every` steps: one host synchronisation each)."""
+        steps' token buffers that stops early as `stream` says."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
         B, s = self.start(prompts, **start_kw), self._cur
