@@ -116,17 +116,14 @@ def scan(s: dict) -> float:
     counted = 0
     for T in s["T"]:
         scale = s["B"] * T * s["D"] / SCAN_ELEMENTS
-        items = []
         for op in s["ops"]:
             for name, ms in SCAN_MS[op].items():
                 if (not s.get("backends") or name in s["backends"]) and \
                         (name != "reference" or T <= s.get("reference_max_T", 0)):
-                    items += [(name, ms)] * (n_chunk if name == "chunk" else 1)
-        for name, ms in items:
-            reps = slow.get(name, {}).get("reps", s["reps"])
-            warmup = slow.get(name, {}).get("warmup", s["warmup"])
-            configs += [SCAN_CONFIG_S + _calls(warmup, reps, ms * scale)] * orders
-            counted += name not in SCAN_COUNTERS_SKIP
+                    n, per = n_chunk if name == "chunk" else 1, slow.get(name, {})
+                    calls = _calls(per.get("warmup", s["warmup"]), per.get("reps", s["reps"]), ms * scale)
+                    configs += [SCAN_CONFIG_S + calls] * (orders * n)
+                    counted += n * (name not in SCAN_COUNTERS_SKIP)
     counters = SCAN_COUNTERS_S * counted if s.get("counters") else 0.0
     return FIXED_S["scan"] + counters + _budgeted(configs, s.get("budget_s"))
 
