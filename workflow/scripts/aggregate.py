@@ -104,22 +104,25 @@ def add_floor(df, bandwidth: float | None):
 ORDER_TOL_PCT, ORDER_MIN_MS = 5.0, 0.05
 
 
+def _gaps_over_tolerance(paired, gap: str, median: str) -> tuple[int, list]:
+    """Of the configurations in `paired` (both orders) with `median` over ORDER_MIN_MS: how
+    many, and (key, rows) of those whose `gap` between the orders is over ORDER_TOL_PCT."""
+    both = paired.assign(key=order_key(paired)).groupby("key").filter(
+        lambda g: g[median].astype("float64").min() > ORDER_MIN_MS)
+    return both["key"].nunique(), [(k, g) for k, g in both.groupby("key", sort=True) if g[gap].iloc[0] > ORDER_TOL_PCT]
+
+
 def order_section(df) -> str:
     """Whether the run orders agree (medians over ORDER_MIN_MS), and for each gap over
     ORDER_TOL_PCT the reasons the records give."""
     if df.empty or "ab_ba_pct" not in df:
         return ""
-    paired = df[df["ab_ba_pct"].notna()].assign(key=order_key(df))
-    big = paired.groupby("key").filter(lambda g: g["median_ms"].min() > ORDER_MIN_MS)
-    n = big["key"].nunique()
+    n, over = _gaps_over_tolerance(df[df["ab_ba_pct"].notna()], "ab_ba_pct", "median_ms")
     if not n:
         return ""
     rows = []
-    for k, g in big.groupby("key", sort=True):
-        if g["ab_ba_pct"].iloc[0] <= ORDER_TOL_PCT:
-            continue
-        by = {o: r for o, r in zip(g["order"], g.to_dict("records"))}
-        ab, ba = by.get("AB", {}), by.get("BA", {})
+    for k, g in over:
+        by = dict(zip(g["order"], g["median_ms"]))
         why = []
         if max(g["p10_ms"]) <= min(g["p95_ms"]):
             why.append("the orders' P10-P95 ranges overlap")
@@ -129,15 +132,14 @@ def order_section(df) -> str:
             why.append("SM clock throttled")
         if not g["clock"].fillna("").str.startswith("device").all():
             why.append("eager clock (host work inside the window)")
-        rows.append({"configuration": k, "AB_ms": ab.get("median_ms"), "BA_ms": ba.get("median_ms"),
+        rows.append({"configuration": k, "AB_ms": by.get("AB"), "BA_ms": by.get("BA"),
                      "gap_pct": g["ab_ba_pct"].iloc[0], "n_samples": min(g["n_samples"]),
                      "why": "; ".join(why) or "none in the records: the orders' sample ranges are apart"})
     head = (f"{n - len(rows)} of {n} configurations timed in both orders with a median over {ORDER_MIN_MS} ms "
             f"agree within {ORDER_TOL_PCT:g} %.")
-    if not rows:
-        return f"## Run orders\n\n{head}\n" + eager_orders(df)
-    return f"## Run orders\n\n{head} The others, with what their records say:\n\n" + md_table(
-        pd.DataFrame(rows), ["configuration", "AB_ms", "BA_ms", "gap_pct", "n_samples", "why"]) + eager_orders(df)
+    others = " The others, with what their records say:\n\n" + md_table(
+        pd.DataFrame(rows), ["configuration", "AB_ms", "BA_ms", "gap_pct", "n_samples", "why"]) if rows else "\n"
+    return f"## Run orders\n\n{head}{others}" + eager_orders(df)
 
 
 def eager_orders(df) -> str:
@@ -145,26 +147,21 @@ def eager_orders(df) -> str:
     time is inside their window, so the device clocks' gap says whether the GPU work or
     the host moved between the orders."""
     paired = df[df["clock"].fillna("").str.startswith("device") & df["eager_ab_ba_pct"].notna()]
-    both = paired.assign(key=order_key(paired)).groupby("key").filter(
-        lambda g: g["eager_ms"].astype("float64").min() > ORDER_MIN_MS)
-    if both.empty:
+    n, over = _gaps_over_tolerance(paired, "eager_ab_ba_pct", "eager_ms")
+    if not n:
         return ""
     rows = []
-    for k, g in both.groupby("key", sort=True):
-        gap, dev = g["eager_ab_ba_pct"].iloc[0], g["ab_ba_pct"].iloc[0]
-        if gap > ORDER_TOL_PCT:
-            by = dict(zip(g["order"], g["eager_ms"].astype("float64")))
-            rows.append({"configuration": k, "AB_eager_ms": by.get("AB"), "BA_eager_ms": by.get("BA"),
-                         "gap_pct": gap, "device_gap_pct": dev,
-                         "why": f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %"
-                         if dev <= ORDER_TOL_PCT else "the device clocks differ too (see above)"})
-    n = both["key"].nunique()
+    for k, g in over:
+        by, dev = dict(zip(g["order"], g["eager_ms"].astype("float64"))), g["ab_ba_pct"].iloc[0]
+        rows.append({"configuration": k, "AB_eager_ms": by.get("AB"), "BA_eager_ms": by.get("BA"),
+                     "gap_pct": g["eager_ab_ba_pct"].iloc[0], "device_gap_pct": dev,
+                     "why": f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %"
+                     if dev <= ORDER_TOL_PCT else "the device clocks differ too (see above)"})
     head = (f"\nEager medians beside a device-clock headline: {n - len(rows)} of {n} over {ORDER_MIN_MS} ms "
             f"agree within {ORDER_TOL_PCT:g} % between the orders.")
-    if not rows:
-        return head + "\n"
-    return head + " The others:\n\n" + md_table(
+    return head + (" The others:\n\n" + md_table(
         pd.DataFrame(rows), ["configuration", "AB_eager_ms", "BA_eager_ms", "gap_pct", "device_gap_pct", "why"])
+        if rows else "\n")
 
 
 def ident_cols(df) -> list[str]:

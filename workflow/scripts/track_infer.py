@@ -21,12 +21,7 @@ def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], rep
                       reuse: dict | None = None, warmup: int = 2) -> dict:
     """Per checkpoint, the cumulative ms of `reps` trajectories, tokens/s, peak memory and
     the logical counts of one step (from `reuse`, the other order's record, if it has them)."""
-
-    def prefill():
-        if prompt_tokens is None:
-            return engine.start(batch_size=B)
-        engine.start(prompt_tokens)
-
+    prefill = (lambda: engine.start(batch_size=B)) if prompt_tokens is None else (lambda: engine.start(prompt_tokens))
     runs = [measure.time_trajectory(lambda i: engine.step(), checkpoints, device, before=prefill,
                                    warmup=warmup if k == 0 else 0) for k in range(reps)]
     logical = measure.reuse_logical(reuse)

@@ -67,26 +67,24 @@ def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype) -> 
             return errs
         return call, errors
 
-    def peer(name):
-        def make(dt):
-            a, go = inputs(dt)
-            p = cases.Peer(name, a[0], a[1], a[2], grad)
-            if grad:
-                p.set_grad_out(go)
+    def peer(name, dt):
+        a, go = inputs(dt)
+        p = cases.Peer(name, a[0], a[1], a[2], grad)
+        if grad:
+            p.set_grad_out(go)
 
-            def errors():
-                errs = {"output": cases.rel_err(p.output(), y_ref)}
-                if grad:
-                    ga, gb = p.grads()
-                    errs["grad_a"] = cases.rel_err(ga, g_ref[0].masked_fill((args[2] == 0)[..., None], 0))
-                    errs["grad_b"] = cases.rel_err(gb, g_ref[1])
-                return errs
-            return p.call, errors
-        return make
+        def errors():
+            errs = {"output": cases.rel_err(p.output(), y_ref)}
+            if grad:
+                ga, gb = p.grads()
+                errs["grad_a"] = cases.rel_err(ga, g_ref[0].masked_fill((args[2] == 0)[..., None], 0))
+                errs["grad_b"] = cases.rel_err(gb, g_ref[1])
+            return errs
+        return p.call, errors
 
     variants = {"ours": ours}
     if op == "scan":
-        variants.update({f"peer:{p}": peer(p) for p in s.get("scan_peers", [])})
+        variants.update({f"peer:{p}": partial(peer, p) for p in s.get("scan_peers", [])})
     shapes = {"preset": preset, "B": B, "T": T, "D": D, "resets": s.get("resets", True)}
     return Case(op, shapes, mode, variants, cases.floor_bytes(args[:2] if op == "scan" else args, y_ref.to(dtype), mode))
 
@@ -105,30 +103,29 @@ def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dty
     g_ref = torch.autograd.grad(y_ref, [x64, *ref.parameters()], grad_out.double()) if grad else ()
     ours = kernels.from_recurrentgemma(official)
 
-    def variant(module):
-        def make(dt):
-            m, xd = copy.deepcopy(module).to(dt), x.to(dt).requires_grad_(grad)
-            targets, go = [xd, *m.parameters()], grad_out.to(dt) if grad else None
+    def variant(module, dt):
+        m, xd = copy.deepcopy(module).to(dt), x.to(dt).requires_grad_(grad)
+        targets, go = [xd, *m.parameters()], grad_out.to(dt) if grad else None
 
-            def call():
-                if not grad:
-                    with torch.no_grad():
-                        return m(xd, pos)[0]
-                return torch.autograd.grad(m(xd, pos)[0], targets, go)
-
-            def errors():
+        def call():
+            if not grad:
                 with torch.no_grad():
-                    errs = {"output": cases.rel_err(m(xd, pos)[0], y_ref)}
-                names = ["x", *(n for n, _ in m.named_parameters())]
-                errs.update({f"grad_{n}": cases.rel_err(got, want) for n, got, want in
-                             zip(names, call() if grad else (), g_ref)})
-                return errs
-            return call, errors
-        return make
+                    return m(xd, pos)[0]
+            return torch.autograd.grad(m(xd, pos)[0], targets, go)
+
+        def errors():
+            with torch.no_grad():
+                errs = {"output": cases.rel_err(m(xd, pos)[0], y_ref)}
+            names = ["x", *(n for n, _ in m.named_parameters())]
+            errs.update({f"grad_{n}": cases.rel_err(got, want) for n, got, want in
+                         zip(names, call() if grad else (), g_ref)})
+            return errs
+        return call, errors
 
     shapes = {"preset": preset, "B": B, "T": T, "D": D, "blocks": blocks, "resets": s.get("resets", True)}
     floor = cases.floor_bytes([x, *(p.to(dtype) for p in official.parameters())], y_ref.to(dtype), mode)
-    return Case("rglru_layer", shapes, mode, {"ours": variant(ours), "peer:recurrentgemma": variant(official)}, floor)
+    variants = {"ours": partial(variant, ours), "peer:recurrentgemma": partial(variant, official)}
+    return Case("rglru_layer", shapes, mode, variants, floor)
 
 
 def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> Case:
@@ -174,7 +171,7 @@ def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> C
 
     variants = {"ours": ours}
     if op == "samu":
-        variants["ours+table"] = lambda dt: ours(dt, table=True)
+        variants["ours+table"] = partial(ours, table=True)
     if op == "rglru" and "recurrentgemma" in s.get("step_peers", []):
         variants["peer:recurrentgemma"] = official
     floor = cases.floor_bytes(args, y_ref.to(dtype)) + 2 * cases.nbytes([state0])

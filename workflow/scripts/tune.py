@@ -139,17 +139,15 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool 
                 x = step(x)
         g = measure.cuda_graph(lambda: step(xin), steps, device)
         g.replay()
-        return [measure.time_trajectory(lambda i: g.replay(), [1], device)["cumulative_ms"][-1]
-                for _ in range(count)]
-    out = []
-    for _ in range(count):
-        box = {"x": x0.clone()}
+        run, checkpoint, before = (lambda i: g.replay()), 1, None
+    else:
+        box = {}
 
-        def one(i):
+        def run(i):
             box["x"] = step(box["x"])
-
-        out.append(measure.time_trajectory(one, [n_steps], device)["cumulative_ms"][-1])
-    return out
+        checkpoint, before = n_steps, lambda: box.update(x=x0.clone())
+    return [measure.time_trajectory(run, [checkpoint], device, before=before)["cumulative_ms"][-1]
+            for _ in range(count)]
 
 
 def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:

@@ -116,17 +116,14 @@ def scan(s: dict) -> float:
     counted = 0
     for T in s["T"]:
         scale = s["B"] * T * s["D"] / SCAN_ELEMENTS
-        items = []
         for op in s["ops"]:
             for name, ms in SCAN_MS[op].items():
                 if (not s.get("backends") or name in s["backends"]) and \
                         (name != "reference" or T <= s.get("reference_max_T", 0)):
-                    items += [(name, ms)] * (n_chunk if name == "chunk" else 1)
-        for name, ms in items:
-            reps = slow.get(name, {}).get("reps", s["reps"])
-            warmup = slow.get(name, {}).get("warmup", s["warmup"])
-            configs += [SCAN_CONFIG_S + _calls(warmup, reps, ms * scale)] * orders
-            counted += name not in SCAN_COUNTERS_SKIP
+                    n, per = n_chunk if name == "chunk" else 1, slow.get(name, {})
+                    calls = _calls(per.get("warmup", s["warmup"]), per.get("reps", s["reps"]), ms * scale)
+                    configs += [SCAN_CONFIG_S + calls] * (orders * n)
+                    counted += n * (name not in SCAN_COUNTERS_SKIP)
     counters = SCAN_COUNTERS_S * counted if s.get("counters") else 0.0
     return FIXED_S["scan"] + counters + _budgeted(configs, s.get("budget_s"))
 
@@ -204,10 +201,6 @@ def infer_grid(thr: dict, preset: str = "1.3b") -> list[int]:
     return batches
 
 
-def infer_best(batches: list[int], preset: str = "1.3b") -> int:
-    return max(batches, key=lambda b: b / infer_step_ms(b, preset))
-
-
 def infer(s: dict) -> float:
     total = FIXED_S["infer"]
     mixers, preset = len(s["mixers"]), s["preset"]
@@ -227,7 +220,7 @@ def infer(s: dict) -> float:
         batches = infer_grid(thr, preset)
         total += 2 * mixers * (INFER_BUILD_S + sum(INFER_PROBE_S + (warm + thr["probe_steps"])
                                                    * infer_step_ms(b, preset) / 1e3 for b in batches))
-        best = infer_step_ms(infer_best(batches, preset), preset) / 1e3
+        best = infer_step_ms(max(batches, key=lambda b: b / infer_step_ms(b, preset)), preset) / 1e3
         per = INFER_BUILD_S + (warm + thr.get("reps", 1) * max(thr["lengths"])) * best
         total += 2 * mixers * thr.get("top", 1) * per
     return total
