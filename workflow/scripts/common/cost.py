@@ -201,6 +201,10 @@ def infer_grid(thr: dict, preset: str = "1.3b") -> list[int]:
     return batches
 
 
+def infer_best(batches: list[int], preset: str = "1.3b") -> int:
+    return max(batches, key=lambda b: b / infer_step_ms(b, preset))
+
+
 def infer(s: dict) -> float:
     total = FIXED_S["infer"]
     mixers, preset = len(s["mixers"]), s["preset"]
@@ -220,7 +224,7 @@ def infer(s: dict) -> float:
         batches = infer_grid(thr, preset)
         total += 2 * mixers * (INFER_BUILD_S + sum(INFER_PROBE_S + (warm + thr["probe_steps"])
                                                    * infer_step_ms(b, preset) / 1e3 for b in batches))
-        best = infer_step_ms(max(batches, key=lambda b: b / infer_step_ms(b, preset)), preset) / 1e3
+        best = infer_step_ms(infer_best(batches, preset), preset) / 1e3
         per = INFER_BUILD_S + (warm + thr.get("reps", 1) * max(thr["lengths"])) * best
         total += 2 * mixers * thr.get("top", 1) * per
     return total
