@@ -498,9 +498,8 @@ def _accepts_chunk_size(name, fn) -> bool:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    if "chunk_size" in params:
-        return True
-    return name == "chunk" and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return "chunk_size" in params or (name == "chunk" and var_kw)
 
 
 def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0,
@@ -555,21 +554,20 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
     torch.manual_seed(seed)
     if op == "rglru":
         m = layers.RGLRU(D, heads, device=device, dtype=dtype)
-        params = [m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param]
+        params = [p.detach() for p in (m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param)]
         state0 = 0.5 * torch.randn(B, D, device=device, dtype=torch.float64)
     else:
         m = layers.SAMU(D, device=device)
-        params = list(m._params())
+        params = [p.detach() for p in m._params()]
         state0 = 0.5 * torch.randn(B, D // 2, device=device, dtype=torch.complex128)
-    params = [p.detach() for p in params]
     xs = [torch.randn(B, D, device=device, dtype=torch.float64).to(dtype) for _ in range(steps)]
     resets = [None, torch.arange(B, device=device) == 0, torch.ones(B, dtype=torch.bool, device=device)]
     resets += [None] * (steps - len(resets))
     exact, sdt = state0.dtype, state_dtype(dtype, state0.is_complex())
     state0 = state0.to(sdt)
 
-    def run(fn, cast, state_dtype):
-        st = state0.to(state_dtype).clone()
+    def run(fn, cast, st_dtype):
+        st = state0.to(st_dtype).clone()
         ys = []
         with torch.no_grad():
             for x, r in zip(xs, resets):
