@@ -22,13 +22,6 @@ from . import layers
 _OFFICIAL_KINDS = ("RGLRU", "Conv1D", "RecurrentBlock", "ResidualBlock", "Griffin")
 
 
-def _kind(module) -> str | None:
-    cls = type(module)
-    if cls.__module__.startswith("recurrentgemma.") and cls.__name__ in _OFFICIAL_KINDS:
-        return cls.__name__
-    return None
-
-
 def _factory(module) -> dict:
     p = next(module.parameters())
     return {"device": p.device, "dtype": p.dtype}
@@ -69,12 +62,11 @@ def _recurrent_type(block, where: str) -> None:
 def from_recurrentgemma(module: nn.Module, backend="auto") -> nn.Module:
     """Our equivalent of an official recurrentgemma torch module, with the same weights.
     `backend` is the mixer backend of the result (a name or a kernels.Backend)."""
-    kind = _kind(module)
-    if kind is None:
-        raise ValueError(
-            f"expected an official recurrentgemma.torch module of type {list(_OFFICIAL_KINDS)}, "
-            f"got {type(module).__module__}.{type(module).__name__}"
-        )
+    cls = type(module)
+    kind = cls.__name__ if cls.__module__.startswith("recurrentgemma.") else None
+    if kind not in _OFFICIAL_KINDS:
+        raise ValueError(f"expected an official recurrentgemma.torch module of type {list(_OFFICIAL_KINDS)}, "
+                         f"got {cls.__module__}.{cls.__name__}")
     f = _factory(module)
     if kind == "RGLRU":
         ours = layers.RGLRU(module.width, module.num_heads, module.w_init_variance_scale, backend=backend, **f)
@@ -141,10 +133,8 @@ def to_recurrentgemma(module: nn.Module) -> nn.Module:
                               logits_soft_cap=0.0, lru_width=c.lru_width)
         theirs = rg.Griffin(gc, gradient_checkpointing=False, **f)
     else:
-        raise ValueError(
-            "expected a kernels RGLRU, Conv1D, RecurrentBlock, ResidualBlock or HawkLM, "
-            f"got {type(module).__name__}"
-        )
+        raise ValueError(f"expected a kernels RGLRU, Conv1D, RecurrentBlock, ResidualBlock or HawkLM, "
+                         f"got {type(module).__name__}")
     theirs.load_state_dict(_ours_to_official(module.state_dict()), strict=True)
     return theirs
 

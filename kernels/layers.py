@@ -54,6 +54,12 @@ def gelu_mul(gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return gelu(gate) * value
 
 
+def _init_normal(w: torch.Tensor, b: torch.Tensor, variance_scale: float, fan_in: int) -> None:
+    """The official initialisation: w ~ N(0, variance_scale / fan_in), b = 0."""
+    nn.init.normal_(w, std=math.sqrt(variance_scale / fan_in))
+    nn.init.zeros_(b)
+
+
 @dataclass
 class RecurrentCache:
     """Decode cache of one recurrent block (see the module docstring for layouts)."""
@@ -165,8 +171,7 @@ class BlockDiagonalLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.w, std=math.sqrt(self.w_init_variance_scale / self.block_width))
-        nn.init.zeros_(self.b)
+        _init_normal(self.w, self.b, self.w_init_variance_scale, self.block_width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _autocast_dtype(x, self.w) is not None:
@@ -195,8 +200,7 @@ class Conv1D(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.w, std=math.sqrt(self.w_init_variance_scale / self.temporal_width))
-        nn.init.zeros_(self.b)
+        _init_normal(self.w, self.b, self.w_init_variance_scale, self.temporal_width)
 
     def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
         return torch.zeros(batch, self.temporal_width - 1, self.width,
@@ -214,21 +218,15 @@ class Conv1D(nn.Module):
             return causal_conv1d(x.contiguous(), self.w.contiguous(), self.b.contiguous(), segment_pos), None
         W = self.temporal_width
         acc = torch.promote_types(x.dtype, torch.float32)
-        if cache is None:
-            prev = x.new_zeros(B, W - 1, self.width, dtype=acc)
-        else:
+        if cache is not None:
             check_tensor("conv_state", cache, shape=(B, W - 1, self.width))
-            prev = cache.to(acc)
+        prev = x.new_zeros(B, W - 1, self.width, dtype=acc) if cache is None else cache.to(acc)
         xp = torch.cat([prev, x.to(acc)], dim=1)                       # [B, W-1+T, E]
-        if segment_pos is None:
-            not_start = torch.ones(B, T, dtype=acc, device=x.device)
-        else:
-            not_start = (segment_pos != 0).to(acc)                     # [B, T]
         keep = torch.ones(B, T, dtype=acc, device=x.device)            # shift-s mask
+        not_start = keep if segment_pos is None else (segment_pos != 0).to(acc)    # [B, T]
         w = self.w.to(acc)
         y = xp[:, W - 1:] * w[W - 1]
-        windows = [xp[:, W - 1:]]
-        masks = [keep]
+        windows, masks = [xp[:, W - 1:]], [keep]
         for s in range(1, W):
             # x[t-s] is kept iff no document starts at t-s+1 .. t.
             shifted = F.pad(not_start[:, : max(T - s + 1, 0)], (s - 1, 0), value=1.0)[:, :T]
@@ -430,10 +428,8 @@ class RecurrentBlock(nn.Module):
 
     def reset_parameters(self) -> None:
         for lin in (self.linear_x, self.linear_y):
-            nn.init.normal_(lin.weight, std=math.sqrt(1.0 / self.width))
-            nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.linear_out.weight, std=math.sqrt(self.final_w_init_variance_scale / self.lru_width))
-        nn.init.zeros_(self.linear_out.bias)
+            _init_normal(lin.weight, lin.bias, 1.0, self.width)
+        _init_normal(self.linear_out.weight, self.linear_out.bias, self.final_w_init_variance_scale, self.lru_width)
         self.conv_1d.reset_parameters()
         self.mixer.reset_parameters()
 
@@ -444,12 +440,11 @@ class RecurrentBlock(nn.Module):
     def forward(self, x: torch.Tensor, segment_pos: torch.Tensor, cache: RecurrentCache | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, RecurrentCache | None]:
         """x: [B, T, D]; segment_pos: [B, T]. Returns (out [B, T, D], new cache or None)."""
+        conv_state, rnn_state = (None, None) if cache is None else (cache.conv_state, cache.rnn_state)
         y = self.linear_y(x)
-        xb = self.linear_x(x)
-        xb, conv_state = self.conv_1d(xb, segment_pos, None if cache is None else cache.conv_state, return_cache)
-        xb, rnn_state = self.mixer(xb, segment_pos, None if cache is None else cache.rnn_state, return_cache)
-        out = self.linear_out(gelu_mul(y, xb))
-        return out, (RecurrentCache(conv_state, rnn_state) if return_cache else None)
+        xb, conv_state = self.conv_1d(self.linear_x(x), segment_pos, conv_state, return_cache)
+        xb, rnn_state = self.mixer(xb, segment_pos, rnn_state, return_cache)
+        return self.linear_out(gelu_mul(y, xb)), (RecurrentCache(conv_state, rnn_state) if return_cache else None)
 
     def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None,
              **mixer_kw) -> torch.Tensor:
@@ -469,9 +464,8 @@ class RecurrentBlock(nn.Module):
 class MLPBlock(nn.Module):
     """Gated GeLU MLP: ffw_down(gelu(up_gate(x)) * up_value(x)). `ffw_up` is one
     Linear(D, 2 * expanded) whose first half is the gate and second half the value.
-    On CUDA (eager, 16-bit or FP32) the gated GeLU runs fused (kernels.ops.geglu.geglu:
-    one pass each way, no strided halves, no gradient concatenation), as does the
-    recurrent block's gelu(linear_y(x)) * mixer output (gelu_mul)."""
+    Where _fused_gelu, the gated GeLU runs fused (kernels.ops.geglu.geglu: one pass each
+    way, no strided halves, no gradient concatenation)."""
 
     def __init__(self, width: int, expanded_width: int, final_w_init_variance_scale: float = 1.0,
                  device=None, dtype=None):
@@ -483,11 +477,8 @@ class MLPBlock(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.ffw_up.weight, std=math.sqrt(1.0 / self.width))
-        nn.init.zeros_(self.ffw_up.bias)
-        nn.init.normal_(self.ffw_down.weight,
-                        std=math.sqrt(self.final_w_init_variance_scale / self.expanded_width))
-        nn.init.zeros_(self.ffw_down.bias)
+        _init_normal(self.ffw_up.weight, self.ffw_up.bias, 1.0, self.width)
+        _init_normal(self.ffw_down.weight, self.ffw_down.bias, self.final_w_init_variance_scale, self.expanded_width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.ffw_up(x)

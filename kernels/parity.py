@@ -34,6 +34,7 @@ from .convert import from_recurrentgemma
 from .models import HawkLM
 from .official import load_official
 from .ops import reference
+from .ops.checks import state_dtype
 
 OFFICIAL_FP32_TOL = 1e-5
 BACKEND_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -75,31 +76,23 @@ def make_segment_pos(B, T, resets=True, seed=0, device="cpu"):
     places incl. t = T - 1; no reset at all. Without resets every position is >= 1
     (a continuation: no segment_pos == 0 anywhere)."""
     g = torch.Generator().manual_seed(seed + 17)
-    starts = torch.zeros(B, T, dtype=torch.bool)
-    offset = torch.zeros(B, dtype=torch.int64)
-    for b in range(B):
-        kind = b % 4 if resets else 3
-        if kind == 0:
-            offset[b] = 3
-            for t in (T // 3, (2 * T) // 3):
-                if 0 < t < T:
-                    starts[b, t] = True
-        elif kind == 1:
-            starts[b, 0] = True
-            for t in (8, 16, 32, 64, T // 2, T // 2 + 1, T // 2 + 2):
-                if t < T:
-                    starts[b, t] = True
-        elif kind == 2:
-            starts[b, : min(2, T)] = True
-            starts[b] |= torch.rand(T, generator=g) < 0.1
-            starts[b, T - 1] = True
-        else:
-            offset[b] = 7 + b
     pos = torch.empty(B, T, dtype=torch.int64)
     for b in range(B):
-        p = int(offset[b]) - 1
+        kind, offset, starts = b % 4 if resets else 3, 0, torch.zeros(T, dtype=torch.bool)
+        if kind == 0:
+            offset = 3
+            starts[[t for t in (T // 3, (2 * T) // 3) if 0 < t < T]] = True
+        elif kind == 1:
+            starts[[t for t in (0, 8, 16, 32, 64, T // 2, T // 2 + 1, T // 2 + 2) if t < T]] = True
+        elif kind == 2:
+            starts[: min(2, T)] = True
+            starts |= torch.rand(T, generator=g) < 0.1
+            starts[T - 1] = True
+        else:
+            offset = 7 + b
+        p = offset - 1
         for t in range(T):
-            p = 0 if starts[b, t] else p + 1
+            p = 0 if starts[t] else p + 1
             pos[b, t] = p
     return pos.to(device)
 
@@ -141,7 +134,7 @@ def _no_tail_starts(pos, width):
     T = pos.shape[1]
     tail = max(T - width, 0)
     while tail > 0 and bool((pos[:, tail:] == 0).any()):
-        pos[:, tail:] = pos[:, tail - 1: tail] + 1 + torch.arange(T - tail, device=pos.device)
+        pos[:, tail:] = _continuing(pos[:, :tail], T - tail)
     return pos
 
 
@@ -178,10 +171,8 @@ def _official_rows(name, run, official, ours, dtype, context):
                      run(layers.set_backend(copy.deepcopy(ours), "reference"), dtype))
     rows = []
     for stage, w in want.items():
-        if dtype == torch.float32:
-            tol = OFFICIAL_FP32_TOL
-        else:
-            tol = _lowp_tol(dtype, min(rel_err(y[stage], w) for y in yards))
+        tol = (OFFICIAL_FP32_TOL if dtype == torch.float32
+               else _lowp_tol(dtype, min(rel_err(y[stage], w) for y in yards)))
         rows.append(_row(f"{name}/{stage}", rel_err(got[stage], w), tol, stage=stage, **context))
     return rows
 
@@ -369,18 +360,16 @@ def _decode_equals_forward(model, B, T, steps, vocab_size, device, dtype, seed, 
         dec = torch.cat([head, torch.stack(steps_out, 1)], 1) if steps else head
         tail_cache = model(tokens[:, :T - 1], pos[:, :T - 1])[1]
         chunk, _ = model(tokens[:, T - 1:], pos[:, T - 1:], tail_cache)
-    rows = []
-    for check, got in (("hawk/decode_equals_forward", dec),
-                       ("hawk/chunked_prefill_equals_forward", torch.cat([head[:, :T - 1], chunk], 1))):
-        if dtype == torch.float32:
-            rows.append(_row(check, rel_err(got, full), OFFICIAL_FP32_TOL, **ctx))
-        else:
-            # Both judged against the FP32 forward, within twice the full forward's own error.
-            with torch.no_grad():
-                exact, _ = copy.deepcopy(model).float()(tokens, pos, return_cache=False)
-            tol = _lowp_tol(dtype, rel_err(full, exact))
-            rows.append(_row(check, rel_err(got, exact), tol, **ctx))
-    return rows
+    if dtype == torch.float32:
+        want, tol = full, OFFICIAL_FP32_TOL
+    else:
+        # Both judged against the FP32 forward, within twice the full forward's own error.
+        with torch.no_grad():
+            want, _ = copy.deepcopy(model).float()(tokens, pos, return_cache=False)
+        tol = _lowp_tol(dtype, rel_err(full, want))
+    return [_row(check, rel_err(got, want), tol, **ctx)
+            for check, got in (("hawk/decode_equals_forward", dec),
+                               ("hawk/chunked_prefill_equals_forward", torch.cat([head[:, :T - 1], chunk], 1)))]
 
 
 def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True, tolerance=1e-10):
@@ -391,21 +380,10 @@ def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True, tol
     pos = make_segment_pos(B, T, resets, seed, device)
     ctx = dict(shape=[B, T, D], dtype="float64", device=str(device), resets=resets)
     rows = []
-    for with_state in (False, True):
-        outs = {}
-        for name, fn in (("complex", reference.samu), ("real", reference.samu_real)):
-            leaves = [a.detach().clone().requires_grad_() for a in args]
-            hs = h0.detach().clone().requires_grad_() if with_state else None
-            y, h = fn(*leaves, pos, hs, True)
-            gy, gh = _cotangents(y, h, seed)
-            grads = torch.autograd.grad(_inner(y, gy) + _inner(h, gh), leaves + ([hs] if with_state else []))
-            outs[name] = (y, h, grads)
-        (y1, h1, g1), (y2, h2, g2) = outs["real"], outs["complex"]
-        tag = "cached" if with_state else "empty"
-        rows.append(_row(f"samu_reference/output_{tag}", rel_err(y1, y2), tolerance, **ctx))
-        rows.append(_row(f"samu_reference/final_state_{tag}", rel_err(h1, h2), tolerance, **ctx))
-        for n, a, b in zip(SAMU_INPUTS + ("initial_state",), g1, g2):
-            rows.append(_row(f"samu_reference/grad_{n}_{tag}", rel_err(a, b), tolerance, **ctx))
+    for tag, h in (("empty", None), ("cached", h0)):
+        cplx, real = (_run_op(fn, args, h, pos, {}, seed, None, SAMU_INPUTS)
+                      for fn in (reference.samu, reference.samu_real))
+        rows += [_row(f"samu_reference/{k}_{tag}", rel_err(real[k], cplx[k]), tolerance, **ctx) for k in real]
     return rows
 
 
@@ -457,19 +435,44 @@ def _inner(t, g):
 
 def _run_op(fn, args, h0, pos, opts, seed, kinks, names):
     """Forward + backward of one backend: {output, final_state, grad_<name> for every
-    input `names` and grad_initial_state} (a gradient autograd leaves None, for no
-    dependence, is zeros). `kinks` [B, T, D] bool zeroes the output cotangent where the
-    exact pre-relu value sits at relu's kink."""
+    input `names` and grad_initial_state unless h0 is None} (a gradient autograd leaves
+    None, for no dependence, is zeros). `kinks` [B, T, D] bool zeroes the output
+    cotangent where the exact pre-relu value sits at relu's kink."""
     leaves = [a.detach().clone().requires_grad_() for a in args]
-    hs = h0.detach().clone().requires_grad_()
+    hs = None if h0 is None else h0.detach().clone().requires_grad_()
     y, h = fn(*leaves, pos, hs, True, **opts)
     gy, gh = _cotangents(y, h, seed)
     if kinks is not None:
         gy = gy.masked_fill(kinks, 0)
-    grads = torch.autograd.grad(_inner(y, gy) + _inner(h, gh), leaves + [hs], allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves + [hs])]
+    wrt = leaves + ([] if hs is None else [hs])
+    grads = torch.autograd.grad(_inner(y, gy) + _inner(h, gh), wrt, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt)]
     keys = ["output", "final_state"] + [f"grad_{n}" for n in (*names, "initial_state")]
     return dict(zip(keys, [y, h, *grads]))
+
+
+def _tolerances(dtype, want, yardstick):
+    """Per stage of `want`: BACKEND_TOL[dtype], or below float32 _lowp_tol of the error
+    of `yardstick()` (the reference backend's stages at `dtype`)."""
+    if dtype in BACKEND_TOL:
+        return {k: BACKEND_TOL[dtype] for k in want}
+    yard = yardstick()
+    return {k: _lowp_tol(dtype, rel_err(yard[k], want[k])) for k in want}
+
+
+def _backend_rows(check, backend, got, want, tols, dtype, ctx, inexact=False):
+    """One row per stage; the reference backend below float64 (a yardstick) and a backend
+    inexact by design are recorded, not gated."""
+    rows = []
+    for k in want:
+        row = _row(f"{check}/{k}", rel_err(got[k], want[k]), tols[k], stage=k, **ctx)
+        if backend == "reference" and dtype != torch.float64:
+            row.update(passed=True, role="yardstick", within_tolerance=row["passed"])
+        elif inexact:
+            # cases.gated_backends never counts it exact either.
+            row.update(passed=True, role="inexact-by-design", within_tolerance=row["passed"])
+        rows.append(row)
+    return rows
 
 
 KINK_REL = 10 * 2.0**-20
@@ -495,9 +498,8 @@ def _accepts_chunk_size(name, fn) -> bool:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    if "chunk_size" in params:
-        return True
-    return name == "chunk" and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return "chunk_size" in params or (name == "chunk" and var_kw)
 
 
 def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0,
@@ -513,22 +515,17 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
         raise ValueError(f"expected op in {list(inputs)}, got {op!r}")
     make, names, n_act = inputs[op]
     args64, h064 = make(B, T, D, torch.float64, device, seed)
-    pdt = torch.float64 if dtype == torch.float64 else torch.float32
-    sdt = h064.dtype if dtype == torch.float64 else (torch.complex64 if h064.is_complex() else torch.float32)
+    pdt = state_dtype(dtype)
     args = [a.to(dtype) if i < n_act else a.to(pdt) for i, a in enumerate(args64)]
-    h0 = h064.to(sdt)
+    h0 = h064.to(state_dtype(dtype, h064.is_complex()))
     pos = make_segment_pos(B, T, resets, seed, device)
-    args_exact = [a.double() for a in args]
-    h0_exact = h0.to(torch.complex128 if h0.is_complex() else torch.float64)
+    args_exact, h0_exact = [a.double() for a in args], h0.to(h064.dtype)
     kinks = samu_relu_kinks(args_exact, h0_exact, pos) if op == "samu" else None
     n_kinks = 0 if kinks is None else int(kinks.sum())
+    ref = ops.backends(op)["reference"]
     # The exact answer for exactly these (rounded) inputs.
-    want = _run_op(ops.backends(op)["reference"], args_exact, h0_exact, pos, {}, seed, kinks, names)
-    if dtype in BACKEND_TOL:
-        tols = {k: BACKEND_TOL[dtype] for k in want}
-    else:
-        yard = _run_op(ops.backends(op)["reference"], args, h0, pos, {}, seed, kinks, names)
-        tols = {k: _lowp_tol(dtype, rel_err(yard[k], want[k])) for k in want}
+    want = _run_op(ref, args_exact, h0_exact, pos, {}, seed, kinks, names)
+    tols = _tolerances(dtype, want, lambda: _run_op(ref, args, h0, pos, {}, seed, kinks, names))
     rows = []
     for name, fn in ops.backends(op).items():
         variants = [{"chunk_size": k} for k in chunk_sizes] if _accepts_chunk_size(name, fn) else [{}]
@@ -541,14 +538,8 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
                 rows.append({"check": f"backends/{op}/{name}", "error": float("nan"), "tolerance": float("nan"),
                              "passed": True, "skipped": f"NotImplementedError: {e}", **ctx})
                 continue
-            for k in want:
-                row = _row(f"backends/{op}/{name}/{k}", rel_err(got[k], want[k]), tols[k], stage=k, **ctx)
-                if name == "reference" and dtype != torch.float64:
-                    row.update(passed=True, role="yardstick", within_tolerance=row["passed"])
-                elif name in ops.inexact_backends():
-                    # Recorded, not gated; cases.gated_backends never counts it exact.
-                    row.update(passed=True, role="inexact-by-design", within_tolerance=row["passed"])
-                rows.append(row)
+            rows += _backend_rows(f"backends/{op}/{name}", name, got, want, tols, dtype, ctx,
+                                  inexact=name in ops.inexact_backends())
     return rows
 
 
@@ -563,34 +554,29 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
     torch.manual_seed(seed)
     if op == "rglru":
         m = layers.RGLRU(D, heads, device=device, dtype=dtype)
-        params = [m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param]
+        params = [p.detach() for p in (m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param)]
         state0 = 0.5 * torch.randn(B, D, device=device, dtype=torch.float64)
     else:
         m = layers.SAMU(D, device=device)
-        params = list(m._params())
+        params = [p.detach() for p in m._params()]
         state0 = 0.5 * torch.randn(B, D // 2, device=device, dtype=torch.complex128)
-    params = [p.detach() for p in params]
     xs = [torch.randn(B, D, device=device, dtype=torch.float64).to(dtype) for _ in range(steps)]
     resets = [None, torch.arange(B, device=device) == 0, torch.ones(B, dtype=torch.bool, device=device)]
     resets += [None] * (steps - len(resets))
-    sdt = state0.dtype if dtype == torch.float64 else (torch.complex64 if state0.is_complex() else torch.float32)
+    exact, sdt = state0.dtype, state_dtype(dtype, state0.is_complex())
     state0 = state0.to(sdt)
 
-    def run(fn, cast, state_dtype):
-        st = state0.to(state_dtype).clone()
+    def run(fn, cast, st_dtype):
+        st = state0.to(st_dtype).clone()
         ys = []
         with torch.no_grad():
             for x, r in zip(xs, resets):
                 ys.append(fn(cast(x), *[cast(q) if q.is_floating_point() else q for q in params], st, r))
         return {"output": torch.stack(ys), "state": st}
 
-    exact = torch.complex128 if state0.is_complex() else torch.float64
-    want = run(ops.step_backends(op)["reference"], lambda t: t.double(), exact)
-    if dtype in BACKEND_TOL:
-        tols = {k: BACKEND_TOL[dtype] for k in want}
-    else:
-        yard = run(ops.step_backends(op)["reference"], lambda t: t, sdt)
-        tols = {k: _lowp_tol(dtype, rel_err(yard[k], want[k])) for k in want}
+    ref = ops.step_backends(op)["reference"]
+    want = run(ref, lambda t: t.double(), exact)
+    tols = _tolerances(dtype, want, lambda: run(ref, lambda t: t, sdt))
     variants = dict(ops.step_backends(op))
     if op == "samu":    # each Triton step also as the generation engine runs it: reading the mode table
         tab = ops.samu_mode_table(m.nu_log.detach(), m.theta_log.detach(), dtype)
@@ -601,11 +587,7 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
         got = run(fn, lambda t: t, sdt)
         ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=_dtype_name(dtype), device=str(device),
                    steps=steps)
-        for k in want:
-            row = _row(f"backends/{op}_step/{name}/{k}", rel_err(got[k], want[k]), tols[k], stage=k, **ctx)
-            if name == "reference" and dtype != torch.float64:
-                row.update(passed=True, role="yardstick", within_tolerance=row["passed"])
-            rows.append(row)
+        rows += _backend_rows(f"backends/{op}_step/{name}", name, got, want, tols, dtype, ctx)
     return rows
 
 
@@ -623,15 +605,12 @@ DEFAULT_PROFILE = {
 def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.float32, backend="reference"):
     """All gates for one device and dtype; returns the rows of every check.
 
-    profile_shapes maps a gate to a list of keyword-argument dicts (shapes), e.g.
-    DEFAULT_PROFILE: "backends" (B, T, D, optional chunk_sizes; run for rglru, samu and
-    scan), "rglru_official" (B, T, D, heads), "conv1d_official" (B, T, D),
-    "residual_block_official" (B, T, width, lru_width, heads, mlp_expanded_width),
-    "griffin_official" (B, T, vocab_size, width, lru_width, heads, num_layers),
-    "samu_reference" (B, T, D), "steps" (B, D, heads: every decode step backend). A missing key takes DEFAULT_PROFILE's list; an empty
-    list skips that gate. `backend` is the mixer backend of the official-parity
-    modules ("auto" runs whatever dispatch picks on `device`). The official gates run
-    with and without resets, in float32 when dtype is float64."""
+    profile_shapes maps a gate of DEFAULT_PROFILE to a list of keyword arguments (shapes)
+    of its check ("backends" runs for rglru, samu and scan, "steps" for rglru and samu);
+    a missing key takes DEFAULT_PROFILE's list, an empty list skips that gate. `backend`
+    is the mixer backend of the official-parity modules ("auto": what dispatch picks on
+    `device`). The official gates run with and without resets, in float32 when dtype is
+    float64."""
     profile = {**DEFAULT_PROFILE, **(profile_shapes or {})}
     unknown = set(profile) - set(DEFAULT_PROFILE)
     if unknown:
