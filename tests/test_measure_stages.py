@@ -476,3 +476,22 @@ def test_tune_picks_decode_linear_tiles_role_by_role_behind_a_gate(tmp_path, mon
     assert table.linear_configs("float32", 64) == {} and table.linear_configs("bfloat16", 16) == {}
     with pytest.raises(ValueError, match="decode_linears"):
         tuning.validate_table({"schema": 1, "decode_linears": [{"role": "out", "rows": 16}]})
+
+
+def test_a_failing_linear_tune_leaves_the_table_and_names_the_error(tmp_path, monkeypatch):
+    """The op and step entries are written; the table and the report say why the decode
+    linears kept their built-in tiles."""
+    import aggregate
+
+    def broken(*a, **k):
+        raise RuntimeError("no model here")
+    monkeypatch.setattr(tune, "tune_ops", lambda *a, **k: [])
+    monkeypatch.setattr(tune, "tune_decode", lambda *a, **k: [])
+    monkeypatch.setattr(tune, "HawkLM", broken)
+    settings = tune_settings(linears={"preset": "tiny", "batch": 2, "steps": 1, "trajectories": 1})
+    job = make_job(tmp_path, "tune", "tune", settings, {"table": str(tmp_path / "tuning.json"),
+                                                        "records": str(tmp_path / "records.jsonl")})
+    tune.main(job)
+    table = json.loads((tmp_path / "tuning.json").read_text())
+    assert table["decode_linears"] == [] and "RuntimeError: no model here" in table["decode_linears_error"]
+    assert "Decode linears not tuned" in aggregate.linear_tiles(table)

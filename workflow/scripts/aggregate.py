@@ -418,6 +418,8 @@ def timed_implementations(recs: list[dict], table: dict) -> dict[str, set[int | 
 def linear_tiles(table: dict) -> str:
     """What the table holds for the decode step's weight-streaming linears."""
     lin = table.get("decode_linears") or []
+    if table.get("decode_linears_error"):
+        return f" Decode linears not tuned (the built-in tiles ran): {table['decode_linears_error'][:300]}."
     if not lin:
         return ""
     changed = [f"{e['role']} {json.dumps(e['config'], sort_keys=True)}" for e in lin if e["config"]]
