@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from common import measure, stage
+from common import cases, measure, stage
 
 import kernels
 from kernels import ops
@@ -26,15 +26,7 @@ def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], rep
                                    warmup=warmup if k == 0 else 0) for k in range(reps)]
     logical = measure.reuse_logical(reuse)
     if logical is None:
-        # A graph replay runs no launcher code: an eager twin launching the same kernels counts them.
-        counted = Engine(engine.model, graphs=False) if engine.graphs else engine
-        if counted is not engine:
-            counted.start(batch_size=B)
-        counted.step()
-        logical = measure.logical_counts(counted.step, device)
-        if counted is not engine:
-            logical["launches_method"] += " (eager twin of the graph-captured step)"
-            del counted
+        logical = cases.step_counts(engine, B, device)
     logical.update(param_bytes=params * 2, state_bytes=measure.tensor_bytes(engine.cache))
     kind = "engine+graphs" if engine.graphs else "engine"
     out = {}

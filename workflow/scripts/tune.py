@@ -216,21 +216,22 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
     graph = lin.get("cuda_graphs", True) and device.type == "cuda"
     rows = dk.rows_block(B)
 
-    def first_step(configs):
-        eng = Engine(model, kernels="gemm", graphs=graph, linear_configs=configs)
+    def engine(configs):
+        return Engine(model, kernels="gemm", graphs=graph, linear_configs=configs)
+
+    def first_step(eng):
         eng.start(batch_size=B)
         tokens = eng.step().clone()
         return tokens, [t.clone() for c in eng.cache.layers for t in (c.conv_state, c.rnn_state)]
 
-    def trajectories(configs):
-        eng = Engine(model, kernels="gemm", graphs=graph, linear_configs=configs)
+    def trajectories(eng):
         runs = [measure.time_trajectory(lambda i: eng.step(), [steps], device, before=lambda: eng.start(batch_size=B),
                                         warmup=lin.get("warmup", 2) if k == 0 else 0) for k in range(n_traj)]
         traj = [r["cumulative_ms"][-1] for r in runs]
         return {"samples_ms": traj, "stats": measure.summarize(traj), "steps_per_trajectory": steps,
                 "cuda_graph": graph}
 
-    want = first_step({})
+    want = first_step(engine({}))
     grid = lin.get("options", {})
     keys = sorted(grid)
     options = [{}] + [dict(zip(keys, v)) for v in itertools.product(*(grid[k] for k in keys))]
@@ -241,18 +242,16 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
 
         def probe(name, opts):
             configs = with_role(opts)
-            tokens, states = first_step(configs)
+            eng = engine(configs)
+            tokens, states = first_step(eng)
             if not torch.equal(tokens, want[0]):
                 raise ValueError(f"{role} tiles {opts}: first-step tokens differ from the default tiles'")
             checked({f"state {i}": rel_err(g, w) for i, (g, w) in enumerate(zip(states, want[1]))}, tol)
-            eager = Engine(model, kernels="gemm", graphs=False, linear_configs=configs)
-            eager.start(batch_size=B)
-            eager.step()
-            return {**trajectories(configs), "logical": measure.logical_counts(eager.step, device),
-                    "linear_configs": configs}
+            return {**trajectories(eng), "logical": cases.step_counts(eng, B, device), "linear_configs": configs}
 
         tag = f"linear-{role}-{lin['preset']}-{dt_name}-B{B}"
-        got = select(runner, tag, [("gemm", o) for o in options], probe, lambda n, o: trajectories(with_role(o)),
+        got = select(runner, tag, [("gemm", o) for o in options], probe,
+                     lambda n, o: trajectories(engine(with_role(o))),
                      {"shapes": {"preset": lin["preset"], "B": B, "rows": rows}, "op": f"decode_linear_{role}",
                       "dtype": dt_name})
         if got is None:

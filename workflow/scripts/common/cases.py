@@ -9,8 +9,9 @@ import torch
 
 import kernels
 from kernels import layers, ops, parity
+from kernels.models.generation import Engine
 
-from .measure import Skip
+from .measure import Skip, logical_counts
 
 OPS = ("rglru", "samu", "scan")
 STEP_OPS = ("rglru", "samu")
@@ -60,6 +61,22 @@ def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 
     else:
         raise ValueError(f"expected op in {list(STEP_OPS)}, got {op!r}")
     return [a.detach() for a in args], m.init_cache(B, dtype, device)
+
+
+def step_counts(engine: Engine, B: int, device) -> dict:
+    """Logical counts of one decode step of `engine` (started at batch size B). A graph
+    replay runs no launcher code: an eager twin with the same kernels and linear tiles
+    launches and counts them."""
+    if not engine.graphs:
+        engine.step()
+        return logical_counts(engine.step, device)
+    twin = Engine(engine.model, kernels=engine.kernels, graphs=False, pdl=engine.pdl,
+                  linear_configs=engine.linear_configs)
+    twin.start(batch_size=B)
+    twin.step()
+    logical = logical_counts(twin.step, device)
+    logical["launches_method"] += " (eager twin of the graph-captured step)"
+    return logical
 
 
 def nbytes(tensors) -> int:

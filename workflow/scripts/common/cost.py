@@ -30,8 +30,8 @@ TUNE_MS_PER_ELEMENT = {("rglru", "fwd_bwd"): 0.75 / 20.97e6, ("samu", "fwd_bwd")
                        ("scan", "fwd_bwd"): 0.6 / 20.97e6, ("rglru", "fwd"): 0.2 / 33.55e6,
                        ("samu", "fwd"): 0.6 / 33.55e6, ("scan", "fwd"): 0.2 / 33.55e6}
 TUNE_ASSOC_FACTOR = 16.0
-# The decode linears, per candidate: a compile of its tiles, two engines built and captured,
-# one eager step counted and the trajectories (an estimate until tune records hold it).
+# The decode linears, per candidate: a compile of its tiles, an engine built and captured,
+# an eager twin's step counted and the trajectories (an estimate until tune records hold it).
 TUNE_LINEAR_CANDIDATE_S = 2.5
 TUNE_LINEAR_MODEL_S = 5.0
 LINEAR_ROLES = 5
