@@ -591,6 +591,46 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
     return rows
 
 
+def check_captured_train_step(preset="tiny", B=2, T=64, vocab_size=256, steps=3, device="cuda",
+                              dtype=torch.float32, seed=0, backend="auto"):
+    """The training step captured in a CUDA graph (`CapturedTrainStep`) against the same
+    steps run eagerly from the same weights and batches, per mixer: each step's loss and
+    every parameter after the last step (rel_err). float32: an FP32 step; bfloat16 /
+    float16: FP32 weights under autocast. Both paths launch the same kernels in the same
+    order, so the tolerance is BACKEND_TOL's float32 one at every dtype."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"a captured training step needs a CUDA device, got {device!r}")
+    from .models import CapturedTrainStep, HawkConfig, train_step
+    autocast = None if dtype == torch.float32 else dtype
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, vocab_size, (steps + 1, B, T + 1), generator=g).to(device)
+    pos = make_segment_pos(B, T, resets=True, seed=seed, device=device)
+    rows = []
+    for mixer in ("rglru", "samu"):
+        cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=vocab_size)
+        runs = []
+        for captured in (False, True):
+            torch.manual_seed(seed)
+            m = HawkLM(cfg, backend=backend, device=device, dtype=torch.float32)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True)
+            first = (toks[0, :, :-1], toks[0, :, 1:], pos)
+            if captured:
+                step = CapturedTrainStep(m, opt, *first, autocast=autocast, warmup=1)
+                losses = [step(t[:, :-1], t[:, 1:], pos).clone() for t in toks[1:]]
+            else:
+                train_step(m, opt, *first, autocast=autocast)
+                losses = [train_step(m, opt, t[:, :-1], t[:, 1:], pos, autocast=autocast) for t in toks[1:]]
+            runs.append((torch.stack(losses), dict(m.named_parameters())))
+        (want_loss, want_p), (got_loss, got_p) = runs
+        ctx = dict(preset=preset, mixer=mixer, shape=[B, T], steps=steps, dtype=_dtype_name(dtype),
+                   device=str(device), backend=backend)
+        tol = BACKEND_TOL[torch.float32]
+        rows.append(_row("train/captured_step/loss", rel_err(got_loss, want_loss), tol, **ctx))
+        rows.append(_row("train/captured_step/parameters", max(rel_err(got_p[k], w) for k, w in want_p.items()),
+                         tol, **ctx))
+    return rows
+
+
 DEFAULT_PROFILE = {
     "backends": [{"B": 2, "T": 37, "D": 24}],
     "rglru_official": [{"B": 3, "T": 37, "D": 24, "heads": 4}],
@@ -599,6 +639,8 @@ DEFAULT_PROFILE = {
     "griffin_official": [{"B": 3, "T": 21, "vocab_size": 97, "width": 32, "lru_width": 48, "heads": 4}],
     "samu_reference": [{"B": 2, "T": 37, "D": 24}],
     "steps": [{"B": 3, "D": 24, "heads": 4}],
+    # a CUDA graph needs a GPU: profiles that audit on one name shapes here
+    "captured_train": [],
 }
 
 
@@ -634,6 +676,8 @@ def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.floa
             rows += check_griffin_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
         for kw in profile["samu_reference"]:
             rows += check_samu_reference(device=device, resets=resets, **kw)
+    for kw in profile["captured_train"]:
+        rows += check_captured_train_step(device=device, dtype=odt, backend=backend, **kw)
     return rows
 
 
@@ -643,5 +687,5 @@ def failures(rows):
 
 __all__ = ["load_official", "rel_err", "make_segment_pos", "check_rglru_official", "check_conv1d_official",
            "check_residual_block_official", "check_griffin_official", "check_samu_reference", "check_backends",
-           "check_steps", "run_gates", "failures", "DEFAULT_PROFILE", "OFFICIAL_FP32_TOL", "BACKEND_TOL",
+           "check_steps", "check_captured_train_step", "run_gates", "failures", "DEFAULT_PROFILE", "OFFICIAL_FP32_TOL", "BACKEND_TOL",
            "LOWP_FACTOR", "LOWP_FLOOR"]

@@ -567,3 +567,25 @@ def test_report_breaks_the_training_step_down_by_kernel():
     assert text.count("1.3b T=2048 B=4, samu (chunk)") == 1 and "GPU busy 1.5 ms" in text and "MFU 0.41" in text
     assert "| gemm_bf16 " in text and "| split_bwd_kernel " in text and "0.6" in text
     assert "no profiled training step" in aggregate.breakdown_section([{**rec, "logical": {}}])
+
+
+def test_report_shows_the_training_step_per_step_mode(tmp_path):
+    import aggregate
+
+    recs = []
+    for mode, ms in (("eager", 80.0), ("graph", 62.0), (None, 90.0)):
+        for mixer in ("samu", "rglru"):
+            for order in ("AB", "BA"):
+                kw = {"step_mode": mode} if mode else {}
+                recs.append(records.new_record(
+                    "train", "h200", f"train-{mode}-{mixer}-{order}", shapes={"preset": "400m", "T": 2048, "B": 4},
+                    mixer=mixer, backend="auto", order=order, samples_ms=[ms], role="fresh",
+                    stats={"p10_ms": ms, "median_ms": ms, "p95_ms": ms}, logical=None, peak_bytes=None,
+                    tokens_per_s=8192 / ms * 1e3, mfu=0.3 * 80 / ms, **kw))
+    text, _ = aggregate.views(aggregate.flatten(recs[:8]), tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| 400m")]
+    assert len(rows) == 4 and sum("| graph " in r for r in rows) == 2 and sum("| eager " in r for r in rows) == 2
+    assert any("| graph " in r and "| samu " in r and "62 / 62" in r for r in rows), rows
+    # a record without the field ran eagerly (it predates the captured step) and still shows
+    text, _ = aggregate.views(aggregate.flatten(recs[8:]), tmp_path)
+    assert sum(line.startswith("| 400m") and "| eager " in line for line in text.splitlines()) == 2

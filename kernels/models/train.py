@@ -5,6 +5,9 @@ autocast over the model's FP32 master weights.
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)   # fused on CUDA
     loss = train_step(model, opt, tokens, targets, segment_pos, autocast=torch.bfloat16)
+
+On CUDA the same step can run as one CUDA graph (`CapturedTrainStep`): the host then
+launches one graph per step instead of about a thousand kernels.
 """
 
 from __future__ import annotations
@@ -99,4 +102,50 @@ def train_step(model, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, ta
     return loss.detach()
 
 
-__all__ = ["linear_cross_entropy", "train_step", "compile_blocks"]
+class CapturedTrainStep:
+    """`train_step` captured once in a CUDA graph and replayed: each call copies the batch
+    into the graph's static inputs, replays the whole step (forward, backward, clipping,
+    optimizer) and returns the loss (a static tensor the next call overwrites).
+
+        opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
+        step = CapturedTrainStep(model, opt, tokens, targets, segment_pos, autocast=torch.bfloat16)
+        loss = step(tokens, targets, segment_pos)
+
+    Construction runs `warmup` eager steps on a side stream (real optimizer steps: they
+    compile and tune the kernels and create the optimizer state outside the capture),
+    then captures one step. Batches keep the shapes and dtypes of the first; the model's
+    parameters and the optimizer stay the same objects for the graph's life."""
+
+    def __init__(self, model, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
+                 segment_pos: torch.Tensor, grad_clip: float | None = 1.0, autocast: torch.dtype | None = None,
+                 warmup: int = 2):
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"expected warmup a positive int (the kernels must run once outside the capture), "
+                             f"got {warmup!r}")
+        if not all(g.get("capturable") for g in optimizer.param_groups):
+            raise ValueError("the optimizer must be capturable (e.g. torch.optim.AdamW(..., capturable=True))")
+        if not tokens.is_cuda:
+            raise ValueError(f"a captured training step needs CUDA tensors, got tokens on {tokens.device}")
+        self.inputs = tuple(t.clone() for t in (tokens, targets, segment_pos))
+        args = (model, optimizer, *self.inputs, grad_clip, autocast)
+        side = torch.cuda.Stream(tokens.device)
+        side.wait_stream(torch.cuda.current_stream(tokens.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                train_step(*args)
+        torch.cuda.current_stream(tokens.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = train_step(*args)
+
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor, segment_pos: torch.Tensor) -> torch.Tensor:
+        for static, t in zip(self.inputs, (tokens, targets, segment_pos)):
+            if t.shape != static.shape or t.dtype != static.dtype:
+                raise ValueError(f"expected a batch of the captured shape {list(static.shape)} {static.dtype}, "
+                                 f"got {list(t.shape)} {t.dtype}")
+            static.copy_(t)
+        self.graph.replay()
+        return self.loss
+
+
+__all__ = ["linear_cross_entropy", "train_step", "compile_blocks", "CapturedTrainStep"]

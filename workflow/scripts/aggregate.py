@@ -12,7 +12,7 @@ from common import atomic, records, stage
 MIXERS = ("samu", "rglru")
 X_AXES = ("shape.T", "shape.L", "shape.steps", "generated_tokens", "shape.prompt", "shape.B")
 # Record fields that identify a configuration beside its shapes, and figures a stage adds.
-IDENTITY = ("role", "dtype", "generated_tokens", "decoder", "peer", "exact", "world_size")
+IDENTITY = ("role", "dtype", "generated_tokens", "decoder", "peer", "exact", "world_size", "step_mode")
 FIGURES = ("step_ms", "ms_per_step", "ttft_ms", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "scaling_efficiency",
            "fraction_of_floor")
 SERIES = ("op", "mode", "mixer", "variant", "order")
@@ -29,9 +29,10 @@ def probe_label(g) -> str:
 # The study's headline views: (plot name or None, title, stage, role, keys, columns, x, y, y label).
 VIEWS = (
     ("train_comparison", "**Training step** (each mixer's fastest exact backend, fresh runs; `auto` is the tuning "
-     "table's choice where no diagnostics ran at that shape)", "train", "fresh",
-     ["shape.preset", "shape.T", "shape.B"], ["variant", "p10_ms", "median_ms", "p95_ms", "tokens_per_s"], "shape.T",
-     "tokens_per_s", None),
+     "table's choice where no diagnostics ran at that shape; `step_mode` graph: the whole step replayed as one CUDA "
+     "graph)", "train", "fresh",
+     ["shape.preset", "shape.T", "shape.B", "step_mode"], ["variant", "p10_ms", "median_ms", "p95_ms", "tokens_per_s",
+                                                           "mfu"], "shape.T", "tokens_per_s", None),
     ("infer_latency", "**Inference latency** (decode only, prompt excluded)", "infer", "latency",
      ["shape.B", "shape.prompt", "generated_tokens"], ["ms_per_step", "p10_ms", "median_ms", "p95_ms"],
      "generated_tokens", "ms_per_step", None),
@@ -312,6 +313,8 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
                  ops_view(ok)], []
     for name, title, stage_name, role, keys, cols, x, y, ylabel in VIEWS:
         g = ok[(ok["stage"] == stage_name) & ((ok["role"] == role) if role else ok.get("exact", True) != False)]  # noqa: E712
+        if stage_name == "train":   # training records that predate the field ran eagerly
+            g = g.assign(step_mode=g["step_mode"].fillna("eager") if "step_mode" in g else "eager")
         keys = [k for k in keys if k in g]
         if g.empty or not keys:
             continue
@@ -366,7 +369,8 @@ def breakdown_section(recs: list[dict], top: int = 8) -> str:
         busy = lg.get("device_us") or 0.0
         rows = pd.DataFrame([{"kernel": k["name"][:70], "calls": k["calls"], "ms": k["us"] / 1e3, "share": k["share"]}
                              for k in lg["top_kernels_by_time"][:top]])
-        out.append(f"{s['preset']} T={s['T']} B={s['B']}, {r['mixer']} ({r['backend']}): step median "
+        mode = " as one CUDA graph" if r.get("step_mode") == "graph" else ""
+        out.append(f"{s['preset']} T={s['T']} B={s['B']}, {r['mixer']} ({r['backend']}){mode}: step median "
                    f"{r['stats']['median_ms']:.4g} ms, GPU busy {busy / 1e3:.4g} ms in the profiled step, MFU "
                    f"{_cell(r.get('mfu'))}\n\n" + rows.to_markdown(index=False, floatfmt=".4g") + "\n")
     return "## Training step breakdown\n\n" + ("\n".join(out) if out else "_no profiled training step_\n")

@@ -1,6 +1,7 @@
 """Training-step track -> results/tracks/train/records.jsonl: Hawk models that differ only
 in the mixer, one kernels.models.train_step of 8192 tokens. Diagnostics (every gated
-backend) first, then the comparison (each mixer's fastest exact backend, fresh runs),
+backend) first, then the comparison (each mixer's fastest exact backend, fresh runs, per
+step mode: eager and/or the whole step captured in one CUDA graph),
 last the official peer and then the slow PyTorch reference, so a spent budget cuts those,
 the reference first."""
 
@@ -69,14 +70,15 @@ def main(job):
     diag_shapes = shapes if diag == "all" else [(d["preset"], d["T"], d["B"]) for d in diag]
     ref_lim, off = settings.get("reference", {}), settings.get("official", {})
 
-    def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, order=None, **fields):
+    def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, order=None, graph=False, **fields):
         """Time the step with backend `name` ("auto": the tuning table, PEER: the official
-        model), reusing the AB counts in BA; a per-step loop is counted at short lengths."""
+        model; `graph`: the step captured in one CUDA graph), reusing the AB counts in BA;
+        a per-step loop is counted at short lengths."""
         official, reuse = name == PEER, runner.twin(cid)
 
         def make_at(t):
             backend = tuned if name == "auto" else "auto" if official else kernels.Backend(name, **opts)
-            return Setup(preset, mixer, t, B, settings, device, backend=backend, official=official)
+            return Setup(preset, mixer, t, B, settings, device, backend=backend, official=official, graph=graph)
 
         def body():
             if official:
@@ -132,12 +134,14 @@ def main(job):
                                  sorted(r["config_id"] for r in cands), "fastest diagnostics record")
             else:
                 chosen[mixer] = ("auto", {}, [], "tuning table (no diagnostics at this preset and shape)")
-        for order, seq in measure.orders(mixers):
-            for mixer in seq:
-                name, opts, sel, why = chosen[mixer]
-                measured(f"train-arch-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}", preset, T, B, mixer,
-                         name, opts, settings["fresh_reps"], settings["warmup"], order, role="fresh", exact=True,
-                         selected_from=sel, selected_by=why, sequence=list(seq))
+        for mode in settings.get("step_modes", ["eager"]):
+            tag = "-graph" if mode == "graph" else ""
+            for order, seq in measure.orders(mixers):
+                for mixer in seq:
+                    name, opts, sel, why = chosen[mixer]
+                    measured(f"train-arch-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}{tag}-{order}", preset, T, B,
+                             mixer, name, opts, settings["fresh_reps"], settings["warmup"], order, graph=mode == "graph",
+                             role="fresh", exact=True, selected_from=sel, selected_by=why, sequence=list(seq))
     diagnostics(slow=True)
     runner.finish(job.output.records)
 

@@ -13,6 +13,9 @@ CALIBRATION = "H200, runs h200-20261201-run3, -run4-partial, h200-20261202-run6 
 # Whole-stage figures (s); the audit scales with its dtypes.
 PROBE_S = 18.0
 AUDIT_S_PER_DTYPE = 132.0
+# The captured training-step gate (tiny preset, both mixers, eager and captured): 25 s in
+# FP32 with the kernels' first compile, 12 s in BF16, on an H200 (a direction check).
+AUDIT_CAPTURED_TRAIN_S = 18.0
 AGGREGATE_S = 17.0
 ARCHIVE_S = 5.0
 # Process start to first configuration, without the configurations (s).
@@ -165,9 +168,9 @@ def train(s: dict) -> float:
         if "rglru" in s["mixers"] and preset in off.get("presets", []) and T <= off.get("max_T", 0):
             configs.append(_train_config(preset, "official", T, off.get("warmup", 1), off.get("reps", 2), True,
                                          s.get("loop_count_T")))
-    for preset, T, _B in shapes:
-        configs += [_train_config(preset, "chunk", T, s["warmup"], s["fresh_reps"], o == "AB")
-                    for o in ("AB", "BA")] * len(s["mixers"])
+    for preset, T, _B in shapes:     # a captured step: its capture costs about one more step
+        configs += [_train_config(preset, "chunk", T, s["warmup"] + (mode == "graph"), s["fresh_reps"], o == "AB")
+                    for o in ("AB", "BA") for mode in s.get("step_modes", ["eager"])] * len(s["mixers"])
     return FIXED_S["train"] + _budgeted(configs, s.get("budget_s"))
 
 
@@ -260,7 +263,8 @@ def ops(s: dict) -> float:
 
 def estimate(profile: dict) -> dict[str, float | None]:
     """Predicted seconds per stage (None for a section the model does not cover)."""
-    out = {"probe": PROBE_S, "audit": AUDIT_S_PER_DTYPE * len(profile["audit"]["dtypes"]),
+    out = {"probe": PROBE_S, "audit": (AUDIT_S_PER_DTYPE + AUDIT_CAPTURED_TRAIN_S * len(
+               profile["audit"]["gates"].get("captured_train", []))) * len(profile["audit"]["dtypes"]),
            **{name: fn(profile[name]) for name, fn in (("tune", tune), ("ops", ops), ("scan", scan), ("train", train),
                                                          ("infer", infer)) if name in profile}}
     return {**out, **{n: None for n in profile if n not in out}, "aggregate": AGGREGATE_S, "archive": ARCHIVE_S}

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.models import HawkConfig, HawkLM, compile_blocks, train_step
+from kernels.models import CapturedTrainStep, HawkConfig, HawkLM, compile_blocks, train_step
 
 
 def identity(preset: str, T: int, B: int, mixer: str, settings: dict) -> dict:
@@ -24,7 +24,7 @@ class Setup:
     """A model, its optimiser and a batch of random tokens: one timed step."""
 
     def __init__(self, preset: str, mixer: str, T: int, B: int, settings: dict, device, backend="auto",
-                 official: bool = False, seed: int = 0):
+                 official: bool = False, seed: int = 0, graph: bool = False):
         torch.manual_seed(seed)
         self.cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=settings["vocab"])
         model = HawkLM(self.cfg, backend=backend, device=device, dtype=torch.float32)
@@ -34,8 +34,10 @@ class Setup:
         if self.compiled:
             compile_blocks(model)
         self.model, self.official = model, official
+        if graph and (official or device.type != "cuda"):
+            raise ValueError("a captured training step runs our model on CUDA only")
         self.opt = torch.optim.AdamW(model.parameters(), lr=settings.get("lr", 3e-4),
-                                     fused=device.type == "cuda")
+                                     fused=device.type == "cuda", capturable=graph)
         g = torch.Generator(device="cpu").manual_seed(seed)
         toks = torch.randint(0, settings["vocab"], (B, T + 1), generator=g).to(device)
         self.inp, self.tgt = toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
@@ -44,8 +46,13 @@ class Setup:
         self.clip = settings.get("grad_clip", 1.0)
         self.autocast = settings.get("autocast")
         self.params = sum(p.numel() for p in model.parameters())
+        dtype = getattr(torch, self.autocast) if self.autocast else None
+        self.graph = CapturedTrainStep(model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype,
+                                       settings.get("warmup", 2) or 1) if graph else None
 
     def step(self):
+        if self.graph is not None:
+            return self.graph(self.inp, self.tgt, self.pos)
         dtype = getattr(torch, self.autocast) if self.autocast else None
         if not self.official:
             return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype)
@@ -68,6 +75,7 @@ class Setup:
                       state_bytes=self.B * self.cfg.num_layers * self.cfg.lru_width * 4, model_flops_per_step=flops)
         return {"tokens_per_step": tokens, "tokens_per_s": tokens / med_s, "step_ms": fields["stats"]["median_ms"],
                 "parameters": self.params, "compiled": self.compiled,
+                "step_mode": "graph" if self.graph is not None else "eager",
                 "non_embedding_parameters": self.cfg.non_embedding_parameters(), "model_flops_per_step": flops,
                 "mfu": flops / med_s / matmul_rate if matmul_rate else None,
                 "mfu_basis": "model FLOPs (6 x parameters x tokens) per second over the probe's measured BF16 "
