@@ -458,15 +458,19 @@ def test_tune_picks_decode_linear_tiles_role_by_role_behind_a_gate(tmp_path, mon
         return got
     monkeypatch.setattr(dk, "linear", wrong_at_split_2)
     lin = {"preset": "tiny", "batch": 2, "dtype": "float32", "steps": 2, "trajectories": 2, "warmup": 0,
-           "options": {"SPLIT": [2]}}
+           "options": {"SPLIT": [2]}, "refine": {"num_stages": [2]}}
     settings = tune_settings(linears=lin)
     runner = measure.Runner.for_job(make_job(tmp_path, "tune", "tune", settings, {}), "tune", settings,
                                     torch.device("cpu"))
     entries = tune.tune_linears(runner, settings, torch.device("cpu"))
     assert [e["role"] for e in entries] == ["out", "logits"]
-    assert all(e["rows"] == 16 and e["dtype"] == "float32" and e["candidates"] >= 1 for e in entries)
+    assert all(e["rows"] == 16 and e["dtype"] == "float32" for e in entries)
     by_role = {e["role"]: e for e in entries}
-    assert by_role["logits"]["config"] == {}       # SPLIT 2 failed its gate: the default stays
+    # stage one: the default and SPLIT 2; the refine stage: the winner and the winner at 2 stages
+    assert by_role["out"]["candidates"] == 4 and by_role["logits"]["candidates"] == 3
+    assert by_role["logits"]["config"] in ({}, {"num_stages": 2})   # SPLIT 2 failed its gate
+    refined = [c for c in runner.planned if "-refine-" in c and c.endswith("-probe")]
+    assert len(refined) == 4 and "tune-linear-logits-tiny-float32-B2-refine-gemm-s2-probe" in refined
     failed = [c for c in runner.planned if (runner.get(c) or {}).get("status") != "ok"]
     assert failed == ["tune-linear-logits-tiny-float32-B2-gemm-SPLIT2-probe"]
     assert "first-step tokens differ" in runner.get(failed[0])["error"]

@@ -201,9 +201,11 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
 
 def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
     """Tile options of the weight-streaming linears, one role at a time (the roles before
-    it at their choices): every combination of the grid beside the default, each gated
-    on the first step from BOS (tokens equal to the default's, every state within the
-    tolerance) and timed as trajectories of whole engine steps (CUDA graphs on a GPU)."""
+    it at their choices): every combination of the grid beside the default, then (with
+    `refine`) the winner beside the winner with each combination of the refine grid
+    (K slice, pipeline depth, warps), each gated on the first step from BOS (tokens equal
+    to the default's, every state within the tolerance) and timed as trajectories of
+    whole engine steps (CUDA graphs on a GPU)."""
     lin = settings.get("linears") or {}
     if not lin:
         return []
@@ -235,6 +237,9 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
     grid = lin.get("options", {})
     keys = sorted(grid)
     options = [{}] + [dict(zip(keys, v)) for v in itertools.product(*(grid[k] for k in keys))]
+    rgrid = lin.get("refine", {})
+    refine = [dict(zip(sorted(rgrid), v)) for v in itertools.product(*(rgrid[k] for k in sorted(rgrid)))] \
+        if rgrid else []
     chosen, entries = {}, []
     for role in LINEAR_ROLES:
         def with_role(opts, role=role):
@@ -250,12 +255,18 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
             return {**trajectories(eng), "logical": cases.step_counts(eng, B, device), "linear_configs": configs}
 
         tag = f"linear-{role}-{lin['preset']}-{dt_name}-B{B}"
+        fields = {"shapes": {"preset": lin["preset"], "B": B, "rows": rows}, "op": f"decode_linear_{role}",
+                  "dtype": dt_name}
         got = select(runner, tag, [("gemm", o) for o in options], probe,
-                     lambda n, o: trajectories(engine(with_role(o))),
-                     {"shapes": {"preset": lin["preset"], "B": B, "rows": rows}, "op": f"decode_linear_{role}",
-                      "dtype": dt_name})
+                     lambda n, o: trajectories(engine(with_role(o))), fields)
         if got is None:
             continue
+        if refine:      # the pipeline's depth around the winner: its tiles with each refine combination
+            n_first = got["candidates"]
+            around = [got["options"]] + [{**got["options"], **r} for r in refine]
+            got = select(runner, f"{tag}-refine", [("gemm", o) for o in around], probe,
+                         lambda n, o: trajectories(engine(with_role(o))), fields) or got
+            got["candidates"] += n_first
         if got["options"]:
             chosen[role] = got["options"]
         entries.append({"role": role, "dtype": dt_name, "rows": rows, "config": got.pop("options"), "B": B,

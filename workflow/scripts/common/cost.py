@@ -33,9 +33,10 @@ TUNE_MS_PER_ELEMENT = {("rglru", "fwd_bwd"): 0.75 / 20.97e6, ("samu", "fwd_bwd")
                        ("scan", "fwd_bwd"): 0.6 / 20.97e6, ("rglru", "fwd"): 0.2 / 33.55e6,
                        ("samu", "fwd"): 0.6 / 33.55e6, ("scan", "fwd"): 0.2 / 33.55e6}
 TUNE_ASSOC_FACTOR = 16.0
-# The decode linears, per candidate: a compile of its tiles, an engine built and captured,
-# an eager twin's step counted and the trajectories (an estimate until tune records hold it).
-TUNE_LINEAR_CANDIDATE_S = 2.5
+# The decode linears, per candidate besides its trajectories: a compile of its tiles, an
+# engine built and captured, an eager twin's step counted (run 14: 45 candidates and 5
+# fresh runs in 36 s, trajectories included).
+TUNE_LINEAR_CANDIDATE_S = 0.6
 TUNE_LINEAR_MODEL_S = 5.0
 LINEAR_ROLES = 5
 OP_BACKENDS = dict.fromkeys(("rglru", "samu", "scan"), ("serial", "chunk", "assoc"))
@@ -105,6 +106,8 @@ def tune(s: dict) -> float:
     lin = s.get("linears")
     if lin:
         n = math.prod(len(v) for v in lin.get("options", {}).values()) + 1
+        if lin.get("refine"):       # the winner and each refine combination, and a second fresh run
+            n += math.prod(len(v) for v in lin["refine"].values()) + 2
         steps = (lin.get("warmup", 2) + lin["trajectories"] * lin["steps"]) * (n + 1) * LINEAR_ROLES
         total += TUNE_LINEAR_MODEL_S + LINEAR_ROLES * (n + 1) * TUNE_LINEAR_CANDIDATE_S \
             + steps * infer_step_ms(lin["batch"], lin["preset"]) / 1e3
