@@ -47,8 +47,14 @@ class Setup:
         self.autocast = settings.get("autocast")
         self.params = sum(p.numel() for p in model.parameters())
         dtype = getattr(torch, self.autocast) if self.autocast else None
-        self.graph = CapturedTrainStep(model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype,
-                                       settings.get("warmup", 2) or 1) if graph else None
+        self.graph, self.capture_peak = None, None
+        if graph:
+            # a replay allocates nothing: the step's memory is the peak of its warm-up and
+            # capture (the graph's pool keeps it), with the model and optimizer state alive
+            torch.cuda.reset_peak_memory_stats(device)
+            self.graph = CapturedTrainStep(model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype,
+                                           settings.get("warmup", 2) or 1)
+            self.capture_peak = torch.cuda.max_memory_allocated(device)
 
     def step(self):
         if self.graph is not None:
@@ -73,6 +79,8 @@ class Setup:
         if lg is not None:
             lg.update(param_bytes=4 * self.params, grad_bytes=4 * self.params, optimizer_state_bytes=8 * self.params,
                       state_bytes=self.B * self.cfg.num_layers * self.cfg.lru_width * 4, model_flops_per_step=flops)
+        if self.capture_peak is not None:
+            fields["peak_bytes"] = max(fields.get("peak_bytes") or 0, self.capture_peak)
         return {"tokens_per_step": tokens, "tokens_per_s": tokens / med_s, "step_ms": fields["stats"]["median_ms"],
                 "parameters": self.params, "compiled": self.compiled,
                 "step_mode": "graph" if self.graph is not None else "eager",
