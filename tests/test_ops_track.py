@@ -32,6 +32,13 @@ def test_sm_clock_span_flags_slowdowns_and_clock_drops():
     assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1975, "reasons": 0})["throttled"] is False
     assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1500, "reasons": 0})["throttled"] is True
     assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1980, "reasons": 0x20})["throttled"] is True
+    # a neighbour: the samples' compute-process counts and load averages (older samples lack them)
+    s = c.span({"sm_mhz": 1980, "reasons": 0, "gpu_processes": 1, "load1": 0.5},
+               {"sm_mhz": 1980, "reasons": 0, "gpu_processes": 2, "load1": 3.0})
+    assert s["shared_gpu"] is True and s["gpu_processes_max"] == 2 and s["host_load1_max"] == 3.0 and s["host_cpus"] >= 1
+    s = c.span({"sm_mhz": 1980, "reasons": 0, "gpu_processes": 1}, {"sm_mhz": 1980, "reasons": 0})
+    assert s["shared_gpu"] is False and s["gpu_processes_max"] == 1
+    assert c.span({"sm_mhz": 1980, "reasons": 0}, {"sm_mhz": 1980, "reasons": 0})["shared_gpu"] is False
 
 
 @pytest.mark.parametrize("eager_ms, device_ms, headline", [

@@ -389,11 +389,15 @@ def test_report_says_which_run_orders_disagree_and_why():
             + pair("overlap", st(1.0, 0.2), st(1.1, 0.2), clock="device:cuda_graph")
             + pair("apart", st(1.0, 0.01), st(1.2, 0.01), clock="device:cuda_graph", samples_ms=[1.0] * 30)
             + pair("tiny", st(0.01, 0.0), st(0.02, 0.0), clock="device:cuda_graph")
-            + pair("eager", st(3.0, 0.01), st(3.5, 0.01), clock="eager:cuda_event"))
+            + pair("eager", st(3.0, 0.01), st(3.5, 0.01), clock="eager:cuda_event")
+            + pair("neighbour", st(1.0, 0.01), st(1.2, 0.01), clock="device:cuda_graph", samples_ms=[1.0] * 30,
+                   sm_clock={"throttled": False, "shared_gpu": True, "host_load1_max": 12.0, "host_cpus": 16}))
     text = aggregate.order_section(aggregate.add_floor(aggregate.flatten(recs), None))
-    assert "1 of 4 configurations timed in both orders with a median over 0.05 ms agree within 5 %" in text, text
+    assert "1 of 5 configurations timed in both orders with a median over 0.05 ms agree within 5 %" in text, text
     lines = {ln.split("|")[1].strip().split("/")[1]: ln for ln in text.splitlines() if ln.startswith("| scan/")}
-    assert set(lines) == {"overlap", "apart", "eager"}
+    assert set(lines) == {"overlap", "apart", "eager", "neighbour"}
+    assert "another compute process on the GPU" in lines["neighbour"] and "host load" in lines["neighbour"]
+    assert "another compute" not in lines["apart"] and "host load" not in lines["apart"]
     assert "P10-P95 ranges overlap" in lines["overlap"] and "3 sample(s)" in lines["overlap"]
     assert "none in the records" in lines["apart"]
     assert "eager clock" in lines["eager"] and "overlap" not in lines["eager"]

@@ -73,6 +73,8 @@ def flatten(recs: list[dict]):
                    gate_err=max(gate["max_rel_err"].values()) if gate.get("max_rel_err") else None,
                    timed_dtype_err=max(gate["timed_dtype_rel_err"].values()) if gate.get("timed_dtype_rel_err") else None,
                    throttled=(r.get("sm_clock") or {}).get("throttled"),
+                   shared_gpu=(r.get("sm_clock") or {}).get("shared_gpu"),
+                   host_busy=_host_busy(r.get("sm_clock") or {}),
                    throughput_grid=json.dumps(r["throughput_grid"], sort_keys=True) if r.get("throughput_grid") else None,
                    counters=json.dumps(r["counters"], sort_keys=True) if r.get("counters") else None,
                    gpu=(r.get("gpu") or {}).get("name", "CPU"), commit=r["commit"]["sha"][:12])
@@ -113,6 +115,23 @@ def _gaps_over_tolerance(paired, gap: str, median: str) -> tuple[int, list]:
     return both["key"].nunique(), [(k, g) for k, g in both.groupby("key", sort=True) if g[gap].iloc[0] > ORDER_TOL_PCT]
 
 
+def _host_busy(clk: dict) -> bool | None:
+    """The host's 1-minute load average was over half its CPUs (this process counts one)
+    around the record's timing: other work competed for the host."""
+    load, cpus = clk.get("host_load1_max"), clk.get("host_cpus")
+    return None if load is None or not cpus else load > max(cpus / 2, 1.5)
+
+
+def _neighbours(g) -> list[str]:
+    """What the records say shared the machine while a configuration was timed."""
+    why = []
+    if "shared_gpu" in g and g["shared_gpu"].fillna(False).astype(bool).any():
+        why.append("another compute process on the GPU")
+    if "host_busy" in g and g["host_busy"].fillna(False).astype(bool).any():
+        why.append("host load average over half its CPUs")
+    return why
+
+
 def order_section(df) -> str:
     """Whether the run orders agree (medians over ORDER_MIN_MS), and for each gap over
     ORDER_TOL_PCT the reasons the records give."""
@@ -133,6 +152,7 @@ def order_section(df) -> str:
             why.append("SM clock throttled")
         if not g["clock"].fillna("").str.startswith("device").all():
             why.append("eager clock (host work inside the window)")
+        why += _neighbours(g)
         rows.append({"configuration": k, "AB_ms": by.get("AB"), "BA_ms": by.get("BA"),
                      "gap_pct": g["ab_ba_pct"].iloc[0], "n_samples": min(g["n_samples"]),
                      "why": "; ".join(why) or "none in the records: the orders' sample ranges are apart"})
@@ -156,8 +176,9 @@ def eager_orders(df) -> str:
         by, dev = dict(zip(g["order"], g["eager_ms"].astype("float64"))), g["ab_ba_pct"].iloc[0]
         rows.append({"configuration": k, "AB_eager_ms": by.get("AB"), "BA_eager_ms": by.get("BA"),
                      "gap_pct": g["eager_ab_ba_pct"].iloc[0], "device_gap_pct": dev,
-                     "why": f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %"
-                     if dev <= ORDER_TOL_PCT else "the device clocks differ too (see above)"})
+                     "why": "; ".join([f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %"
+                                       if dev <= ORDER_TOL_PCT else "the device clocks differ too (see above)",
+                                       *_neighbours(g)])})
     head = (f"\nEager medians beside a device-clock headline: {n - len(rows)} of {n} over {ORDER_MIN_MS} ms "
             f"agree within {ORDER_TOL_PCT:g} % between the orders.")
     return head + (" The others:\n\n" + md_table(

@@ -236,7 +236,12 @@ class Clocks:
         except (n.NVMLError, AttributeError):
             reasons = None
         try:
-            return {"sm_mhz": n.nvmlDeviceGetClockInfo(self.handle, n.NVML_CLOCK_SM), "reasons": reasons}
+            procs = len(n.nvmlDeviceGetComputeRunningProcesses(self.handle))
+        except (n.NVMLError, AttributeError):
+            procs = None
+        try:
+            return {"sm_mhz": n.nvmlDeviceGetClockInfo(self.handle, n.NVML_CLOCK_SM), "reasons": reasons,
+                    "gpu_processes": procs, "load1": os.getloadavg()[0]}
         except n.NVMLError:
             return None
 
@@ -267,8 +272,15 @@ class Clocks:
         if before is None or after is None:
             return None if self.reason is None else {"reason": self.reason}
         slow = any(s["reasons"] is not None and s["reasons"] & self.SLOWDOWN for s in (before, after))
+        procs = [s.get("gpu_processes") for s in (before, after) if s.get("gpu_processes") is not None]
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         return {"before_mhz": before["sm_mhz"], "after_mhz": after["sm_mhz"], "reasons_after": after["reasons"],
-                "throttled": bool(slow or after["sm_mhz"] < 0.95 * before["sm_mhz"])}
+                "throttled": bool(slow or after["sm_mhz"] < 0.95 * before["sm_mhz"]),
+                # compute processes on this GPU (this one included) and the host's 1-minute load
+                # average over its CPUs: a neighbour on either moves the clocks
+                "gpu_processes_max": max(procs) if procs else None,
+                "shared_gpu": bool(procs) and max(procs) > 1,
+                "host_load1_max": max(before.get("load1") or 0.0, after.get("load1") or 0.0), "host_cpus": cpus}
 
 
 _CLOCKS: dict[str, Clocks] = {}
