@@ -7,15 +7,15 @@ linear-work grouped prefix. common.py: the per-token controller, its backward an
 deterministic parameter reductions. Transition, write and relu exist only in registers;
 the backward keeps [B, T] controls and [B, T/K, M] states, and its scratch is the FP32
 write gradient [B, T, D], per-token and per-chunk partials and the checkpoints of every
-BWD_UNROLL-th state inside a chunk. Decode (step.py): "row", "blocked", "fused".
+BWD_UNROLL-th state inside a chunk. Decode (step.py): "row", "blocked", "split", "fused".
 """
 
 from .common import mode_table
 from .function import chunk_samu, fused_recurrent_samu
-from .step import samu_step, samu_step_blocked, samu_step_row
+from .step import samu_step, samu_step_blocked, samu_step_row, samu_step_split
 
 BACKENDS = {"samu": {"serial": fused_recurrent_samu, "chunk": chunk_samu}}
-STEPS = {"samu": {"fused": samu_step, "row": samu_step_row, "blocked": samu_step_blocked}}
+STEPS = {"samu": {"fused": samu_step, "row": samu_step_row, "blocked": samu_step_blocked, "split": samu_step_split}}
 
 __all__ = ["BACKENDS", "STEPS", "mode_table", "chunk_samu", "fused_recurrent_samu", "samu_step", "samu_step_row",
-           "samu_step_blocked"]
+           "samu_step_blocked", "samu_step_split"]
