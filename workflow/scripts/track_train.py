@@ -48,6 +48,10 @@ def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate,
         logical = loop_counts(count_at[0], settings["loop_count_T"], count_at[1], device)
     s = setup_fn()
     try:
+        if s.graph is not None and logical is None and measure.reuse_logical(reuse) is None:
+            # a replay launches nothing from the host: count one eager step of the same model
+            logical = measure.logical_counts(s.eager_step, device)
+            logical["launches_method"] += " (one eager step: the graph replays its kernels)"
         fields = measure.timed_fields(s.step, reps, warmup, device, settings.get("budget_s_per_config"), reuse,
                                       logical)
         fields.update(s.figures(fields, matmul_rate, peak_rate))

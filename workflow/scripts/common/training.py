@@ -59,6 +59,11 @@ class Setup:
     def step(self):
         if self.graph is not None:
             return self.graph(self.inp, self.tgt, self.pos)
+        return self.eager_step()
+
+    def eager_step(self):
+        """One step as train_step runs it (for a captured step: what its graph replays,
+        launch by launch, which is what the launch and byte counts read)."""
         dtype = getattr(torch, self.autocast) if self.autocast else None
         if not self.official:
             return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype)
