@@ -383,10 +383,11 @@ def set_backend(module: nn.Module, backend, step_backend=None) -> nn.Module:
     sequences (a kernels.backends name, "auto", or a kernels.Backend value such as
     Backend("auto", table=TuningTable.load(path))), `step_backend` for one-token decode
     (a kernels.step_backends name, "auto" or a Backend; by default "reference" when
-    backend is "reference", else "auto")."""
+    backend is "reference", else "auto" with `backend`'s table, whose decode entries pick
+    the step kernel per batch size)."""
     backend = ops.Backend.of(backend)
     if step_backend is None:
-        step_backend = "reference" if backend.name == "reference" else "auto"
+        step_backend = "reference" if backend.name == "reference" else ops.Backend("auto", table=backend.table)
     step_backend = ops.Backend.of(step_backend)
     for m in module.modules():
         if isinstance(m, (RGLRU, SAMU)):

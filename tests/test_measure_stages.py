@@ -4,6 +4,7 @@ candidates, and the cpu-smoke tracks end to end with resume."""
 
 import json
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -373,20 +374,42 @@ def test_throughput_grid_extends_until_tokens_per_s_stops_rising_or_memory_runs_
 
 
 @pytest.mark.parametrize("order", [1, -1])
-def test_decode_choice_takes_the_entry_nearest_in_log_batch(order):
-    """The infer track's step kernel per batch size: the tuned entry nearest in log(B),
-    the larger batch's on a tie whatever the table's order; other ops and unknown
-    backends never chosen."""
-    entries = [{"op": "samu_step", "B": 16, "backend": "blocked"}, {"op": "samu_step", "B": 64, "backend": "row"},
-               {"op": "samu_step", "B": 256, "backend": "row", "options": {}},
-               {"op": "rglru_step", "B": 32, "backend": "fused"}, {"op": "samu_step", "B": 32, "backend": "gone"}]
-    table = {"decode": entries[::order]}
+def test_decode_step_choice_takes_the_entry_nearest_in_log_batch(order):
+    """The step kernel per batch size (TuningTable.step_choice, what backend="auto" and the
+    infer track run): the tuned entry nearest in log(B), the larger batch's on a tie
+    whatever the table's order; other ops, dtypes and unknown backends never chosen; a
+    table tuned on another GPU gives none."""
+    entries = [{"op": "samu_step", "dtype": "bfloat16", "B": 16, "backend": "blocked"},
+               {"op": "samu_step", "dtype": "bfloat16", "B": 64, "backend": "row"},
+               {"op": "samu_step", "dtype": "bfloat16", "B": 256, "backend": "row", "options": {"block_m": 512}},
+               {"op": "samu_step", "dtype": "float32", "B": 128, "backend": "split"},
+               {"op": "rglru_step", "dtype": "bfloat16", "B": 32, "backend": "fused"},
+               {"op": "samu_step", "dtype": "bfloat16", "B": 32, "backend": "gone"}]
+    table = kernels.TuningTable.from_dict({"schema": 1, "gpu": "G", "decode": entries[::order]})
+    known = tuple(kernels.step_backends("samu"))
     got = {B: (e["B"], e["backend"]) for B in (1, 16, 24, 32, 48, 128, 4096)
-           if (e := track_infer.decode_choice(table, "samu", B))}
+           if (e := table.step_choice("samu_step", "bfloat16", B, backends=known))}
     assert got == {1: (16, "blocked"), 16: (16, "blocked"), 24: (16, "blocked"), 32: (64, "row"), 48: (64, "row"),
                    128: (256, "row"), 4096: (256, "row")}
-    assert track_infer.decode_choice(table, "rglru", 1)["B"] == 32
-    assert track_infer.decode_choice({"decode": []}, "samu", 16) is None
+    assert table.step_choice("rglru_step", "bfloat16", 1)["B"] == 32
+    assert table.step_choice("samu_step", "float16", 16) is None
+    with warnings.catch_warnings():     # the warning comes once per pair of GPU names
+        warnings.simplefilter("ignore")
+        assert table.step_choice("samu_step", "bfloat16", 16, gpu="other") is None
+    # what auto resolves to on CUDA (the resolution itself; no kernel runs here)
+    ops = kernels.ops
+    b = kernels.Backend("auto", table=table)
+    steps = kernels.step_backends("samu")
+    assert ops._resolve_step("samu", b, "cuda", table, "bfloat16", 16, "G") is steps["blocked"]
+    big = ops._resolve_step("samu", b, "cuda", table, "bfloat16", 1024, "G")
+    assert big.func is steps["row"] and big.keywords == {"block_m": 512}
+    assert ops._resolve_step("samu", b, "cuda", table, "float16", 16, "G") is steps["fused"]
+    assert ops._resolve_step("samu", b, "cpu") is steps["reference"]
+    # a model given a tuned backend takes the table for its steps too
+    m = kernels.layers.set_backend(kernels.layers.SAMU(8), b)
+    assert m.step_backend.name == "auto" and m.step_backend.table is table
+    with pytest.raises(ValueError, match="decode entry"):
+        kernels.TuningTable.from_dict({"schema": 1, "decode": [{"op": "samu_step", "B": 16, "backend": "row"}]})
 
 
 def test_per_step_loop_counts_extrapolate_linearly_in_T(monkeypatch):

@@ -222,15 +222,31 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
 
 
 def resolve_step(op: str, backend, x: torch.Tensor):
-    """The decode step callable of `op` for x [B, D] ("auto": fused on CUDA, else the reference)."""
-    return _resolve_step(op, Backend.of(backend), x.device.type)
+    """The decode step callable of `op` for x [B, D]. "auto": on CUDA the tuning table's
+    decode entry for x's dtype nearest in log(B) (the Backend's table, else the one at
+    $KERNELS_TUNING_TABLE), else "fused"; the reference off CUDA."""
+    b = Backend.of(backend)
+    if b.name != "auto" or not x.is_cuda:
+        return _resolve_step(op, b, x.device.type)
+    table = b.table if b.table is not None else tuning.env_table()
+    if table is None or not table.steps:
+        return _resolve_step(op, b, "cuda")
+    return _resolve_step(op, b, "cuda", table, str(x.dtype).removeprefix("torch."), x.shape[0] if x.dim() else 0,
+                         _gpu_name(x.device) if table.gpu else None)
 
 
-@functools.lru_cache(maxsize=256)
-def _resolve_step(op, b: Backend, device_type):
+@functools.lru_cache(maxsize=1024)
+def _resolve_step(op, b: Backend, device_type, table=None, dtype=None, B=0, gpu=None):
     avail = step_backends(op)
     if b.name == "auto":
-        return avail["fused"] if device_type == "cuda" and "fused" in avail else avail["reference"]
+        if device_type != "cuda" or "fused" not in avail:
+            return avail["reference"]
+        e = table.step_choice(f"{op}_step", dtype, B, gpu, tuple(n for n in avail if n != "reference")) \
+            if table is not None else None
+        if e is None:
+            return avail["fused"]
+        opts = e.get("options") or {}
+        return functools.partial(avail[e["backend"]], **opts) if opts else avail[e["backend"]]
     if b.name not in avail:
         raise ValueError(f"expected backend in {['auto', *avail]} for {op}_step, got {b.name!r}")
     return functools.partial(avail[b.name], **b.options) if b.options else avail[b.name]

@@ -17,6 +17,12 @@ linears by role, tuned at a row block (`linear_configs`):
 
     "decode_linears": [{"role": "xy" | "out" | "up" | "down" | "logits", "dtype": "bfloat16",
                         "rows": 16, "config": {...kernels.models.decode.CONFIG_KEYS...}}]
+
+and the decode step kernel per batch size (`step_choice`: the entry of the op and dtype
+nearest in log(B); of two equally near, the larger batch's):
+
+    "decode": [{"op": "rglru_step" | "samu_step", "dtype": "bfloat16", "B": 16,
+                "backend": "fused", "options": {...}}]
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ SCHEMA = 1
 ENV = "KERNELS_TUNING_TABLE"
 REQUIRED_KEYS = ("op", "dtype", "B", "T", "D", "backend")
 LINEAR_KEYS = ("role", "dtype", "rows", "config")
+STEP_KEYS = ("op", "dtype", "B", "backend")
 
 
 def validate_table(table: dict) -> dict:
@@ -47,6 +54,11 @@ def validate_table(table: dict) -> dict:
         if missing or not isinstance(e["config"], dict):
             raise ValueError(f"expected every decode_linears entry with keys {list(LINEAR_KEYS)} and a dict config, "
                              f"got entry {i}: {e}")
+    for i, e in enumerate(table.get("decode", [])):
+        missing = [k for k in STEP_KEYS if k not in e]
+        if missing or not isinstance(e.get("options", {}), dict):
+            raise ValueError(f"expected every decode entry with keys {list(STEP_KEYS)} (and options a dict), got "
+                             f"entry {i}: {e}")
     return table
 
 
@@ -58,6 +70,7 @@ class TuningTable:
         self.gpu = doc.get("gpu")
         self.entries = tuple(doc.get("entries", ()))
         self.linears = tuple(doc.get("decode_linears", ()))
+        self.steps = tuple(doc.get("decode", ()))
         self.source = source
         self._found: dict = {}
 
@@ -88,6 +101,20 @@ class TuningTable:
             _warn_other_gpu(self.gpu, gpu, self.source)
             return {}
         return {e["role"]: dict(e["config"]) for e in self.linears if e["dtype"] == dtype and e["rows"] == rows}
+
+    def step_choice(self, op: str, dtype: str, B: int, gpu: str | None = None,
+                    backends: tuple | None = None) -> dict | None:
+        """The decode entry of `op` ("rglru_step", "samu_step") and dtype nearest in log(B)
+        (of two equally near, the larger batch's) among those naming one of `backends`
+        (None: any), or None (none, or tuned on another GPU than the caller's `gpu`)."""
+        if gpu and self.gpu and self.gpu != gpu:
+            _warn_other_gpu(self.gpu, gpu, self.source)
+            return None
+        cands = [e for e in self.steps if e["op"] == op and e["dtype"] == dtype
+                 and (backends is None or e["backend"] in backends)]
+        if not cands:
+            return None
+        return min(cands, key=lambda e: (abs(math.log(max(e["B"], 1) / max(B, 1))), -e["B"]))
 
     def _nearest(self, op, dtype, B, T, D, gpu):
         if gpu and self.gpu and self.gpu != gpu:

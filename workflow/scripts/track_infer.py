@@ -3,7 +3,6 @@ generation engine (CUDA graphs on a GPU) of the profile's preset: prefill (time 
 token), latency (one trajectory read at every length) and throughput (probes over batch
 sizes, extended while tokens/s rises, then the best on fresh trajectories), both orders."""
 
-import math
 import statistics
 
 import torch
@@ -80,16 +79,6 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.T
                       "basis": "max(2 x non-embedding parameters x B x P / probe BF16 rate, weights / probe copy bandwidth)"}}
 
 
-def decode_choice(table: dict, mixer: str, B: int) -> dict | None:
-    """The tuning table's decode entry for this mixer nearest in log(B), if any; of two
-    equally near, the larger batch's (whatever the table's order)."""
-    cands = [e for e in table.get("decode", []) if e.get("op") == f"{mixer}_step"
-             and e.get("backend") in kernels.step_backends(mixer)]
-    if not cands:
-        return None
-    return min(cands, key=lambda e: (abs(math.log(max(e["B"], 1) / max(B, 1))), -e["B"]))
-
-
 def extend_grid(probe_at, thr: dict) -> dict:
     """Probe the profile's batch sizes, then double B while tokens/s rises by more than
     `plateau_rise` up to `max_batch`; stop at the first failure; say why it ended."""
@@ -147,10 +136,10 @@ def main(job):
 
         def body():
             m = model(mixer)
-            choice = decode_choice(table, mixer, B)
-            # The decode table picks the step kernel and its launcher options by batch size.
-            step = kernels.Backend(choice["backend"], **choice.get("options", {})) if choice else "auto"
-            m.set_backend(auto, step_backend=step)
+            # the table's decode entries pick the step kernel and its options by batch size
+            m.set_backend(auto)
+            choice = auto.table.step_choice(f"{mixer}_step", settings["dtype"], B,
+                                            backends=tuple(n for n in kernels.step_backends(mixer) if n != "reference"))
             engine = engine_for(m, B, auto.table, settings, device)
             g = torch.Generator(device="cpu").manual_seed(0)
             tokens = torch.randint(1, settings["vocab"], (B, prompt), generator=g).to(device) if prompt else None
