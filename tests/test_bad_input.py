@@ -389,7 +389,7 @@ def test_conjugate_complex_states_for_samu():
                                 backend=backend)
         assert torch.equal(y, y_c) and torch.equal(h, h_c), backend
     # The decode state is updated in place: a conjugate view cannot be, so it is rejected.
-    for backend in ("fused", "row", "blocked", "split"):
+    for backend in ("fused", "row", "blocked"):
         _raises(lambda: kernels.samu_step(x[:, 0], *p, h0.clone().conj(), backend=backend), "state", "conj")
 
 
@@ -404,7 +404,7 @@ def test_python_float_amplitudes_keep_float64():
         y, h = kernels.samu(x, pd, rd, amp, amp, nu, th, output_final_state=True, backend=backend)
         y_t, h_t = kernels.samu(x, pd, rd, amp_t, amp_t, nu, th, output_final_state=True, backend=backend)
         assert torch.equal(y, y_t) and torch.equal(h, h_t), backend
-    for backend in ("reference", "row", "blocked", "split"):
+    for backend in ("reference", "row", "blocked"):
         s, s_t = torch.zeros(2, 3, dtype=torch.complex128), torch.zeros(2, 3, dtype=torch.complex128)
         y = kernels.samu_step(x[:, 0], pd, rd, amp, amp, nu, th, s, backend=backend)
         y_t = kernels.samu_step(x[:, 0], pd, rd, amp_t, amp_t, nu, th, s_t, backend=backend)
@@ -431,8 +431,7 @@ def _step_inputs(op, B=3, D=8, H=2):
 STEP_FNS = {"rglru": kernels.rglru_step, "samu": kernels.samu_step}
 
 
-@pytest.mark.parametrize("op,backend", [("rglru", "fused"), ("samu", "fused"), ("samu", "row"), ("samu", "blocked"),
-                                        ("samu", "split")])
+@pytest.mark.parametrize("op,backend", [("rglru", "fused"), ("samu", "fused"), ("samu", "row"), ("samu", "blocked")])
 def test_triton_decode_steps_refuse_inputs_that_require_grad(op, backend):
     # The Triton steps have no backward: an input that requires grad under grad mode
     # raises (its gradient would silently stay None); under no_grad the step runs.

@@ -382,7 +382,7 @@ def test_decode_step_choice_takes_the_entry_nearest_in_log_batch(order):
     entries = [{"op": "samu_step", "dtype": "bfloat16", "B": 16, "backend": "blocked"},
                {"op": "samu_step", "dtype": "bfloat16", "B": 64, "backend": "row"},
                {"op": "samu_step", "dtype": "bfloat16", "B": 256, "backend": "row", "options": {"block_m": 512}},
-               {"op": "samu_step", "dtype": "float32", "B": 128, "backend": "split"},
+               {"op": "samu_step", "dtype": "float32", "B": 128, "backend": "fused"},
                {"op": "rglru_step", "dtype": "bfloat16", "B": 32, "backend": "fused"},
                {"op": "samu_step", "dtype": "bfloat16", "B": 32, "backend": "gone"}]
     table = kernels.TuningTable.from_dict({"schema": 1, "gpu": "G", "decode": entries[::order]})

@@ -252,7 +252,7 @@ def test_no_resets_no_initial_state_and_empty():
         assert y0.shape == (B, 0, D) and torch.equal(h0, inputs["initial_state"])
 
 
-@pytest.mark.parametrize("layout", ["row", "blocked", "split", "fused"])
+@pytest.mark.parametrize("layout", ["row", "blocked", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_decode_steps_equal_sequence(layout, dtype):
     """T decode steps, state updated in place, resets per step, equal the sequence op."""
@@ -314,29 +314,7 @@ def test_row_step_block_m(block_m):
             row(inputs["x"][:, 0], *params, s0, None, block_m=bad)
 
 
-@pytest.mark.parametrize("block_m", [None, 16])
-def test_split_step_is_the_row_step_in_two_launches(block_m):
-    """"split" (controls per row, then modes in blocks of `block_m`: M = 20 in two blocks
-    of 16, the second partial) equals the row step bit for bit, with and without the mode
-    table, over steps with resets, y NaN-poisoned; a bad block_m raises."""
-    inputs = make_inputs(torch.float32, b=3, t=3, d=40, seed=9)
-    params = [inputs[k] for k in GRAD_NAMES[1:7]]
-    tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], torch.float32)
-    row, split = STEPS["samu"]["row"], STEPS["samu"]["split"]
-    for modes in (None, tab):
-        s0, s1 = inputs["initial_state"].clone(), inputs["initial_state"].clone()
-        for t, r in ((0, None), (1, torch.tensor([True, False, True])), (2, None)):
-            x = inputs["x"][:, t]
-            y0 = row(x, *params, s0, r, modes=modes)
-            with poisoned():
-                y1 = split(x, *params, s1, r, modes=modes, block_m=block_m)
-            assert torch.equal(y1, y0) and torch.equal(s1, s0)
-    for bad in (8, 24, 4096):
-        with pytest.raises(ValueError, match="block_m"):
-            split(inputs["x"][:, 0], *params, s0, None, block_m=bad)
-
-
-@pytest.mark.parametrize("layout", ["row", "blocked", "split"])
+@pytest.mark.parametrize("layout", ["row", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_decode_step_reading_the_mode_table_is_bitwise_the_recomputing_one(layout, dtype):
     """samu_step(..., modes=samu_mode_table(...)) reads the constants the kernel would

@@ -1,7 +1,6 @@
-"""One-token SAMU decode step in one launch ("split": two): controller, transition, write, in-place
+"""One-token SAMU decode step in one launch: controller, transition, write, in-place
 state update and relu. "row": one program per sequence walks all modes; "blocked": one
-program per (sequence, mode block), each recomputing its row's projections; "split":
-two launches, the row's controls once, then one program per (sequence, mode block). "fused"
+program per (sequence, mode block), each recomputing its row's projections. "fused"
 takes "blocked" below ROW_MIN_BATCH sequences (ROW_MIN_BATCH_TABLE with a mode table:
 where the two crossed on an H200 at D = 2560; the tune stage re-measures). No host
 synchronisation, no allocation besides y.
@@ -33,7 +32,6 @@ ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
 # whole row at D = 2560) at every batch size of the H200 decode tune (B = 16 to 256).
 ROW_DEFAULT_BLOCK_M = 256
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
-SPLIT_DEFAULT_BLOCK_M = 256   # modes per program of the split step's second launch
 
 
 @triton.jit
@@ -112,37 +110,6 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
         _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
 
 
-@launcher
-@triton.jit(do_not_specialize=["D", "M"])
-def _split_controls_kernel(x, pd, rd, pa, ra, reset, ctrl, D, M, scale, HAS_RESET: tl.constexpr, BD: tl.constexpr,
-                           ACC: tl.constexpr):
-    """The "split" step's first launch: each sequence's (E, cos, sin) of the controls."""
-    b = tl.program_id(0).to(tl.int64)
-    keep = 1.0
-    if HAS_RESET:
-        keep = tl.where(tl.load(reset + b) != 0, 0.0, 1.0)
-    E, ck, sk = _row_controls(x + b * D, pd, rd, pa, ra, D, scale, keep, BD, ACC)
-    tl.store(ctrl + b * 4, E)
-    tl.store(ctrl + b * 4 + 1, ck)
-    tl.store(ctrl + b * 4 + 2, sk)
-
-
-@launcher
-@triton.jit(do_not_specialize=["D", "M"])
-def _split_modes_kernel(x, nu_log, theta_log, modes, state, ctrl, y, D, M, TABLE: tl.constexpr, BM: tl.constexpr,
-                        ACC: tl.constexpr):
-    """The "split" step's second launch: program (mode block, sequence) updates its modes
-    from the controls the first wrote (the row step's arithmetic, in parallel over modes)."""
-    b = tl.program_id(1).to(tl.int64)
-    x_b, y_b, s_b = x + b * D, y + b * D, state + b * M * 2
-    E = tl.load(ctrl + b * 4)
-    ck = tl.load(ctrl + b * 4 + 1)
-    sk = tl.load(ctrl + b * 4 + 2)
-    offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
-                                                                      tl.program_id(0) * BM, M, BM, ACC, TABLE)
-    _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
-
-
 def _amp(v, x):
     """An amplitude as a one-element tensor (a float in x's accumulation dtype)."""
     if isinstance(v, torch.Tensor):
@@ -170,14 +137,7 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
     flags = dict(HAS_RESET=reset is not None, TABLE=modes is not None)
     if B == 0:
         return y
-    if layout == "split":
-        ctrl = empty((B, 4), sr.dtype, x.device)
-        _split_controls_kernel[(B,)](*args[:5], rs, ctrl, D, M, args[-1], HAS_RESET=reset is not None,
-                                     BD=min(next_pow2(D), 4096), ACC=acc, num_warps=8)
-        BM = block_m or min(next_pow2(M), SPLIT_DEFAULT_BLOCK_M)
-        _split_modes_kernel[(cdiv(M, BM), B)](x, args[5], args[6], args[7], sr, ctrl, y, D, M,
-                                              TABLE=modes is not None, BM=BM, ACC=acc, num_warps=4)
-    elif layout == "row":
+    if layout == "row":
         BM = block_m or min(next_pow2(M), ROW_DEFAULT_BLOCK_M)
         _step_kernel[(B,)](*args, **flags, ROW=True, BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=8)
     else:
@@ -227,18 +187,6 @@ def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
     dtype. No backward."""
     bm = 0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M)
     return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                 block_m=bm)
-
-
-def samu_step_split(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None,
-                    modes=None, block_m=None):
-    """Decode step in two launches: one program per sequence computes its controls, then
-    one per (sequence, `block_m` modes; a power of two in [16, 2048], default
-    SPLIT_DEFAULT_BLOCK_M) updates the modes with the row step's arithmetic, so each row's
-    reduction runs once and the mode updates spread over the GPU. Same contract and the
-    same values as samu_step_row."""
-    bm = 0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M)
-    return _step("split", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
                  block_m=bm)
 
 

@@ -40,7 +40,7 @@ TUNE_LINEAR_CANDIDATE_S = 0.6
 TUNE_LINEAR_MODEL_S = 5.0
 LINEAR_ROLES = 5
 OP_BACKENDS = dict.fromkeys(("rglru", "samu", "scan"), ("serial", "chunk", "assoc"))
-STEP_BACKENDS = {"rglru": ["fused"], "samu": ["fused", "row", "blocked", "split"]}
+STEP_BACKENDS = {"rglru": ["fused"], "samu": ["fused", "row", "blocked"]}
 
 # ---- scan track: forward at B=8, T=2048, D=1024 (ms, run 3 and 4 medians); linear in B*T*D.
 SCAN_ELEMENTS = 8 * 2048 * 1024
