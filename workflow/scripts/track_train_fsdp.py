@@ -159,6 +159,9 @@ def worker(job_file: str) -> None:
                 sys.exit(measure.POISONED_EXIT)
     if skipped:
         runner.say(f"time budget spent: {len(skipped)} configurations not run: {skipped}")
+    # Every rank reaches teardown together: a rank that tears its group down while rank 0
+    # still writes records can abort at exit ("terminate called without an active exception").
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
