@@ -235,21 +235,25 @@ def resolve_step(op: str, backend, x: torch.Tensor):
                          _gpu_name(x.device) if table.gpu else None)
 
 
+def tuned_step(op: str, table, dtype: str, B: int, gpu: str | None = None) -> dict | None:
+    """The decode entry of `table` that backend "auto" runs for `op`'s step at batch B on
+    CUDA (nearest in log(B) among the step kernels `op` has), or None ("fused" runs)."""
+    return table.step_choice(f"{op}_step", dtype, B, gpu, tuple(n for n in step_backends(op) if n != "reference"))
+
+
 @functools.lru_cache(maxsize=1024)
 def _resolve_step(op, b: Backend, device_type, table=None, dtype=None, B=0, gpu=None):
     avail = step_backends(op)
     if b.name == "auto":
         if device_type != "cuda" or "fused" not in avail:
             return avail["reference"]
-        e = table.step_choice(f"{op}_step", dtype, B, gpu, tuple(n for n in avail if n != "reference")) \
-            if table is not None else None
-        if e is None:
-            return avail["fused"]
-        opts = e.get("options") or {}
-        return functools.partial(avail[e["backend"]], **opts) if opts else avail[e["backend"]]
-    if b.name not in avail:
+        e = tuned_step(op, table, dtype, B, gpu) if table is not None else None
+        name, opts = (e["backend"], e.get("options") or {}) if e is not None else ("fused", {})
+    elif b.name not in avail:
         raise ValueError(f"expected backend in {['auto', *avail]} for {op}_step, got {b.name!r}")
-    return functools.partial(avail[b.name], **b.options) if b.options else avail[b.name]
+    else:
+        name, opts = b.name, b.options
+    return functools.partial(avail[name], **opts) if opts else avail[name]
 
 
 def step_has_backward(op: str, backend, device) -> bool:
@@ -315,5 +319,5 @@ def samu_mode_table(nu_log, theta_log, dtype):
 
 
 __all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "samu_mode_table", "backends", "step_backends",
-           "inexact_backends", "resolve", "resolve_step", "step_has_backward", "reference", "tuning", "Backend",
-           "TuningTable"]
+           "inexact_backends", "resolve", "resolve_step", "tuned_step", "step_has_backward", "reference", "tuning",
+           "Backend", "TuningTable"]

@@ -138,8 +138,7 @@ def main(job):
             m = model(mixer)
             # the table's decode entries pick the step kernel and its options by batch size
             m.set_backend(auto)
-            choice = auto.table.step_choice(f"{mixer}_step", settings["dtype"], B,
-                                            backends=tuple(n for n in kernels.step_backends(mixer) if n != "reference"))
+            choice = kernels.ops.tuned_step(mixer, auto.table, settings["dtype"], B)
             engine = engine_for(m, B, auto.table, settings, device)
             g = torch.Generator(device="cpu").manual_seed(0)
             tokens = torch.randint(1, settings["vocab"], (B, prompt), generator=g).to(device) if prompt else None
