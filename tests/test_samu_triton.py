@@ -324,7 +324,7 @@ def test_decode_step_reading_the_mode_table_is_bitwise_the_recomputing_one(layou
     x = inputs["x"].to(dtype)
     params = [inputs[k] for k in GRAD_NAMES[1:7]]
     tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], dtype)
-    assert tab.shape == (M, 8) and tab.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert tab.shape == (7, M) and tab.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     s1, s2 = inputs["initial_state"].clone(), inputs["initial_state"].clone()
     reset = torch.tensor([True, False] * (B // 2) + [False] * (B % 2))
     for t in range(5):

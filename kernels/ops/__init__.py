@@ -14,8 +14,9 @@ import functools
 import torch
 
 from . import assoc, reference, tuning
-from .checks import (COMPLEX_DTYPES, FLOAT_DTYPES, check_chunk_size, check_same_device, check_scalar,
-                     check_segment_pos, check_tensor, cu_seqlens_to_segment_pos, shape_str, state_dtype)
+from .checks import (COMPLEX_DTYPES, FLOAT_DTYPES, MODE_CONSTS, check_chunk_size, check_same_device,
+                     check_scalar, check_segment_pos, check_tensor, cu_seqlens_to_segment_pos, shape_str,
+                     state_dtype)
 from .tuning import Backend, TuningTable
 
 # Backend providers: BACKENDS = {op: {name: fn}}, optionally STEPS (decode steps) and
@@ -302,14 +303,15 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     _check_samu_params(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state=state, reset=reset,
                        modes=modes)
     if modes is not None:
-        check_tensor("modes", modes, shape=(D // 2, 8), dtypes=(state_dtype(x.dtype),))
+        check_tensor("modes", modes, shape=(MODE_CONSTS, D // 2), dtypes=(state_dtype(x.dtype),))
     return resolve_step("samu", backend, x)(x, phase_dir, radial_dir, phase_amp, radial_amp,
                                              nu_log, theta_log, state, reset, modes=modes)
 
 
 def samu_mode_table(nu_log, theta_log, dtype):
-    """[M, 8] per-mode constants of SAMU's decode step for inputs of `dtype` (FP32, float64
-    for float64 inputs): what `samu_step(..., modes=...)` reads instead of recomputing."""
+    """[7, M] per-mode constants of SAMU's decode step for inputs of `dtype` (FP32, float64
+    for float64 inputs), one row per constant: what `samu_step(..., modes=...)` reads
+    instead of recomputing."""
     check_tensor("nu_log", nu_log, ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor("theta_log", theta_log, shape=nu_log.shape, dtypes=FLOAT_DTYPES)
     check_same_device(nu_log=nu_log, theta_log=theta_log)

@@ -12,6 +12,9 @@ COMPLEX_DTYPES = (torch.complex128, torch.complex64)
 # chunk_size of every backend that takes it: the chunk length K of "chunk", the time
 # tile of "serial" (RG-LRU/scan: per warp; SAMU: tile and checkpoint length).
 CHUNK_SIZES = (8, 16, 32, 64)
+# rows of SAMU's mode table [MODE_CONSTS, M]: nu, theta, cos theta, sin theta, gamma,
+# lnr, nu dgamma/dnu (kernels.ops.samu_mode_table)
+MODE_CONSTS = 7
 
 
 def shape_str(t: torch.Tensor) -> str:

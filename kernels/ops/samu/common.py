@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
+from ..checks import MODE_CONSTS
 from ..triton_utils import acc_dtype, cdiv, launcher, next_pow2, scratch
 from ..triton_utils import empty as alloc
 from ..triton_utils import tl_acc as tl_dtype
@@ -101,21 +102,21 @@ def _mode_table_kernel(nu_log, theta_log, tab, M, BM: tl.constexpr, ACC: tl.cons
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     nu, th, ct, st, gam, lnr, dgam = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
-    row = tab + offs_m.to(tl.int64) * 8
-    tl.store(row, nu, mask=mask_m)
-    tl.store(row + 1, th, mask=mask_m)
-    tl.store(row + 2, ct, mask=mask_m)
-    tl.store(row + 3, st, mask=mask_m)
-    tl.store(row + 4, gam, mask=mask_m)
-    tl.store(row + 5, lnr, mask=mask_m)
-    tl.store(row + 6, dgam, mask=mask_m)
-    tl.store(row + 7, tl.zeros([BM], ACC), mask=mask_m)
+    tl.store(tab + offs_m, nu, mask=mask_m)
+    tl.store(tab + M + offs_m, th, mask=mask_m)
+    tl.store(tab + 2 * M + offs_m, ct, mask=mask_m)
+    tl.store(tab + 3 * M + offs_m, st, mask=mask_m)
+    tl.store(tab + 4 * M + offs_m, gam, mask=mask_m)
+    tl.store(tab + 5 * M + offs_m, lnr, mask=mask_m)
+    tl.store(tab + 6 * M + offs_m, dgam, mask=mask_m)
 
 
 def mode_table(nu_log, theta_log, acc):
-    """[M, 8] per-mode constants (see mode_consts64), once per call, kept for the backward."""
+    """[MODE_CONSTS, M] per-mode constants (see mode_consts64), once per call, kept for
+    the backward: one row per constant, so a block of modes reads each with one
+    coalesced load."""
     M = nu_log.shape[0]
-    tab = alloc((M, 8), acc, nu_log.device)
+    tab = alloc((MODE_CONSTS, M), acc, nu_log.device)
     BM = 128
     _mode_table_kernel[(cdiv(M, BM),)](nu_log, theta_log, tab, M, BM=BM, ACC=tl_dtype(acc), num_warps=4)
     if accounting.on():
@@ -132,14 +133,13 @@ def block_ids(M, BM: tl.constexpr, B_AXIS: tl.constexpr):
 
 
 @triton.jit
-def load_modes(modes, offs_m, mask_m):
-    """The modes' (nu, cos theta, sin theta, gamma, lnr) from the mode table."""
-    row = modes + offs_m.to(tl.int64) * 8
-    nu = tl.load(row, mask=mask_m, other=1.0)
-    ct = tl.load(row + 2, mask=mask_m, other=1.0)
-    st = tl.load(row + 3, mask=mask_m, other=0.0)
-    gam = tl.load(row + 4, mask=mask_m, other=0.0)
-    lnr = tl.load(row + 5, mask=mask_m, other=0.0)
+def load_modes(modes, M, offs_m, mask_m):
+    """The modes' (nu, cos theta, sin theta, gamma, lnr) from the mode table [MODE_CONSTS, M]."""
+    nu = tl.load(modes + offs_m, mask=mask_m, other=1.0)
+    ct = tl.load(modes + 2 * M + offs_m, mask=mask_m, other=1.0)
+    st = tl.load(modes + 3 * M + offs_m, mask=mask_m, other=0.0)
+    gam = tl.load(modes + 4 * M + offs_m, mask=mask_m, other=0.0)
+    lnr = tl.load(modes + 5 * M + offs_m, mask=mask_m, other=0.0)
     return nu, ct, st, gam, lnr
 
 
@@ -147,7 +147,7 @@ def load_modes(modes, offs_m, mask_m):
 def mode_block(modes, M, BM: tl.constexpr, B_AXIS: tl.constexpr):
     """block_ids and the modes' constants from the table (load_modes)."""
     pid_m, b, offs_m, mask_m = block_ids(M, BM, B_AXIS)
-    nu, ct, st, gam, lnr = load_modes(modes, offs_m, mask_m)
+    nu, ct, st, gam, lnr = load_modes(modes, M, offs_m, mask_m)
     return pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr
 
 
@@ -263,10 +263,9 @@ def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpa
 @triton.jit
 def store_param_partials(ppart, row, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g):
     """Per-mode partial gradients of nu_log (transition + write) and theta_log."""
-    tab = modes + offs_m.to(tl.int64) * 8
-    nu = tl.load(tab, mask=mask_m, other=0.0)
-    th = tl.load(tab + 1, mask=mask_m, other=0.0)
-    dgam = tl.load(tab + 6, mask=mask_m, other=0.0)
+    nu = tl.load(modes + offs_m, mask=mask_m, other=0.0)
+    th = tl.load(modes + M + offs_m, mask=mask_m, other=0.0)
+    dgam = tl.load(modes + 6 * M + offs_m, mask=mask_m, other=0.0)
     base = ppart + (row.to(tl.int64) * M + offs_m) * 2
     tl.store(base, dgam * acc_g - nu * acc_nu, mask=mask_m)
     tl.store(base + 1, th * acc_th, mask=mask_m)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..checks import no_double_backward
+from ..checks import MODE_CONSTS, no_double_backward
 from ..triton_utils import acc_dtype, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
 from .common import controls_bwd, controls_fwd, mode_table, scalar_param
@@ -97,7 +97,7 @@ def _(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec):
     M, acc = D // 2, acc_dtype(x.dtype)
     states = fused_recurrent.saved_shape(cfg_of(spec), B, T, M) if save else (0,)
     return (torch.empty_like(x), x.new_empty(B, M, 2, dtype=acc), x.new_empty(B * T, 4, dtype=acc),
-            x.new_empty(B * T, 2, dtype=acc), x.new_empty(M, 8, dtype=acc), x.new_empty(states, dtype=acc))
+            x.new_empty(B * T, 2, dtype=acc), x.new_empty(MODE_CONSTS, M, dtype=acc), x.new_empty(states, dtype=acc))
 
 
 @torch.library.custom_op("kernels::samu_bwd", mutates_args=())
