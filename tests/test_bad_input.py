@@ -196,6 +196,44 @@ def test_strided_samu_parameters_match_contiguous():
     assert torch.equal(y1, y2) and torch.equal(s1, s2)
 
 
+def _strided_act(t):
+    """The values of the [B, T, D] tensor t as a non-contiguous view: the first half of
+    the last dimension of a buffer twice as wide, the rest garbage."""
+    buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), 1e3, dtype=t.dtype)
+    buf[..., : t.shape[-1]] = t
+    v = buf[..., : t.shape[-1]]
+    assert not v.is_contiguous() and torch.equal(v, t)
+    return v
+
+
+@pytest.mark.parametrize("op", ["samu", "rglru", "scan"])
+@pytest.mark.parametrize("backend", ["serial", "chunk"])
+def test_strided_inputs_with_gradients_match_contiguous(op, backend):
+    """Strided activations and parameters give the contiguous call's output and every
+    gradient bit for bit: the backward reads what the forward read, not the strided
+    view's storage as if it were contiguous."""
+    torch.manual_seed(4)
+    B, T, D = 2, 9, 8
+    if op == "samu":
+        args = [torch.randn(B, T, D), *[t.detach() for t in layers.SAMU(D)._params()]]
+    elif op == "rglru":
+        args = [*_rglru_small(B=B, T=T, D=D)[:4]]
+    else:
+        args = [torch.rand(B, T, D) * 0.5 + 0.45, torch.randn(B, T, D)]
+    gy = torch.randn(B, T, D)
+    out = []
+    for strided in (False, True):
+        leaves = [(_strided_act(t) if t.dim() == 3 else _strided(t) if t.dim() == 1 else t.clone()) if strided
+                  else t.clone() for t in args]
+        leaves = [t.requires_grad_() if t.is_floating_point() and t.dim() else t for t in leaves]
+        y, _ = getattr(kernels, op)(*leaves, backend=backend)
+        grads = torch.autograd.grad((y * gy).sum(), [t for t in leaves if t.requires_grad])
+        out.append([y, *grads])
+    assert len(out[0]) == len(out[1]) > 2
+    for i, (s, c) in enumerate(zip(out[1], out[0])):
+        assert torch.equal(s, c), i
+
+
 def test_rglru_step_parameters():
     B, D, H, W = 2, 8, 2, 4
     x, state = torch.randn(B, D), torch.zeros(B, D)

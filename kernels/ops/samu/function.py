@@ -42,7 +42,10 @@ def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
 
 def _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh, cfg):
     """(dx, d phase_dir, d radial_dir, d amplitudes [2], d (nu_log, theta_log) [M, 2],
-    d h0 [B, M, 2]) in the accumulation dtype (dx in x's)."""
+    d h0 [B, M, 2]) in the accumulation dtype (dx in x's). The kernels index x and the
+    directions as contiguous: the saved tensors are the caller's (a strided x, or what
+    torch.compile hands the op) and are copied where strided."""
+    x, phase_dir, radial_dir = x.contiguous(), phase_dir.contiguous(), radial_dir.contiguous()
     dy = dy.contiguous()
     dh = None if dh is None else dh.contiguous()
     dxw, dpart, ppart, dh0 = _LAUNCH[cfg["backend"]][1](x, dy, ctrl, modes, states, dh, cfg)
