@@ -97,19 +97,19 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
     keep = 1.0
     if HAS_RESET:
         keep = tl.where(tl.load(reset + b) != 0, 0.0, 1.0)
+    # The (first) block's loads go out before the row's reduction, whose latency they
+    # overlap (the state comes from DRAM in a model: one layer's state per step); the
+    # row step then walks its remaining blocks.
+    m0 = 0 if ROW else tl.program_id(0) * BM
+    offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M,
+                                                                      BM, ACC, TABLE)
+    E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
+    _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
     if ROW:
-        E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
-        for m0 in range(0, M, BM):
+        for m1 in range(BM, M, BM):
             offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
-                                                                              m0, M, BM, ACC, TABLE)
+                                                                              m1, M, BM, ACC, TABLE)
             _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
-    else:
-        # The block's loads are issued before the row's reduction, whose latency they
-        # overlap; the row step walks its blocks after it.
-        offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes,
-                                                                          tl.program_id(0) * BM, M, BM, ACC, TABLE)
-        E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
-        _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
 
 
 def _amp(v, x):
