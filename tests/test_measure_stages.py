@@ -465,6 +465,33 @@ def test_tune_times_samu_steps_with_the_engines_mode_table(tmp_path, monkeypatch
                                                                        torch.device("cpu"))[0][5:7], torch.float32))
 
 
+def test_tune_decode_steps_walk_distinct_layers(tmp_path, monkeypatch):
+    """A timed decode step walks `layers` layers, each with its own weights and state, as
+    the model's step does (so states are not cache-warm); the entry says how many."""
+    real = kernels.step_backends
+    seen = []
+
+    def spy_backends(op):
+        fns = dict(real(op))
+        if op == "rglru":
+            inner = fns["fused"]
+
+            def spy(x, *args, **kw):
+                seen.append((args[-2].data_ptr(), args[0].data_ptr()))     # the state, the first weight
+                return inner(x, *args, **kw)
+            fns["fused"] = spy
+        return fns
+
+    monkeypatch.setattr(kernels, "step_backends", spy_backends)
+    dec = {**CPU["tune"]["decode"], "backends": ["fused"], "layers": 3}
+    s = tune_settings(decode=dec)
+    runner = measure.Runner.for_job(make_job(tmp_path, "tune", "tune", s, {}), "tune", s, torch.device("cpu"))
+    entries = tune.tune_decode(runner, s, torch.device("cpu"))
+    assert {e["layers"] for e in entries} == {3}
+    weights = {w for _, w in seen}
+    assert len(weights) == 3 and len({st for st, _ in seen}) > 3
+
+
 def test_tune_picks_decode_linear_tiles_role_by_role_behind_a_gate(tmp_path, monkeypatch):
     """Each role's grid beside the default tiles, gated on the first step from BOS: a tile
     choice that writes wrong results is recorded as failed and never chosen; the table

@@ -27,6 +27,10 @@ TWO_CLOCKS_BELOW_MS = 50.0   # measure.DEVICE_CLOCK_MAX_MS
 TUNE_CANDIDATE_S = 1.5
 TUNE_REFERENCE_S = 2.0          # the reference result each shape's candidates are checked against
 TUNE_DECODE_CANDIDATE_S = 0.4
+# One decode step of one layer at D = 2560 with its state out of cache (ms) against B: an
+# estimate of the H200 steps (about 5 us at B <= 64, 14 us at B = 512); a candidate runs
+# warmup + trajectories (+ a fresh run for the winner) trajectories of steps x layers.
+TUNE_DECODE_LAYER_STEP_MS = (0.004, 0.00002)
 # Fastest exact call per element (B*T*D), ms: run 4's probe medians (rglru and samu
 # fwd_bwd at B=4 T=2048 D=2560, scan fwd at B=8 T=4096 D=1024); assoc is ~16x slower.
 TUNE_MS_PER_ELEMENT = {("rglru", "fwd_bwd"): 0.75 / 20.97e6, ("samu", "fwd_bwd"): 2.2 / 20.97e6,
@@ -103,6 +107,9 @@ def tune(s: dict) -> float:
         for op, names in STEP_BACKENDS.items():
             n = sum(_grid_size(dec.get("options", {}), op, name) for name in names)
             total += len(dec["batches"]) * (n + 1) * TUNE_DECODE_CANDIDATE_S
+            a, b = TUNE_DECODE_LAYER_STEP_MS
+            walks = (dec.get("warmup", 2) + dec["trajectories"]) * dec["steps"] * dec.get("layers", 1)
+            total += sum((n + 1) * walks * (a + b * B) / 1e3 for B in dec["batches"])
     lin = s.get("linears")
     if lin:
         n = math.prod(len(v) for v in lin.get("options", {}).values()) + 1
