@@ -4,7 +4,8 @@ the custom ops kernels::rglru_fwd / samu_fwd in the forward graph, their backwar
 in the backward graph, the decode steps' kernels::rglru_step / samu_step with the state
 updated in place, and the same loss, gradients, logits and caches as the eager model.
 On the CPU: Triton interpreter, AOT autograd without a code generator (no C++ compiler
-needed), a one-layer tiny model."""
+needed), a two-layer tiny model (each layer's custom ops see their own parameters and
+saved tensors)."""
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def ops_in(gm) -> set[str]:
 
 def model(mixer, backend, step_backend):
     torch.manual_seed(0)
-    m = HawkLM(HawkConfig.preset("tiny", mixer=mixer, num_layers=1), backend=backend)
+    m = HawkLM(HawkConfig.preset("tiny", mixer=mixer, num_layers=2), backend=backend)
     return m.set_backend(backend, step_backend)
 
 
