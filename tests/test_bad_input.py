@@ -123,11 +123,11 @@ def test_generate_arguments(model):
 
 
 def _strided(t):
-    """The values of the vector t as a non-contiguous view: every other element of a
-    buffer twice as long, the gaps filled with garbage."""
-    buf = torch.full((2 * t.numel(),), 1e3, dtype=t.dtype)
-    buf[::2] = t
-    v = buf[::2]
+    """The values of t (a vector or more) as a non-contiguous view: every other element
+    along the last dimension of a buffer twice as wide, the gaps filled with garbage."""
+    buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), 1e3, dtype=t.dtype)
+    buf[..., ::2] = t
+    v = buf[..., ::2]
     assert not v.is_contiguous() and torch.equal(v, t)
     return v
 
@@ -196,16 +196,6 @@ def test_strided_samu_parameters_match_contiguous():
     assert torch.equal(y1, y2) and torch.equal(s1, s2)
 
 
-def _strided_act(t):
-    """The values of the [B, T, D] tensor t as a non-contiguous view: the first half of
-    the last dimension of a buffer twice as wide, the rest garbage."""
-    buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), 1e3, dtype=t.dtype)
-    buf[..., : t.shape[-1]] = t
-    v = buf[..., : t.shape[-1]]
-    assert not v.is_contiguous() and torch.equal(v, t)
-    return v
-
-
 @pytest.mark.parametrize("op", ["samu", "rglru", "scan"])
 @pytest.mark.parametrize("backend", ["serial", "chunk"])
 def test_strided_inputs_with_gradients_match_contiguous(op, backend):
@@ -223,8 +213,7 @@ def test_strided_inputs_with_gradients_match_contiguous(op, backend):
     gy = torch.randn(B, T, D)
     out = []
     for strided in (False, True):
-        leaves = [(_strided_act(t) if t.dim() == 3 else _strided(t) if t.dim() == 1 else t.clone()) if strided
-                  else t.clone() for t in args]
+        leaves = [_strided(t) if strided and t.dim() else t.clone() for t in args]
         leaves = [t.requires_grad_() if t.is_floating_point() and t.dim() else t for t in leaves]
         y, _ = getattr(kernels, op)(*leaves, backend=backend)
         grads = torch.autograd.grad((y * gy).sum(), [t for t in leaves if t.requires_grad])

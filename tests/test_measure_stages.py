@@ -437,24 +437,29 @@ def test_per_step_loop_counts_extrapolate_linearly_in_T(monkeypatch):
     assert got["counted_at_T"]["128"]["launches"] == 7 + 5 * 128
 
 
-def test_tune_times_samu_steps_with_the_engines_mode_table(tmp_path, monkeypatch):
-    """The generation engine passes each SAMU layer's mode table to its step, so the tune
-    stage times (and checks) the Triton steps with it and the reference without."""
+def _spy_fused_step(monkeypatch, op, record):
+    """kernels.step_backends with `op`'s "fused" step calling record(args, kwargs) first."""
     real = kernels.step_backends
-    seen = []
 
-    def spy_backends(op):
-        fns = dict(real(op))
-        if op == "samu":
+    def spy_backends(name):
+        fns = dict(real(name))
+        if name == op:
             inner = fns["fused"]
 
             def spy(*args, **kw):
-                seen.append(kw.get("modes"))
+                record(args, kw)
                 return inner(*args, **kw)
             fns["fused"] = spy
         return fns
 
     monkeypatch.setattr(kernels, "step_backends", spy_backends)
+
+
+def test_tune_times_samu_steps_with_the_engines_mode_table(tmp_path, monkeypatch):
+    """The generation engine passes each SAMU layer's mode table to its step, so the tune
+    stage times (and checks) the Triton steps with it and the reference without."""
+    seen = []
+    _spy_fused_step(monkeypatch, "samu", lambda args, kw: seen.append(kw.get("modes")))
     dec = {**CPU["tune"]["decode"], "backends": ["fused"]}
     runner = measure.Runner.for_job(make_job(tmp_path, "tune", "tune", tune_settings(decode=dec), {}), "tune",
                                     tune_settings(decode=dec), torch.device("cpu"))
@@ -468,21 +473,9 @@ def test_tune_times_samu_steps_with_the_engines_mode_table(tmp_path, monkeypatch
 def test_tune_decode_steps_walk_distinct_layers(tmp_path, monkeypatch):
     """A timed decode step walks `layers` layers, each with its own weights and state, as
     the model's step does (so states are not cache-warm); the entry says how many."""
-    real = kernels.step_backends
     seen = []
-
-    def spy_backends(op):
-        fns = dict(real(op))
-        if op == "rglru":
-            inner = fns["fused"]
-
-            def spy(x, *args, **kw):
-                seen.append((args[-2].data_ptr(), args[0].data_ptr()))     # the state, the first weight
-                return inner(x, *args, **kw)
-            fns["fused"] = spy
-        return fns
-
-    monkeypatch.setattr(kernels, "step_backends", spy_backends)
+    # (the state, the first weight) of every call: args are (x, *weights, state, reset)
+    _spy_fused_step(monkeypatch, "rglru", lambda args, kw: seen.append((args[-2].data_ptr(), args[1].data_ptr())))
     dec = {**CPU["tune"]["decode"], "backends": ["fused"], "layers": 3}
     s = tune_settings(decode=dec)
     runner = measure.Runner.for_job(make_job(tmp_path, "tune", "tune", s, {}), "tune", s, torch.device("cpu"))
