@@ -2,6 +2,7 @@
 table's round trip through backend="auto", exactness and failure handling of
 candidates, and the cpu-smoke tracks end to end with resume."""
 
+import itertools
 import json
 import types
 import warnings
@@ -81,6 +82,22 @@ def test_option_grids_follow_what_launchers_accept():
     assert cases.chunk_variants("serial", explicit, [16]) == [{}]
     assert cases.chunk_variants("chunk", explicit, [8]) == [{"chunk_size": 8}]
     assert cases.chunk_variants("chunk", lambda x: x, [8]) == [{}]
+
+
+@pytest.mark.parametrize("profile", ["h200", "h800"])
+def test_decode_tune_grids_reach_the_step_launchers(profile):
+    """Every option a GPU profile's decode grid names is one its step launcher takes (the
+    grid keeps only those, so a misspelt option would be tried as the default), and each
+    grid's combinations are distinct candidates."""
+    dec = yaml.safe_load((REPO / "config.yaml").read_text())["profiles"][profile]["tune"]["decode"]
+    steps = {op: ops.step_backends(op) for op in ("rglru", "samu")}
+    for key, grid in dec["options"].items():
+        op, name = key.split("/")
+        named = {k for g in (grid if isinstance(grid, list) else [grid]) for k in g}
+        got = tune.option_grid(steps[op][name], name, dec["options"], tune._STEP_FIXED[op], op)
+        assert {k for o in got for k in o} == named, key
+        total = sum(len(list(itertools.product(*g.values()))) for g in (grid if isinstance(grid, list) else [grid]))
+        assert len(got) == total, key
 
 
 def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):

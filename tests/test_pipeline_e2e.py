@@ -88,8 +88,11 @@ def test_outputs_records_and_report(smoke):
     assert {"train_comparison.png", "infer_throughput.png", "infer_latency.png", "scan.png", "ops.png"} <= plots
     assert all(f"plots/{p}" in report for p in plots)
     summary = report.split("## Summary", 1)[1].split("## Environment", 1)[0]
-    for part in ("**Training step**", "**Inference latency**", "**Inference throughput**", "**Scan track**"):
+    for part in ("**Training step**", "**Inference latency**", "**Inference throughput**", "**Scan track**",
+                 "**Decode step tuning**", "`rglru_step`:", "`samu_step`:"):
         assert part in summary
+    # each op's table names the tuning table's choice at every tuned batch size
+    assert summary.split("**Decode step tuning**", 1)[1].split("## Run orders", 1)[0].count("**") == 2 * 2
     for text in (report, (repo / "results/report/tables.md").read_text()):
         assert not re.search(r"\bnan\b", text, re.I), [line for line in text.splitlines() if "nan" in line.lower()][:5]
     assert "64-step" not in report

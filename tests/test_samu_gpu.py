@@ -132,6 +132,25 @@ def test_decode_equals_sequence(layout, batch):
     assert rel(torch.stack(ys, 1), y_ref) < 1e-2 and rel(state, h_ref) < 1e-5
 
 
+@pytest.mark.parametrize("opts", [{}, {"block_d": 4096, "block_m": 512}, {"block_d": 1024, "block_m": 128, "num_warps": 4}],
+                         ids=["default", "bd4096bm512", "bd1024bm128w4"])
+def test_row_decode_options_equal_sequence(opts):
+    """The row step's tuning options at 300 rows (more than two per multiprocessor: the
+    default reduction is then ROW_MANY_ROWS_BLOCK_D wide), with the mode table, over steps
+    with resets, against the sequence reference."""
+    from kernels.ops import samu_mode_table
+
+    batch = 300
+    inputs = make_inputs(b=batch, t=4, seed=6)
+    seg = (torch.arange(4, device="cuda") + torch.arange(batch, device="cuda")[:, None]) % 3
+    y_ref, h_ref = reference.samu(*[inputs[k] for k in NAMES[:7]], seg, inputs["initial_state"], True)
+    params = [inputs[k] for k in NAMES[1:7]]
+    tab = samu_mode_table(inputs["nu_log"], inputs["theta_log"], inputs["x"].dtype)
+    state = inputs["initial_state"].clone()
+    ys = [STEPS["samu"]["row"](inputs["x"][:, t], *params, state, seg[:, t] == 0, modes=tab, **opts) for t in range(4)]
+    assert rel(torch.stack(ys, 1), y_ref) < 1e-2 and rel(state, h_ref) < 1e-5
+
+
 @pytest.mark.parametrize("layout", ["row", "blocked"])
 @pytest.mark.parametrize("batch", [16, 512])
 def test_decode_with_the_mode_table_is_bitwise_the_plain_step(layout, batch):

@@ -290,11 +290,14 @@ def test_row_step_walks_every_mode_block(table, block_m):
         assert rel(got, want) < 2e-6 and rel(s, s_ref) < 2e-6
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_row_step_block_m(block_m):
-    """The row step's `block_m` (a tuning option): M = 20 modes in blocks of 16 (two, the
-    second partial) or 32 (one), with and without the mode table, equal the default
-    bit for bit and the reference; a bad block_m raises."""
+@pytest.mark.parametrize("opts", [{"block_m": 16}, {"block_m": 32}, {"block_d": 16}, {"block_d": 32, "num_warps": 2}],
+                         ids=["bm16", "bm32", "bd16", "bd32w2"])
+def test_row_step_options(opts):
+    """The row step's tuning options: M = 20 modes in blocks of 16 (two, the second
+    partial) or 32 (one); the controller reduction over D = 40 in blocks of 16 (three, the
+    last partial) or 32; fewer warps. With and without the mode table, each equals the
+    reference; a block_m alone keeps the default's sums and equals it bit for bit. Bad
+    values raise."""
     inputs = make_inputs(torch.float32, b=3, t=3, d=40, seed=7)
     params = [inputs[k] for k in GRAD_NAMES[1:7]]
     tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], torch.float32)
@@ -306,12 +309,29 @@ def test_row_step_block_m(block_m):
             want = kernels.samu_step(x, *params, s_ref, r, backend="reference")
             y0 = row(x, *params, s0, r, modes=modes)
             with poisoned():
-                y1 = row(x, *params, s1, r, modes=modes, block_m=block_m)
-            assert torch.equal(y1, y0) and torch.equal(s1, s0)
+                y1 = row(x, *params, s1, r, modes=modes, **opts)
+            if set(opts) == {"block_m"}:
+                assert torch.equal(y1, y0) and torch.equal(s1, s0)
             assert rel(y1, want) < 2e-6 and rel(s1, s_ref) < 2e-6
-    for bad in (8, 24, 4096, 16.0):
-        with pytest.raises(ValueError, match="block_m"):
-            row(inputs["x"][:, 0], *params, s0, None, block_m=bad)
+    for name, bad in (("block_m", 8), ("block_m", 24), ("block_m", 4096), ("block_m", 16.0), ("block_d", 8),
+                      ("block_d", 48), ("block_d", 8192), ("num_warps", 3), ("num_warps", 32), ("num_warps", True)):
+        with pytest.raises(ValueError, match=name):
+            row(inputs["x"][:, 0], *params, s0, None, **{name: bad})
+
+
+def test_row_step_default_reduction_width(monkeypatch):
+    """The row step reduces the whole row (up to ROW_BLOCK_D columns) while two rows per
+    multiprocessor hold the batch, and ROW_MANY_ROWS_BLOCK_D columns beyond; off CUDA
+    (no multiprocessor count) the whole row."""
+    from kernels.ops.samu import step
+
+    monkeypatch.setattr(step, "multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert step._row_block_d(264, 2560, cuda) == step.ROW_BLOCK_D == 4096
+    assert step._row_block_d(265, 2560, cuda) == step.ROW_MANY_ROWS_BLOCK_D == 2048
+    assert step._row_block_d(4096, 40, cuda) == 64
+    monkeypatch.setattr(step, "multiprocessors", lambda device: None)
+    assert step._row_block_d(4096, 2560, torch.device("cpu")) == 4096
 
 
 @pytest.mark.parametrize("layout", ["row", "blocked"])

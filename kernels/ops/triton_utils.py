@@ -236,3 +236,27 @@ def out(v, ptr, RNE: tl.constexpr):
     if RNE and ty == tl.bfloat16:
         v = rne_bf16(v.to(tl.float32))
     return v.to(ty)
+
+
+def multiprocessors(device: torch.device):
+    """The CUDA device's multiprocessor count (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    return _props(device).multi_processor_count
+
+
+def smem_limit(device: torch.device):
+    """Shared memory one program may use on a CUDA device (None elsewhere: no limit)."""
+    if device.type != "cuda":
+        return None
+    return _props(device).shared_memory_per_block_optin
+
+
+def _props(device: torch.device):
+    return _props_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _props_of(index: int):
+    # queried once per device: the launchers run on the host's critical path
+    return torch.cuda.get_device_properties(index)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from common import atomic, records, stage
+from common.cases import opt_tag
 
 MIXERS = ("samu", "rglru")
 X_AXES = ("shape.T", "shape.L", "shape.steps", "generated_tokens", "shape.prompt", "shape.B")
@@ -397,6 +398,30 @@ def breakdown_section(recs: list[dict], top: int = 8) -> str:
     return "## Training step breakdown\n\n" + ("\n".join(out) if out else "_no profiled training step_\n")
 
 
+def decode_tune_section(tune_recs: list[dict], table: dict) -> str:
+    """The tune stage's decode step candidates per op and batch size: each probe median
+    as µs per layer step (the trajectory over its steps and the layers each step walks),
+    the tuning table's choice in bold; a candidate that failed its gate reads "failed"."""
+    chosen = {(e["op"], e["B"], e["backend"] + opt_tag(e.get("options") or {})) for e in table.get("decode", [])}
+    out = []
+    for op in sorted({r["op"] for r in tune_recs if str(r.get("op")).endswith("_step") and r.get("role") == "probe"}):
+        cells: dict[int, dict[str, str]] = {}
+        for r in tune_recs:
+            if r.get("op") != op or r.get("role") != "probe":
+                continue
+            B, name = r["shapes"]["B"], r["backend"] + opt_tag(r.get("options") or {})
+            if r.get("status") != "ok":
+                cells.setdefault(B, {})[name] = "failed"
+                continue
+            us = r["stats"]["median_ms"] * 1e3 / (r["steps_per_trajectory"] * r.get("layers_per_step", 1))
+            cells.setdefault(B, {})[name] = f"**{us:.3g}**" if (op, B, name) in chosen else f"{us:.3g}"
+        names = sorted({n for c in cells.values() for n in c})
+        rows = [{"B": B, **{n: c.get(n, MISSING) for n in names}} for B, c in sorted(cells.items())]
+        out.append(f"`{op}`:\n\n" + pd.DataFrame(rows).to_markdown(index=False) + "\n")
+    return ("**Decode step tuning** (µs per layer step, probe medians; the tuning table's choice in bold):\n\n"
+            + "\n".join(out) + "\n") if out else ""
+
+
 def probe_section(env: dict) -> str:
     m, sw, cpu, gpu = env.get("measured", {}), env.get("software", {}), env.get("cpu", {}), env.get("gpu", {})
     lines = ["## Environment (results/probe/environment.json)", ""]
@@ -489,6 +514,7 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
 def main(job):
     env, gates, table = job.load("environment"), job.load("gates"), job.load("table")
     recs = [r for path in job.input.records for r in records.read_jsonl(path)]
+    tune_recs = records.read_jsonl(job.input.tune_records)
     df = add_floor(flatten(recs), env.get("measured", {}).get("copy_bandwidth_bytes_per_s"))
     cmp_df = comparison(df)
     out, folder = job.output, Path(job.output.plots)
@@ -506,7 +532,8 @@ def main(job):
         f"{len(recs)} records from {len(job.input.records)} tracks; "
         + (", ".join(f"{s} {st}: {n}" for (s, st), n in sorted(counts.items())) or "no measurements")
         + f". Tuning table: {len(table.get('entries', []))} entries." + linear_tiles(table), "",
-        summary, order_section(df), breakdown_section(recs), probe_section(env), audit_section(gates, recs + records.read_jsonl(job.input.tune_records), table),
+        summary, decode_tune_section(tune_recs, table), order_section(df), breakdown_section(recs), probe_section(env),
+        audit_section(gates, recs + tune_recs, table),
         "## Tracks\n", "Times are per call, P10 / median / P95 over the raw samples kept in each record, of the "
         "headline clock (`clock`: the device clock where device time is under 2 ms, eager otherwise), the eager "
         "median beside it (`eager_ms`) and the host's time inside those calls (`host_ms`: launch work, checks, any "

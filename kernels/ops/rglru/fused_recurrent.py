@@ -33,14 +33,13 @@ next tile into registers).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher, out, tl_acc
+from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher,
+                           multiprocessors, out, smem_limit, tl_acc)
 from .common import (act_bytes, affine, blocks_for, coeffs_vk, excl_scan, last_row, load_inputs, mem_order,
                      program_end, program_start, row_of, tile_grads, tile_offsets, tile_states)
 
@@ -299,30 +298,6 @@ def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, bloc
     bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
     return {"backend": "serial", "BT": bt, "TT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1,
             "VEC": 0, "TW": 1}
-
-
-def multiprocessors(device: torch.device):
-    """The CUDA device's multiprocessor count (None elsewhere)."""
-    if device.type != "cuda":
-        return None
-    return _props(device).multi_processor_count
-
-
-def smem_limit(device: torch.device):
-    """Shared memory one program may use on a CUDA device (None elsewhere: no limit)."""
-    if device.type != "cuda":
-        return None
-    return _props(device).shared_memory_per_block_optin
-
-
-def _props(device: torch.device):
-    return _props_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _props_of(index: int):
-    # queried once per device: the launchers run on the host's critical path
-    return torch.cuda.get_device_properties(index)
 
 
 def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> dict:

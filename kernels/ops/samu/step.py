@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
-from ..triton_utils import acc_dtype, cdiv, check_pow2, empty, launcher, next_pow2
+from ..triton_utils import acc_dtype, cdiv, check_pow2, empty, launcher, multiprocessors, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
 from .common import dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
 
@@ -32,6 +32,14 @@ ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
 # whole row at D = 2560) at every batch size of the H200 decode tune (B = 16 to 256).
 ROW_DEFAULT_BLOCK_M = 256
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
+# The controller reduction's width (columns per iteration). The whole row (4096 at
+# D = 2560) holds four 4096-wide FP32 vectors: about 120 registers a thread at 8 warps, so
+# two programs fit a multiprocessor; half that width needs about 64, and four fit. The row
+# step takes the half width by default where B exceeds two rows per multiprocessor, so
+# that one wave still holds every row; below that the whole row is a little faster. The
+# tune stage times both as `block_d`.
+ROW_BLOCK_D = 4096
+ROW_MANY_ROWS_BLOCK_D = 2048
 
 
 @triton.jit
@@ -119,8 +127,14 @@ def _amp(v, x):
     return scalar_param(v, x.device, acc_dtype(x.dtype))
 
 
+def _row_block_d(B, D, device):
+    """The row step's default reduction width for B rows (see ROW_MANY_ROWS_BLOCK_D)."""
+    sms = multiprocessors(device)
+    return min(next_pow2(D), ROW_MANY_ROWS_BLOCK_D if sms is not None and B > 2 * sms else ROW_BLOCK_D)
+
+
 def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-            block_m=0):
+            block_m=0, block_d=0, num_warps=0):
     B, D = x.shape
     M = D // 2
     if not state.is_contiguous():
@@ -141,10 +155,11 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
         return y
     if layout == "row":
         BM = block_m or min(next_pow2(M), ROW_DEFAULT_BLOCK_M)
-        _step_kernel[(B,)](*args, **flags, ROW=True, BD=min(next_pow2(D), 4096), BM=BM, ACC=acc, num_warps=8)
+        BD = block_d or _row_block_d(B, D, x.device)
+        _step_kernel[(B,)](*args, **flags, ROW=True, BD=BD, BM=BM, ACC=acc, num_warps=num_warps or 8)
     else:
         BM = 128
-        _step_kernel[(cdiv(M, BM), B)](*args, **flags, ROW=False, BD=min(next_pow2(D), 4096), BM=BM, ACC=acc,
+        _step_kernel[(cdiv(M, BM), B)](*args, **flags, ROW=False, BD=min(next_pow2(D), ROW_BLOCK_D), BM=BM, ACC=acc,
                                        num_warps=4)
     if accounting.on():
         accounting.record(f"samu_step_{layout}",
@@ -157,39 +172,46 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
 @torch.library.custom_op("kernels::samu_step", mutates_args=("state",))
 def _step_op(x: torch.Tensor, phase_dir: torch.Tensor, radial_dir: torch.Tensor, phase_amp: torch.Tensor,
              radial_amp: torch.Tensor, nu_log: torch.Tensor, theta_log: torch.Tensor, state: torch.Tensor,
-             reset: Optional[torch.Tensor], modes: Optional[torch.Tensor], layout: str, block_m: int) -> torch.Tensor:
+             reset: Optional[torch.Tensor], modes: Optional[torch.Tensor], layout: str, block_m: int, block_d: int,
+             num_warps: int) -> torch.Tensor:
     return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                   block_m)
+                   block_m, block_d, num_warps)
 
 
 @_step_op.register_fake
-def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes, layout, block_m):
+def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes, layout, block_m,
+      block_d, num_warps):
     return torch.empty_like(x)
 
 
 def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes=None,
-          name=None, block_m=0):
+          name=None, block_m=0, block_d=0, num_warps=0):
     """The custom op kernels::samu_step under torch.compile, else the launcher. An input
     requiring grad under grad mode raises ValueError naming the step (default the layout)."""
     no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
                    radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     if torch.compiler.is_compiling():
         return torch.ops.kernels.samu_step(x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
-                                           nu_log, theta_log, state, reset, modes, layout, block_m)
+                                           nu_log, theta_log, state, reset, modes, layout, block_m, block_d,
+                                           num_warps)
     return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                   block_m)
+                   block_m, block_d, num_warps)
 
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
-                  block_m=None):
+                  block_m=None, block_d=None, num_warps=None):
     """Decode step, one program per sequence walking its modes in blocks of `block_m` (a
-    power of two in [16, 2048]; default ROW_DEFAULT_BLOCK_M, or all modes where fewer).
-    x: [B, D]; state: [B, M] complex64, updated in place; reset: [B] bool; modes:
-    mode_table(nu_log, theta_log) of these parameters or None. Returns y [B, D] in x's
-    dtype. No backward."""
+    power of two in [16, 2048]; default ROW_DEFAULT_BLOCK_M, or all modes where fewer),
+    its controller reduction in `block_d` columns (a power of two in [16, 4096]; default
+    the whole row up to ROW_BLOCK_D, ROW_MANY_ROWS_BLOCK_D beyond two rows per multiprocessor),
+    with `num_warps` warps (1 to 16, default 8). x: [B, D]; state: [B, M] complex64,
+    updated in place; reset: [B] bool; modes: mode_table(nu_log, theta_log) of these
+    parameters or None. Returns y [B, D] in x's dtype. No backward."""
     bm = 0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M)
+    bd = 0 if block_d is None else check_pow2("block_d", block_d, 16, ROW_BLOCK_D)
+    nw = 0 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
     return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                 block_m=bm)
+                 block_m=bm, block_d=bd, num_warps=nw)
 
 
 def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None,
