@@ -543,12 +543,14 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     return rows
 
 
-def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float32, seed=0):
+def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float32, seed=0, options=None):
     """Every decode step backend of `op` ("rglru", "samu") in kernels.step_backends(op)
     against the float64 reference step: `steps` steps from a non-zero state with a reset
     of row 0 at the second step and of every row at the third, each step's output and
     the final state. Inputs and weights in `dtype` (parameters FP32 for SAMU, as the
-    layer holds them), the state in FP32 / complex64 (float64 / complex128 for float64)."""
+    layer holds them), the state in FP32 / complex64 (float64 / complex128 for float64).
+    options: {"op/backend": [launcher options, ...]}, e.g. the tune stage's candidates:
+    each also runs with every such set (its rows carry `options`)."""
     if op not in ("rglru", "samu"):
         raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
     torch.manual_seed(seed)
@@ -577,17 +579,22 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
     ref = ops.step_backends(op)["reference"]
     want = run(ref, lambda t: t.double(), exact)
     tols = _tolerances(dtype, want, lambda: run(ref, lambda t: t, sdt))
-    variants = dict(ops.step_backends(op))
+    fns = ops.step_backends(op)
+    variants = [(n, f, {}) for n, f in fns.items()]
+    for key, sets in (options or {}).items():
+        o, n = key.split("/")
+        variants += [(n, functools.partial(fns[n], **opts), opts) for opts in sets if o == op and opts]
     if op == "samu":    # each Triton step also as the generation engine runs it: reading the mode table
         tab = ops.samu_mode_table(m.nu_log.detach(), m.theta_log.detach(), dtype)
-        variants.update({f"{n}+table": functools.partial(f, modes=tab) for n, f in ops.step_backends(op).items()
-                         if n != "reference"})
+        variants += [(f"{n}+table", functools.partial(f, modes=tab), opts) for n, f, opts in variants
+                     if n != "reference"]
     rows = []
-    for name, fn in variants.items():
+    for name, fn, opts in variants:
         got = run(fn, lambda t: t, sdt)
         ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=_dtype_name(dtype), device=str(device),
-                   steps=steps)
-        rows += _backend_rows(f"backends/{op}_step/{name}", name, got, want, tols, dtype, ctx)
+                   steps=steps, **({"options": opts} if opts else {}))
+        tag = "".join(f"/{k}={v}" for k, v in sorted(opts.items()))
+        rows += _backend_rows(f"backends/{op}_step/{name}{tag}", name, got, want, tols, dtype, ctx)
     return rows
 
 

@@ -24,6 +24,7 @@ import track_train  # noqa: E402
 import tune  # noqa: E402
 from kernels import ops  # noqa: E402
 from kernels.ops import reference, tuning  # noqa: E402
+from kernels import parity  # noqa: E402
 
 CPU = yaml.safe_load((REPO / "config.yaml").read_text())["profiles"]["cpu-smoke"]
 GATES = {"schema": 1, "passed": True, "checks": []}
@@ -63,20 +64,20 @@ def test_option_grids_follow_what_launchers_accept():
         pass
 
     grids = {"chunk": {"chunk_size": [16, 32], "block_d": [64]}, "*": {"num_warps": [2, 4]}}
-    assert tune.option_grid(explicit, "chunk", grids) == [{"chunk_size": 16}, {"chunk_size": 32}]
-    assert tune.option_grid(explicit, "serial", grids) == [{"num_warps": 2}, {"num_warps": 4}]
-    assert tune.option_grid(var, "chunk", grids) == [{"block_d": 64, "chunk_size": 16},
+    assert cases.option_grid(explicit, "chunk", grids) == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert cases.option_grid(explicit, "serial", grids) == [{"num_warps": 2}, {"num_warps": 4}]
+    assert cases.option_grid(var, "chunk", grids) == [{"block_d": 64, "chunk_size": 16},
                                                    {"block_d": 64, "chunk_size": 32}]
-    assert tune.option_grid(explicit, "x", grids, fixed={"num_warps"}) == [{}]
+    assert cases.option_grid(explicit, "x", grids, fixed={"num_warps"}) == [{}]
     per_op = {**grids, "samu/chunk": {"chunk_size": [8]}}
-    assert tune.option_grid(explicit, "chunk", per_op, op="samu") == [{"chunk_size": 8}]
-    assert tune.option_grid(explicit, "chunk", per_op, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
+    assert cases.option_grid(explicit, "chunk", per_op, op="samu") == [{"chunk_size": 8}]
+    assert cases.option_grid(explicit, "chunk", per_op, op="rglru") == [{"chunk_size": 16}, {"chunk_size": 32}]
     union = {"serial": [{"time_warps": [4, 8], "chunk_size": [8]}, {"time_warps": [1, 4], "chunk_size": [8]},
                         {"time_warps": [1], "block_d": [16], "chunk_size": [64, 128]}]}
-    assert tune.option_grid(var, "serial", union) == [
+    assert cases.option_grid(var, "serial", union) == [
         {"chunk_size": 8, "time_warps": 4}, {"chunk_size": 8, "time_warps": 8}, {"chunk_size": 8, "time_warps": 1},
         {"block_d": 16, "chunk_size": 64, "time_warps": 1}, {"block_d": 16, "chunk_size": 128, "time_warps": 1}]
-    assert tune.option_grid(explicit, "serial", union) == [{"chunk_size": 8}, {"chunk_size": 64}, {"chunk_size": 128}]
+    assert cases.option_grid(explicit, "serial", union) == [{"chunk_size": 8}, {"chunk_size": 64}, {"chunk_size": 128}]
     assert cases.chunk_variants("chunk", var, [16, 32]) == [{"chunk_size": 16}, {"chunk_size": 32}]
     assert cases.chunk_variants("serial", var, [16]) == [{}]
     assert cases.chunk_variants("serial", explicit, [16]) == [{}]
@@ -94,10 +95,36 @@ def test_decode_tune_grids_reach_the_step_launchers(profile):
     for key, grid in dec["options"].items():
         op, name = key.split("/")
         named = {k for g in (grid if isinstance(grid, list) else [grid]) for k in g}
-        got = tune.option_grid(steps[op][name], name, dec["options"], tune._STEP_FIXED[op], op)
+        got = cases.option_grid(steps[op][name], name, dec["options"], cases.STEP_FIXED[op], op)
         assert {k for o in got for k in o} == named, key
         total = sum(len(list(itertools.product(*g.values()))) for g in (grid if isinstance(grid, list) else [grid]))
         assert len(got) == total, key
+    # the audit gates each of them (check_steps' options) before the tune stage times it
+    sets = cases.step_option_sets(dec["options"])
+    assert set(sets) == set(dec["options"])
+    assert all(len(sets[k]) == len(cases.option_grid(steps[k.split("/")[0]][k.split("/")[1]], k.split("/")[1],
+                                                     dec["options"], cases.STEP_FIXED[k.split("/")[0]],
+                                                     k.split("/")[0])) for k in sets)
+    assert cases.step_option_sets({}) == {}
+
+
+def test_audit_gates_the_tuned_step_options_once():
+    """The audit stage runs the decode step gates once per dtype (not per model backend)
+    and with every option set of the profile's tune.decode grid."""
+    import audit
+
+    none = {k: [] for k in parity.DEFAULT_PROFILE}
+    settings = {"device": "cpu", "dtypes": ["float32"], "model_backends": ["reference", "auto"],
+                "gates": {**none, "steps": [{"B": 2, "D": 8, "heads": 2}]}}
+    grids = {"samu/row": [{"block_d": [16]}, {"block_m": [16], "num_warps": [2]}], "rglru/fused": {"num_warps": [2]}}
+    checks = audit.run_checks(settings, grids)
+    assert checks and all(c["passed"] and c["model_backend"] == "reference" for c in checks)
+    got = {(c["op"], c["backend"], tuple(sorted(c.get("options", {}).items()))) for c in checks}
+    assert {("samu_step", "row", (("block_d", 16),)), ("samu_step", "row+table", (("block_d", 16),)),
+            ("samu_step", "row", (("block_m", 16), ("num_warps", 2))), ("rglru_step", "fused", (("num_warps", 2),)),
+            ("samu_step", "row", ())} <= got
+    plain = audit.run_checks(settings)
+    assert len(checks) - len(plain) == 2 * (2 * 2 + 1)      # per stage: samu's two sets (+table), rglru's one
 
 
 def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):

@@ -189,6 +189,38 @@ def test_every_decode_step_backend(op, dtype):
     _assert_passed(rows, 4)
 
 
+@pytest.mark.parametrize("op,key,sets", [
+    ("samu", "samu/row", [{"block_d": 16}, {"block_m": 16, "num_warps": 2}]),
+    ("rglru", "rglru/fused", [{"block_b": 16, "block_j": 16, "block_k": 16, "num_warps": 2}])])
+def test_decode_step_gates_run_every_option_set(op, key, sets):
+    """check_steps' options (the tune stage's candidates): each set runs as its own gated
+    variant whose rows carry it (for SAMU also reading the mode table); sets of the
+    other op are left to it."""
+    other = {"rglru/fused": [{"num_warps": 2}]} if op == "samu" else {"samu/row": [{"block_d": 16}]}
+    rows = parity.check_steps(op, B=3, D=40, heads=2, options={key: sets, **other})
+    name = key.split("/")[1]
+    got = [r for r in rows if "options" in r]
+    variants = [name, f"{name}+table"] if op == "samu" else [name]
+    assert sorted((r["backend"], str(sorted(r["options"].items())), r["stage"]) for r in got) == sorted(
+        (v, str(sorted(o.items())), st) for v in variants for o in sets for st in ("output", "state"))
+    assert len({r["check"] for r in got}) == len(got)
+    _assert_passed(rows, len(got) + 4)
+
+
+def test_step_gate_fails_only_the_wrong_option_set(monkeypatch):
+    """A step that is wrong under one option set fails that set's rows alone."""
+    from kernels.ops import reference
+
+    def step(x, *rest, modes=None, block_d=None):
+        y = reference.samu_step(x, *rest)
+        return y * (1 + 1e-3) if block_d == 16 else y
+
+    monkeypatch.setattr("kernels.ops.step_backends", lambda op: {"reference": reference.samu_step, "odd": step})
+    rows = parity.check_steps("samu", B=3, D=8, options={"samu/odd": [{"block_d": 16}, {"block_d": 32}]})
+    bad = {(r["backend"], r.get("options", {}).get("block_d")) for r in parity.failures(rows)}
+    assert bad == {("odd", 16), ("odd+table", 16)}
+
+
 @pytest.mark.parametrize("fault", ["reset", "state", "output"])
 def test_step_gate_fails_a_wrong_step(monkeypatch, fault):
     from kernels.ops import reference

@@ -13,5 +13,7 @@ rule audit:
     params:
         profile=PROFILE,
         settings=PROFILE_CONFIG["audit"],
+        # the decode step options the tune stage may choose, gated here first
+        step_grids=PROFILE_CONFIG["tune"].get("decode", {}).get("options", {}),
     script:
         "../scripts/audit.py"

@@ -6,12 +6,16 @@ import sys
 import torch
 
 from common import atomic, facts, records, stage
+from common.cases import step_option_sets
 
 from kernels import parity
 
 
-def run_checks(settings: dict) -> list[dict]:
-    """Every gate per dtype: backend gates once, official-parity modules per model backend."""
+def run_checks(settings: dict, step_grids: dict | None = None) -> list[dict]:
+    """Every gate per dtype: backend gates once, official-parity modules per model backend;
+    the decode steps also with every option set of `step_grids` (the tune stage's decode
+    candidates), so each step kernel the tuning table may choose is gated here first."""
+    options = step_option_sets(step_grids or {})
     device = settings["device"]
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the profile's audit runs on cuda but no GPU is visible; pick the cpu-smoke profile")
@@ -19,8 +23,10 @@ def run_checks(settings: dict) -> list[dict]:
     for dtype_name in settings["dtypes"]:
         for i, backend in enumerate(settings["model_backends"]):
             shapes = dict(settings["gates"])
-            if i > 0:
-                shapes.update(backends=[], samu_reference=[])
+            if "steps" in shapes and options:
+                shapes["steps"] = [{**kw, "options": options} for kw in shapes["steps"]]
+            if i > 0:   # gates that do not depend on the model backend run once
+                shapes.update(backends=[], samu_reference=[], steps=[])
             if backend != "auto":
                 shapes["captured_train"] = []  # the captured step is timed with the tuned kernels only
             rows = parity.run_gates(shapes, device=device, dtype=getattr(torch, dtype_name), backend=backend)
@@ -63,7 +69,7 @@ def markdown(doc: dict) -> str:
 
 
 def main(job):
-    checks = run_checks(job.params["settings"])
+    checks = run_checks(job.params["settings"], job.params.get("step_grids"))
     gpu = facts.gpu()
     doc = {"schema": 1, "profile": job.profile, "timestamp": records.now(), "commit": facts.commit(),
            "versions": facts.versions(), "gpu": gpu, "device_name": gpu["name"] if gpu else "CPU",

@@ -19,37 +19,13 @@ from kernels.models import decode as dk
 from kernels.models.generation import LINEAR_ROLES, Engine
 from kernels.ops import tuning
 
-# Arguments of the decode steps that are not launcher options.
-_STEP_FIXED = {
-    "rglru": {"x", "gate_x_w", "gate_x_b", "gate_a_w", "gate_a_b", "a_param", "state", "reset"},
-    "samu": {"x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "state", "reset"},
-}
-
-
-def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: str | None = None) -> list[dict]:
-    """Every combination of the options the launcher accepts (outside `fixed`) in the grid
-    for "op/name", else "name", else "*"; a list of grids (options that only make sense
-    together) is their union without repeats."""
-    found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
-    params, var_kw = cases.signature(fn)
-    out = []
-    for grid in found if isinstance(found, list) else [found]:
-        space = {k: list(v) for k, v in grid.items()
-                 if (k in params and k not in fixed) or (var_kw and k not in params)}
-        keys = sorted(space)
-        for vals in itertools.product(*(space[k] for k in keys)):
-            if (opts := dict(zip(keys, vals))) not in out:
-                out.append(opts)
-    return out or [{}]
-
-
 def candidates(op: str, fns: dict, settings: dict, device, names=None, fixed=frozenset()) -> list[tuple[str, dict]]:
     """(backend, options) pairs to try among `names` (default every backend in `fns`)."""
     names = [n for n in (fns if names is None else names)
              if (n != "reference" or device.type != "cuda" or settings.get("include_reference", False))
              and not any(fnmatch.fnmatch(n, p) for p in settings.get("inexact", []))
              and (not settings.get("backends") or n in settings["backends"])]
-    return [(n, o) for n in names for o in option_grid(fns[n], n, settings.get("options", {}), fixed, op)]
+    return [(n, o) for n in names for o in cases.option_grid(fns[n], n, settings.get("options", {}), fixed, op)]
 
 
 def select(runner: measure.Runner, tag: str, cands, probe, fresh, fields: dict) -> dict | None:
@@ -203,7 +179,7 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
                 return {**f, "logical": {**logical, "state_bytes": state.numel() * state.element_size()}}
 
             tag = f"decode-{op}-{dt_name}-B{B}-D{D}"
-            got = select(runner, tag, candidates(op, fns, dec, device, fixed=_STEP_FIXED[op]), probe, trajectories,
+            got = select(runner, tag, candidates(op, fns, dec, device, fixed=cases.STEP_FIXED[op]), probe, trajectories,
                          {"shapes": {"B": B, "D": D, "heads": heads, "layers": L}, "mixer": op, "op": f"{op}_step",
                           "dtype": dt_name})
             if got is not None:

@@ -4,6 +4,7 @@ Legend: B batch, T time, D width (M = D / 2 complex modes for SAMU), H heads."""
 
 import fnmatch
 import inspect
+import itertools
 
 import torch
 
@@ -106,6 +107,42 @@ def signature(fn) -> tuple[set[str], bool]:
     except (TypeError, ValueError):
         return set(), False
     return set(params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+# Arguments of the decode steps that are not launcher options.
+STEP_FIXED = {
+    "rglru": {"x", "gate_x_w", "gate_x_b", "gate_a_w", "gate_a_b", "a_param", "state", "reset"},
+    "samu": {"x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "state", "reset"},
+}
+
+
+def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: str | None = None) -> list[dict]:
+    """Every combination of the options the launcher accepts (outside `fixed`) in the grid
+    for "op/name", else "name", else "*"; a list of grids (options that only make sense
+    together) is their union without repeats."""
+    found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
+    params, var_kw = signature(fn)
+    out = []
+    for grid in found if isinstance(found, list) else [found]:
+        space = {k: list(v) for k, v in grid.items()
+                 if (k in params and k not in fixed) or (var_kw and k not in params)}
+        keys = sorted(space)
+        for vals in itertools.product(*(space[k] for k in keys)):
+            if (opts := dict(zip(keys, vals))) not in out:
+                out.append(opts)
+    return out or [{}]
+
+
+def step_option_sets(grids: dict) -> dict[str, list[dict]]:
+    """{"op/backend": [options, ...]}: every decode step launcher option set that the
+    grids (a profile's tune.decode.options) name, as check_steps takes them."""
+    out = {}
+    for op in STEP_OPS:
+        for name, fn in ops.step_backends(op).items():
+            sets = [o for o in option_grid(fn, name, grids, STEP_FIXED[op], op) if o]
+            if sets and any(k in grids for k in (f"{op}/{name}", name, "*")):
+                out[f"{op}/{name}"] = sets
+    return out
 
 
 def opt_tag(opts: dict) -> str:

@@ -16,6 +16,10 @@ AUDIT_S_PER_DTYPE = 132.0
 # The captured training-step gate (tiny preset, both mixers, eager and captured): 25 s in
 # FP32 with the kernels' first compile, 12 s in BF16, on an H200 (a direction check).
 AUDIT_CAPTURED_TRAIN_S = 18.0
+# Each decode step option set of the tune grid, gated in the audit: the compiles of its
+# variants (with and without resets, SAMU's with and without the mode table), per dtype;
+# an estimate at about 1 s a compile (the tune stage then finds them compiled).
+AUDIT_STEP_OPTION_SET_S = 2.5
 AGGREGATE_S = 17.0
 ARCHIVE_S = 5.0
 # Process start to first configuration, without the configurations (s).
@@ -273,8 +277,11 @@ def ops(s: dict) -> float:
 
 def estimate(profile: dict) -> dict[str, float | None]:
     """Predicted seconds per stage (None for a section the model does not cover)."""
+    grids = (profile.get("tune") or {}).get("decode", {}).get("options", {})
+    n_sets = sum(_grid_size(grids, *key.split("/")) for key in grids if "/" in key)
     out = {"probe": PROBE_S, "audit": (AUDIT_S_PER_DTYPE + AUDIT_CAPTURED_TRAIN_S * len(
-               profile["audit"]["gates"].get("captured_train", []))) * len(profile["audit"]["dtypes"]),
+               profile["audit"]["gates"].get("captured_train", [])) + AUDIT_STEP_OPTION_SET_S * n_sets)
+           * len(profile["audit"]["dtypes"]),
            **{name: fn(profile[name]) for name, fn in (("tune", tune), ("ops", ops), ("scan", scan), ("train", train),
                                                          ("infer", infer)) if name in profile}}
     return {**out, **{n: None for n in profile if n not in out}, "aggregate": AGGREGATE_S, "archive": ARCHIVE_S}
