@@ -347,6 +347,16 @@ def test_report_says_which_timed_implementations_were_gated():
     stepped = aggregate.audit_section(gates, recs, table)
     assert "`samu_step/row`" in stepped.split("Timed and gated", 1)[1].split("\n", 1)[0]
     assert "samu_step/row` (the tuning table" not in stepped
+    assert "launcher options" not in stepped            # no entry sets options
+    # an entry's launcher options count as gated only where a step gate ran that very set
+    opts = {"block_d": 1024, "block_m": 128}
+    table["decode"][2]["options"] = opts
+    assert '- `samu_step/row` {"block_d": 1024, "block_m": 128} (B = 512)' in aggregate.audit_section(gates, recs, table)
+    gates["checks"].append({**check("samu_step", "row+table"), "options": {**opts, "num_warps": 4}})
+    assert "no step gate ran" in aggregate.audit_section(gates, recs, table)
+    gates["checks"].append({**check("samu_step", "row+table"), "options": dict(reversed(opts.items()))})
+    text = aggregate.audit_section(gates, recs, table)
+    assert "no step gate ran" not in text and "Every decode entry's launcher options were gated" in text
 
 
 def test_report_names_the_tuned_decode_linear_tiles_apart_from_the_audit():

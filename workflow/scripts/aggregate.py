@@ -508,6 +508,16 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
         lines += ["", "Timed without a gate of their own:", "", *[f"- {u}" for u in ungated]]
     else:
         lines.append("Every timed implementation passed its gate.")
+    # a decode entry's launcher options: gated only where a step gate ran with that very set
+    ran = {(c["op"], c["backend"].removesuffix("+table"), json.dumps(c["options"], sort_keys=True))
+           for c in per_backend if c.get("options")}
+    tuned = [e for e in table.get("decode", []) if e.get("options")]
+    missing = [f"`{e['op']}/{e['backend']}` {json.dumps(e['options'], sort_keys=True)} (B = {e['B']})" for e in tuned
+               if (e["op"], e["backend"], json.dumps(e["options"], sort_keys=True)) not in ran]
+    if missing:
+        lines += ["", "Decode entries whose launcher options no step gate ran:", "", *[f"- {m}" for m in missing]]
+    elif tuned:
+        lines.append("Every decode entry's launcher options were gated with those options.")
     return "\n".join(lines) + "\n"
 
 
