@@ -139,8 +139,8 @@ def step_option_sets(grids: dict) -> dict[str, list[dict]]:
     out = {}
     for op in STEP_OPS:
         for name, fn in ops.step_backends(op).items():
-            sets = [o for o in option_grid(fn, name, grids, STEP_FIXED[op], op) if o]
-            if sets and any(k in grids for k in (f"{op}/{name}", name, "*")):
+            # option_grid gives [{}] where no grid names the launcher
+            if sets := [o for o in option_grid(fn, name, grids, STEP_FIXED[op], op) if o]:
                 out[f"{op}/{name}"] = sets
     return out
 
