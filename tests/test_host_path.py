@@ -125,9 +125,9 @@ def test_samu_train_host_path(stubbed):
 
     stubbed.clear()
     ops = _count(step)
-    # forward: mode table, controls, summary, 3 prefix kernels, replay; backward:
-    # summary, 3 prefix kernels, the backward, controls_bwd, finalize
-    assert len(stubbed) // 2 == 14, stubbed
+    # forward: controls with the mode table, summary, 2 prefix kernels, replay; backward:
+    # summary, 2 prefix kernels, the backward, controls_bwd, finalize
+    assert len(stubbed) // 2 == 11, stubbed
     # allocations (scratch carved from shared ones: as_strided views), the gradients'
     # slices and their accumulation into .grad (the warm-up call left them set); no
     # fill (an unused final state's gradient stays None), no copy

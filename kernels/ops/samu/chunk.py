@@ -3,9 +3,10 @@
 Forward over chunks of K tokens (a partial last chunk's missing steps are identity):
 1. summary per (chunk, mode block): h_out = P_c h_in + Q_c (P_c = prod a_t, Q_c the
    state from zero);
-2. prefix over the N summaries in groups of GS ~ sqrt(N) chunks: each group composed
-   into one map, a serial prefix over the groups, then every group walked again from
-   its incoming state writing the state entering each chunk (kept for the backward);
+2. prefix over the N summaries in groups of GS ~ sqrt(N) chunks, two launches: each
+   group composed into one map; then every group walked again from its incoming state
+   (its program composes the maps of the groups before it, ~sqrt(N) of them) writing
+   the state entering each chunk (kept for the backward);
 3. replay per (chunk, mode block) from its entering state, writing y = relu(h).
 Backward: the same on the adjoint, R_{c-1} = conj(P_c) R_c + Qbar_c with Qbar_c =
 sum_t conj(prod_{u<=t} a_u) g_t, composed right to left, then each chunk's adjoint
@@ -14,6 +15,7 @@ replay. Resets are a_t = 0 inside the summaries, so they cut every prefix exactl
 
 from __future__ import annotations
 
+import functools
 import math
 
 import triton
@@ -29,11 +31,10 @@ PREFIX_BM = 128
 PREFIX_UNROLL = 4
 
 
-def group_sizes(n: int) -> tuple[int, int, int]:
-    """(GS chunks per group, NG groups, NGP = NG rounded up to a power of two) for n chunks."""
+def group_sizes(n: int) -> tuple[int, int]:
+    """(GS chunks per group, NG groups) for n chunks."""
     gs = next_pow2(max(1, math.ceil(math.sqrt(n))))
-    ng = cdiv(n, gs)
-    return gs, ng, next_pow2(ng)
+    return gs, cdiv(n, gs)
 
 
 @triton.jit
@@ -44,15 +45,28 @@ def cmul_add(ar, ai, sr, si, br, bi):
 
 @launcher
 @triton.jit(do_not_specialize=["N", "NG", "M"])
-def _group_kernel(A, Bv, carry, S, AG, BG, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
-                  CONJ: tl.constexpr, REVERSE: tl.constexpr, FILL: tl.constexpr, ACC: tl.constexpr):
-    """Walks group g's GS chunk maps in order. FILL False: composes them into one map
-    (AG, BG); True: from the group's incoming state (carry) writes the state entering
-    every chunk to S [B, N, M, 2] (the local correction)."""
+def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
+                  CONJ: tl.constexpr, REVERSE: tl.constexpr, FILL: tl.constexpr, HAS_INIT: tl.constexpr,
+                  ACC: tl.constexpr):
+    """Walks group g's GS chunk maps in order (REVERSE: right to left). FILL False:
+    composes them into one map (AG, BG [B, NG, M, 2]); True: from the state entering the
+    group (init composed with the maps of the groups walked before it, a short serial
+    prefix each program repeats instead of a launch of its own) writes the state entering
+    every chunk to S [B, N, M, 2], and the last group the final state."""
     pid_m, b, offs_m, mask_m = block_ids(M, BM, 2)
     g = tl.program_id(1)
+    w = NG - 1 - g if REVERSE else g        # the group's place in the walk
     if FILL:
-        sr, si = load_pair(carry, (b * NG + g) * M + offs_m, mask_m, 0.0, 0.0)
+        sr, si = load_state(init, b * M + offs_m, mask_m, HAS_INIT, BM, ACC)
+        for j0 in range(0, w, V):
+            for v in tl.static_range(V):
+                j = j0 + v
+                gg = NG - 1 - j if REVERSE else j
+                lm = mask_m & (j < w)
+                gidx = (b * NG + gg) * M + offs_m
+                ar, ai = load_pair(AG, gidx, lm, 1.0, 0.0)
+                br, bi = load_pair(BG, gidx, lm, 0.0, 0.0)
+                sr, si = cmul_add(ar, ai, sr, si, br, bi)
     else:
         sr = tl.zeros([BM], ACC)
         si = tl.zeros([BM], ACC)
@@ -75,34 +89,12 @@ def _group_kernel(A, Bv, carry, S, AG, BG, N, NG, M, GS: tl.constexpr, V: tl.con
             sr, si = cmul_add(ar, ai, sr, si, br, bi)
             if not FILL:
                 pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
-    if not FILL:
+    if FILL:
+        store_pair(final, b * M + offs_m, sr, si, mask_m & (w == NG - 1))
+    else:
         gidx = (b * NG + g) * M + offs_m
         store_pair(AG, gidx, pr, pi, mask_m)
         store_pair(BG, gidx, sr, si, mask_m)
-
-
-@launcher
-@triton.jit(do_not_specialize=["NG", "M"])
-def _outer_kernel(AG, BG, init, carry, final, NG, M, NGP: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
-                  HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr):
-    """Serial prefix over the group maps: each group's incoming state, and the final one."""
-    pid_m, b, offs_m, mask_m = block_ids(M, BM, 1)
-    sr, si = load_state(init, b * M + offs_m, mask_m, HAS_INIT, BM, ACC)
-    for j0 in range(0, NGP, V):
-        for v in tl.static_range(V):
-            if REVERSE:
-                g = NG - 1 - (j0 + v)
-                valid = g >= 0
-            else:
-                g = j0 + v
-                valid = g < NG
-            lm = mask_m & valid
-            gidx = (b * NG + g) * M + offs_m
-            store_pair(carry, gidx, sr, si, lm)
-            ar, ai = load_pair(AG, gidx, lm, 1.0, 0.0)
-            br, bi = load_pair(BG, gidx, lm, 0.0, 0.0)
-            sr, si = cmul_add(ar, ai, sr, si, br, bi)
-    store_pair(final, b * M + offs_m, sr, si, mask_m)
 
 
 @launcher
@@ -177,35 +169,45 @@ def _bwd_kernel(x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D,
     store_param_partials(ppart, b * N + c, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
 
 
-def prefix_shapes(B: int, N: int, M: int) -> tuple:
-    """Shapes of _prefix's scratch (AG, BG, carry) over N chunk maps."""
-    ng = group_sizes(N)[1]
-    return ((B, ng, M, 2),) * 3
+class _Plan:
+    """What a chunk launcher computes from the shape alone, once per (shape, config): the
+    grids, the launch keywords and the scratch shapes (host time of every eager call)."""
+
+    def __init__(self, B, T, M, K, BM, NW, acc, backward):
+        N, nmb = cdiv(T, K), cdiv(M, BM)
+        gs, ng = group_sizes(N)
+        self.N, self.nmb, self.grid = N, nmb, (nmb, N, B)
+        self.kw = dict(K=K, U=min(K, FWD_UNROLL) if not backward else BWD_UNROLL, BM=BM, ACC=tl_dtype(acc),
+                       num_warps=NW)
+        self.summary_kw = {**self.kw, "U": min(K, FWD_UNROLL)}
+        pb = cdiv(M, PREFIX_BM)
+        # the grouped prefix (forward, or backward: the conjugate maps right to left)
+        self.group_grid, self.group_args = (pb, ng, B), (N, ng, M)
+        self.group_kw = dict(GS=gs, V=min(gs, PREFIX_UNROLL), BM=PREFIX_BM, CONJ=backward, REVERSE=backward,
+                             ACC=tl_dtype(acc), num_warps=4)
+        maps = ((B, N, M, 2),) * (3 if backward else 2)
+        ckpt = ((B * N * nmb * (K // BWD_UNROLL) * BM * 2,),) if backward else ()
+        self.scratch = (*maps, *ckpt, *((B, ng, M, 2),) * 2)
 
 
-def _prefix(A, Bv, init, S, conj, reverse, work):
-    """Grouped prefix over the chunk maps A, Bv [B, N, M, 2]: writes the state entering
-    every chunk to S (linear work) and returns the final one [B, M, 2]; work: the
-    scratch buffers of prefix_shapes."""
-    B, N, M, _ = A.shape
-    acc = A.dtype
-    gs, ng, ngp = group_sizes(N)
-    AG, BG, carry = work
-    final = alloc((B, M, 2), acc, A.device)
-    nmb = cdiv(M, PREFIX_BM)
-    V = min(gs, PREFIX_UNROLL)
-    kw = dict(GS=gs, V=V, BM=PREFIX_BM, CONJ=conj, REVERSE=reverse, ACC=tl_dtype(acc), num_warps=4)
-    _group_kernel[(nmb, ng, B)](A, Bv, carry, S, AG, BG, N, ng, M, FILL=False, **kw)
+@functools.lru_cache(maxsize=256)
+def plan(B, T, M, K, BM, NW, acc, backward=False) -> _Plan:
+    return _Plan(B, T, M, K, BM, NW, acc, backward)
+
+
+def _prefix(p: _Plan, A, Bv, init, S, work):
+    """Grouped prefix over the chunk maps A, Bv [B, N, M, 2] in two launches: writes the
+    state entering every chunk to S (linear work) and returns the final one [B, M, 2];
+    work: the plan's group maps (AG, BG)."""
+    AG, BG = work
+    final = alloc((A.shape[0], A.shape[2], 2), A.dtype, A.device)
+    args = (A, Bv, init if init is not None else final, S, AG, BG, final, *p.group_args)
+    _group_kernel[p.group_grid](*args, FILL=False, HAS_INIT=False, **p.group_kw)
     if accounting.on():
         accounting.record("samu_prefix_group", accounting.nbytes(A, Bv), accounting.nbytes(AG, BG))
-    _outer_kernel[(nmb, B)](AG, BG, init if init is not None else final, carry, final, ng, M, NGP=ngp,
-                            V=min(ngp, PREFIX_UNROLL), BM=PREFIX_BM, HAS_INIT=init is not None, REVERSE=reverse,
-                            ACC=tl_dtype(acc), num_warps=4)
+    _group_kernel[p.group_grid](*args, FILL=True, HAS_INIT=init is not None, **p.group_kw)
     if accounting.on():
-        accounting.record("samu_prefix_outer", accounting.nbytes(AG, BG, init), accounting.nbytes(carry, final))
-    _group_kernel[(nmb, ng, B)](A, Bv, carry, S, AG, BG, N, ng, M, FILL=True, **kw)
-    if accounting.on():
-        accounting.record("samu_prefix_fill", accounting.nbytes(A, Bv, carry), accounting.nbytes(S))
+        accounting.record("samu_prefix_fill", accounting.nbytes(A, Bv, AG, BG, init), accounting.nbytes(S, final))
     return final
 
 
@@ -214,20 +216,17 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     B, T, D = x.shape
     if T == 0:
         return serial_forward(x, ctrl, modes, h0, need_states, cfg)
-    M, K, BM = D // 2, cfg["K"], cfg["BM"]
-    acc = ctrl.dtype
-    N = cdiv(T, K)
-    grid = (cdiv(M, BM), N, B)
-    P, Q, *work = scratch(acc, x.device, (B, N, M, 2), (B, N, M, 2), *prefix_shapes(B, N, M))
-    kw = dict(K=K, U=min(K, FWD_UNROLL), BM=BM, ACC=tl_dtype(acc), num_warps=cfg["NW"])
-    _fwd_kernel[grid](x, ctrl, modes, P, P, Q, T, N, D, M, REPLAY=False, **kw)
+    M, acc = D // 2, ctrl.dtype
+    p = plan(B, T, M, cfg["K"], cfg["BM"], cfg["NW"], acc)
+    P, Q, *work = scratch(acc, x.device, *p.scratch)
+    _fwd_kernel[p.grid](x, ctrl, modes, P, P, Q, T, p.N, D, M, REPLAY=False, **p.kw)
     if accounting.on():
         accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
     # the state entering every chunk, kept for the backward
-    states = alloc((B, N, M, 2), acc, x.device)
-    hT = _prefix(P, Q, h0, states, conj=False, reverse=False, work=work)
+    states = alloc((B, p.N, M, 2), acc, x.device)
+    hT = _prefix(p, P, Q, h0, states, work)
     y = alloc(x.shape, x.dtype, x.device)
-    _fwd_kernel[grid](x, ctrl, modes, states, y, y, T, N, D, M, REPLAY=True, **kw)
+    _fwd_kernel[p.grid](x, ctrl, modes, states, y, y, T, p.N, D, M, REPLAY=True, **p.kw)
     if accounting.on():
         accounting.record("samu_chunk_replay", accounting.nbytes(x, ctrl, states), accounting.nbytes(y))
     return y, hT, (states if need_states else None)
@@ -237,24 +236,19 @@ def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
     B, T, D = x.shape
     if T == 0:
         return serial_backward(x, dy, ctrl, modes, states, gh, cfg)
-    M, K, BM = D // 2, cfg["K"], cfg["BM"]
-    acc = ctrl.dtype
-    N = cdiv(T, K)
-    nmb = cdiv(M, BM)
-    grid = (nmb, N, B)
+    M, acc = D // 2, ctrl.dtype
+    p = plan(B, T, M, cfg["K"], cfg["BM"], cfg["NW"], acc, backward=True)
+    N, nmb = p.N, p.nmb
     # scratch of this launcher (summaries, adjoints entering chunks, checkpoints, the
     # prefix's groups) apart from the partials dpart, ppart, which live on in controls_bwd
-    P, Qb, R, ckpt, *work = scratch(acc, x.device, (B, N, M, 2), (B, N, M, 2), (B, N, M, 2),
-                                    (B * N * nmb * (K // BWD_UNROLL) * BM * 2,), *prefix_shapes(B, N, M))
+    P, Qb, R, ckpt, *work = scratch(acc, x.device, *p.scratch)
     dpart, ppart = scratch(acc, x.device, (B * T, nmb, 2), (B * N, M, 2))
-    _bwd_summary_kernel[grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, K=K, U=min(K, FWD_UNROLL), BM=BM,
-                              ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    _bwd_summary_kernel[p.grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, **p.summary_kw)
     if accounting.on():
         accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
-    dh0 = _prefix(P, Qb, gh, R, conj=True, reverse=True, work=work)
+    dh0 = _prefix(p, P, Qb, gh, R, work)
     dxw = alloc(x.shape, acc, x.device)
-    _bwd_kernel[grid](x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb, K=K,
-                      U=BWD_UNROLL, BM=BM, ACC=tl_dtype(acc), num_warps=cfg["NW"])
+    _bwd_kernel[p.grid](x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb, **p.kw)
     # ckpt: every U-th state of the chunk, written and read back by the same program
     if accounting.on():
         accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, R, ckpt),

@@ -96,10 +96,10 @@ def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
     return nu.to(ACC), th.to(ACC), ct, st, gam.to(ACC), lnr.to(ACC), dgam.to(ACC)
 
 
-@launcher
 @triton.jit
-def _mode_table_kernel(nu_log, theta_log, tab, M, BM: tl.constexpr, ACC: tl.constexpr):
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+def store_mode_table(nu_log, theta_log, tab, M, blk, BM: tl.constexpr, ACC: tl.constexpr):
+    """Mode block `blk` of the table [MODE_CONSTS, M] (one row per constant of mode_consts64)."""
+    offs_m = blk * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     nu, th, ct, st, gam, lnr, dgam = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
     tl.store(tab + offs_m, nu, mask=mask_m)
@@ -112,16 +112,10 @@ def _mode_table_kernel(nu_log, theta_log, tab, M, BM: tl.constexpr, ACC: tl.cons
 
 
 def mode_table(nu_log, theta_log, acc):
-    """[MODE_CONSTS, M] per-mode constants (see mode_consts64), once per call, kept for
-    the backward: one row per constant, so a block of modes reads each with one
-    coalesced load."""
-    M = nu_log.shape[0]
-    tab = alloc((MODE_CONSTS, M), acc, nu_log.device)
-    BM = 128
-    _mode_table_kernel[(cdiv(M, BM),)](nu_log, theta_log, tab, M, BM=BM, ACC=tl_dtype(acc), num_warps=4)
-    if accounting.on():
-        accounting.record("samu_mode_table", accounting.nbytes(nu_log, theta_log), accounting.nbytes(tab))
-    return tab
+    """[MODE_CONSTS, M] per-mode constants (see mode_consts64): one row per constant, so a
+    block of modes reads each with one coalesced load (the controls kernel's table
+    programs alone)."""
+    return controls_fwd(None, None, None, None, None, None, nu_log, theta_log, acc)[2]
 
 
 @triton.jit
@@ -356,33 +350,41 @@ def controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tmask, D, scale,
 
 
 @launcher
-@triton.jit(do_not_specialize=["NTOK", "D"])
-def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, NTOK, D, scale,
-                         HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+@triton.jit(do_not_specialize=["NTOK", "NTB", "D", "M"])
+def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, tab, NTOK, NTB, D, M, scale,
+                         HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr,
                          ACC: tl.constexpr):
+    """Programs [0, NTB): the controls of BLOCK_T tokens each; the rest: the mode table
+    (its own launch would cost a launch boundary per forward)."""
     pid = tl.program_id(0)
-    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tok < NTOK, D, scale, HAS_SEG, BLOCK_T, BLOCK_D, ACC)
+    if pid < NTB:
+        tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tok < NTOK, D, scale, HAS_SEG, BLOCK_T, BLOCK_D,
+                      ACC)
+    else:
+        store_mode_table(nu_log, theta_log, tab, M, pid - NTB, BM, ACC)
 
 
-def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos):
-    """x [B, T, D] -> ctrl [B*T, 4], aux [B*T, 2] in the accumulation dtype."""
-    B, T, D = x.shape
-    acc = acc_dtype(x.dtype)
-    ntok = B * T
-    ctrl = alloc((ntok, 4), acc, x.device)
-    aux = alloc((ntok, 2), acc, x.device)
-    if ntok == 0:
-        return ctrl, aux
-    BLOCK_T, BLOCK_D = 16, min(256, next_pow2(D))
+def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, nu_log, theta_log, acc):
+    """x [B, T, D] -> ctrl [B*T, 4], aux [B*T, 2] and the mode table [MODE_CONSTS, M] in
+    the accumulation dtype `acc`, in one launch; x None: the table alone."""
+    M = nu_log.shape[0]
+    ntok = 0 if x is None else x.shape[0] * x.shape[1]
+    # apart, not carved from one buffer: the custom op kernels::samu_fwd returns them, which must not alias
+    ctrl, aux, tab = (alloc(s, acc, nu_log.device) for s in ((ntok, 4), (ntok, 2), (MODE_CONSTS, M)))
+    BLOCK_T, BM = 16, 128
+    ntb = cdiv(ntok, BLOCK_T)
+    D = 2 * M
     seg = segment_pos.contiguous() if segment_pos is not None else ctrl
-    _controls_fwd_kernel[(cdiv(ntok, BLOCK_T),)](
-        x, phase_dir, radial_dir, phase_amp, radial_amp, seg, ctrl, aux, ntok, D, 1.0 / math.sqrt(D // 2),
-        HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, ACC=tl_dtype(acc), num_warps=4)
+    tensors = (x, phase_dir, radial_dir, phase_amp, radial_amp) if ntok else (tab,) * 5
+    _controls_fwd_kernel[(ntb + cdiv(M, BM),)](
+        *tensors, seg, ctrl, aux, nu_log, theta_log, tab, ntok, ntb, D, M, 1.0 / math.sqrt(M),
+        HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=min(256, next_pow2(D)), BM=BM,
+        ACC=tl_dtype(acc), num_warps=4)
     if accounting.on():
-        accounting.record("samu_controls_fwd", accounting.nbytes(x, phase_dir, radial_dir, segment_pos),
-                          accounting.nbytes(ctrl, aux))
-    return ctrl, aux
+        accounting.record("samu_controls_fwd", accounting.nbytes(x, phase_dir, radial_dir, segment_pos, nu_log,
+                                                                 theta_log), accounting.nbytes(ctrl, aux, tab))
+    return ctrl, aux, tab
 
 
 @launcher

@@ -1,5 +1,5 @@
-"""The differentiable SAMU over the serial and chunked launchers (forward: controls_fwd,
-mode_table, the scan; backward: the scan's, then controls_bwd), and the backend
+"""The differentiable SAMU over the serial and chunked launchers (forward: controls_fwd
+with the mode table, the scan; backward: the scan's, then controls_bwd), and the backend
 functions with the reference signature. As for the RG-LRU (rglru/function.py): eager
 calls run `SamuFunction`, torch.compile the custom ops kernels::samu_fwd / _bwd.
 Complex states cross the ops as view_as_real pairs [B, M, 2].
@@ -16,7 +16,7 @@ from torch import Tensor
 from ..checks import MODE_CONSTS, no_double_backward
 from ..triton_utils import acc_dtype, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
-from .common import controls_bwd, controls_fwd, mode_table, scalar_param
+from .common import controls_bwd, controls_fwd, scalar_param
 
 _LAUNCH = {"serial": (fused_recurrent.serial_forward, fused_recurrent.serial_backward),
            "chunk": (chunk.chunk_forward, chunk.chunk_backward)}
@@ -34,8 +34,8 @@ def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
     phase_dir, radial_dir = phase_dir.contiguous(), radial_dir.contiguous()
     pos = None if pos is None else pos.contiguous()
     h0 = None if h0 is None else h0.contiguous()
-    modes = mode_table(nu_log.contiguous(), theta_log.contiguous(), acc_dtype(x.dtype))
-    ctrl, aux = controls_fwd(x, phase_dir, radial_dir, pa, ra, pos)
+    ctrl, aux, modes = controls_fwd(x, phase_dir, radial_dir, pa, ra, pos, nu_log.contiguous(),
+                                    theta_log.contiguous(), acc_dtype(x.dtype))
     y, h, states = _LAUNCH[cfg["backend"]][0](x, ctrl, modes, h0, save, cfg)
     return y, h, ctrl, aux, modes, states
 
