@@ -10,7 +10,7 @@ import torch
 
 from pipeline_util import SCRIPTS  # noqa: F401  (puts workflow/scripts on sys.path)
 
-from common import cases, measure, records  # noqa: E402
+from common import cases, cost, measure, records  # noqa: E402
 from kernels.ops import accounting  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def test_measure_counts_one_call_then_times_fresh_calls():
         calls.append(1)
         accounting.record("k", 100, 40)
 
-    m = measure.measure(fn, reps=4, warmup=3, device="cpu")
+    m = measure.measure(fn, reps=4, warmup=3, device="cpu", warm_ms=0)
     # warm-up: 2 plain calls + the counted call (its last), then 4 timed calls
     assert len(calls) == 3 + 4
     lg = m["logical"]
@@ -314,3 +314,23 @@ def test_runner_leaves_the_clocks_alone_unless_the_profile_asks(tmp_path, monkey
     assert "lock_clocks" in runner.clock_lock["reason"]
     assert measure.Runner("t", "cpu-smoke", tmp_path, None, "cpu", lock_clocks=True).clock_lock == {"locked": True}
     assert tried == [1]
+
+
+def test_a_short_call_runs_back_to_back_before_the_eager_clock():
+    """Calls under `warm_ms` run for that long before the eager clock (the host path of a
+    short call reaches its steady speed only after tens of milliseconds); a call over it
+    does not run again, and warm_ms=0 (FSDP's ranks) keeps the call count fixed."""
+    n = [0]
+
+    def call(sleep):
+        def f():
+            n[0] += 1
+            time.sleep(sleep)
+        return f
+    t = measure.measure(call(0.001), reps=3, warmup=1, device="cpu", count=False, warm_ms=40.0)["timing"]
+    assert 40.0 <= t["eager"]["warm_ms"] < 200 and n[0] >= 1 + 20 + 3
+    for warm_ms, sleep in ((0.0, 0.001), (5.0, 0.01)):
+        n[0] = 0
+        t = measure.measure(call(sleep), reps=3, warmup=2, device="cpu", count=False, warm_ms=warm_ms)["timing"]
+        assert n[0] == 2 + 3 and t["eager"]["warm_ms"] == 0.0
+    assert measure.EAGER_WARM_MS == cost.EAGER_WARM_MS and measure.DEVICE_CLOCK_MAX_MS == cost.TWO_CLOCKS_BELOW_MS

@@ -26,6 +26,7 @@ ARCHIVE_S = 5.0
 FIXED_S = {"tune": 12.0, "scan": 10.0, "train": 9.0, "infer": 13.0, "ops": 10.0}
 
 TWO_CLOCKS_BELOW_MS = 50.0   # measure.DEVICE_CLOCK_MAX_MS
+EAGER_WARM_MS = 30.0         # measure.EAGER_WARM_MS: calls under it run back to back this long first
 
 # ---- tune: a candidate compiles and is checked in ~1.5 s; a decode candidate in ~0.4 s.
 TUNE_CANDIDATE_S = 1.5
@@ -88,7 +89,8 @@ def _grid_size(grids: dict, op: str, name: str) -> int:
 
 
 def _calls(warmup: int, reps: int, ms: float) -> float:
-    return (warmup + reps) * ms * (2 if ms < TWO_CLOCKS_BELOW_MS else 1) / 1e3
+    warm = EAGER_WARM_MS if ms < EAGER_WARM_MS else 0.0
+    return ((warmup + reps) * ms * (2 if ms < TWO_CLOCKS_BELOW_MS else 1) + warm) / 1e3
 
 
 def tune(s: dict) -> float:

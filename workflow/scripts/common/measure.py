@@ -33,6 +33,10 @@ POISONED_EXIT = 75  # exit status of a stage worker whose failure left the CUDA 
 SHORT_MS = 2.0  # device time under this per call is the headline
 DEVICE_CLOCK_MAX_MS = 50.0  # the device clock is taken for work whose eager median is under this
 DEVICE_WINDOW_MS = 1.0  # a device-clock sample covers about this much work
+# Calls run back to back for at least this long before the eager clock: the host path of a
+# short call reaches its steady speed (CPU clocks, caches) only after tens of milliseconds,
+# most of all after the profiler's counting pass; a user's loop calls it in that state.
+EAGER_WARM_MS = 30.0
 LOGICAL_BASIS = (
     "logical: bytes from the launchers' own accounting of the tensors each kernel reads "
     "and writes (kernels.ops.accounting; matmuls and other PyTorch ops not included); "
@@ -291,14 +295,41 @@ def clocks(device=None) -> Clocks:
     return _CLOCKS.setdefault(str(dev), Clocks(dev))
 
 
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _warm(fn: Callable[[], object], dev, ms: float) -> float:
+    """Calls fn, each waited for, for `ms` milliseconds; the milliseconds spent."""
+    t0 = time.perf_counter()
+    while (spent := (time.perf_counter() - t0) * 1e3) < ms:
+        fn()
+        _sync(dev)
+    return spent
+
+
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
-            count: bool = True) -> dict:
+            count: bool = True, warm_ms: float = EAGER_WARM_MS) -> dict:
     """{"timing", "logical"}: the headline is the device clock where its median is under
-    SHORT_MS, else the eager clock, which host work inflates."""
+    SHORT_MS, else the eager clock, which host work inflates. Before the eager clock, a
+    call shorter than `warm_ms` (one plain call after the warm-up decides) runs back to
+    back for that long (0 where processes must make the same calls: FSDP's ranks)."""
     dev = device_of(device)
-    for _ in range(max(warmup - 1, 0) + (not count)):
+    for _ in range(max(warmup - 1, 0)):
         fn()
     logical = logical_counts(fn, dev) if count else None
+    warmed = 0.0
+    if warm_ms > 0:
+        # One plain call (the profiled one is slower) decides whether the call is short.
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        if (time.perf_counter() - t0) * 1e3 < warm_ms:
+            warmed = _warm(fn, dev, warm_ms)
+    elif not count:
+        fn()
     clk = clocks(dev)
     before = clk.sample()
     eager = time_fn(fn, reps, 0, dev, budget_s=budget_s, min_reps=min(3, reps))
@@ -312,7 +343,8 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
          **{k: head[k] for k in ("samples_ms", "n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
          "clock": f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}",
          "eager": {"samples_ms": eager["samples_ms"], **summarize(eager["samples_ms"]), "clock": eager["clock"],
-                   "host_samples_ms": eager["host_ms"], "host_median_ms": statistics.median(eager["host_ms"])},
+                   "host_samples_ms": eager["host_ms"], "host_median_ms": statistics.median(eager["host_ms"]),
+                   "warm_ms": warmed},
          "device": dtime, "sm_clock": clk.span(before, clk.sample())}
     return {"timing": t, "logical": logical}
 
