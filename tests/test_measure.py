@@ -334,3 +334,14 @@ def test_a_short_call_runs_back_to_back_before_the_eager_clock():
         t = measure.measure(call(sleep), reps=3, warmup=2, device="cpu", count=False, warm_ms=warm_ms)["timing"]
         assert n[0] == 2 + 3 and t["eager"]["warm_ms"] == 0.0
     assert measure.EAGER_WARM_MS == cost.EAGER_WARM_MS and measure.DEVICE_CLOCK_MAX_MS == cost.TWO_CLOCKS_BELOW_MS
+
+
+def test_the_probe_records_the_host_cost_of_the_smallest_launches_on_a_gpu_only():
+    import aggregate
+    import probe
+    assert probe.host_launch("cpu", 5) is None
+    env = {"measured": {"device": "cuda", "copy_bandwidth_bytes_per_s": 4e12, "matmul_bf16_flop_per_s": 8e14,
+                        "host_launch": {"triton_launcher": {"host_median_us": 7.25}, "torch_add": {"host_median_us": 4.0}}}}
+    text = aggregate.probe_section(env)
+    assert "triton_launcher 7.2 us, torch_add 4.0 us" in text
+    assert "smallest launches" not in aggregate.probe_section({"measured": {"host_launch": None}})

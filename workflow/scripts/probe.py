@@ -1,5 +1,6 @@
 """Environment probe -> results/probe/environment.json: GPUs, software and CPU, the device
-copy bandwidth and BF16 matmul rate, and whether Nsight Compute can read counters."""
+copy bandwidth and BF16 matmul rate, the host's cost of the smallest launches, and whether
+Nsight Compute can read counters."""
 
 import csv
 import os
@@ -8,10 +9,15 @@ import re
 import subprocess
 import sys
 
+import statistics
+
 import torch
+import triton
+import triton.language as tl
 
 from common import atomic, facts, records, stage
-from common.measure import copy_timing, ncu_path, number, time_fn
+from common.measure import EAGER_WARM_MS, copy_timing, ncu_path, number, run_for, time_fn
+from kernels.ops.triton_utils import launcher
 
 COUNTER_METRICS = ("dram__bytes_read.sum", "lts__t_bytes.sum", "sm__warps_active.avg.pct_of_peak_sustained_active")
 NCU_TIMEOUT_S = 300
@@ -116,7 +122,35 @@ def measure(device: str, settings: dict) -> dict:
         "matmul_bf16": {"n": n, "flop": 2 * n**3, "timing": mm, "flop_per_s": flops},
         "copy_bandwidth_bytes_per_s": copy_bps,
         "matmul_bf16_flop_per_s": flops,
+        "host_launch": host_launch(device, max(reps, 50)),
     }
+
+
+@launcher
+@triton.jit
+def _touch(x):
+    # the smallest kernel: one load and one store
+    tl.store(x, tl.load(x) + 1)
+
+
+def host_launch(device: str, reps: int) -> dict | None:
+    """Host time per call (median, microseconds) of the smallest launches, each after
+    EAGER_WARM_MS of back-to-back calls as the eager clock takes them: a Triton kernel
+    through the launchers' fast path (kernels.ops.triton_utils.Launcher), the same kernel
+    through Triton's own per-call binding, and one PyTorch op. Every op's eager host time
+    on this machine sits above its launches' count times the first. None off CUDA."""
+    if device != "cuda":
+        return None
+    x = torch.zeros(1, device=device)
+    calls = {"triton_launcher": lambda: _touch[(1,)](x), "triton_jit": lambda: _touch.fn[(1,)](x),
+             "torch_add": lambda: x.add_(1)}
+    out = {}
+    for name, fn in calls.items():
+        run_for(fn, torch.device(device), EAGER_WARM_MS)
+        t = time_fn(fn, reps=reps, warmup=0, device=device)
+        out[name] = {"host_median_us": statistics.median(t["host_ms"]) * 1e3, "eager_median_us": t["median_ms"] * 1e3,
+                     "host_samples_ms": t["host_ms"]}
+    return out
 
 
 TINY_KERNEL = "import torch; x = torch.ones(1 << 20, device='cuda'); y = x * 2; torch.cuda.synchronize()"
@@ -186,6 +220,8 @@ def main(job):
     env["measured"] = measure("cuda" if has_gpu else "cpu", job.params["settings"])
     print(f"probe: copy {env['measured']['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"bf16 matmul {env['measured']['matmul_bf16_flop_per_s'] / 1e12:.2f} TFLOP/s", flush=True)
+    for name, h in (env["measured"]["host_launch"] or {}).items():
+        print(f"probe: host time of one {name} call {h['host_median_us']:.1f} us", flush=True)
     env["counters"] = counter_check(has_gpu)
     env["counters_available"] = env["counters"]["counters_available"]
     print(f"probe: counters_available={env['counters_available']} ({env['counters']['reason']})", flush=True)

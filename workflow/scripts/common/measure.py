@@ -300,7 +300,7 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _warm(fn: Callable[[], object], dev, ms: float) -> float:
+def run_for(fn: Callable[[], object], dev, ms: float) -> float:
     """Calls fn, each waited for, for `ms` milliseconds; the milliseconds spent."""
     t0 = time.perf_counter()
     while (spent := (time.perf_counter() - t0) * 1e3) < ms:
@@ -327,7 +327,7 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
         fn()
         _sync(dev)
         if (time.perf_counter() - t0) * 1e3 < warm_ms:
-            warmed = _warm(fn, dev, warm_ms)
+            warmed = run_for(fn, dev, warm_ms)
     elif not count:
         fn()
     clk = clocks(dev)
