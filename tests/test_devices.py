@@ -79,8 +79,10 @@ def test_a_gpu_stage_runs_on_its_claimed_gpu_only(tmp_path, clean, monkeypatch, 
         @staticmethod
         def run(image, command, *, repo, results, env, gpus):
             calls.append(gpus)
+            envs.append(env)
             return 0
 
+    envs = []
     monkeypatch.setattr(profile, "gpu_names", lambda: ["NVIDIA H200"] * 2)
     monkeypatch.setattr(stage, "docker_runner", lambda: FakeRunner)
     monkeypatch.setattr(stage, "REPO_ROOT", tmp_path)
@@ -94,12 +96,16 @@ def test_a_gpu_stage_runs_on_its_claimed_gpu_only(tmp_path, clean, monkeypatch, 
             monkeypatch.setenv(k, v)
 
     monkeypatch.setattr(stage, "start_process", start_process)
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     stage.pin_gpu(job)
-    assert restarts == [{"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0", stage.CLAIMED: "0"}]
+    assert restarts == [{"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0", stage.CLAIMED: "0",
+                         "TEARDOWN_CUPTI": "1"}]
     stage.pin_gpu(job)  # the restarted process: nothing claimed again, nothing logged twice
     assert len(restarts) == 1 and len(devices._held) == 1
     stage._run_in_docker(job)
-    assert calls == [["0"]] and os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert calls == [["0"]] and os.environ["CUDA_VISIBLE_DEVICES"] == "0" and envs[0]["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")     # a caller's own setting stands
+    assert stage.gpu_env() == {}
     assert (tmp_path / "results" / ".tmp" / "gpus" / "0.lock").exists()
     assert "[stage] track_scan runs on GPU '0' (CUDA_VISIBLE_DEVICES, claimed)" in capsys.readouterr().out
     stage.pin_gpu(stage.Job(**{**job.__dict__, "gpus": 0}))  # aggregate, archive: no GPU claimed

@@ -341,7 +341,8 @@ def test_the_probe_records_the_host_cost_of_the_smallest_launches_on_a_gpu_only(
     import probe
     assert probe.host_launch("cpu", 5) is None
     env = {"measured": {"device": "cuda", "copy_bandwidth_bytes_per_s": 4e12, "matmul_bf16_flop_per_s": 8e14,
-                        "host_launch": {"triton_launcher": {"host_median_us": 7.25}, "torch_add": {"host_median_us": 4.0}}}}
+                        "host_launch": {"calls": {"triton_launcher": {"host_median_us": 7.25},
+                                                  "torch_add": {"host_median_us": 4.0}}, "teardown_cupti": "1"}}}
     text = aggregate.probe_section(env)
-    assert "triton_launcher 7.2 us, torch_add 4.0 us" in text
+    assert "triton_launcher 7.2 us, torch_add 4.0 us (TEARDOWN_CUPTI=1;" in text
     assert "smallest launches" not in aggregate.probe_section({"measured": {"host_launch": None}})

@@ -444,8 +444,9 @@ def probe_section(env: dict) -> str:
               f"(bytes read + written), BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
               f"{m.get('matmul_bf16_flop_per_s', 0) / 1e12:.3g} TFLOP/s",
               *([f"- host time of the smallest launches (median, after 30 ms back to back): "
-                 + ", ".join(f"{k} {v['host_median_us']:.1f} us" for k, v in m["host_launch"].items())
-                 + " (the floor under an op's eager host time: its launches times the first)"]
+                 + ", ".join(f"{k} {v['host_median_us']:.1f} us" for k, v in m["host_launch"]["calls"].items())
+                 + f" (TEARDOWN_CUPTI={m['host_launch'].get('teardown_cupti')}; the floor under an op's eager "
+                 "host time: its launches times the first)"]
                 if m.get("host_launch") else []),
               f"- hardware counters available: {env.get('counters_available')} ({env.get('counters', {}).get('reason')})",
               f"- container: runtime {ct['runtime']}, image {ct['image']}"

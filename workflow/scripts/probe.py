@@ -137,20 +137,32 @@ def host_launch(device: str, reps: int) -> dict | None:
     """Host time per call (median, microseconds) of the smallest launches, each after
     EAGER_WARM_MS of back-to-back calls as the eager clock takes them: a Triton kernel
     through the launchers' fast path (kernels.ops.triton_utils.Launcher), the same kernel
-    through Triton's own per-call binding, and one PyTorch op. Every op's eager host time
-    on this machine sits above its launches' count times the first. None off CUDA."""
+    through Triton's own per-call binding, one PyTorch op, and the first again after one
+    torch.profiler session (what the stages' counted calls leave behind; CUPTI's teardown
+    at the session's end is TEARDOWN_CUPTI's, recorded). Every op's eager host time on
+    this machine sits above its launches' count times the first. None off CUDA."""
     if device != "cuda":
         return None
+    from torch.profiler import ProfilerActivity, profile
+
     x = torch.zeros(1, device=device)
     calls = {"triton_launcher": lambda: _touch[(1,)](x), "triton_jit": lambda: _touch.fn[(1,)](x),
              "torch_add": lambda: x.add_(1)}
     out = {}
-    for name, fn in calls.items():
+
+    def host(name, fn):
         run_for(fn, torch.device(device), EAGER_WARM_MS)
         t = time_fn(fn, reps=reps, warmup=0, device=device)
         out[name] = {"host_median_us": statistics.median(t["host_ms"]) * 1e3, "eager_median_us": t["median_ms"] * 1e3,
                      "host_samples_ms": t["host_ms"]}
-    return out
+
+    for name, fn in calls.items():
+        host(name, fn)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        calls["triton_launcher"]()
+        torch.cuda.synchronize()
+    host("triton_launcher_after_profiler", calls["triton_launcher"])
+    return {"calls": out, "teardown_cupti": os.environ.get("TEARDOWN_CUPTI")}
 
 
 TINY_KERNEL = "import torch; x = torch.ones(1 << 20, device='cuda'); y = x * 2; torch.cuda.synchronize()"
@@ -220,7 +232,7 @@ def main(job):
     env["measured"] = measure("cuda" if has_gpu else "cpu", job.params["settings"])
     print(f"probe: copy {env['measured']['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"bf16 matmul {env['measured']['matmul_bf16_flop_per_s'] / 1e12:.2f} TFLOP/s", flush=True)
-    for name, h in (env["measured"]["host_launch"] or {}).items():
+    for name, h in (env["measured"]["host_launch"] or {"calls": {}})["calls"].items():
         print(f"probe: host time of one {name} call {h['host_median_us']:.1f} us", flush=True)
     env["counters"] = counter_check(has_gpu)
     env["counters_available"] = env["counters"]["counters_available"]

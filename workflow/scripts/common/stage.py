@@ -24,6 +24,12 @@ IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
 COMMAND_LINE = "KERNELS_PIPELINE_COMMAND_LINE"
 # Given to a stage restarted on the GPUs it claimed (pin_gpu): those GPUs, so the claim is not logged twice.
 CLAIMED = "KERNELS_PIPELINE_CLAIMED_GPUS"
+# Kineto leaves CUPTI attached when a torch.profiler session ends unless TEARDOWN_CUPTI is
+# "1" (pytorch/pytorch#144455). Attached, CUPTI adds host time to every later CUDA call of
+# the process: the eager clocks of the configurations timed after a counted call
+# (measure.logical_counts) would carry it. Teardown is safe beside CUDA graphs from CUDA
+# 12.6 on. A GPU stage starts with it unless the caller set the variable.
+GPU_PROCESS_ENV = {"TEARDOWN_CUPTI": "1"}
 
 
 class Files(list):
@@ -105,11 +111,19 @@ def start_process(env: dict[str, str]) -> None:
 
 
 def prepare_process() -> None:
-    """Restart under Triton's interpreter when there is no GPU (unless the caller chose)."""
+    """Restart under Triton's interpreter when there is no GPU (unless the caller chose),
+    with GPU_PROCESS_ENV where there is one."""
     import torch
 
-    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        start_process(gpu_env())
+    elif "TRITON_INTERPRET" not in os.environ:
         start_process({"TRITON_INTERPRET": "1"})
+
+
+def gpu_env() -> dict[str, str]:
+    """GPU_PROCESS_ENV's variables that the environment does not set."""
+    return {k: v for k, v in GPU_PROCESS_ENV.items() if k not in os.environ}
 
 
 @contextlib.contextmanager
@@ -156,7 +170,7 @@ def pin_gpu(job: Job) -> None:
         env = devices.visible_env(claimed)
         print(f"[stage] {job.rule} runs on GPU {env['CUDA_VISIBLE_DEVICES']!r} (CUDA_VISIBLE_DEVICES, claimed)",
               flush=True)
-        start_process({**env, CLAIMED: env["CUDA_VISIBLE_DEVICES"]})
+        start_process({**env, CLAIMED: env["CUDA_VISIBLE_DEVICES"], **gpu_env()})
     elif (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None and os.environ.get(CLAIMED) != visible:
         print(f"[stage] {job.rule} runs on GPU {visible!r} (CUDA_VISIBLE_DEVICES, given by the environment)",
               flush=True)
@@ -171,7 +185,8 @@ def _run_in_docker(job: Job) -> None:
     job_file = results / ".tmp" / "jobs" / f"{job.rule}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
     atomic.write_text(job_file, text)
     print(f"[stage] running {job.rule} in docker image {container['image']}", flush=True)
-    env = {IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ}}
+    env = {IN_CONTAINER: "1", **{k: os.environ[k] for k in (COMMAND_LINE,) if k in os.environ},
+           **{k: os.environ.get(k, v) for k, v in GPU_PROCESS_ENV.items()}}
     status = docker_runner().run(container["image"], ["python", job.script, "--job", str(job_file)], repo=REPO_ROOT,
                                  results=results, env=env,
                                  gpus=visible.split(",") if (visible := os.environ.get("CUDA_VISIBLE_DEVICES"))
