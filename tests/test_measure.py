@@ -346,3 +346,29 @@ def test_the_probe_records_the_host_cost_of_the_smallest_launches_on_a_gpu_only(
     text = aggregate.probe_section(env)
     assert "triton_launcher 7.2 us, torch_add 4.0 us (TEARDOWN_CUPTI=1;" in text
     assert "smallest launches" not in aggregate.probe_section({"measured": {"host_launch": None}})
+
+
+def test_a_short_call_is_profiled_on_the_host_after_its_clocks():
+    def helper():
+        return sum(range(200))
+
+    def call():
+        helper()
+        helper()
+
+    t = measure.measure(call, reps=3, warmup=1, device="cpu", count=False, warm_ms=0, profile_calls=10)["timing"]
+    rows = {r["function"].split("(")[-1].rstrip(")"): r for r in t["eager"]["host_profile"]}
+    assert rows["helper"]["calls"] == 2 and rows["helper"]["own_us"] > 0
+    assert rows["helper"]["cum_us"] >= rows["helper"]["own_us"]
+    assert "host_profile" not in measure.measure(call, reps=3, warmup=1, device="cpu", count=False, warm_ms=0)["timing"]["eager"]
+    slow = measure.measure(lambda: time.sleep(measure.SHORT_MS / 1e3 * 1.5), reps=2, warmup=1, device="cpu",
+                           count=False, warm_ms=0, profile_calls=10)["timing"]
+    assert "host_profile" not in slow["eager"]      # a long call's eager clock is its headline
+
+    import aggregate
+    rec = {"stage": "ops", "order": "AB", "status": "ok", "op": "scan", "mode": "fwd", "variant": "ours",
+           "shapes": {"B": 4, "T": 2048, "D": 2560}, "device": {"median_ms": 0.05},
+           "eager": {"host_median_ms": 0.09, "host_profile": t["eager"]["host_profile"]}}
+    text = aggregate.host_section([rec, {**rec, "order": "BA"}])
+    assert text.count("| scan ") == 1 and "B4 T2048 D2560" in text and "(helper)" in text
+    assert aggregate.host_section([{**rec, "eager": {}}]) == ""

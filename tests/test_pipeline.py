@@ -508,7 +508,8 @@ def test_docker_runtime_runs_the_script_from_a_job_file(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == {"profile": "cpu-smoke", "inputs": ["a", "b"], "settings": {"k": 1}}
     image, command, env_, gpus = calls[0]
     assert image == "img:1" and command[:2] == ["python", str(script)] and command[2] == "--job"
-    assert env_ == {stage.IN_CONTAINER: "1"} and gpus is False
+    assert env_ == {stage.IN_CONTAINER: "1", **{k: os.environ.get(k, v) for k, v in stage.GPU_PROCESS_ENV.items()}}
+    assert gpus is False
     assert not list((tmp_path / "results" / ".tmp" / "jobs").glob("*.json"))
 
 

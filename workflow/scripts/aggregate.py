@@ -398,6 +398,26 @@ def breakdown_section(recs: list[dict], top: int = 8) -> str:
     return "## Training step breakdown\n\n" + ("\n".join(out) if out else "_no profiled training step_\n")
 
 
+def host_section(recs: list[dict], top: int = 4) -> str:
+    """Where the eager calls' host time goes: per ops configuration (AB order) the host and
+    device medians and the functions with the most own host time per call (cProfile)."""
+    rows = []
+    for r in recs:
+        prof = (r.get("eager") or {}).get("host_profile")
+        if r.get("stage") != "ops" or r.get("order") != "AB" or r.get("status") != "ok" or not prof:
+            continue
+        s = r["shapes"]
+        rows.append({"op": r["op"], "shape": " ".join(f"{k}{s[k]}" for k in ("B", "T", "D") if k in s),
+                     "mode": r["mode"], "variant": r["variant"], "host_ms": r["eager"].get("host_median_ms"),
+                     "device_ms": (r.get("device") or {}).get("median_ms"),
+                     "top functions (own µs per call)": "; ".join(f"{p['function']} {p['own_us']:.3g}"
+                                                                  for p in prof[:top])})
+    if not rows:
+        return ""
+    return ("## Host time of the eager calls\n\n" + pd.DataFrame(rows).to_markdown(index=False, floatfmt=".4g")
+            + "\n")
+
+
 def decode_tune_section(tune_recs: list[dict], table: dict) -> str:
     """The tune stage's decode step candidates per op and batch size: each probe median
     as µs per layer step (the trajectory over its steps and the layers each step walks),
@@ -547,7 +567,8 @@ def main(job):
         f"{len(recs)} records from {len(job.input.records)} tracks; "
         + (", ".join(f"{s} {st}: {n}" for (s, st), n in sorted(counts.items())) or "no measurements")
         + f". Tuning table: {len(table.get('entries', []))} entries." + linear_tiles(table), "",
-        summary, decode_tune_section(tune_recs, table), order_section(df), breakdown_section(recs), probe_section(env),
+        summary, decode_tune_section(tune_recs, table), order_section(df), breakdown_section(recs), host_section(recs),
+        probe_section(env),
         audit_section(gates, recs + tune_recs, table),
         "## Tracks\n", "Times are per call, P10 / median / P95 over the raw samples kept in each record, of the "
         "headline clock (`clock`: the device clock where device time is under 2 ms, eager otherwise), the eager "

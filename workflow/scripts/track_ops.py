@@ -18,6 +18,9 @@ import kernels
 from kernels.models import HawkConfig
 
 PEER_GATE_DTYPE, PEER_GATE_TOL = "float32", 1e-4
+# Calls of each short configuration profiled on the host after its clocks (eager.host_profile):
+# where the eager time over the device time goes, ours and the peers alike.
+HOST_PROFILE_CALLS = 100
 
 
 class Case:
@@ -222,7 +225,8 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
 
             def body(name=name, reuse=reuse):
                 call, gate = gated(case, name, s)
-                f = measure.timed_fields(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse)
+                f = measure.timed_fields(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse,
+                                         profile_calls=HOST_PROFILE_CALLS)
                 f["logical"] = {**f["logical"], "floor_bytes": case.floor}
                 return {**measure.floor_fields(f, case.floor, bandwidth), "gate": gate}
 

@@ -253,6 +253,7 @@ def infer(s: dict) -> float:
 # its calls (under 1 ms): run 5 wrote 68 records (80 planned) in 218 s at 5 + 50 calls each.
 OPS_CONFIG_S = 1.4
 OPS_CALL_S = 0.022
+OPS_HOST_PROFILE_S = 0.1   # track_ops.HOST_PROFILE_CALLS calls under cProfile per short configuration
 # The official RG-LRU layer (a PyTorch loop over T, eager) per call at B = 4, T = 2048
 # (s, run 7 medians): without a per-configuration budget its calls dominate the track.
 OPS_OFFICIAL_LAYER_S = {"fwd": 0.15, "fwd_bwd": 0.8}
@@ -261,7 +262,7 @@ OPS_OFFICIAL_LAYER_S = {"fwd": 0.15, "fwd_bwd": 0.8}
 def ops(s: dict) -> float:
     dec = s.get("decode") or {}
     calls = s.get("warmup", 0) + s["reps"]
-    per = OPS_CONFIG_S + OPS_CALL_S * calls
+    per = OPS_CONFIG_S + OPS_CALL_S * calls + OPS_HOST_PROFILE_S
     configs = []
     for op in s["ops"]:
         for mode in s.get("modes", ["fwd"]):

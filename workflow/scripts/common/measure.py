@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import cProfile
 import csv
 import gc
 import math
 import os
+import pstats
 import re
 import shutil
 import statistics
@@ -309,12 +311,29 @@ def run_for(fn: Callable[[], object], dev, ms: float) -> float:
     return spent
 
 
+def host_profile(fn: Callable[[], object], calls: int, top: int = 12) -> list[dict]:
+    """The `top` functions by own time (cProfile) over `calls` eager calls of fn, per call:
+    where a short call's host time goes (cProfile's own cost inflates each Python frame a
+    little; C functions such as a kernel launch appear by name)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}({name})" if line else name, "calls": nc / calls,
+             "own_us": tt / calls * 1e6, "cum_us": ct / calls * 1e6}
+            for (f, line, name), (_, nc, tt, ct, _) in rows]
+
+
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
-            count: bool = True, warm_ms: float = EAGER_WARM_MS) -> dict:
+            count: bool = True, warm_ms: float = EAGER_WARM_MS, profile_calls: int = 0) -> dict:
     """{"timing", "logical"}: the headline is the device clock where its median is under
     SHORT_MS, else the eager clock, which host work inflates. Before the eager clock, a
     call shorter than `warm_ms` (one plain call after the warm-up decides) runs back to
-    back for that long (0 where processes must make the same calls: FSDP's ranks)."""
+    back for that long (0 where processes must make the same calls: FSDP's ranks). With
+    `profile_calls`, a call under SHORT_MS eager is then profiled on the host over that many
+    calls (`eager.host_profile`, host_profile's rows)."""
     dev = device_of(device)
     for _ in range(max(warmup - 1, 0)):
         fn()
@@ -346,6 +365,9 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
                    "host_samples_ms": eager["host_ms"], "host_median_ms": statistics.median(eager["host_ms"]),
                    "warm_ms": warmed},
          "device": dtime, "sm_clock": clk.span(before, clk.sample())}
+    if profile_calls and eager["median_ms"] < SHORT_MS:
+        t["eager"]["host_profile"] = host_profile(fn, profile_calls)
+        _sync(dev)
     return {"timing": t, "logical": logical}
 
 
@@ -359,11 +381,12 @@ def timing_fields(m: dict) -> dict:
 
 
 def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, budget_s: float | None = None,
-                 reuse: dict | None = None, logical: dict | None = None) -> dict:
+                 reuse: dict | None = None, logical: dict | None = None, profile_calls: int = 0) -> dict:
     """`timing_fields(measure(...))`, counting only when neither `logical` nor `reuse` (the
     other run order's record) has counts to lend."""
     logical = logical or reuse_logical(reuse)
-    f = timing_fields(measure(call, reps, warmup, device, count=logical is None, budget_s=budget_s))
+    f = timing_fields(measure(call, reps, warmup, device, count=logical is None, budget_s=budget_s,
+                              profile_calls=profile_calls))
     f["logical"] = f["logical"] or logical
     return f
 
