@@ -133,3 +133,26 @@ def test_samu_train_host_path(stubbed):
     # fill (an unused final state's gradient stays None), no copy
     assert ops.count("empty") <= 16, ops
     assert set(ops) <= {"empty", "as_strided", "slice", "select", "add_"}, ops
+
+
+def test_serial_launch_plans_are_kept_per_shape_and_configuration(stubbed, monkeypatch):
+    """The serial launchers' grid and keywords are worked out once per kernel, shape,
+    dtype, device and configuration; a new configuration object (an id reused after the
+    old one died included) gets its own."""
+    made = []
+    plan = rglru_serial._plan
+    monkeypatch.setattr(rglru_serial, "_plan", lambda *a: made.append(a[0].shape) or plan(*a))
+    monkeypatch.setattr(rglru_serial, "_PLANS", {})
+    x, _, ga = _seq()
+    cfg = rglru_serial.config(*x.shape, True, grad=False)
+    with torch.no_grad():
+        for T in (16, 16, 8, 16):
+            rglru_serial.serial_forward(x[:, :T].contiguous(), x, ga[:, :T].contiguous(), None, None, None, False,
+                                        False, True, cfg)
+        assert made == [(2, 16, 64), (2, 8, 64)]
+        rglru_serial.serial_forward(x, x, ga, None, None, None, False, False, True, dict(cfg))
+        assert len(made) == 3
+        key = next(iter(rglru_serial._PLANS))
+        rglru_serial._PLANS[key] = ({}, *rglru_serial._PLANS[key][1:])    # another object under cfg's id
+        rglru_serial.serial_forward(x, x, ga, None, None, None, False, False, True, cfg)
+        assert len(made) == 4

@@ -323,12 +323,31 @@ def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> d
 
 def _launch(kernel, x, pos, is_scan, cfg, n_tiles, args, **flags):
     B, T, D = x.shape
+    key = (kernel, id(cfg), B, T, D, x.dtype, x.device, pos is not None, is_scan, n_tiles, *flags.items())
+    plan = _PLANS.get(key)
+    if plan is None or plan[0] is not cfg:
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        plan = _PLANS[key] = (cfg, *_plan(x, pos, is_scan, cfg, n_tiles, flags))
+    kernel[plan[1]](*args, **plan[2])
+
+
+def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
+    """(grid, keyword arguments) of a launch: the same for every call of one shape, dtype,
+    device and configuration, so _launch keeps it (the launchers run on the host's
+    critical path)."""
+    B, T, D = x.shape
     cfg = _fit_stages(cfg, x.element_size(), n_tiles, pos is not None, smem_limit(x.device))
     kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, BD=cfg["BD"], STAGES=cfg["STAGES"],
               PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET, VEC=cfg["VEC"],
-              num_warps=cfg["num_warps"], **flags)
-    split = cfg["TW"] > 1
-    kernel[(cdiv(D, cfg["BD"]), B)](*args, TT=cfg["TT"], W=cfg["TW"], EVEN=split and even(T, D, cfg), **kw)
+              num_warps=cfg["num_warps"], **flags, TT=cfg["TT"], W=cfg["TW"],
+              EVEN=cfg["TW"] > 1 and even(T, D, cfg))
+    return (cdiv(D, cfg["BD"]), B), kw
+
+
+# _launch's plans by kernel, configuration (kept in the value: its id names it only while
+# it lives), shape, dtype, device and flags
+_PLANS: dict = {}
 
 
 def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
