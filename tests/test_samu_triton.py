@@ -443,3 +443,24 @@ def test_odd_modes_several_mode_blocks(backend, chunk, opts, ref64_wide):
         got = run(BACKENDS["samu"][backend], p, chunk_size=chunk, block_m=32, **opts)
     assert got[1].shape == (B, WIDE_D // 2)
     assert_close_all(got, ref64_wide, 1e-11)
+
+
+@pytest.mark.parametrize("subblocks", [1, 2])
+def test_controls_backward_column_spans(subblocks, monkeypatch):
+    """controls_bwd's programs own column spans of CONTROLS_BWD_SUBBLOCKS blocks of 128:
+    at D = 260 (3 blocks, the last partial) one span per block and spans of two (the
+    second with a partial and an empty block) give every gradient to rounding in float64,
+    and bitwise the values of a single span over all columns."""
+    from kernels.ops.samu import common as samu_common
+
+    d = 260
+    p = leaves(make_inputs(torch.float64, d=d, t=9, seed=5))
+    want = run(reference.samu, p, segment_pos=SEGMENT_POS[:, :9])
+    got = {}
+    for n in (subblocks, 4):
+        monkeypatch.setattr(samu_common, "CONTROLS_BWD_SUBBLOCKS", n)
+        with poisoned():
+            got[n] = run(BACKENDS["samu"]["chunk"], p, segment_pos=SEGMENT_POS[:, :9], chunk_size=8)
+    assert_close_all(got[subblocks], want, 1e-11)
+    for k in GRAD_NAMES:
+        assert torch.equal(got[subblocks][2][k], got[4][2][k]), k

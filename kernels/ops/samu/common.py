@@ -390,11 +390,14 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, n
 @launcher
 @triton.jit(do_not_specialize=["NTOK", "D", "NMB"])
 def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpart, NTOK, D, NMB, scale,
-                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NMBP: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NSUB: tl.constexpr, NMBP: tl.constexpr,
                          ACC: tl.constexpr):
     """dx = dx_write + dv_p pd / |pd| + dv_r rd / |rd| per token, plus per-block partial
-    sums for the direction and amplitude gradients."""
+    sums for the direction and amplitude gradients. Program (i, j) owns token block i and
+    columns [j, j + 1) x NSUB x BLOCK_D (a grid of column spans keeps enough programs in
+    flight at few tokens); the span-0 program also writes the block's scalar partials."""
     pid = tl.program_id(0)
+    span = tl.program_id(1)
     tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < NTOK
     mb = tl.arange(0, NMBP)
@@ -413,15 +416,16 @@ def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpa
     dvr64 = scale * tra * (1.0 - r * r) / (q * q) * deta * (1.0 - r * r)
     dvp = dvp64.to(ACC)
     dvr = dvr64.to(ACC)
-    sbase = scalpart + pid.to(tl.int64) * 8
-    tl.store(sbase + 0, tl.sum(dvp64, axis=0).to(ACC))
-    tl.store(sbase + 1, tl.sum(dvr64, axis=0).to(ACC))
-    tl.store(sbase + 2, tl.sum(dvp64 * vp, axis=0).to(ACC))
-    tl.store(sbase + 3, tl.sum(dvr64 * vr, axis=0).to(ACC))
-    tl.store(sbase + 4, tl.sum(ddel * p, axis=0).to(ACC))
-    tl.store(sbase + 5, tl.sum(deta * r / q, axis=0).to(ACC))
-    tl.store(sbase + 6, 0.0)
-    tl.store(sbase + 7, 0.0)
+    if span == 0:
+        sbase = scalpart + pid.to(tl.int64) * 8
+        tl.store(sbase + 0, tl.sum(dvp64, axis=0).to(ACC))
+        tl.store(sbase + 1, tl.sum(dvr64, axis=0).to(ACC))
+        tl.store(sbase + 2, tl.sum(dvp64 * vp, axis=0).to(ACC))
+        tl.store(sbase + 3, tl.sum(dvr64 * vr, axis=0).to(ACC))
+        tl.store(sbase + 4, tl.sum(ddel * p, axis=0).to(ACC))
+        tl.store(sbase + 5, tl.sum(deta * r / q, axis=0).to(ACC))
+        tl.store(sbase + 6, 0.0)
+        tl.store(sbase + 7, 0.0)
     wpp = tl.zeros([BLOCK_D], ACC)
     wrr = tl.zeros([BLOCK_D], ACC)
     for d0 in range(0, D + 1, BLOCK_D):
@@ -433,8 +437,8 @@ def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpa
         wrr += wr * wr
     inv_np = 1.0 / tl.sqrt(tl.sum(wpp, axis=0))
     inv_nr = 1.0 / tl.sqrt(tl.sum(wrr, axis=0))
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
+    for j in range(NSUB):
+        cols = (span * NSUB + j) * BLOCK_D + tl.arange(0, BLOCK_D)
         cm = cols < D
         m2 = tmask[:, None] & cm[None, :]
         offs = tok[:, None] * D + cols[None, :]
@@ -507,6 +511,12 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         tl.store(dmode + cols, _colsum(ppart, RP, 2 * M, cols, cm, BLOCK_R, BLOCK_C, ACC), mask=cm)
 
 
+# Column blocks of BLOCK_D per controls_bwd program: at the 1.3b width (D = 2560) 5 spans
+# of 512 columns per 32-token block, 1280 programs at B x T = 8192 where one program per
+# token block gave 256 (under two per multiprocessor on an H100/H200).
+CONTROLS_BWD_SUBBLOCKS = 4
+
+
 def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     """dx (x's dtype) and the gradients of both directions, both amplitudes, nu_log and
     theta_log, by fixed-order reductions. dxw [B, T, D]: the write's part of dL/dx;
@@ -520,12 +530,13 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     scale = 1.0 / math.sqrt(M)
     dx = dxw if x.dtype == acc else alloc(x.shape, x.dtype, x.device)
     BLOCK_T, BLOCK_D = 32, min(128, next_pow2(D))
+    nsub = min(CONTROLS_BWD_SUBBLOCKS, cdiv(D, BLOCK_D))
     ntb = cdiv(ntok, BLOCK_T) if ntok else 0
     colpart, scalpart = scratch(acc, x.device, (max(ntb, 1), 2 * D), (max(ntb, 1), 8))
     if ntb:
-        _controls_bwd_kernel[(ntb,)](
+        _controls_bwd_kernel[(ntb, cdiv(D, nsub * BLOCK_D))](
             dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NSUB=nsub, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
         if accounting.on():
             accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
                               accounting.nbytes(dx, colpart, scalpart))
