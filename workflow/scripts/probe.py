@@ -6,10 +6,9 @@ import csv
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
-
-import statistics
 
 import torch
 import triton
