@@ -311,15 +311,17 @@ def run_for(fn: Callable[[], object], dev, ms: float) -> float:
     return spent
 
 
-def host_profile(fn: Callable[[], object], calls: int, top: int = 12) -> list[dict]:
+def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 12) -> list[dict]:
     """The `top` functions by own time (cProfile) over `calls` eager calls of fn, per call:
     where a short call's host time goes (cProfile's own cost inflates each Python frame a
-    little; C functions such as a kernel launch appear by name)."""
-    prof = cProfile.Profile()
-    prof.enable()
+    little; C functions such as a kernel launch appear by name). The device is waited for
+    between calls, outside the profile, so that no launch waits on a full queue in it."""
+    dev, prof = device_of(device), cProfile.Profile()
     for _ in range(calls):
+        prof.enable()
         fn()
-    prof.disable()
+        prof.disable()
+        _sync(dev)
     rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [{"function": f"{Path(f).name}:{line}({name})" if line else name, "calls": nc / calls,
              "own_us": tt / calls * 1e6, "cum_us": ct / calls * 1e6}
@@ -366,8 +368,7 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
                    "warm_ms": warmed},
          "device": dtime, "sm_clock": clk.span(before, clk.sample())}
     if profile_calls and eager["median_ms"] < SHORT_MS:
-        t["eager"]["host_profile"] = host_profile(fn, profile_calls)
-        _sync(dev)
+        t["eager"]["host_profile"] = host_profile(fn, profile_calls, dev)
     return {"timing": t, "logical": logical}
 
 
