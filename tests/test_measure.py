@@ -2,6 +2,7 @@
 orders, selection, counted calls, failure capture and the resumable runner."""
 
 import json
+import os
 import statistics
 import time
 
@@ -372,3 +373,21 @@ def test_a_short_call_is_profiled_on_the_host_after_its_clocks():
     text = aggregate.host_section([rec, {**rec, "order": "BA"}])
     assert text.count("| scan ") == 1 and "B4 T2048 D2560" in text and "(helper)" in text
     assert aggregate.host_section([{**rec, "eager": {}}]) == ""
+
+
+@pytest.mark.cuda
+def test_the_probe_times_the_smallest_launches_on_the_gpu():
+    import probe
+    out = probe.host_launch("cuda", 5)
+    assert set(out["calls"]) == {"triton_launcher", "triton_jit", "torch_add", "triton_launcher_after_profiler"}
+    for name, h in out["calls"].items():
+        assert len(h["host_samples_ms"]) == 5 and 0 < h["host_median_us"] < 1e4, name
+    assert out["teardown_cupti"] == os.environ.get("TEARDOWN_CUPTI")
+
+
+@pytest.mark.cuda
+def test_host_profiles_name_a_kernel_launch_on_the_gpu():
+    x = torch.zeros(1 << 10, device="cuda")
+    t = measure.measure(lambda: x.add_(1), reps=3, warmup=1, device="cuda", count=False, warm_ms=0,
+                        profile_calls=5)["timing"]
+    assert t["eager"]["host_profile"] and all(r["calls"] > 0 for r in t["eager"]["host_profile"])
