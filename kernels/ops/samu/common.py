@@ -511,9 +511,11 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         tl.store(dmode + cols, _colsum(ppart, RP, 2 * M, cols, cm, BLOCK_R, BLOCK_C, ACC), mask=cm)
 
 
-# Column blocks of BLOCK_D per controls_bwd program: at the 1.3b width (D = 2560) 5 spans
-# of 512 columns per 32-token block, 1280 programs at B x T = 8192 where one program per
-# token block gave 256 (under two per multiprocessor on an H100/H200).
+# Column blocks of BLOCK_D per controls_bwd program. At the 1.3b width (D = 2560): 5 spans
+# of 512 columns per 32-token block, 1280 programs at B x T = 8192, where one program per
+# token block would leave under two per multiprocessor on 132. Each span program repeats
+# its tokens' (dL/deta, dL/ddelta) sums over the mode blocks and the direction norms, a
+# small read next to its [32, 512] tiles.
 CONTROLS_BWD_SUBBLOCKS = 4
 
 
