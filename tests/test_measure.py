@@ -48,7 +48,7 @@ def test_eager_clock_keeps_the_host_time_inside_each_call():
     the samples and their median beside the eager clock."""
     out = measure.time_fn(lambda: time.sleep(0.003), reps=4, warmup=0, device="cpu")
     assert len(out["host_ms"]) == out["n"] == 4 and all(2.5 < h < 50 for h in out["host_ms"])
-    t = measure.measure(lambda: time.sleep(0.002), reps=3, warmup=1, device="cpu", count=False)["timing"]
+    t = measure.measure(lambda: time.sleep(0.002), reps=3, warmup=1, device="cpu", count=False)
     assert len(t["eager"]["host_samples_ms"]) == 3
     assert t["eager"]["host_median_ms"] == statistics.median(t["eager"]["host_samples_ms"]) > 1.5
 
@@ -101,9 +101,8 @@ def test_measure_counts_one_call_then_times_fresh_calls():
     lg = m["logical"]
     assert (lg["bytes_read"], lg["bytes_written"], lg["launches"]) == (100, 40, 1)
     assert lg["launches_method"] == "launcher accounting" and "logical" in lg["basis"]
-    assert m["timing"]["n"] == 4
-    fields = measure.timing_fields(m)
-    rec = records.new_record("scan", "cpu-smoke", "t-1", **fields)
+    assert m["stats"]["n"] == 4
+    rec = records.new_record("scan", "cpu-smoke", "t-1", **m)
     records.validate(json.loads(json.dumps(rec)))
 
 
@@ -152,7 +151,7 @@ def _runner(tmp_path, **kw):
 
 
 def _ok_fields():
-    return measure.timing_fields(measure.measure(lambda: None, reps=3, warmup=1, device="cpu"))
+    return measure.measure(lambda: None, reps=3, warmup=1, device="cpu")
 
 
 def test_runner_records_resumes_and_redoes_truncated(tmp_path):
@@ -328,11 +327,11 @@ def test_a_short_call_runs_back_to_back_before_the_eager_clock():
             n[0] += 1
             time.sleep(sleep)
         return f
-    t = measure.measure(call(0.001), reps=3, warmup=1, device="cpu", count=False, warm_ms=40.0)["timing"]
+    t = measure.measure(call(0.001), reps=3, warmup=1, device="cpu", count=False, warm_ms=40.0)
     assert 40.0 <= t["eager"]["warm_ms"] < 200 and n[0] >= 1 + 20 + 3
     for warm_ms, sleep in ((0.0, 0.001), (5.0, 0.01)):
         n[0] = 0
-        t = measure.measure(call(sleep), reps=3, warmup=2, device="cpu", count=False, warm_ms=warm_ms)["timing"]
+        t = measure.measure(call(sleep), reps=3, warmup=2, device="cpu", count=False, warm_ms=warm_ms)
         assert n[0] == 2 + 3 and t["eager"]["warm_ms"] == 0.0
     assert measure.EAGER_WARM_MS == cost.EAGER_WARM_MS and measure.DEVICE_CLOCK_MAX_MS == cost.TWO_CLOCKS_BELOW_MS
 
@@ -357,13 +356,13 @@ def test_a_short_call_is_profiled_on_the_host_after_its_clocks():
         helper()
         helper()
 
-    t = measure.measure(call, reps=3, warmup=1, device="cpu", count=False, warm_ms=0, profile_calls=10)["timing"]
+    t = measure.measure(call, reps=3, warmup=1, device="cpu", count=False, warm_ms=0, profile_calls=10)
     rows = {r["function"].split("(")[-1].rstrip(")"): r for r in t["eager"]["host_profile"]}
     assert rows["helper"]["calls"] == 2 and rows["helper"]["own_us"] > 0
     assert rows["helper"]["cum_us"] >= rows["helper"]["own_us"]
-    assert "host_profile" not in measure.measure(call, reps=3, warmup=1, device="cpu", count=False, warm_ms=0)["timing"]["eager"]
+    assert "host_profile" not in measure.measure(call, reps=3, warmup=1, device="cpu", count=False, warm_ms=0)["eager"]
     slow = measure.measure(lambda: time.sleep(measure.SHORT_MS / 1e3 * 1.5), reps=2, warmup=1, device="cpu",
-                           count=False, warm_ms=0, profile_calls=10)["timing"]
+                           count=False, warm_ms=0, profile_calls=10)
     assert "host_profile" not in slow["eager"]      # a long call's eager clock is its headline
 
     import aggregate
@@ -389,5 +388,5 @@ def test_the_probe_times_the_smallest_launches_on_the_gpu():
 def test_host_profiles_name_a_kernel_launch_on_the_gpu():
     x = torch.zeros(1 << 10, device="cuda")
     t = measure.measure(lambda: x.add_(1), reps=3, warmup=1, device="cuda", count=False, warm_ms=0,
-                        profile_calls=5)["timing"]
+                        profile_calls=5)
     assert t["eager"]["host_profile"] and all(r["calls"] > 0 for r in t["eager"]["host_profile"])

@@ -16,8 +16,7 @@ import track_ops  # noqa: E402
 
 
 def test_cpu_measure_reports_the_eager_clock_and_says_why_no_sm_clock():
-    m = measure.measure(lambda: torch.ones(4).sum(), reps=5, warmup=1, device="cpu")
-    f = measure.timing_fields(m)
+    f = measure.measure(lambda: torch.ones(4).sum(), reps=5, warmup=1, device="cpu")
     assert f["clock"] == "eager:perf_counter" and f["device"] is None
     assert f["samples_ms"] == f["eager"]["samples_ms"] and len(f["samples_ms"]) == 5
     assert f["eager"]["p10_ms"] <= f["eager"]["median_ms"] <= f["eager"]["p95_ms"]
@@ -60,7 +59,7 @@ def test_the_device_time_decides_the_headline(monkeypatch, eager_ms, device_ms, 
 
     monkeypatch.setattr(measure, "time_fn", fake_eager)
     monkeypatch.setattr(measure, "device_time", fake_device)
-    f = measure.timing_fields(measure.measure(lambda: None, reps=4, warmup=1, device="cuda", count=False, warm_ms=0))
+    f = measure.measure(lambda: None, reps=4, warmup=1, device="cuda", count=False, warm_ms=0)
     assert f["eager"]["median_ms"] == eager_ms
     assert (f["device"] or {}).get("median_ms") == device_ms
     assert f["clock"] == ("device:cuda_graph" if headline == "device" else "eager:cuda_event")
@@ -70,14 +69,14 @@ def test_the_device_time_decides_the_headline(monkeypatch, eager_ms, device_ms, 
 @pytest.mark.cuda
 def test_short_work_gets_the_device_clock_by_graph_replay_or_back_to_back_launches():
     x = torch.randn(1 << 20, device="cuda")
-    f = measure.timing_fields(measure.measure(lambda: x.mul_(1.0), reps=20, warmup=3, device="cuda"))
+    f = measure.measure(lambda: x.mul_(1.0), reps=20, warmup=3, device="cuda")
     assert f["clock"] == "device:cuda_graph" and f["device"]["calls_per_sample"] > 1
     assert f["device"]["median_ms"] < f["eager"]["median_ms"] and f["sm_clock"] is not None
 
     def synced():                                       # a host sync cannot be captured
         x.mul_(1.0)
         torch.cuda.synchronize()
-    f = measure.timing_fields(measure.measure(synced, reps=5, warmup=2, device="cuda"))
+    f = measure.measure(synced, reps=5, warmup=2, device="cuda")
     assert f["clock"] == "device:back_to_back" and f["device"]["graph_error"]
     assert torch.randn(4, device="cuda").isfinite().all()   # the failed capture left the generator usable
 

@@ -23,9 +23,7 @@ def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], rep
     prefill = (lambda: engine.start(batch_size=B)) if prompt_tokens is None else (lambda: engine.start(prompt_tokens))
     runs = [measure.time_trajectory(lambda i: engine.step(), checkpoints, device, before=prefill,
                                    warmup=warmup if k == 0 else 0) for k in range(reps)]
-    logical = measure.reuse_logical(reuse)
-    if logical is None:
-        logical = cases.step_counts(engine, B, device)
+    logical = reuse or cases.step_counts(engine, B, device)
     logical.update(param_bytes=params * 2, state_bytes=measure.tensor_bytes(engine.cache))
     kind = "engine+graphs" if engine.graphs else "engine"
     out = {}
@@ -64,11 +62,10 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.T
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(1, settings["vocab"], (B, P), generator=g).to(device)
     try:
-        m = measure.measure(lambda: (engine.start(tokens), engine.step()), pre.get("reps", 3), 1, device)
+        fields = measure.measure(lambda: (engine.start(tokens), engine.step()), pre.get("reps", 3), 1, device)
     finally:
         del engine
         measure.release(device)
-    fields = measure.timing_fields(m)
     flops = 2 * model.config.non_embedding_parameters() * B * P
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rate, bw = measure.matmul_rate(env), measure.copy_bandwidth(env)

@@ -225,9 +225,8 @@ def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | Non
 
             def body(name=name, reuse=reuse):
                 call, gate = gated(case, name, s)
-                f = measure.timed_fields(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse,
-                                         profile_calls=HOST_PROFILE_CALLS)
-                f["logical"] = {**f["logical"], "floor_bytes": case.floor}
+                f = measure.measure(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse,
+                                    profile_calls=HOST_PROFILE_CALLS)
                 return {**measure.floor_fields(f, case.floor, bandwidth), "gate": gate}
 
             # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.

@@ -40,20 +40,18 @@ def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
 
 
 def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate, peak_rate,
-          reuse: dict | None = None, count_at=None) -> dict:
-    """Build, count (unless `reuse` has the counts; a per-step loop via `count_at` = (setup
-    at a length, the full length) at settings["loop_count_T"]) and time."""
-    logical = None
-    if count_at is not None and measure.reuse_logical(reuse) is None and settings.get("loop_count_T"):
+          logical: dict | None = None, count_at=None) -> dict:
+    """Build, count (unless the other run order lent its `logical` counts; a per-step loop
+    via `count_at` = (setup at a length, the full length) at settings["loop_count_T"]) and time."""
+    if count_at is not None and logical is None and settings.get("loop_count_T"):
         logical = loop_counts(count_at[0], settings["loop_count_T"], count_at[1], device)
     s = setup_fn()
     try:
-        if s.graph is not None and logical is None and measure.reuse_logical(reuse) is None:
+        if s.graph is not None and logical is None:
             # a replay launches nothing from the host: count one eager step of the same model
             logical = measure.logical_counts(s.eager_step, device)
             logical["launches_method"] += " (one eager step: the graph replays its kernels)"
-        fields = measure.timed_fields(s.step, reps, warmup, device, settings.get("budget_s_per_config"), reuse,
-                                      logical)
+        fields = measure.measure(s.step, reps, warmup, device, settings.get("budget_s_per_config"), logical)
         fields.update(s.figures(fields, matmul_rate, peak_rate))
         return fields
     finally:

@@ -123,8 +123,8 @@ def worker(job_file: str) -> None:
                                   backend=backend), rank, world, param_dtype)
         try:
             # No time budget or timed warm-up inside a configuration: every rank must take the same steps.
-            m = measure.measure(s.step, fs["reps"], fs["warmup"], device, count=count, warm_ms=0)
-            return {"timing": measure.timing_fields(m), "parameters": s.params,
+            return {"timing": measure.measure(s.step, fs["reps"], fs["warmup"], device, count=count, warm_ms=0),
+                    "parameters": s.params,
                     "non_embedding_parameters": s.cfg.non_embedding_parameters(), "num_layers": s.cfg.num_layers,
                     "lru_width": s.cfg.lru_width, "process_group": torch.distributed.get_backend(),
                     "param_dtype": autocast or "float32"}

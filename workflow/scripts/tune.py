@@ -70,9 +70,8 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device)
             ref = {}
 
             def timed(name, opts, reps):
-                m = measure.measure(make_call(fns[name], args, opts, mode, grad_out), reps, settings["warmup"],
-                                    device, budget_s=settings.get("budget_s_per_config"))
-                return measure.timing_fields(m)
+                return measure.measure(make_call(fns[name], args, opts, mode, grad_out), reps, settings["warmup"],
+                                       device, budget_s=settings.get("budget_s_per_config"))
 
             def probe(name, opts):
                 if not ref:

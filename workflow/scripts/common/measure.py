@@ -53,6 +53,11 @@ def device_of(device=None) -> torch.device:
     return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def _open_window(dev) -> int | None:
     """Synchronise and reset the allocator's peak; the bytes allocated (None on the CPU)."""
     if dev.type != "cuda":
@@ -115,8 +120,7 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
         if budget_s is not None and min_reps <= i + 1 < reps and time.perf_counter() - t_start > budget_s:
             stopped = True
             break
-    if cuda:
-        torch.cuda.synchronize(dev)
+    _sync(dev)
     samples = [_ms(s, e) for s, e in marks]
     return {"samples_ms": samples, **summarize(samples), "host_ms": host, "base_bytes": base,
             "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
@@ -187,12 +191,12 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
         raise ValueError(f"expected warmup to be a non-negative integer, got {warmup!r}")
     dev = device_of(device)
     cuda = dev.type == "cuda"
-    if warmup and before is not None:
-        before()
-    for i in range(warmup):
-        step(i)
-    if warmup and cuda:
-        torch.cuda.synchronize(dev)
+    if warmup:
+        if before is not None:
+            before()
+        for i in range(warmup):
+            step(i)
+        _sync(dev)
     if before is not None:
         before()
     base = _open_window(dev)
@@ -201,8 +205,7 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
         step(i)
         if i + 1 in cps:
             marks.append(_stamp(cuda))
-    if cuda:
-        torch.cuda.synchronize(dev)
+    _sync(dev)
     marks = [_ms(start, m) for m in marks]
     return {"checkpoints": cps, "cumulative_ms": marks, "interval_ms": [c - p for c, p in zip(marks, [0.0, *marks])],
             "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None, "base_bytes": base,
@@ -233,23 +236,20 @@ class Clocks:
         except Exception as exc:  # noqa: BLE001 - no NVML: clocks are left empty, with the reason
             self.reason = f"NVML unavailable: {type(exc).__name__}: {exc}"[:300]
 
+    def _query(self, fn, *args):
+        """fn(handle, *args), None where the device or the NVML version lacks it."""
+        try:
+            return fn(self.handle, *args)
+        except (self.nvml.NVMLError, AttributeError):
+            return None
+
     def sample(self) -> dict | None:
         n = self.nvml
-        if n is None:
+        if n is None or (mhz := self._query(n.nvmlDeviceGetClockInfo, n.NVML_CLOCK_SM)) is None:
             return None
-        try:
-            reasons = n.nvmlDeviceGetCurrentClocksEventReasons(self.handle)
-        except (n.NVMLError, AttributeError):
-            reasons = None
-        try:
-            procs = len(n.nvmlDeviceGetComputeRunningProcesses(self.handle))
-        except (n.NVMLError, AttributeError):
-            procs = None
-        try:
-            return {"sm_mhz": n.nvmlDeviceGetClockInfo(self.handle, n.NVML_CLOCK_SM), "reasons": reasons,
-                    "gpu_processes": procs, "load1": os.getloadavg()[0]}
-        except n.NVMLError:
-            return None
+        procs = self._query(n.nvmlDeviceGetComputeRunningProcesses)
+        return {"sm_mhz": mhz, "reasons": self._query(n.nvmlDeviceGetCurrentClocksEventReasons),
+                "gpu_processes": None if procs is None else len(procs), "load1": os.getloadavg()[0]}
 
     def lock(self) -> dict:
         if self.handle is None:
@@ -297,11 +297,6 @@ def clocks(device=None) -> Clocks:
     return _CLOCKS.setdefault(str(dev), Clocks(dev))
 
 
-def _sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def run_for(fn: Callable[[], object], dev, ms: float) -> float:
     """Calls fn, each waited for, for `ms` milliseconds; the milliseconds spent."""
     t0 = time.perf_counter()
@@ -329,17 +324,21 @@ def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 1
 
 
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
-            count: bool = True, warm_ms: float = EAGER_WARM_MS, profile_calls: int = 0) -> dict:
-    """{"timing", "logical"}: the headline is the device clock where its median is under
-    SHORT_MS, else the eager clock, which host work inflates. Before the eager clock, a
-    call shorter than `warm_ms` (one plain call after the warm-up decides) runs back to
+            logical: dict | None = None, count: bool = True, warm_ms: float = EAGER_WARM_MS,
+            profile_calls: int = 0) -> dict:
+    """A record's timing fields. The headline is the device clock where its median is under
+    SHORT_MS, else the eager clock, which host work inflates. `logical`: counts lent by the
+    other run order's record, else (with `count`) those of one call. Before the eager clock,
+    a call shorter than `warm_ms` (one plain call after the warm-up decides) runs back to
     back for that long (0 where processes must make the same calls: FSDP's ranks). With
     `profile_calls`, a call under SHORT_MS eager is then profiled on the host over that many
     calls (`eager.host_profile`, host_profile's rows)."""
     dev = device_of(device)
     for _ in range(max(warmup - 1, 0)):
         fn()
-    logical = logical_counts(fn, dev) if count else None
+    counted = count and logical is None
+    if counted:
+        logical = logical_counts(fn, dev)
     warmed = 0.0
     if warm_ms > 0:
         # One plain call (the profiled one is slower) decides whether the call is short.
@@ -349,52 +348,34 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
         _sync(dev)
         if (time.perf_counter() - t0) * 1e3 < warm_ms:
             warmed = run_for(fn, dev, warm_ms)
-    elif not count:
+    elif not counted:
         fn()
     clk = clocks(dev)
     before = clk.sample()
     eager = time_fn(fn, reps, 0, dev, budget_s=budget_s, min_reps=min(3, reps))
-    eager["warmup"] = max(warmup, 1)
     dtime = None
     if dev.type == "cuda" and eager["median_ms"] < DEVICE_CLOCK_MAX_MS:
         calls = max(1, min(200, math.ceil(DEVICE_WINDOW_MS / max(eager["min_ms"], 1e-3))))
         dtime = device_time(fn, eager["n"], calls, dev)
     head = dtime if dtime is not None and dtime["median_ms"] < SHORT_MS else eager
-    t = {**{k: eager[k] for k in ("peak_bytes", "base_bytes", "reps_requested", "warmup", "stopped_early")},
-         **{k: head[k] for k in ("samples_ms", "n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
-         "clock": f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}",
-         "eager": {"samples_ms": eager["samples_ms"], **summarize(eager["samples_ms"]), "clock": eager["clock"],
-                   "host_samples_ms": eager["host_ms"], "host_median_ms": statistics.median(eager["host_ms"]),
-                   "warm_ms": warmed},
-         "device": dtime, "sm_clock": clk.span(before, clk.sample())}
+    clock = f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}"
+    stats = {**{k: head[k] for k in ("n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
+             "reps_requested": reps, "warmup": max(warmup, 1), "stopped_early": eager["stopped_early"], "clock": clock}
+    host = {"host_samples_ms": eager["host_ms"], "host_median_ms": statistics.median(eager["host_ms"]),
+            "warm_ms": warmed}
     if profile_calls and eager["median_ms"] < SHORT_MS:
-        t["eager"]["host_profile"] = host_profile(fn, profile_calls, dev)
-    return {"timing": t, "logical": logical}
-
-
-def timing_fields(m: dict) -> dict:
-    """Record fields from `measure`'s result."""
-    t = m["timing"]
-    stats = {k: t[k] for k in ("n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms", "reps_requested",
-                               "warmup", "stopped_early", "clock")}
-    return {"samples_ms": list(t["samples_ms"]), "stats": stats, "logical": m.get("logical"),
-            **{k: t[k] for k in ("clock", "eager", "device", "sm_clock", "peak_bytes", "base_bytes")}}
-
-
-def timed_fields(call: Callable[[], object], reps: int, warmup: int, device, budget_s: float | None = None,
-                 reuse: dict | None = None, logical: dict | None = None, profile_calls: int = 0) -> dict:
-    """`timing_fields(measure(...))`, counting only when neither `logical` nor `reuse` (the
-    other run order's record) has counts to lend."""
-    logical = logical or reuse_logical(reuse)
-    f = timing_fields(measure(call, reps, warmup, device, count=logical is None, budget_s=budget_s,
-                              profile_calls=profile_calls))
-    f["logical"] = f["logical"] or logical
-    return f
+        host["host_profile"] = host_profile(fn, profile_calls, dev)
+    return {"samples_ms": list(head["samples_ms"]), "stats": stats, "logical": logical, "clock": clock,
+            "eager": {"samples_ms": eager["samples_ms"], **summarize(eager["samples_ms"]), "clock": eager["clock"],
+                      **host},
+            "device": dtime, "sm_clock": clk.span(before, clk.sample()), "peak_bytes": eager["peak_bytes"],
+            "base_bytes": eager["base_bytes"]}
 
 
 def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
     """`f` with the memory floor: floor_bytes moved at the probe's copy bandwidth."""
     floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else None
+    f["logical"] = {**f["logical"], "floor_bytes": floor_bytes}
     f.update(floor_bytes=floor_bytes, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
              fraction_of_floor=floor_ms / f["stats"]["median_ms"] if floor_ms else None)
     return f
@@ -457,13 +438,6 @@ def logical_counts(fn: Callable[[], object], device=None) -> dict:
                                      "share": round(us / lc["device_us"], 4) if lc["device_us"] else None}
                                     for n, us in sorted(lc.get("us_by_name", {}).items(), key=lambda kv: -kv[1])[:25]],
             "profiler_error": lc.get("error")}
-
-
-def reuse_logical(rec: dict | None) -> dict | None:
-    """The logical counts of the other run order's record (the same kernels), marked so."""
-    if rec is None or rec.get("status") != STATUS_OK or not isinstance(rec.get("logical"), dict):
-        return None
-    return {**rec["logical"], "counted_in": rec["config_id"]}
 
 
 def tensor_bytes(obj, depth: int = 0, seen: set | None = None) -> int:
@@ -690,9 +664,10 @@ class Runner:
         return rec if (rec := self.get(config_id)) is not None and rec["status"] == STATUS_OK else None
 
     def twin(self, config_id: str) -> dict | None:
-        """The successful AB record of a BA configuration, whose logical counts the BA run reuses."""
+        """The logical counts of a BA configuration's successful AB record (the same kernels), marked so."""
         ab = re.sub(r"-BA(?=-|$)", "-AB", config_id)
-        return self.ok(ab) if ab != config_id else None
+        rec = self.ok(ab) if ab != config_id else None
+        return {**rec["logical"], "counted_in": ab} if rec and isinstance(rec.get("logical"), dict) else None
 
     def run(self, config_id: str, body: Callable[[], dict], **fields) -> dict | None:
         """Record `body()`'s fields (or its failure); the record, or None when skipped."""
