@@ -4,7 +4,6 @@ fastest re-measured on fresh runs; decode steps likewise per batch size, as traj
 the decode step's weight-streaming linears role by role, as trajectories of whole steps."""
 
 import fnmatch
-import itertools
 import json
 import statistics
 
@@ -222,12 +221,8 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
                 "cuda_graph": graph}
 
     want = first_step(engine({}))
-    grid = lin.get("options", {})
-    keys = sorted(grid)
-    options = [{}] + [dict(zip(keys, v)) for v in itertools.product(*(grid[k] for k in keys))]
-    rgrid = lin.get("refine", {})
-    refine = [dict(zip(sorted(rgrid), v)) for v in itertools.product(*(rgrid[k] for k in sorted(rgrid)))] \
-        if rgrid else []
+    options = [{}] + cases.combos(lin.get("options", {}))
+    refine = cases.combos(lin["refine"]) if lin.get("refine") else []
     chosen, entries = {}, []
     for role in LINEAR_ROLES:
         def with_role(opts, role=role):

@@ -95,9 +95,7 @@ def floor_bytes(args: list, out, mode: str = "fwd") -> int:
 
 def chunk_variants(name: str, fn, chunk_sizes) -> list[dict]:
     """One option set per chunk size for a chunked backend taking chunk_size, else [{}]."""
-    params, var_kw = signature(fn)
-    return [{"chunk_size": k} for k in chunk_sizes] if "chunk" in name and ("chunk_size" in params or var_kw) \
-        else [{}]
+    return option_grid(fn, name, {name: {"chunk_size": chunk_sizes}}) if "chunk" in name else [{}]
 
 
 def signature(fn) -> tuple[set[str], bool]:
@@ -124,13 +122,15 @@ def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: s
     params, var_kw = signature(fn)
     out = []
     for grid in found if isinstance(found, list) else [found]:
-        space = {k: list(v) for k, v in grid.items()
-                 if (k in params and k not in fixed) or (var_kw and k not in params)}
-        keys = sorted(space)
-        for vals in itertools.product(*(space[k] for k in keys)):
-            if (opts := dict(zip(keys, vals))) not in out:
-                out.append(opts)
+        space = {k: v for k, v in grid.items() if (k in params and k not in fixed) or (var_kw and k not in params)}
+        out += [opts for opts in combos(space) if opts not in out]
     return out or [{}]
+
+
+def combos(grid: dict) -> list[dict]:
+    """Every combination of the values of `grid` ({option: [values]})."""
+    keys = sorted(grid)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
 
 
 def step_option_sets(grids: dict) -> dict[str, list[dict]]:

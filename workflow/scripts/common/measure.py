@@ -695,10 +695,8 @@ class Runner:
                     "samples_ms": [], "stats": None}
                 if extra is None:
                     raise RuntimeError(f"measurement of {config_ids} returned nothing for {c}")
-                rec = records.new_record(self.stage, self.profile, c, **{**fields[c], **extra,
-                                                                         "clock_lock": self.clock_lock})
-                rec["wall_s"] = time.perf_counter() - t0
-                records.write_record(self.dir, rec)
+                extra = {**fields[c], **extra, "clock_lock": self.clock_lock, "wall_s": time.perf_counter() - t0}
+                records.write_record(self.dir, rec := records.new_record(self.stage, self.profile, c, **extra))
                 self.done.add(c)
             med = (rec.get("stats") or {}).get("median_ms") if len(config_ids) == 1 else None
             self.say(f"{config_ids[0]}{f' .. ({len(config_ids)} records)' if len(config_ids) > 1 else ''}: "
