@@ -3,6 +3,8 @@ copy bandwidth and BF16 matmul rate, the host's cost of the smallest launches, a
 Nsight Compute can read counters."""
 
 import csv
+import importlib.metadata
+import importlib.util
 import os
 import platform
 import re
@@ -98,13 +100,9 @@ def software_facts() -> dict:
     out = {**facts.versions(), "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
            "nvcc": _tool_version(["nvcc", "--version"]), "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
            "triton_interpret": os.environ.get("TRITON_INTERPRET")}
-    for name in ("numpy", "pandas", "snakemake", "matplotlib"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = None
-    out["executable"] = sys.executable
-    return out
+    out.update({name: importlib.metadata.version(name) if importlib.util.find_spec(name) else None
+                for name in ("numpy", "pandas", "snakemake", "matplotlib")})
+    return {**out, "executable": sys.executable}
 
 
 def measure(device: str, settings: dict) -> dict:
@@ -114,15 +112,9 @@ def measure(device: str, settings: dict) -> dict:
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     mm = time_fn(lambda: a @ b, reps=reps, warmup=3, device=device)
     flops = 2 * n**3 / (mm["median_ms"] * 1e-3)
-    return {
-        "device": device,
-        "copy": {"buffer_bytes": n_bytes, "bytes_moved": 2 * n_bytes, "timing": copy,
-                 "bandwidth_bytes_per_s": copy_bps},
-        "matmul_bf16": {"n": n, "flop": 2 * n**3, "timing": mm, "flop_per_s": flops},
-        "copy_bandwidth_bytes_per_s": copy_bps,
-        "matmul_bf16_flop_per_s": flops,
-        "host_launch": host_launch(device, max(reps, 50)),
-    }
+    return {"device": device, "copy": {"buffer_bytes": n_bytes, "bytes_moved": 2 * n_bytes, "timing": copy},
+            "matmul_bf16": {"n": n, "flop": 2 * n**3, "timing": mm}, "copy_bandwidth_bytes_per_s": copy_bps,
+            "matmul_bf16_flop_per_s": flops, "host_launch": host_launch(device, max(reps, 50))}
 
 
 @launcher

@@ -20,9 +20,9 @@ def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], rep
                       reuse: dict | None = None, warmup: int = 2) -> dict:
     """Per checkpoint, the cumulative ms of `reps` trajectories, tokens/s, peak memory and
     the logical counts of one step (from `reuse`, the other order's record, if it has them)."""
-    prefill = (lambda: engine.start(batch_size=B)) if prompt_tokens is None else (lambda: engine.start(prompt_tokens))
-    runs = [measure.time_trajectory(lambda i: engine.step(), checkpoints, device, before=prefill,
-                                   warmup=warmup if k == 0 else 0) for k in range(reps)]
+    batch = B if prompt_tokens is None else None
+    runs = [measure.time_trajectory(lambda i: engine.step(), checkpoints, device, warmup=warmup if k == 0 else 0,
+                                    before=lambda: engine.start(prompt_tokens, batch_size=batch)) for k in range(reps)]
     logical = reuse or cases.step_counts(engine, B, device)
     logical.update(param_bytes=params * 2, state_bytes=measure.tensor_bytes(engine.cache))
     kind = "engine+graphs" if engine.graphs else "engine"

@@ -122,8 +122,9 @@ def main(job):
 
                 def body(item=item, slow=slow, reuse=reuse):
                     call, args = inputs.call(item)
-                    f = measure.measure(call, slow.get("reps", settings["reps"]), slow.get("warmup", settings["warmup"]),
-                                        device, settings.get("budget_s_per_config"), reuse)
+                    f = measure.measure(call, slow.get("reps", settings["reps"]),
+                                        slow.get("warmup", settings["warmup"]), device,
+                                        settings.get("budget_s_per_config"), reuse)
                     f["logical"] = {**f["logical"], "state_bytes": settings["B"] * settings["D"] * 4}
                     fb = floor_bytes(args, args[1] if item["op"] == "scan" else args[0])
                     return measure.floor_fields(f, fb, bandwidth)

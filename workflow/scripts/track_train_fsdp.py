@@ -64,8 +64,7 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
     """Record fields from every rank's timing: a step takes as long as its slowest rank."""
     world, T, B = len(per_rank), item["T"], item["B"]
     first = per_rank[0]
-    n = min(len(r["timing"]["samples_ms"]) for r in per_rank)
-    samples = [max(r["timing"]["samples_ms"][i] for r in per_rank) for i in range(n)]
+    samples = [max(step) for step in zip(*(r["timing"]["samples_ms"] for r in per_rank))]
     stats = {**first["timing"]["stats"], **measure.summarize(samples)}
     step_s = stats["median_ms"] * 1e-3
     params, tokens = first["parameters"], world * B * T
