@@ -83,9 +83,11 @@ def test_time_trajectory_warmup_runs_untimed_steps_from_a_fresh_prefill():
 
 
 def test_orders_run_each_comparison_both_ways():
-    assert measure.orders(["samu", "rglru"]) == [("AB", ["samu", "rglru"]), ("BA", ["rglru", "samu"])]
-    assert measure.orders(["a", "b", "c"])[1] == ("BA", ["c", "b", "a"])
-    assert measure.orders(["a"]) == [("AB", ["a"])]
+    ab, ba = ["samu", "rglru"], ["rglru", "samu"]
+    assert measure.orders(ab) == [("AB", ab, "samu"), ("AB", ab, "rglru"), ("BA", ba, "rglru"), ("BA", ba, "samu")]
+    assert measure.orders(["a", "b", "c"])[3] == ("BA", ["c", "b", "a"], "c")
+    assert measure.orders(["a"]) == [("AB", ["a"], "a")]
+    assert measure.orders(ab, keep=["AB"]) == measure.orders(ab)[:2]
 
 
 def test_measure_counts_one_call_then_times_fresh_calls():

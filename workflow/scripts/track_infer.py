@@ -155,51 +155,44 @@ def main(job):
 
     lat = settings["latency"]
     for prompt in lat["prompts"]:
-        for order, seq in measure.orders(mixers):
-            for mixer in seq:
-                group(f"infer-latency-{preset}-P{prompt}-B{lat['batch']}-{mixer}-{order}", mixer, lat["batch"],
-                      prompt, sorted(lat["lengths"]), lat.get("reps", 1), order,
-                      {"role": "latency", "sequence": list(seq)})
+        for order, seq, mixer in measure.orders(mixers):
+            group(f"infer-latency-{preset}-P{prompt}-B{lat['batch']}-{mixer}-{order}", mixer, lat["batch"],
+                  prompt, sorted(lat["lengths"]), lat.get("reps", 1), order, {"role": "latency", "sequence": list(seq)})
 
     pre = settings.get("prefill")
     if pre:
         env = job.load("environment")
-        for order, seq in measure.orders(mixers):
-            for mixer in seq:
-                cid = f"infer-prefill-{preset}-P{pre['prompt']}-B{pre['batch']}-{mixer}-{order}"
-                runner.run(cid, lambda mixer=mixer: prefill_fields(model(mixer), pre, settings, env, auto.table,
-                                                                   device),
-                           **base(mixer, pre["batch"], pre["prompt"]), order=order, role="prefill",
-                           sequence=list(seq))
+        for order, seq, mixer in measure.orders(mixers):
+            cid = f"infer-prefill-{preset}-P{pre['prompt']}-B{pre['batch']}-{mixer}-{order}"
+            runner.run(cid, lambda mixer=mixer: prefill_fields(model(mixer), pre, settings, env, auto.table, device),
+                       **base(mixer, pre["batch"], pre["prompt"]), order=order, role="prefill", sequence=list(seq))
 
     thr = settings.get("throughput") or {}
     if thr:
         probe, grid = {}, {}
-        for order, seq in measure.orders(mixers):
-            for mixer in seq:
-                def probe_at(B, mixer=mixer, order=order, seq=seq):
-                    got = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [thr["probe_steps"]], 1,
-                                order, {"role": "probe", "sequence": list(seq)})
-                    return next(iter(got.values()), None)
+        for order, seq, mixer in measure.orders(mixers):
+            def probe_at(B, mixer=mixer, order=order, seq=seq):
+                got = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [thr["probe_steps"]], 1,
+                            order, {"role": "probe", "sequence": list(seq)})
+                return next(iter(got.values()), None)
 
-                grid[(mixer, order)] = extend_grid(probe_at, thr)
-                for rec in grid[(mixer, order)]["records"]:
-                    probe.setdefault(mixer, {}).setdefault(rec["shapes"]["B"], []).append(rec)
-                runner.say(f"{mixer} {order}: {grid[(mixer, order)]['plateau']}")
+            grid[(mixer, order)] = extend_grid(probe_at, thr)
+            for rec in grid[(mixer, order)]["records"]:
+                probe.setdefault(mixer, {}).setdefault(rec["shapes"]["B"], []).append(rec)
+            runner.say(f"{mixer} {order}: {grid[(mixer, order)]['plateau']}")
         best = {}
         for mixer in mixers:
             scores = {B: statistics.median(r["tokens_per_s"] for r in rs) for B, rs in probe.get(mixer, {}).items()}
             best[mixer] = sorted(scores, key=lambda b: -scores[b])[: thr.get("top", 1)]
             runner.say(f"{mixer} best batch sizes by probe tokens/s: {best[mixer]}")
-        for order, seq in measure.orders(mixers):
-            for mixer in seq:
-                plateau = {o: grid[(mixer, o)]["plateau"] for m, o in grid if m == mixer}
-                for B in best.get(mixer, []):
-                    sel = sorted(r["config_id"] for r in probe[mixer][B])
-                    group(f"infer-throughput-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, sorted(thr["lengths"]),
-                          thr.get("reps", 1), order,
-                          {"role": "fresh", "sequence": list(seq), "selected_from": sel,
-                           "selected_by": "highest probe tokens/s", "throughput_grid": plateau})
+        for order, seq, mixer in measure.orders(mixers):
+            plateau = {o: grid[(mixer, o)]["plateau"] for m, o in grid if m == mixer}
+            for B in best.get(mixer, []):
+                sel = sorted(r["config_id"] for r in probe[mixer][B])
+                group(f"infer-throughput-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, sorted(thr["lengths"]),
+                      thr.get("reps", 1), order,
+                      {"role": "fresh", "sequence": list(seq), "selected_from": sel,
+                       "selected_by": "highest probe tokens/s", "throughput_grid": plateau})
     runner.finish(job.output.records)
 
 

@@ -218,21 +218,19 @@ def gated(case: Case, name: str, s: dict):
 
 
 def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | None, device) -> None:
-    for order, seq in measure.orders(list(case.variants)):
-        for name in seq:
-            cid = f"{case.tag()}-{name.replace(':', '-')}-{order}"
-            ours, reuse = name.startswith("ours"), runner.twin(cid)
+    for order, seq, name in measure.orders(list(case.variants)):
+        cid = f"{case.tag()}-{name.replace(':', '-')}-{order}"
+        ours, reuse = name.startswith("ours"), runner.twin(cid)
 
-            def body(name=name, reuse=reuse):
-                call, gate = gated(case, name, s)
-                f = measure.measure(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse,
-                                    profile_calls=HOST_PROFILE_CALLS)
-                return {**measure.floor_fields(f, case.floor, bandwidth), "gate": gate}
+        def body(name=name, reuse=reuse):
+            call, gate = gated(case, name, s)
+            f = measure.measure(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse,
+                                profile_calls=HOST_PROFILE_CALLS)
+            return {**measure.floor_fields(f, case.floor, bandwidth), "gate": gate}
 
-            # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.
-            runner.run(cid, body, shapes=case.shapes, op=case.name, mixer=None,
-                       backend="auto" if ours else name, variant=name, peer=not ours,
-                       mode=case.mode, order=order, sequence=seq, dtype=s["dtype"])
+        # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.
+        runner.run(cid, body, shapes=case.shapes, op=case.name, mixer=None, backend="auto" if ours else name,
+                   variant=name, peer=not ours, mode=case.mode, order=order, sequence=seq, dtype=s["dtype"])
 
 
 def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float | None, restart=None,

@@ -115,27 +115,26 @@ def main(job):
     runner = measure.Runner.for_job(job, "scan", settings, device)
     inputs = Inputs(settings, device)
     for T in settings["T"]:
-        for order, seq in measure.orders([i for i in items if i["T"] == T], settings.get("orders", ["AB", "BA"])):
-            for item in seq:
-                slow = settings.get("slow", {}).get(item["backend"], {})
-                reuse = runner.twin(config_id(item, settings, order))
+        for order, seq, item in measure.orders([i for i in items if i["T"] == T],
+                                               settings.get("orders", ["AB", "BA"])):
+            slow = settings.get("slow", {}).get(item["backend"], {})
+            reuse = runner.twin(config_id(item, settings, order))
 
-                def body(item=item, slow=slow, reuse=reuse):
-                    call, args = inputs.call(item)
-                    f = measure.measure(call, slow.get("reps", settings["reps"]),
-                                        slow.get("warmup", settings["warmup"]), device,
-                                        settings.get("budget_s_per_config"), reuse)
-                    f["logical"] = {**f["logical"], "state_bytes": settings["B"] * settings["D"] * 4}
-                    fb = floor_bytes(args, args[1] if item["op"] == "scan" else args[0])
-                    return measure.floor_fields(f, fb, bandwidth)
+            def body(item=item, slow=slow, reuse=reuse):
+                call, args = inputs.call(item)
+                f = measure.measure(call, slow.get("reps", settings["reps"]), slow.get("warmup", settings["warmup"]),
+                                    device, settings.get("budget_s_per_config"), reuse)
+                f["logical"] = {**f["logical"], "state_bytes": settings["B"] * settings["D"] * 4}
+                fb = floor_bytes(args, args[1] if item["op"] == "scan" else args[0])
+                return measure.floor_fields(f, fb, bandwidth)
 
-                counter = counters.get(config_id(item, settings, "AB"))
-                runner.run(config_id(item, settings, order), body, shapes={"B": settings["B"], "T": T, "D": settings["D"]},
-                           mixer=item["op"] if item["op"] != "scan" else None, backend=item["backend"],
-                           op=item["op"], options=item["options"], peer=False, exact=item["exact"], order=order,
-                           sequence=[i["backend"] + opt_tag(i["options"]) + "/" + i["op"] for i in seq],
-                           dtype=settings["dtype"], counters=counter,
-                           counters_reason=None if counter else counters.get("_reason"))
+            counter = counters.get(config_id(item, settings, "AB"))
+            runner.run(config_id(item, settings, order), body, shapes={"B": settings["B"], "T": T, "D": settings["D"]},
+                       mixer=item["op"] if item["op"] != "scan" else None, backend=item["backend"], op=item["op"],
+                       options=item["options"], peer=False, exact=item["exact"], order=order,
+                       sequence=[i["backend"] + opt_tag(i["options"]) + "/" + i["op"] for i in seq],
+                       dtype=settings["dtype"], counters=counter,
+                       counters_reason=None if counter else counters.get("_reason"))
     runner.finish(job.output.records)
 
 

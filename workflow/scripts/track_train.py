@@ -110,17 +110,17 @@ def main(job):
             if slow and "rglru" in mixers and preset in off.get("presets", []) and T <= off.get("max_T", 0):
                 measured(f"train-peer-{preset}-T{T}-B{B}-rglru-official", preset, T, B, "rglru", PEER, {},
                          off.get("reps", 2), off.get("warmup", 1), role="peer", exact=True)
-            for order, seq in measure.orders(items, settings.get("diagnostic_orders", ["AB", "BA"])):
-                for mixer, name, opts in seq:
-                    reps, warmup = settings["reps"], settings["warmup"]
-                    if name == "reference":
-                        if T > ref_lim.get("max_T", 0) or preset not in ref_lim.get("presets", []):
-                            continue
-                        reps, warmup = ref_lim.get("reps", 1), ref_lim.get("warmup", 1)
-                    measured(f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}", preset, T, B,
-                             mixer, name, opts, reps, warmup, order, role="diagnostic",
-                             exact=name in cases.exact_backend_names(mixer, [name], gates, inexact),
-                             sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
+            for order, seq, (mixer, name, opts) in measure.orders(items, settings.get("diagnostic_orders",
+                                                                                      ["AB", "BA"])):
+                reps, warmup = settings["reps"], settings["warmup"]
+                if name == "reference":
+                    if T > ref_lim.get("max_T", 0) or preset not in ref_lim.get("presets", []):
+                        continue
+                    reps, warmup = ref_lim.get("reps", 1), ref_lim.get("warmup", 1)
+                measured(f"train-diag-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}-{order}", preset, T, B,
+                         mixer, name, opts, reps, warmup, order, role="diagnostic",
+                         exact=name in cases.exact_backend_names(mixer, [name], gates, inexact),
+                         sequence=[f"{m}/{n}{opt_tag(o)}" for m, n, o in seq])
 
     diagnostics(slow=False)
     for preset, T, B in shapes:
@@ -138,12 +138,11 @@ def main(job):
                 chosen[mixer] = ("auto", {}, [], "tuning table (no diagnostics at this preset and shape)")
         for mode in settings.get("step_modes", ["eager"]):
             tag = "-graph" if mode == "graph" else ""
-            for order, seq in measure.orders(mixers):
-                for mixer in seq:
-                    name, opts, sel, why = chosen[mixer]
-                    measured(f"train-arch-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}{tag}-{order}", preset, T, B,
-                             mixer, name, opts, settings["fresh_reps"], settings["warmup"], order, graph=mode == "graph",
-                             role="fresh", exact=True, selected_from=sel, selected_by=why, sequence=list(seq))
+            for order, seq, mixer in measure.orders(mixers):
+                name, opts, sel, why = chosen[mixer]
+                measured(f"train-arch-{preset}-T{T}-B{B}-{mixer}-{name}{opt_tag(opts)}{tag}-{order}", preset, T, B,
+                         mixer, name, opts, settings["fresh_reps"], settings["warmup"], order, graph=mode == "graph",
+                         role="fresh", exact=True, selected_from=sel, selected_by=why, sequence=list(seq))
     diagnostics(slow=True)
     runner.finish(job.output.records)
 

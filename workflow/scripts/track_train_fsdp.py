@@ -38,15 +38,14 @@ def plan(settings: dict, single: list[dict]) -> list[dict]:
     for preset in fs["presets"]:
         for shape in fs["shapes"]:
             T, B = shape["T"], shape["B"]
-            for order, seq in measure.orders(settings["mixers"]):
-                for mixer in seq:
-                    base = [r for r in single if r.get("stage") == "train" and r.get("role") == "fresh"
-                            and r["status"] == "ok" and r["mixer"] == mixer and training.shape_of(r) == (preset, T, B)]
-                    backend, opts = (base[0]["backend"], base[0].get("options") or {}) if base else ("auto", {})
-                    out.append({
-                        "config_id": f"train-fsdp{world}-{preset}-T{T}-B{B}-{mixer}-{backend}{opt_tag(opts)}-{order}",
-                        "preset": preset, "T": T, "B": B, "order": order, "sequence": list(seq), "mixer": mixer,
-                        "backend": backend, "options": opts, "single": base})
+            for order, seq, mixer in measure.orders(settings["mixers"]):
+                base = [r for r in single if r.get("stage") == "train" and r.get("role") == "fresh"
+                        and r["status"] == "ok" and r["mixer"] == mixer and training.shape_of(r) == (preset, T, B)]
+                backend, opts = (base[0]["backend"], base[0].get("options") or {}) if base else ("auto", {})
+                out.append({
+                    "config_id": f"train-fsdp{world}-{preset}-T{T}-B{B}-{mixer}-{backend}{opt_tag(opts)}-{order}",
+                    "preset": preset, "T": T, "B": B, "order": order, "sequence": list(seq), "mixer": mixer,
+                    "backend": backend, "options": opts, "single": base})
     return out
 
 

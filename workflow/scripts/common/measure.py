@@ -381,11 +381,12 @@ def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
     return f
 
 
-def orders(names: Sequence, keep: Sequence = ("AB", "BA")) -> list[tuple[str, list]]:
-    """Both run orders of a comparison, those in `keep`: ("AB", names) then ("BA", reversed)."""
+def orders(names: Sequence, keep: Sequence = ("AB", "BA")) -> list[tuple[str, list, object]]:
+    """(order, its sequence, each name in it) of both run orders of a comparison, those in
+    `keep`: "AB" runs `names` as given, then "BA" reversed."""
     names = list(names)
     both = [("AB", names)] if len(names) < 2 else [("AB", names), ("BA", names[::-1])]
-    return [(o, seq) for o, seq in both if o in keep]
+    return [(o, seq, name) for o, seq in both if o in keep for name in seq]
 
 
 def count_kernels(events) -> dict:
