@@ -39,26 +39,6 @@ def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
     return out
 
 
-def timed(setup_fn, reps: int, warmup: int, settings: dict, device, matmul_rate, peak_rate,
-          logical: dict | None = None, count_at=None) -> dict:
-    """Build, count (unless the other run order lent its `logical` counts; a per-step loop
-    via `count_at` = (setup at a length, the full length) at settings["loop_count_T"]) and time."""
-    if count_at is not None and logical is None and settings.get("loop_count_T"):
-        logical = loop_counts(count_at[0], settings["loop_count_T"], count_at[1], device)
-    s = setup_fn()
-    try:
-        if s.graph is not None and logical is None:
-            # a replay launches nothing from the host: count one eager step of the same model
-            logical = measure.logical_counts(s.eager_step, device)
-            logical["launches_method"] += " (one eager step: the graph replays its kernels)"
-        fields = measure.measure(s.step, reps, warmup, device, settings.get("budget_s_per_config"), logical)
-        fields.update(s.figures(fields, matmul_rate, peak_rate))
-        return fields
-    finally:
-        del s
-        measure.release(device)
-
-
 def main(job):
     settings = job.params["settings"]
     device = measure.device_of()
@@ -70,23 +50,36 @@ def main(job):
     shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
     diag = settings.get("diagnostics", "all")
     diag_shapes = shapes if diag == "all" else [(d["preset"], d["T"], d["B"]) for d in diag]
+    diag_orders = settings.get("diagnostic_orders", ["AB", "BA"])
     ref_lim, off = settings.get("reference", {}), settings.get("official", {})
 
     def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, order=None, graph=False, **fields):
         """Time the step with backend `name` ("auto": the tuning table, PEER: the official
         model; `graph`: the step captured in one CUDA graph), reusing the AB counts in BA;
-        a per-step loop is counted at short lengths."""
-        official, reuse = name == PEER, runner.twin(cid)
+        a per-step loop is counted at short lengths (settings["loop_count_T"])."""
+        official, logical = name == PEER, runner.twin(cid)
 
         def make_at(t):
             backend = tuned if name == "auto" else "auto" if official else kernels.Backend(name, **opts)
             return Setup(preset, mixer, t, B, settings, device, backend=backend, official=official, graph=graph)
 
-        def body():
+        def body(logical=logical):
             if official:
                 cases.load_official()
-            return timed(lambda: make_at(T), reps, warmup, settings, device, matmul_rate, peak_rate, reuse,
-                         (make_at, T) if name in ("reference", PEER) else None)
+            if name in ("reference", PEER) and logical is None and settings.get("loop_count_T"):
+                logical = loop_counts(make_at, settings["loop_count_T"], T, device)
+            s = make_at(T)
+            try:
+                if s.graph is not None and logical is None:
+                    # a replay launches nothing from the host: count one eager step of the same model
+                    logical = measure.logical_counts(s.eager_step, device)
+                    logical["launches_method"] += " (one eager step: the graph replays its kernels)"
+                fields = measure.measure(s.step, reps, warmup, device, settings.get("budget_s_per_config"), logical)
+                fields.update(s.figures(fields, matmul_rate, peak_rate))
+                return fields
+            finally:
+                del s
+                measure.release(device)
 
         runner.run(cid, body, **training.identity(preset, T, B, mixer, settings), backend=name, options=opts,
                    order=order, **fields)
@@ -110,8 +103,7 @@ def main(job):
             if slow and "rglru" in mixers and preset in off.get("presets", []) and T <= off.get("max_T", 0):
                 measured(f"train-peer-{preset}-T{T}-B{B}-rglru-official", preset, T, B, "rglru", PEER, {},
                          off.get("reps", 2), off.get("warmup", 1), role="peer", exact=True)
-            for order, seq, (mixer, name, opts) in measure.orders(items, settings.get("diagnostic_orders",
-                                                                                      ["AB", "BA"])):
+            for order, seq, (mixer, name, opts) in measure.orders(items, diag_orders):
                 reps, warmup = settings["reps"], settings["warmup"]
                 if name == "reference":
                     if T > ref_lim.get("max_T", 0) or preset not in ref_lim.get("presets", []):
