@@ -55,12 +55,8 @@ class Inputs:
             s = self.settings
             self.args = op_inputs(item["op"], s["B"], item["T"], s["D"], getattr(torch, s["dtype"]), self.device)
             self.key = (item["op"], item["T"])
-        f, opts, args = kernels.backends(item["op"])[item["backend"]], item["options"], self.args
-
-        def call():
-            with torch.no_grad():
-                return f(*args, **opts)[0]
-        return call, args
+        fn = kernels.backends(item["op"])[item["backend"]]
+        return cases.make_call(fn, self.args, item["options"], "fwd"), self.args
 
 
 def counters_pass(items: list[dict], settings: dict, device) -> None:
