@@ -1,26 +1,17 @@
 """Fused pieces of the Hawk decode step (one token per row) for the generation engine.
 
 Notation: M rows, D model width, E recurrent width, F MLP hidden width, CW conv width.
-Activations are in the model dtype (bf16, fp16 or fp32); arithmetic is FP32. Everything
-computes what `HawkLM.step` computes, rounding where it rounds (every nn.Module output
-is in the model dtype, GeLU's too, as in kernels.ops.geglu), so results differ from it
-only in FP32 summation order.
+Activations are in the model dtype (bf16, fp16 or fp32), arithmetic in FP32, rounded where
+`HawkLM.step` rounds (every nn.Module output, GeLU's too, as in kernels.ops.geglu), so
+results differ from it only in FP32 summation order.
 
 - row kernels around library matmuls (any M): `embed_rmsnorm`, `add_rmsnorm` (residual
-  add then RMSNorm), `conv_step` (conv decode step, state updated in place), `gelu_mul`;
-- `linear`: a weight-streaming split-K matmul for M <= 64 that reads each weight once
-  and fuses the row work around it (prologue: RMSNorm or a product of two inputs;
-  epilogue: bias, residual add, GeLU, the conv step, the gated-MLP product), so a Hawk
-  layer is four launches plus the mixer step. RMSNorm's 1 / rms is a per-row factor,
-  applied to the FP32 sums: the matmul reads round(x * (1 + scale)) where the model
-  reads round(x / rms * (1 + scale)), one rounding at another place. The last of a
-  column block's K splits to arrive adds their FP32 partials in a fixed order
-  (deterministic) and runs the epilogue.
+  add then RMSNorm), `conv_step` (state updated in place), `gelu_mul`;
+- `linear`: a weight-streaming split-K matmul for M <= 64 that reads each weight once and
+  fuses the row work around it, so a Hawk layer is four launches plus the mixer step;
+- `advance`: the decoding state after the next-token choice, in one launch.
 
-`advance` updates the decoding state after the next-token choice in one launch. Nothing
-here synchronises with the host, so every launcher can run under CUDA-graph capture.
-With `pdl=True` the linears use programmatic dependent launch (Hopper): a kernel is
-scheduled while its predecessor finishes and waits before reading what it wrote.
+Nothing here synchronises with the host, so every launcher can run under CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -597,7 +588,8 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     [M, N]) with conv = (conv_state [M, CW-1, N], conv_w [CW, N], conv_b [N]) and reset;
     EPI_GATED -> round(gelu(y_gate)) * y_value [M, N] from w's two halves.
     config: tile options overriding `default_config`; workspace: a `Workspace` for the
-    split-K partials (default: fresh scratch per call). Weights, biases and a2 are in
+    split-K partials (default: fresh scratch per call); pdl: programmatic dependent launch
+    (Hopper: scheduled while the previous kernel finishes, waiting before its first read). Weights, biases and a2 are in
     a's dtype on its device (the dot reads a and w in one precision, as F.linear does);
     strided vectors are copied; out, out2, residual and conv_state must not share memory
     with a, a2 or each other (ValueError otherwise).
