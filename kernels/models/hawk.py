@@ -173,42 +173,5 @@ class HawkLM(nn.Module):
             x = block.step(x, c, reset)
         return self.logits(x)
 
-    @torch.no_grad()
-    def generate(self, prompt_tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Continue each prompt row (one document per row). prompt_tokens: [B, P], P >= 1;
-        temperature 0 picks the argmax, otherwise samples softmax(logits / temperature).
-        Returns the new tokens [B, max_new_tokens]."""
-        _check_tokens("prompt_tokens", prompt_tokens, (None, None))
-        B, P = prompt_tokens.shape
-        if P < 1:
-            raise ValueError(f"expected prompt_tokens of shape [B, P] with P >= 1 (start with a BOS token), "
-                             f"got {shape_str(prompt_tokens)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"expected temperature >= 0, got {temperature}")
-        self._check_device(prompt_tokens=prompt_tokens)
-        _check_token_range("prompt_tokens", prompt_tokens, self.config.vocab_size)
-        out = prompt_tokens.new_empty(B, max_new_tokens)
-        if max_new_tokens == 0:
-            return out
-        pos = torch.arange(P, device=self.device).expand(B, P)
-        logits, cache = self(prompt_tokens, pos)
-        nxt = self._choose(logits[:, -1], temperature, generator)
-        for i in range(max_new_tokens):
-            out[:, i] = nxt
-            if i + 1 < max_new_tokens:
-                sp = torch.full((B,), P + i, device=self.device, dtype=torch.int64)
-                nxt = self._choose(self.step(nxt, sp, cache), temperature, generator)
-        return out
-
-    @staticmethod
-    def _choose(logits, temperature, generator):
-        if temperature == 0:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
 
 __all__ = ["HawkLM", "HawkCache"]
