@@ -488,7 +488,8 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     advance_kernel[(cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
                                    stops, pad_id, M, S=stops.shape[0], BM=BM)
     if accounting.on():
-        accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
+        accounting.record("advance", accounting.nbytes(nxt, done, pos, stops),
+                          accounting.nbytes(tokens, done, pos, reset))
 
 
 # Fastest tiles of an H200 tile sweep for the five linears of preset 1.3b, keyed by
