@@ -84,15 +84,11 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON object (last line)")
     a = p.parse_args(argv)
-    for n in ("batch", "new_tokens"):
-        if getattr(a, n) < 1:
-            p.error(f"--{n.replace('_', '-')} must be at least 1, got {getattr(a, n)}")
-    if a.prompt_len < 0:
-        p.error(f"--prompt-len must be >= 0, got {a.prompt_len}")
-    if a.temperature < 0 or a.temperature != a.temperature:
+    for n, lo in (("batch", 1), ("new_tokens", 1), ("prompt_len", 0), ("top_k", 1)):
+        if getattr(a, n) is not None and getattr(a, n) < lo:
+            p.error(f"--{n.replace('_', '-')} must be at least {lo}, got {getattr(a, n)}")
+    if not a.temperature >= 0:
         p.error(f"--temperature must be >= 0, got {a.temperature}")
-    if a.top_k is not None and a.top_k < 1:
-        p.error(f"--top-k must be at least 1, got {a.top_k}")
     if a.top_k is not None and a.temperature == 0:
         p.error("--top-k needs --temperature > 0 (temperature 0 is greedy decoding)")
     if a.checkpoint and not os.path.isfile(a.checkpoint):
@@ -149,19 +145,16 @@ def main(argv=None) -> dict:
     sync()
     prefill_s = time.perf_counter() - t0
     out = torch.empty(a.batch, a.new_tokens, dtype=torch.int64, device=device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(a.new_tokens):
-            out[:, i].copy_(engine.step())
-        end.record()
-        end.synchronize()
-        total_ms = start.elapsed_time(end)
-    else:
-        t0 = time.perf_counter()
-        for i in range(a.new_tokens):
-            out[:, i].copy_(engine.step())
-        total_ms = (time.perf_counter() - t0) * 1e3
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
+    t0 = time.perf_counter()
+    if events:
+        events[0].record()
+    for i in range(a.new_tokens):
+        out[:, i].copy_(engine.step())
+    if events:
+        events[1].record()
+        events[1].synchronize()
+    total_ms = events[0].elapsed_time(events[1]) if events else (time.perf_counter() - t0) * 1e3
     ms_step = total_ms / a.new_tokens
     info = engine.describe()
     result = {"preset": cfg.name, "mixer": cfg.mixer, "batch": a.batch, "prompt_len": a.prompt_len,

@@ -89,7 +89,6 @@ def test_tensors_on_different_devices(model):
     tokens, pos = torch.zeros(2, 5, dtype=torch.int64), torch.arange(5).expand(2, 5)
     _raises(lambda: model(tokens.to(meta), pos.to(meta)), "tokens", "meta", "cpu")
     _raises(lambda: model(tokens, pos.to(meta)), "segment_pos", "meta")
-    _raises(lambda: model.generate(tokens.to(meta), 2), "prompt_tokens", "meta")
     cache = model.init_cache(2)
     cache.layers[1].rnn_state = cache.layers[1].rnn_state.to(meta)
     _raises(lambda: model(tokens, pos, cache), "cache.layers[1].rnn_state", "meta")
@@ -111,12 +110,6 @@ def test_conversion_of_unsupported_modules():
     _raises(lambda: from_recurrentgemma(rg.Griffin(cfg, gradient_checkpointing=False)), "RECURRENT", "ATTENTION")
     cfg = cfg._replace(block_types=(rg.TemporalBlockType.RECURRENT,), logits_soft_cap=30.0)
     _raises(lambda: from_recurrentgemma(rg.Griffin(cfg, gradient_checkpointing=False)), "logits_soft_cap", "30")
-
-
-def test_generate_arguments(model):
-    _raises(lambda: model.generate(torch.zeros(2, 0, dtype=torch.int64), 3), "prompt_tokens", "P >= 1", "[2, 0]")
-    _raises(lambda: model.generate(torch.zeros(2, 3, dtype=torch.int64), -1), "max_new_tokens", "-1")
-    _raises(lambda: model.generate(torch.zeros(2, 3, dtype=torch.int64), 2, temperature=-1.0), "temperature")
 
 
 # --- Audit fixes: strided parameters, decode-step and scan arguments, chunk_size, cu_seqlens.
@@ -593,11 +586,9 @@ def test_hawk_token_arguments(model):
         bad[0, 0] = 0
         _raises(lambda: model(bad, pos), "tokens", f"[0, {V})", f"{lo}", f"{hi}")
         _raises(lambda: model.step(bad[:, 1], pos[:, 1], cache), "tokens", f"[0, {V})")
-        _raises(lambda: model.generate(bad, 2), "prompt_tokens", f"[0, {V})")
     for dt in (torch.uint8, torch.int16, torch.int8):
         _raises(lambda: model(tokens.to(dt), pos), "tokens", "int64", str(dt))
         _raises(lambda: model.step(tokens[:, 0].to(dt), pos[:, 0], cache), "tokens", str(dt))
-        _raises(lambda: model.generate(tokens.to(dt), 2), "prompt_tokens", str(dt))
     model(tokens.int(), pos.int())                                      # int32 is taken
     _raises(lambda: model(tokens, None), "segment_pos", "None")
     _raises(lambda: model.step(tokens[:, 0], None, cache), "segment_pos", "None")

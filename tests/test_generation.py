@@ -12,7 +12,7 @@ import torch
 
 from kernels import generate, layers, parity, to_recurrentgemma
 from kernels.models import HawkConfig, HawkLM
-from kernels.models.generation import Decoder, Engine
+from kernels.models.generation import Engine
 from kernels.models import decode as dk
 
 V = 256
@@ -319,14 +319,14 @@ def test_small_temperature_is_greedy():
                        greedy)
 
 
-def test_decoder_interface():
+def test_start_and_step():
     m = _model("rglru")
-    dec = Decoder(m, 2, kernels="model")
-    dec.reset(None)
-    first = dec.step().clone()
-    assert first.shape == (2,) and dec.cache.batch_size == 2
-    dec.reset(torch.randint(0, V, (2, 3)))
-    assert dec.step().shape == (2,)
+    eng = Engine(m, kernels="model")
+    eng.start(batch_size=2)
+    first = eng.step().clone()
+    assert first.shape == (2,) and eng.cache.batch_size == 2
+    eng.start(torch.randint(0, V, (2, 3)))
+    assert eng.step().shape == (2,)
 
 
 def test_command_line_and_checkpoints(tmp_path, capsys, monkeypatch):
@@ -497,7 +497,7 @@ def test_engine_refuses_non_integer_lengths_and_fused_steps_take_strided_params(
     assert torch.equal(eng.generate(p, 2, lengths=torch.tensor([3, 4], dtype=torch.int32)),
                        eng.generate(p, 2, lengths=[3, 4]))
     with pytest.raises(ValueError, match="batch_size"):
-        Decoder(m, 0)
+        eng.start(batch_size=0)
     # parameters replaced by strided views (conv weights, norm scales): the fused and
     # gemm steps read them as the layers do
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """Layers and Hawk models: decode equals forward (both mixers, document starts while
-decoding), generation, caches, presets, initialisation, conversion round trips."""
+decoding), caches, presets, initialisation, conversion round trips."""
 
 import math
 
@@ -52,30 +52,6 @@ def test_decode_and_chunked_prefill_equal_forward(mixer):
         torch.testing.assert_close(a.rnn_state, b.rnn_state, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(a.conv_state, b.conv_state, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(c.conv_state, b.conv_state, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("mixer", ["rglru", "samu"])
-def test_generate_greedy_matches_full_forward(mixer):
-    m = _model(mixer)
-    prompt = torch.randint(0, m.config.vocab_size, (2, 5))
-    out = m.generate(prompt, 6)
-    assert out.shape == (2, 6)
-    seq = prompt
-    with torch.no_grad():
-        for _ in range(6):
-            pos = torch.arange(seq.shape[1]).expand_as(seq)
-            logits, _ = m(seq, pos, return_cache=False)
-            seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, seq[:, 5:])
-
-
-def test_generate_sampling_is_seeded():
-    m = _model("samu", torch.float32)
-    prompt = torch.randint(0, m.config.vocab_size, (3, 4))
-    a = m.generate(prompt, 5, temperature=1.0, generator=torch.Generator().manual_seed(1))
-    b = m.generate(prompt, 5, temperature=1.0, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(a, b) and a.shape == (3, 5)
-    assert m.generate(prompt, 0).shape == (3, 0)
 
 
 @pytest.mark.parametrize("mixer,state_dtype", [("rglru", torch.float32), ("samu", torch.complex64)])

@@ -1,26 +1,17 @@
 """Fused pieces of the Hawk decode step (one token per row) for the generation engine.
 
 Notation: M rows, D model width, E recurrent width, F MLP hidden width, CW conv width.
-Activations are in the model dtype (bf16, fp16 or fp32); arithmetic is FP32. Everything
-computes what `HawkLM.step` computes, rounding where it rounds (every nn.Module output
-is in the model dtype, GeLU's too, as in kernels.ops.geglu), so results differ from it
-only in FP32 summation order.
+Activations are in the model dtype (bf16, fp16 or fp32), arithmetic in FP32, rounded where
+`HawkLM.step` rounds (every nn.Module output, GeLU's too, as in kernels.ops.geglu), so
+results differ from it only in FP32 summation order.
 
 - row kernels around library matmuls (any M): `embed_rmsnorm`, `add_rmsnorm` (residual
-  add then RMSNorm), `conv_step` (conv decode step, state updated in place), `gelu_mul`;
-- `linear`: a weight-streaming split-K matmul for M <= 64 that reads each weight once
-  and fuses the row work around it (prologue: RMSNorm or a product of two inputs;
-  epilogue: bias, residual add, GeLU, the conv step, the gated-MLP product), so a Hawk
-  layer is four launches plus the mixer step. RMSNorm's 1 / rms is a per-row factor,
-  applied to the FP32 sums: the matmul reads round(x * (1 + scale)) where the model
-  reads round(x / rms * (1 + scale)), one rounding at another place. The last of a
-  column block's K splits to arrive adds their FP32 partials in a fixed order
-  (deterministic) and runs the epilogue.
+  add then RMSNorm), `conv_step` (state updated in place), `gelu_mul`;
+- `linear`: a weight-streaming split-K matmul for M <= 64 that reads each weight once and
+  fuses the row work around it, so a Hawk layer is four launches plus the mixer step;
+- `advance`: the decoding state after the next-token choice, in one launch.
 
-`advance` updates the decoding state after the next-token choice in one launch. Nothing
-here synchronises with the host, so every launcher can run under CUDA-graph capture.
-With `pdl=True` the linears use programmatic dependent launch (Hopper): a kernel is
-scheduled while its predecessor finishes and waits before reading what it wrote.
+Nothing here synchronises with the host, so every launcher can run under CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..ops import accounting
-from ..ops.checks import is_integer_dtype
+from ..ops.checks import FLOAT_DTYPES, check_tensor
 from ..ops.triton_utils import INTERPRET, cdiv, gelu_tanh, launcher, next_pow2, rne_bf16
 
 MAX_STOP_TOKENS = 8
@@ -341,53 +332,24 @@ def rows_block(M: int) -> int:
     return min(64, max(16, next_pow2(M)))
 
 
-def _on(name, t, device, whose=""):
-    if t.device != device:
-        raise ValueError(f"expected {name} on {device}{whose}, got {t.device}")
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+FLAG_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 
-def _rows(name, t):
-    """The shape (M, N) of a 2-D input with unit column stride (its row stride is free)."""
-    if t.stride(1) != 1:
+def _arg(name, t, shape, dtypes, device, layout="rows"):
+    """t, checked: a tensor of `shape` (None: any size) with a dtype in `dtypes` (None: any) on `device` (None:
+    any). layout "rows": unit column stride (the kernels take the row stride); "dense": contiguous (written in
+    place, or indexed densely); "copy": read-only, returned as a contiguous copy if it is a strided view."""
+    check_tensor(name, t, shape, dtypes)
+    if device is not None and t.device != device:
+        raise ValueError(f"expected {name} on {device}, got {t.device}")
+    if layout == "copy":
+        return t.contiguous()
+    if layout == "dense" and not t.is_contiguous():
+        raise ValueError(f"expected a contiguous {name}, got shape {list(t.shape)} strides {list(t.stride())}")
+    if t.stride(-1) != 1:
         raise ValueError(f"expected {name} with unit column stride, got strides {list(t.stride())}")
-    return t.shape
-
-
-def _check_2d(name, t, M, N, dtype, device, out=False):
-    """A [M, N] tensor with unit column stride in `dtype` on `device`; an output (`out`)
-    must also be contiguous (the kernels write rows at stride N)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"expected {name} to be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2 or t.shape[0] != M or t.shape[1] != N or t.stride(1) != 1:
-        raise ValueError(f"expected {name} of shape [{M}, {N}] with unit column stride, got "
-                         f"{list(t.shape)} strides {list(t.stride())}")
-    if t.dtype != dtype:
-        raise ValueError(f"expected {name} with dtype {dtype}, got {t.dtype}")
-    _on(name, t, device)
-    if out and not t.is_contiguous():
-        raise ValueError(f"expected a contiguous {name} (rows are written at stride {N}), got strides "
-                         f"{list(t.stride())}")
     return t
-
-
-def _out(name, t, M, N, dtype, device, strict=(), elementwise=()):
-    """The output buffer `t`, checked (aliasing as in `_no_alias`), or a new one."""
-    if t is None:
-        return torch.empty(M, N, dtype=dtype, device=device)
-    _no_alias(name, _check_2d(name, t, M, N, dtype, device, True), strict, elementwise)
-    return t
-
-
-def _vec(name, t, n, device, dtype=None):
-    """A read-only floating vector [n] (bias, norm or conv parameters), as a contiguous
-    copy if it is a strided view (the kernels index it densely)."""
-    if not isinstance(t, torch.Tensor) or t.shape != (n,):
-        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"expected {name} of shape [{n}], got {got}")
-    if (dtype is not None and t.dtype != dtype) or not t.dtype.is_floating_point:
-        raise ValueError(f"expected {name} with {dtype or 'a floating dtype'}, got {t.dtype}")
-    _on(name, t, device)
-    return t.contiguous()
 
 
 def _overlap(a, b) -> bool:
@@ -408,51 +370,52 @@ def _same_view(a, b) -> bool:
             and a.dtype == b.dtype)
 
 
-def _no_alias(out_name, out, strict=(), elementwise=()):
-    """ValueError when `out` shares memory with an input that the kernel still reads after
-    other programs write `out`. `strict`: (name, tensor) pairs that may not overlap at all;
-    `elementwise`: inputs read at the element that is written (out may be exactly that
-    tensor, but no other overlapping view of it)."""
-    for name, t in strict:
-        if _overlap(out, t):
-            raise ValueError(f"expected {out_name} not to overlap {name} in memory (it is read while "
-                             f"{out_name} is written); pass a separate buffer")
-    for name, t in elementwise:
-        if _overlap(out, t) and not _same_view(out, t):
-            raise ValueError(f"expected {out_name} to be {name} itself or not to overlap it in memory, "
-                             f"got a partly overlapping view")
+def _apart(name, t, strict=(), same=()):
+    """ValueError where t, written by a kernel, shares memory with an input that other programs read:
+    `strict` (name, tensor) pairs may not overlap t at all; `same` ones, read at the element written,
+    may be t itself."""
+    for may_be_it, pairs in ((False, strict), (True, same)):
+        for other, u in pairs:
+            if _overlap(t, u) and not (may_be_it and _same_view(t, u)):
+                raise ValueError(f"expected {name} not to overlap {other} in memory"
+                                 f"{' unless it is ' + other + ' itself' if may_be_it else ''} ({other} is read "
+                                 f"while {name} is written); pass a separate buffer")
+    return t
 
 
-def _check_tokens(name, t, M=None):
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or (M is not None and t.shape[0] != M):
-        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"expected {name} of shape [{'M' if M is None else M}], got {got}")
-    if not is_integer_dtype(t.dtype):
-        raise ValueError(f"expected {name} with an integer dtype, got {t.dtype}")
+def _out(name, t, M, N, dtype, device, strict=(), same=()):
+    """The output buffer `t` [M, N], checked (aliasing as in `_apart`), or a new one."""
+    if t is None:
+        return torch.empty(M, N, dtype=dtype, device=device)
+    return _apart(name, _arg(name, t, (M, N), (dtype,), device, "dense"), strict, same)
 
 
 def _flags(name, t, M, device):
-    """A [M] bool / int8 / uint8 flag vector on `device`."""
-    if t.shape != (M,) or t.dtype not in (torch.bool, torch.uint8, torch.int8):
-        raise ValueError(f"expected {name} of shape [{M}] and dtype bool, got {list(t.shape)} {t.dtype}")
-    _on(name, t, device)
+    """A [M] bool / int8 / uint8 flag vector, contiguous, bool viewed as uint8."""
+    t = _arg(name, t, (M,), FLAG_DTYPES, device, "copy")
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _conv_args(conv_state, conv_w, conv_b, M, E, device):
+    """(CW, conv_w [CW, E], conv_b [E]) as contiguous tensors; conv_state [M, CW-1, E], updated in place,
+    must be contiguous."""
+    conv_w = _arg("conv_w", conv_w, (None, E), None, device, "copy")
+    conv_b = _arg("conv_b", conv_b, (E,), None, device, "copy")
+    _arg("conv_state", conv_state, (M, conv_w.shape[0] - 1, E), None, device, "dense")
+    return conv_w.shape[0], conv_w, conv_b
 
 
 def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
     """x = table[tokens] [M, D]; xn = RMSNorm(x) with `scale`. Returns (x, xn).
     tokens: [M] ids in [0, V) (not checked: no host synchronisation); table: a
     contiguous [V, D]."""
-    _check_tokens("tokens", tokens)
-    if table.dim() != 2 or not table.is_contiguous():
-        raise ValueError(f"expected a contiguous embedding table [V, D], got {list(table.shape)} "
-                         f"strides {list(table.stride())}")
+    table = _arg("table", table, (None, None), None, None, "dense")
+    dev, dt = table.device, table.dtype
+    tokens = _arg("tokens", tokens, (None,), INT_DTYPES, dev, "copy")
     M, D = tokens.shape[0], table.shape[1]
-    dev = table.device
-    _on("tokens", tokens, dev, " (the table's device)")
-    tokens = tokens.contiguous()
-    scale = _vec("scale", scale, D, dev)
-    x = _out("x", x, M, D, table.dtype, dev, strict=(("table", table),))
-    xn = _out("xn", xn, M, D, table.dtype, dev, strict=(("x", x), ("table", table)))
+    scale = _arg("scale", scale, (D,), FLOAT_DTYPES, dev, "copy")
+    x = _out("x", x, M, D, dt, dev, strict=(("table", table),))
+    xn = _out("xn", xn, M, D, dt, dev, strict=(("x", x), ("table", table)))
     embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
     if accounting.on():
         accounting.record("embed_rmsnorm", accounting.nbytes(tokens, x, scale), accounting.nbytes(x, xn))
@@ -460,50 +423,28 @@ def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
 
 
 def add_rmsnorm(h, x, scale, eps, xn=None):
-    """x <- round(h + x) in place; returns xn = RMSNorm(x) with `scale`."""
+    """x <- round(h + x) in place; returns xn = RMSNorm(x) with `scale`. h, x: contiguous [M, D]."""
+    x = _arg("x", x, (None, None), None, None, "dense")
     M, D = x.shape
-    _check_2d("h", h, M, D, x.dtype, x.device)
-    if not x.is_contiguous() or not h.is_contiguous():
-        raise ValueError("expected contiguous h and x in add_rmsnorm")
-    scale = _vec("scale", scale, D, x.device)
-    _no_alias("x", x, elementwise=(("h", h),))
-    xn = _out("xn", xn, M, D, x.dtype, x.device, strict=(("x", x),), elementwise=(("h", h),))
+    _arg("h", h, (M, D), (x.dtype,), x.device, "dense")
+    scale = _arg("scale", scale, (D,), FLOAT_DTYPES, x.device, "copy")
+    _apart("x", x, same=(("h", h),))
+    xn = _out("xn", xn, M, D, x.dtype, x.device, strict=(("x", x),), same=(("h", h),))
     add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
     if accounting.on():
         accounting.record("add_rmsnorm", accounting.nbytes(h, x, scale), accounting.nbytes(x, xn))
     return xn
 
 
-def _reset_arg(reset, M, device):
-    if reset is None:
-        return None
-    _flags("reset", reset, M, device)
-    reset = reset.contiguous()
-    return reset.view(torch.uint8) if reset.dtype == torch.bool else reset
-
-
-def _check_conv(conv_state, conv_w, conv_b, M, E, device):
-    """(CW, conv_w, conv_b): the weights as contiguous tensors (copies of strided views);
-    the state, updated in place, must be contiguous."""
-    if conv_w.dim() != 2 or conv_w.shape[1] != E or conv_b.shape != (E,):
-        raise ValueError(f"expected conv_w [W, {E}] and conv_b [{E}], got {list(conv_w.shape)}, {list(conv_b.shape)}")
-    CW = conv_w.shape[0]
-    if conv_state.shape != (M, CW - 1, E) or not conv_state.is_contiguous():
-        raise ValueError(f"expected a contiguous conv_state of shape [{M}, {CW - 1}, {E}], "
-                         f"got {list(conv_state.shape)} strides {list(conv_state.stride())}")
-    for n, t in (("conv_state", conv_state), ("conv_w", conv_w), ("conv_b", conv_b)):
-        _on(n, t, device)
-    return CW, conv_w.contiguous(), conv_b.contiguous()
-
-
 def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     """Causal-conv decode step. x: [M, E] (row stride free); conv_state [M, CW-1, E]
     updated in place (inputs of a row with reset are dropped); returns y [M, E]."""
-    M, E = _rows("x", x)
-    CW, conv_w, conv_b = _check_conv(conv_state, conv_w, conv_b, M, E, x.device)
-    _no_alias("conv_state", conv_state, strict=(("x", x),))
-    rst = _reset_arg(reset, M, x.device)
-    y = _out("y", y, M, E, x.dtype, x.device, strict=(("conv_state", conv_state),), elementwise=(("x", x),))
+    x = _arg("x", x, (None, None), None, None)
+    M, E = x.shape
+    CW, conv_w, conv_b = _conv_args(conv_state, conv_w, conv_b, M, E, x.device)
+    _apart("conv_state", conv_state, strict=(("x", x),))
+    rst = None if reset is None else _flags("reset", reset, M, x.device)
+    y = _out("y", y, M, E, x.dtype, x.device, strict=(("conv_state", conv_state),), same=(("x", x),))
     BM, BC = 16, 256
     conv_step_kernel[(cdiv(E, BC), cdiv(M, BM))](
         x, x.stride(0), conv_state, conv_w, conv_b, rst if rst is not None else conv_state, y, M, E,
@@ -516,9 +457,10 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
 
 def gelu_mul(a, b, y=None):
     """round(round(gelu_tanh(a)) * b) for a, b [M, F] (row strides free)."""
-    M, F = _rows("a", a)
-    _check_2d("b", b, M, F, a.dtype, a.device)
-    y = _out("y", y, M, F, a.dtype, a.device, elementwise=(("a", a), ("b", b)))
+    a = _arg("a", a, (None, None), None, None)
+    M, F = a.shape
+    _arg("b", b, (M, F), (a.dtype,), a.device)
+    y = _out("y", y, M, F, a.dtype, a.device, same=(("a", a), ("b", b)))
     BM, BF = 16, 512
     gelu_mul_kernel[(cdiv(F, BF), cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F, BM=BM, BF=BF, RNE=INTERPRET)
     if accounting.on():
@@ -531,28 +473,23 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     nxt in stops [MAX_STOP_TOKENS] (-1 = unused), pos += 1, reset <- pos == 0.
     tokens, pos (integer) and reset, done (bool, int8 or uint8) are [M] contiguous
     buffers updated in place."""
-    _check_tokens("tokens", tokens)
+    tokens = _arg("tokens", tokens, (None,), INT_DTYPES, None, "dense")
     M, dev = tokens.shape[0], tokens.device
-    for n, t in (("nxt", nxt), ("pos", pos), ("stops", stops)):
-        _check_tokens(n, t, None if n == "stops" else M)
-        _on(n, t, dev, " (the tokens' device)")
-    _flags("reset", reset, M, dev)
-    _flags("done", done, M, dev)
+    nxt = _arg("nxt", nxt, (M,), INT_DTYPES, dev, "copy")
+    stops = _arg("stops", stops, (None,), INT_DTYPES, dev, "copy")
+    _arg("pos", pos, (M,), INT_DTYPES, dev, "dense")
+    _arg("reset", reset, (M,), FLAG_DTYPES, dev, "dense")
+    _arg("done", done, (M,), FLAG_DTYPES, dev, "dense")
     written = (("tokens", tokens), ("pos", pos), ("reset", reset), ("done", done))
     for i, (n, t) in enumerate(written):
-        if not t.is_contiguous():
-            raise ValueError(f"expected a contiguous {n} (it is updated in place), got strides {list(t.stride())}")
-        for n2, t2 in written[i + 1:]:
-            if _overlap(t, t2):
-                raise ValueError(f"expected {n} and {n2} not to overlap in memory")
-        _no_alias(n, t, strict=(("stops", stops),) + ((("nxt", nxt),) if n != "tokens" else ()),
-                  elementwise=(("nxt", nxt),) if n == "tokens" else ())
-    nxt, stops = nxt.contiguous(), stops.contiguous()
+        read = (("stops", stops),) if n == "tokens" else (("stops", stops), ("nxt", nxt))
+        _apart(n, t, strict=written[i + 1:] + read, same=(("nxt", nxt),) if n == "tokens" else ())
     BM = 128
     advance_kernel[(cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
                                    stops, pad_id, M, S=stops.shape[0], BM=BM)
     if accounting.on():
-        accounting.record("advance", accounting.nbytes(nxt, done, pos, stops), accounting.nbytes(tokens, done, pos, reset))
+        accounting.record("advance", accounting.nbytes(nxt, done, pos, stops),
+                          accounting.nbytes(tokens, done, pos, reset))
 
 
 # Fastest tiles of an H200 tile sweep for the five linears of preset 1.3b, keyed by
@@ -640,15 +577,6 @@ def _dot_mode(dtype):
     raise ValueError(f"expected a bf16, fp16 or fp32 model for the fused linear, got {dtype}")
 
 
-def _weight(name, t, shape, dtype, device):
-    if t is None or t.shape != shape or not t.is_contiguous():
-        raise ValueError(f"expected a contiguous {name} of shape {list(shape)}, got "
-                         f"{None if t is None else list(t.shape)}")
-    # The dot reads a and w in one precision: mixed dtypes are refused (as F.linear does).
-    if t.dtype != dtype or t.device != device:
-        raise ValueError(f"expected {name} with the activation dtype {dtype} on {device}, got {t.dtype} on {t.device}")
-
-
 def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, norm_scale=None, eps=1e-6,
            residual=None, w2=None, bias2=None, conv=None, reset=None, out=None, out2=None, config=None,
            pdl=False, workspace=None):
@@ -661,68 +589,59 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     [M, N]) with conv = (conv_state [M, CW-1, N], conv_w [CW, N], conv_b [N]) and reset;
     EPI_GATED -> round(gelu(y_gate)) * y_value [M, N] from w's two halves.
     config: tile options overriding `default_config`; workspace: a `Workspace` for the
-    split-K partials (default: fresh scratch per call). Weights, biases and a2 are in
-    a's dtype on its device; strided vectors are copied; out, out2, residual and
-    conv_state must not share memory with a, a2 or each other (ValueError otherwise).
+    split-K partials (default: fresh scratch per call); pdl: programmatic dependent launch
+    (Hopper: scheduled while the previous kernel finishes, waiting before its first read). Weights, biases and a2 are in
+    a's dtype on its device (the dot reads a and w in one precision, as F.linear does);
+    strided vectors are copied; out, out2, residual and conv_state must not share memory
+    with a, a2 or each other (ValueError otherwise).
     """
-    M, K = _rows("a", a)
+    a = _arg("a", a, (None, None), None, None)
+    (M, K), dt, dev = a.shape, a.dtype, a.device
     if M > LINEAR_MAX_ROWS:
         raise ValueError(f"expected at most {LINEAR_MAX_ROWS} rows for the weight-streaming linear, got {M}")
     unknown = set(config or {}) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"expected config keys among {list(CONFIG_KEYS)}, got {sorted(unknown)}")
-    dt, dev = a.dtype, a.device
-    if w.dim() != 2 or w.shape[1] != K:
-        raise ValueError(f"expected a contiguous w of shape [N, {K}], got {list(w.shape)}")
-    _weight("w", w, w.shape, dt, dev)
-    gated = epilogue == EPI_GATED
+    gated, xy = epilogue == EPI_GATED, epilogue == EPI_XY
+    w = _arg("w", w, (None, K), (dt,), dev, "dense")
     if gated and w.shape[0] % 2:
         raise ValueError(f"expected w of shape [2N, {K}] (gate rows, then value rows) with EPI_GATED, "
                          f"got {list(w.shape)}")
     N = w.shape[0] // 2 if gated else w.shape[0]
     if bias is not None:
-        bias = _vec("bias", bias, w.shape[0], dev, dt)
+        bias = _arg("bias", bias, (w.shape[0],), (dt,), dev, "copy")
     if prologue == PRO_MUL:
-        if a2 is None:
-            raise ValueError("expected a2 with PRO_MUL")
-        _check_2d("a2", a2, M, K, dt, dev)
+        _arg("a2", a2, (M, K), (dt,), dev)
     if prologue == PRO_NORM:
-        if norm_scale is None:
-            raise ValueError(f"expected norm_scale of shape [{K}] with PRO_NORM")
-        norm_scale = _vec("norm_scale", norm_scale, K, dev)
+        norm_scale = _arg("norm_scale", norm_scale, (K,), FLOAT_DTYPES, dev, "copy")
     BM = rows_block(M)
-    cfg = _fit_smem(dict(default_config(2 * N if epilogue == EPI_XY else N, K, M), **(config or {})), BM, gated,
-                    dt.itemsize)
+    cfg = _fit_smem(dict(default_config(2 * N if xy else N, K, M), **(config or {})), BM, gated, dt.itemsize)
     if cfg["BN"] < 16 or cfg["BK"] < 16:
         raise ValueError(f"expected BN and BK >= 16 (the dot's smallest tile), got {cfg}")
     KS, split = split_plan(K, cfg["BK"], cfg["SPLIT"])
-    n_blocks = cdiv(N, cfg["BN"])
-    rst = cstate = cw = cb = None
-    CW = 1
+    n_blocks = cdiv(N, cfg["BN"]) * (2 if xy else 1)
     inputs = (("a", a), ("a2", a2))
     if epilogue == EPI_RESIDUAL:
-        _check_2d("residual", residual, M, N, dt, dev)
-        if not residual.is_contiguous():
-            raise ValueError("expected a contiguous residual (it is updated in place)")
+        _apart("residual", _arg("residual", residual, (M, N), (dt,), dev, "dense"), strict=inputs)
         if out is not None and not _same_view(out, residual):
             raise ValueError("expected out None (or the residual itself) with EPI_RESIDUAL: the result is "
                              "written into residual")
         out = residual
-        _no_alias("residual", out, strict=inputs)
     else:
         out = _out("out", out, M, N, dt, dev, strict=inputs)
-    if epilogue == EPI_XY:
-        _weight("w2", w2, w.shape, dt, dev)
+    rst = cstate = cw = cb = None
+    CW = 1
+    if xy:
+        _arg("w2", w2, tuple(w.shape), (dt,), dev, "dense")
         if bias2 is not None:
-            bias2 = _vec("bias2", bias2, N, dev, dt)
+            bias2 = _arg("bias2", bias2, (N,), (dt,), dev, "copy")
         if conv is None or len(conv) != 3:
             raise ValueError("expected conv = (conv_state, conv_w, conv_b) with EPI_XY")
         cstate, cw, cb = conv
-        CW, cw, cb = _check_conv(cstate, cw, cb, M, N, dev)
-        rst = _reset_arg(reset, M, dev)
+        CW, cw, cb = _conv_args(cstate, cw, cb, M, N, dev)
+        rst = None if reset is None else _flags("reset", reset, M, dev)
         out2 = _out("out2", out2, M, N, dt, dev, strict=(*inputs, ("out", out), ("conv_state", cstate)))
-        _no_alias("conv_state", cstate, strict=(*inputs, ("out", out)))
-        n_blocks *= 2
+        _apart("conv_state", cstate, strict=(*inputs, ("out", out)))
     if split > 1:
         floats = n_blocks * split * BM * (cfg["BN"] * (2 if gated else 1) + 1)
         ws, counts = (workspace.take(floats, n_blocks) if workspace is not None else
@@ -748,8 +667,8 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     )
     if accounting.on():
         accounting.record("linear", accounting.nbytes(w, bias, w2, bias2) + accounting.nbytes(a, a2, residual, cstate)
-                          * (2 if epilogue == EPI_XY else 1), accounting.nbytes(out, out2, cstate))
-    return (out, out2) if epilogue == EPI_XY else out
+                          * (2 if xy else 1), accounting.nbytes(out, out2, cstate))
+    return (out, out2) if xy else out
 
 
 __all__ = ["embed_rmsnorm", "add_rmsnorm", "conv_step", "gelu_mul", "advance", "linear", "default_config",

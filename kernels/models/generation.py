@@ -8,7 +8,9 @@ captured in a CUDA graph per batch size, sampling, stop tokens and a streaming i
 Each batch size B has one `_Slot` of static decoding state. A step (embedding, blocks,
 final norm, logits, next-token choice written back into the slot's `tokens`) is fixed
 device work with no host synchronisation, captured once per (B, greedy or sampled,
-top_k, generator) on CUDA and replayed.
+top_k, generator) on CUDA and replayed. A graph keeps the parameter storage it captured:
+build a new engine after replacing parameters (SAMU's mode tables are recomputed in
+place at every `start`, so parameters updated in place are seen).
 
 Prompts are left-padded to a common length P; as in recurrentgemma's sampler, positions
 are t - (P - length) clipped at -1, so each row's first real token is a document start
@@ -16,16 +18,12 @@ and pads never reach a real token. An empty prompt is [bos_id]. Prefill runs the
 P - 1 columns through the blocks' sequence path in chunks of `prefill_chunk`; the last
 prompt token is the first step's input.
 
-Step kernels (`kernels=`): "model" (HawkLM.step's own layers; any device and dtype);
-"fused" (library matmuls plus the fused row kernels of kernels.models.decode); "gemm"
-(the weight-streaming linears with the row work fused in, for B <= 64, "fused" above);
-"auto" (on CUDA: "gemm" up to AUTO_GEMM_MAX_ROWS rows and "fused" above for bf16/fp16,
-"fused" for fp32; "model" elsewhere). PDL (`pdl=None`) is on for "gemm" on Hopper and
-newer. All compute HawkLM.step with its roundings (kernels.models.decode). A graph
-keeps the parameter storage it captured: build a new engine after replacing parameters.
-The SAMU layers' mode tables (the per-mode constants their Triton steps read) are
-recomputed in place at every `start`, so parameters updated in place between batches
-are seen.
+Step kernels (`kernels=`), all computing HawkLM.step with its roundings: "model"
+(HawkLM.step's own layers; any device and dtype); "fused" (library matmuls plus the row
+kernels of kernels.models.decode); "gemm" (decode's weight-streaming linears, for B <= 64,
+"fused" above); "auto" (on CUDA: "gemm" up to AUTO_GEMM_MAX_ROWS rows and "fused" above
+for bf16/fp16, "fused" for fp32; "model" elsewhere). PDL (`pdl=None`) is on for "gemm"
+on Hopper and newer.
 """
 
 from __future__ import annotations
@@ -55,34 +53,22 @@ BOS_ID = 2
 MIN_TEMPERATURE = 1e-6
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Next-token choice: temperature 0 picks the argmax; otherwise sample
+def _sampling(temperature, top_k, V: int) -> tuple[float, int | None]:
+    """(temperature, top_k) checked: temperature 0 picks the argmax, otherwise sample
     softmax(logits / temperature), restricted to the top_k logits when top_k is set."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-
-    def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or t < 0:
-            raise ValueError(f"expected temperature a float >= 0, got {t!r}")
-        if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"expected temperature 0 (greedy) or at least {MIN_TEMPERATURE:g} (the logits are "
-                             f"divided by it in FP32), got {t!r}")
-        k = self.top_k
-        if k is not None:      # an int of any kind (numpy, a 0-d tensor), not a bool or a float
-            try:
-                ok = not isinstance(k, bool) and operator.index(k) >= 1
-            except TypeError:
-                ok = False
-            if not ok:
-                raise ValueError(f"expected top_k None or a positive int, got {k!r}")
-            object.__setattr__(self, "top_k", operator.index(k))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    t = float(temperature)
+    if not (t == 0 or t >= MIN_TEMPERATURE):        # NaN fails both
+        raise ValueError(f"expected temperature 0 (greedy) or at least {MIN_TEMPERATURE:g} (the logits are "
+                         f"divided by it in FP32), got {temperature!r}")
+    if top_k is None:
+        return t, None
+    try:        # an int of any kind (numpy, a 0-d tensor), not a bool or a float
+        k = None if isinstance(top_k, bool) else operator.index(top_k)
+    except TypeError:
+        k = None
+    if k is None or not 1 <= k <= V:
+        raise ValueError(f"expected top_k None or an int in [1, vocab_size = {V}], got {top_k!r}")
+    return t, k
 
 
 @dataclass
@@ -167,10 +153,10 @@ class Engine:
         self.linear_configs = dict(linear_configs or {})
         self._slots: dict[int, _Slot] = {}
         self._cur: _Slot | None = None
-        self._sampling = Sampling()
+        self._sampling: tuple[bool, int | None] = (True, None)     # (greedy, top_k)
         self._generator: torch.Generator | None = None
         self._has_stops = False
-        self._step_kw: list[dict] | None = None     # per block, its mixer's extra step arguments
+        self._step_kw: list[dict] = [{} for _ in model.blocks]     # per block, its mixer's extra step arguments
 
     def _kernels_for(self, B: int) -> str:
         """The step kernels of batch size B ("auto" here means a bf16/fp16 CUDA model)."""
@@ -217,22 +203,19 @@ class Engine:
                 "linear_configs": dict(self.linear_configs)}
 
     def _prompt_batch(self, prompts, lengths):
-        dev, V = self.device, self.model.config.vocab_size
+        """(tokens [B, P] on the model's device, lengths [B]): prompts left-padded, an empty
+        row made [bos_id]."""
+        V = self.model.config.vocab_size
         if isinstance(prompts, torch.Tensor):
             if prompts.dim() != 2 or not is_integer_dtype(prompts.dtype):
                 raise ValueError(f"expected prompts an integer tensor of shape [B, P], got {shape_str(prompts)} "
                                  f"{prompts.dtype}")
-            tokens = prompts.to(dev, torch.int64)
-            B, P = tokens.shape
-            if lengths is None:
-                lengths = torch.full((B,), P, dtype=torch.int64)
-            else:
-                lengths = torch.as_tensor(lengths)
-                if not is_integer_dtype(lengths.dtype):    # a float length would be truncated, a bool one read as 0 / 1
-                    raise ValueError(f"expected lengths with an integer dtype, got {lengths.dtype}")
-                lengths = lengths.to("cpu", torch.int64)
-                if lengths.shape != (B,):
-                    raise ValueError(f"expected lengths of shape [{B}], got {list(lengths.shape)}")
+            tokens = prompts.to(self.device, torch.int64)
+            lengths = torch.full(prompts.shape[:1], prompts.shape[1]) if lengths is None else torch.as_tensor(lengths)
+            if not is_integer_dtype(lengths.dtype):    # a float length would be truncated, a bool one read as 0 / 1
+                raise ValueError(f"expected lengths with an integer dtype, got {lengths.dtype}")
+            if lengths.shape != prompts.shape[:1]:
+                raise ValueError(f"expected lengths of shape [{prompts.shape[0]}], got {list(lengths.shape)}")
         else:
             if lengths is not None:
                 raise ValueError("expected lengths only with a [B, P] prompt tensor (a list of prompts "
@@ -240,25 +223,25 @@ class Engine:
             seqs = [_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
             if not seqs:
                 raise ValueError("expected at least one prompt, got none")
-            P = max(len(q) for q in seqs)
-            tokens = torch.full((len(seqs), P), self.pad_id, dtype=torch.int64)
-            for i, q in enumerate(seqs):
-                tokens[i, P - len(q):] = q
-            lengths = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
-            tokens = tokens.to(dev)
-        if P and (bool((lengths < 0).any()) or bool((lengths > P).any())):
+            lengths = torch.tensor([len(q) for q in seqs])
+            tokens = torch.full((len(seqs), int(lengths.max())), self.pad_id, dtype=torch.int64)
+            for row, q in zip(tokens, seqs):
+                row[row.shape[0] - len(q):] = q
+            tokens = tokens.to(self.device)
+        P, lengths = tokens.shape[1], lengths.to("cpu", torch.int64)
+        if bool(((lengths < 0) | (lengths > P)).any()):
             raise ValueError(f"expected every prompt length in [0, {P}], got {lengths.tolist()}")
-        if P == 0 and bool((lengths != 0).any()):
-            raise ValueError(f"expected lengths 0 for empty prompts, got {lengths.tolist()}")
+        if P == 0:
+            tokens, P = torch.full((len(lengths), 1), self.pad_id, dtype=torch.int64, device=self.device), 1
         empty = lengths == 0
-        if P and bool(empty.any()):        # an empty row is the prompt [bos_id]
-            tokens = tokens.clone()
+        if bool(empty.any()):
+            tokens = tokens.clone()     # the caller's tensor is left alone
             tokens[empty.to(tokens.device), P - 1] = self.bos_id
             lengths = torch.where(empty, 1, lengths)
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= V):
             raise ValueError(f"expected prompt tokens in [0, {V}), got values in "
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
-        return tokens, lengths.to(dev)
+        return tokens, lengths.to(self.device)
 
     @torch.no_grad()
     def _prefill(self, s: _Slot, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -267,11 +250,6 @@ class Engine:
             c.conv_state.zero_()
             c.rnn_state.zero_()
         s.done.zero_()
-        if P == 0:
-            s.tokens.fill_(self.bos_id)
-            s.pos.zero_()
-            s.reset.fill_(True)
-            return
         # recurrentgemma's sampler: position t - (P - length), pads at -1.
         pos = (torch.arange(P, device=self.device)[None, :] - (P - lengths)[:, None]).clamp_(min=-1)
         if P > 1:
@@ -305,9 +283,7 @@ class Engine:
         on the model's device for sampling.
         """
         V = self.model.config.vocab_size
-        sampling = Sampling(float(temperature), top_k)
-        if sampling.top_k is not None and sampling.top_k > V:
-            raise ValueError(f"expected top_k <= vocab_size = {V}, got {top_k}")
+        temperature, top_k = _sampling(temperature, top_k, V)
         stops = _ids(stop_tokens, "stop_tokens", scalar=True).tolist()
         if len(stops) > dk.MAX_STOP_TOKENS:
             raise ValueError(f"expected at most {dk.MAX_STOP_TOKENS} stop tokens, got {len(stops)}")
@@ -319,18 +295,16 @@ class Engine:
         if prompts is None:
             if not isinstance(batch_size, int) or batch_size < 1:
                 raise ValueError(f"expected batch_size a positive int with empty prompts, got {batch_size!r}")
-            tokens = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
-            lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
-        else:
-            if batch_size is not None:
-                raise ValueError("expected batch_size only with empty prompts (prompts=None)")
-            tokens, lengths = self._prompt_batch(prompts, lengths)
+            prompts = torch.zeros(batch_size, 0, dtype=torch.int64)
+        elif batch_size is not None:
+            raise ValueError("expected batch_size only with empty prompts (prompts=None)")
+        tokens, lengths = self._prompt_batch(prompts, lengths)
         s = self._slot(tokens.shape[0])
         self._refresh_step_kw()
         self._prefill(s, tokens, lengths)
         s.stops.copy_(torch.tensor(stops + [-1] * (dk.MAX_STOP_TOKENS - len(stops)), dtype=torch.int64))
-        s.temperature.fill_(sampling.temperature if not sampling.greedy else 1.0)
-        self._cur, self._sampling, self._generator = s, sampling, generator
+        s.temperature.fill_(temperature or 1.0)
+        self._cur, self._sampling, self._generator = s, (temperature == 0, top_k), generator
         self._has_stops = bool(stops)
         return s.B
 
@@ -339,10 +313,8 @@ class Engine:
         layer's mode table of the parameters as they are now, written into the tensors
         captured graphs read (a table the reference step would ignore is kept, never freed
         under a graph)."""
-        mixers = [b.recurrent_block.mixer for b in self.model.blocks]
-        if self._step_kw is None:
-            self._step_kw = [{} for _ in mixers]
-        for kw, mixer in zip(self._step_kw, mixers):
+        for kw, block in zip(self._step_kw, self.model.blocks):
+            mixer = block.recurrent_block.mixer
             tab = mixer.decode_modes(self.dtype) if isinstance(mixer, SAMU) else None
             if tab is not None and "modes" in kw:
                 kw["modes"].copy_(tab)
@@ -355,10 +327,6 @@ class Engine:
         for block, c, mkw in zip(m.blocks, s.cache.layers, self._step_kw):
             x = block.step(x, c, s.reset, **mkw)
         return m.logits(x)
-
-    def _next_norm(self, i: int):
-        m = self.model
-        return m.blocks[i + 1].temporal_pre_norm if i + 1 < len(m.blocks) else m.final_norm
 
     def _logits_fused(self, s: _Slot) -> torch.Tensor:
         m = self.model
@@ -376,7 +344,7 @@ class Engine:
             u = F.linear(xn, mlp.ffw_up.weight, mlp.ffw_up.bias)
             Fw = mlp.expanded_width
             o = F.linear(dk.gelu_mul(u[:, :Fw], u[:, Fw:]), mlp.ffw_down.weight, mlp.ffw_down.bias)
-            nn_ = self._next_norm(i)
+            nn_ = m.blocks[i + 1].temporal_pre_norm if i + 1 < len(m.blocks) else m.final_norm
             xn = dk.add_rmsnorm(o, x, nn_.scale, nn_.eps)
         return F.linear(xn, m.embed.weight)
 
@@ -402,15 +370,16 @@ class Engine:
         return dk.linear(x, m.embed.weight, None, prologue=dk.PRO_NORM, norm_scale=fn.scale, eps=fn.eps,
                          config=cfg.get("logits"), **kw)
 
-    def _choose(self, s: _Slot, logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
-        if sampling.greedy:
+    def _choose(self, s: _Slot, logits: torch.Tensor, sampling, generator) -> torch.Tensor:
+        greedy, top_k = sampling
+        if greedy:
             return logits.argmax(dim=-1)
         # Shifted by the row maximum first: at small temperatures the quotient may
         # overflow to -inf (probability 0), never to +inf (inf - inf would be NaN).
         lg = logits.float()
         lg = (lg - lg.amax(dim=-1, keepdim=True)) / s.temperature
-        if sampling.top_k is not None:
-            kth = torch.topk(lg, sampling.top_k, dim=-1).values[:, -1:]
+        if top_k is not None:
+            kth = torch.topk(lg, top_k, dim=-1).values[:, -1:]
             lg = lg.masked_fill(lg < kth, float("-inf"))
         probs = torch.softmax(lg, dim=-1)
         # Exponential race: argmax(p / q), q ~ Exp(1), samples Categorical(p) without
@@ -428,12 +397,12 @@ class Engine:
         else:
             dk.advance(nxt, s.tokens, s.pos, s.reset, s.done, s.stops, self.pad_id)
 
-    def _body(self, s: _Slot, sampling: Sampling, generator) -> torch.Tensor:
+    def _body(self, s: _Slot, sampling, generator) -> torch.Tensor:
         logits = {"model": self._logits_model, "fused": self._logits_fused, "gemm": self._logits_gemm}[s.kernels](s)
         self._advance(s, self._choose(s, logits, sampling, generator))
         return logits
 
-    def _capture(self, s: _Slot, sampling: Sampling, generator):
+    def _capture(self, s: _Slot, sampling, generator):
         saved = [t.clone() for t in s.state()]
         # The warm-up must leave no trace: decoding state and random-number state are
         # restored, so a sampled graph run draws what an eager run would.
@@ -466,7 +435,7 @@ class Engine:
         if not self.graphs:
             s.logits = self._body(s, self._sampling, self._generator)
             return s.tokens
-        key = (self._sampling.greedy, self._sampling.top_k, None if self._generator is None else id(self._generator))
+        key = (*self._sampling, None if self._generator is None else id(self._generator))
         entry = s.graphs.get(key)
         if entry is None:
             entry = s.graphs[key] = (*self._capture(s, self._sampling, self._generator), self._generator)
@@ -474,80 +443,33 @@ class Engine:
         s.logits = entry[1]
         return s.tokens
 
-    def _steps(self, max_new_tokens, sync_every: int, prompts, start_kw: dict):
-        """start(prompts, **start_kw); returns B and an iterator over up to max_new_tokens
-        steps' token buffers that stops early as `stream` says."""
+    @torch.no_grad()
+    def stream(self, prompts=None, max_new_tokens: int = 1, *, with_logits: bool = False, sync_every: int = 8,
+               **start_kw) -> Iterator:
+        """start(prompts, **start_kw), then yield each step's tokens [B] (device tensors; rows
+        that stopped yield pad_id), or (tokens, logits [B, V]) with with_logits. With stop
+        tokens the iterator ends once every row has stopped, checked every `sync_every`
+        steps (one host synchronisation each)."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
-        B, s = self.start(prompts, **start_kw), self._cur
-
-        def steps():
-            for i in range(max_new_tokens):
-                yield self.step()
-                if self._has_stops and (i + 1) % sync_every == 0 and bool(s.done.all()):
-                    return
-        return B, steps()
-
-    @torch.no_grad()
-    def stream(self, prompts=None, max_new_tokens: int = 1, *, batch_size: int | None = None, lengths=None,
-               temperature: float = 0.0, top_k: int | None = None, stop_tokens: Sequence[int] = (),
-               generator: torch.Generator | None = None, with_logits: bool = False,
-               sync_every: int = 8) -> Iterator:
-        """Yield each step's tokens [B] (device tensors; rows that stopped yield pad_id),
-        or (tokens, logits [B, V]) with with_logits. With stop tokens the iterator ends
-        once every row has stopped, checked every `sync_every` steps (one host
-        synchronisation each). Arguments as in `start`."""
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"expected sync_every a positive int, got {sync_every!r}")
-        _, steps = self._steps(max_new_tokens, sync_every, prompts, dict(
-            batch_size=batch_size, lengths=lengths, temperature=temperature, top_k=top_k, stop_tokens=stop_tokens,
-            generator=generator))
-        for tok in steps:
-            yield (tok.clone(), self._cur.logits.clone()) if with_logits else tok.clone()
+        self.start(prompts, **start_kw)
+        s = self._cur
+        for i in range(max_new_tokens):
+            tok = self.step()
+            yield (tok.clone(), s.logits.clone()) if with_logits else tok.clone()
+            if self._has_stops and (i + 1) % sync_every == 0 and bool(s.done.all()):
+                return
 
-    @torch.no_grad()
-    def generate(self, prompts=None, max_new_tokens: int = 1, *, batch_size: int | None = None, lengths=None,
-                 temperature: float = 0.0, top_k: int | None = None, stop_tokens: Sequence[int] = (),
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(self, prompts=None, max_new_tokens: int = 1, **start_kw) -> torch.Tensor:
         """New tokens [B, max_new_tokens] for a prompt batch (arguments as in `start`);
         after a row emits a stop token it holds pad_id."""
-        B, steps = self._steps(max_new_tokens, 32, prompts, dict(
-            batch_size=batch_size, lengths=lengths, temperature=temperature, top_k=top_k, stop_tokens=stop_tokens,
-            generator=generator))
-        out = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.int64, device=self.device)
-        for i, tok in enumerate(steps):
-            out[:, i].copy_(tok)
+        steps = list(self.stream(prompts, max_new_tokens, sync_every=32, **start_kw))
+        out = torch.full((self._cur.B, max_new_tokens), self.pad_id, dtype=torch.int64, device=self.device)
+        if steps:
+            out[:, :len(steps)] = torch.stack(steps, 1)
         return out
 
 
-class Decoder:
-    """Greedy decoding of one model at a fixed batch size (the inference track's
-    interface): `reset(prompt_tokens or None)` prefills, `step()` advances every row and
-    returns the engine's static token buffer [B] (overwritten by the next step: clone
-    it to keep it)."""
-
-    def __init__(self, model: HawkLM, batch_size: int, **engine_options):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"expected batch_size a positive int, got {batch_size!r}")
-        self.engine = Engine(model, **engine_options)
-        self.batch_size = batch_size
-
-    def reset(self, prompt_tokens: torch.Tensor | None = None) -> None:
-        if prompt_tokens is None:
-            self.engine.start(batch_size=self.batch_size)
-        else:
-            rows = prompt_tokens.shape[0] if isinstance(prompt_tokens, torch.Tensor) else len(prompt_tokens)
-            if rows != self.batch_size:
-                got = shape_str(prompt_tokens) if isinstance(prompt_tokens, torch.Tensor) else f"{rows} prompts"
-                raise ValueError(f"expected prompt_tokens with {self.batch_size} rows, got {got}")
-            self.engine.start(prompt_tokens)
-
-    def step(self) -> torch.Tensor:
-        return self.engine.step()
-
-    @property
-    def cache(self) -> HawkCache | None:
-        return self.engine.cache
-
-
-__all__ = ["Engine", "Decoder", "Sampling", "KERNELS", "AUTO_GEMM_MAX_ROWS", "BOS_ID", "MIN_TEMPERATURE"]
+__all__ = ["Engine", "KERNELS", "AUTO_GEMM_MAX_ROWS", "BOS_ID", "MIN_TEMPERATURE"]

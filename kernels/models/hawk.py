@@ -40,25 +40,25 @@ class HawkCache:
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
-def _check_tokens(name, t, shape):
-    check_tensor(name, t, shape=shape)
+def _check_tokens(t, shape, vocab_size):
+    """Token ids, int64 or int32, of `shape`, in [0, vocab_size). The range check reads two
+    numbers back to the host: skipped while torch.compile traces and under CUDA-graph
+    capture, where no value can be read, and in a CUDA training pass, where the read would
+    stall the launch queue every step and the embedding's device-side bounds check still
+    stops an out-of-range id."""
+    check_tensor("tokens", t, shape=shape)
     if t.dtype not in TOKEN_DTYPES:
         kind = "an integer dtype the embedding does not take" if is_integer_dtype(t.dtype) else "not integer"
-        raise ValueError(f"expected {name} with dtype in {[str(d) for d in TOKEN_DTYPES]}, got {t.dtype} ({kind})")
-
-
-def _check_token_range(name, t, vocab_size):
-    """Token ids in [0, vocab_size) (reads two numbers back to the host; skipped while
-    torch.compile traces and under CUDA-graph capture, where no value can be read, and in
-    a CUDA training pass, where the read would stall the launch queue every step and the
-    embedding's device-side bounds check still stops an out-of-range id)."""
+        raise ValueError(f"expected tokens with dtype in {[str(d) for d in TOKEN_DTYPES]}, got {t.dtype} ({kind})")
+    if len(shape) == 2 and t.shape[1] < 1:
+        raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(t)}")
     if torch.compiler.is_compiling() or (t.is_cuda and (torch.cuda.is_current_stream_capturing()
                                                        or torch.is_grad_enabled())):
         return
     if t.numel():
         lo, hi = (int(v) for v in t.aminmax())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"expected {name} (token ids) in [0, {vocab_size}), got values in [{lo}, {hi}]")
+            raise ValueError(f"expected tokens (token ids) in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
 class HawkLM(nn.Module):
@@ -99,14 +99,12 @@ class HawkLM(nn.Module):
     def _check_inputs(self, tokens, segment_pos, cache, shape):
         """tokens and segment_pos of `shape` ([B, T] with T >= 1, or [B] for a step), on
         the model's device, ids in range; the cache (None: none) for batch size B."""
-        _check_tokens("tokens", tokens, shape)
-        if len(shape) == 2 and tokens.shape[1] < 1:
-            raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(tokens)}")
+        check_tensor("tokens", tokens, shape=shape)
         check_tensor("segment_pos", segment_pos, shape=tuple(tokens.shape))
         B, T = tokens.shape[0], (tokens.shape[1] if len(shape) == 2 else 1)
         check_segment_pos(segment_pos.view(B, T), B, T)
         self._check_device(tokens=tokens, segment_pos=segment_pos)
-        _check_token_range("tokens", tokens, self.config.vocab_size)
+        _check_tokens(tokens, shape, self.config.vocab_size)
         if cache is not None or len(shape) == 1:
             self._check_cache(cache, B)
 
@@ -172,43 +170,6 @@ class HawkLM(nn.Module):
         for block, c in zip(self.blocks, cache.layers):
             x = block.step(x, c, reset)
         return self.logits(x)
-
-    @torch.no_grad()
-    def generate(self, prompt_tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Continue each prompt row (one document per row). prompt_tokens: [B, P], P >= 1;
-        temperature 0 picks the argmax, otherwise samples softmax(logits / temperature).
-        Returns the new tokens [B, max_new_tokens]."""
-        _check_tokens("prompt_tokens", prompt_tokens, (None, None))
-        B, P = prompt_tokens.shape
-        if P < 1:
-            raise ValueError(f"expected prompt_tokens of shape [B, P] with P >= 1 (start with a BOS token), "
-                             f"got {shape_str(prompt_tokens)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"expected temperature >= 0, got {temperature}")
-        self._check_device(prompt_tokens=prompt_tokens)
-        _check_token_range("prompt_tokens", prompt_tokens, self.config.vocab_size)
-        out = prompt_tokens.new_empty(B, max_new_tokens)
-        if max_new_tokens == 0:
-            return out
-        pos = torch.arange(P, device=self.device).expand(B, P)
-        logits, cache = self(prompt_tokens, pos)
-        nxt = self._choose(logits[:, -1], temperature, generator)
-        for i in range(max_new_tokens):
-            out[:, i] = nxt
-            if i + 1 < max_new_tokens:
-                sp = torch.full((B,), P + i, device=self.device, dtype=torch.int64)
-                nxt = self._choose(self.step(nxt, sp, cache), temperature, generator)
-        return out
-
-    @staticmethod
-    def _choose(logits, temperature, generator):
-        if temperature == 0:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 __all__ = ["HawkLM", "HawkCache"]
