@@ -1,18 +1,14 @@
 """Correctness gates: the comparisons that the tests and the pipeline's audit run.
 
-Every check returns rows {"check", "error", "tolerance", "passed", ...context}, where
-`error` is rel_err(got, want) and the context says what was compared (shape, dtype,
-backend, stage ...). Oracles: the unmodified official `recurrentgemma==1.0.1` torch code
-for RG-LRU, Conv1D, the Hawk residual block and an all-recurrent Griffin; the float64
-references of kernels.ops.reference for every backend and decode step of every op, and
-for SAMU itself (complex128 `samu` against real `samu_real`).
-
-Tolerances (never loosened to make a run pass): official code in float32
-OFFICIAL_FP32_TOL; backends against float64 BACKEND_TOL; bfloat16 / float16 LOWP_FACTOR
-times the error of the same computation in PyTorch at that precision, and at least the
-dtype's epsilon (two correct results may round one ulp apart). The reference backend's
-rows below float64 are recorded, not gated (role "yardstick": its error measures the
-problem's conditioning).
+Every check returns rows {"check", "error", "tolerance", "passed", ...context}, `error`
+being rel_err(got, want). Oracles: the unmodified official `recurrentgemma==1.0.1` torch
+code (RG-LRU, Conv1D, the Hawk residual block, an all-recurrent Griffin) and the float64
+references of kernels.ops.reference (every backend and decode step; SAMU itself as
+complex128 `samu` against real `samu_real`). Tolerances, never loosened to make a run
+pass: OFFICIAL_FP32_TOL, BACKEND_TOL, and below float32 LOWP_FACTOR times the error of
+the same computation in PyTorch at that precision, at least the dtype's epsilon (two
+correct results may round one ulp apart). The reference backend's rows below float64
+are recorded, not gated (role "yardstick": its error measures the problem's conditioning).
 """
 
 from __future__ import annotations
@@ -71,9 +67,9 @@ def make_segment_pos(B, T, resets=True, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed + 17)
     pos = torch.empty(B, T, dtype=torch.int64)
     for b in range(B):
-        kind, offset, starts = b % 4 if resets else 3, 0, torch.zeros(T, dtype=torch.bool)
+        kind = b % 4 if resets else 3
+        starts = torch.zeros(T, dtype=torch.bool)
         if kind == 0:
-            offset = 3
             starts[[t for t in (T // 3, (2 * T) // 3) if 0 < t < T]] = True
         elif kind == 1:
             starts[[t for t in (0, 8, 16, 32, 64, T // 2, T // 2 + 1, T // 2 + 2) if t < T]] = True
@@ -81,28 +77,21 @@ def make_segment_pos(B, T, resets=True, seed=0, device="cpu"):
             starts[: min(2, T)] = True
             starts |= torch.rand(T, generator=g) < 0.1
             starts[T - 1] = True
-        else:
-            offset = 7 + b
-        p = offset - 1
-        for t in range(T):
-            p = 0 if starts[t] else p + 1
-            pos[b, t] = p
+        t = torch.arange(T)
+        offset = {0: 3, 3: 7 + b}.get(kind, 0)     # the position at t = 0 of a row without a start there
+        pos[b] = t - torch.cummax(torch.where(starts, t, -offset), 0).values
     return pos.to(device)
 
 
-def _continuing(pos, n):
-    """Positions for n more tokens continuing each row of pos [B, T]: [B, n]."""
-    return pos[:, -1:] + 1 + torch.arange(n, device=pos.device)
-
-
-def _no_tail_starts(pos, width):
-    """pos [B, T] without document starts in its last `width` positions (continued from
-    the position before), where the official conv cache keeps the previous document."""
-    T = pos.shape[1]
-    tail = max(T - width, 0)
-    while tail > 0 and bool((pos[:, tail:] == 0).any()):
-        pos[:, tail:] = _continuing(pos[:, :tail], T - tail)
-    return pos
+def _positions(B, T, n, resets, seed, device, width=0):
+    """(pos [B, T] of make_segment_pos, [B, n] positions continuing it). No document starts
+    in pos's last `width` positions (continued from the position before): the official
+    conv cache keeps the previous document's inputs there."""
+    pos = make_segment_pos(B, T, resets, seed, device)
+    tail = T - width
+    if tail > 0 and bool((pos[:, tail:] == 0).any()):
+        pos[:, tail:] = pos[:, tail - 1:tail] + 1 + torch.arange(width, device=device)
+    return pos, pos[:, -1:] + 1 + torch.arange(n, device=device)
 
 
 def _official(dtype, seed, build, backend="auto", bias_std=0.0):
@@ -169,8 +158,7 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
     official, ours = _official(dtype, seed, lambda rg: rg.RGLRU(D, heads, device=device), backend)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
     h0 = torch.randn(B, D, device=device)
-    pos = make_segment_pos(B, T, resets, seed, device)
-    dpos = _continuing(pos, decode_steps)
+    pos, dpos = _positions(B, T, decode_steps, resets, seed, device)
     if resets and decode_steps > 1:
         dpos[0, 1:] = torch.arange(decode_steps - 1, device=device)      # a reset while decoding
 
@@ -209,8 +197,7 @@ def check_conv1d_official(B=2, T=37, D=24, temporal_width=4, device="cpu", dtype
     covered by check_griffin_official's decode-equals-forward rows."""
     official, ours = _official(dtype, seed, lambda rg: rg.Conv1D(D, temporal_width, device=device), bias_std=1.0)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
-    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), temporal_width - 1)
-    dpos = _continuing(pos, decode_steps)
+    pos, dpos = _positions(B, T, decode_steps, resets, seed, device, temporal_width - 1)
 
     def run(m, dt):
         # Fresh copies: the official Conv1D masks its input in place.
@@ -247,8 +234,7 @@ def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, ml
         width, mlp_expanded_width, heads, 1024, rg.TemporalBlockType.RECURRENT, lru_width, device=device),
         backend, bias_std=0.1)
     x = torch.randn(B, T + decode_steps, width, device=device).to(dtype).float()
-    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), 3)
-    dpos = _continuing(pos, decode_steps)
+    pos, dpos = _positions(B, T, decode_steps, resets, seed, device, 3)
 
     def states(c):
         if isinstance(c, layers.RecurrentCache):
@@ -294,8 +280,7 @@ def check_griffin_official(B=2, T=29, vocab_size=97, width=32, lru_width=48, hea
         attention_window_size=1024, logits_soft_cap=0.0, lru_width=lru_width), gradient_checkpointing=False,
         device=device), backend, bias_std=0.1)
     tokens = torch.randint(0, vocab_size, (B, T + decode_steps), device=device)
-    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), 3)
-    dpos = _continuing(pos, decode_steps)
+    pos, dpos = _positions(B, T, decode_steps, resets, seed, device, 3)
 
     def run(m, dt):
         logits, cache = m(tokens[:, :T], pos)
@@ -336,46 +321,39 @@ def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True):
     """SAMU computed two independent ways in float64: complex128 `reference.samu` and
     real-arithmetic `reference.samu_real`; outputs, final states and every gradient
     (x, controller, spectrum, initial state), from an empty and from a non-zero state."""
-    args, h0 = _samu_inputs(B, T, D, torch.float64, device, seed)
+    args, h0 = _inputs("samu", B, T, D, torch.float64, device, seed)
     pos = make_segment_pos(B, T, resets, seed, device)
     ctx = dict(shape=[B, T, D], dtype="float64", device=str(device), resets=resets)
     rows = []
     for tag, h in (("empty", None), ("cached", h0)):
-        cplx, real = (_run_op(fn, args, h, pos, {}, seed, None, SAMU_INPUTS)
+        cplx, real = (_run_op(fn, args, h, pos, {}, seed, None, INPUT_NAMES["samu"])
                       for fn in (reference.samu, reference.samu_real))
         rows += [_row(f"samu_reference/{k}_{tag}", rel_err(real[k], cplx[k]), BACKEND_TOL[torch.float64], **ctx)
                  for k in real]
     return rows
 
 
-SAMU_INPUTS = ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log")
+INPUT_NAMES = {"rglru": ("x", "gate_x", "gate_a", "a_param"), "scan": ("a", "b"),
+               "samu": ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log")}
 
 
-def _samu_inputs(B, T, D, dtype, device, seed):
-    """SAMU inputs at the layer's initialisation (|a| up to 0.999) with a non-zero
-    controller bias; x ~ N(0, 1). Returns (args list in `dtype`, h0 complex128)."""
+def _inputs(op, B, T, D, dtype, device, seed):
+    """(inputs of `op` in `dtype`, initial state): activations ~ N(0, 1) [B, T, D]; RG-LRU's
+    a_param and SAMU's parameters at the layers' initialisation (SAMU: |a| up to 0.999,
+    a non-zero controller bias, h0 complex128); the scan's |a| near 1."""
     torch.manual_seed(seed)
-    m = layers.SAMU(D, dtype=dtype, device=device)
-    with torch.no_grad():
-        m.phase_dir[-1] = 0.3
-        m.radial_dir[-1] = -0.2
-    x = torch.randn(B, T, D, dtype=dtype, device=device)
-    h0 = torch.randn(B, D // 2, dtype=torch.complex128, device=device)
-    return [x] + [p.detach() for p in m._params()], h0
-
-
-def _rglru_inputs(B, T, D, dtype, device, seed):
-    torch.manual_seed(seed)
-    x, gx, ga = (torch.randn(B, T, D, dtype=dtype, device=device) for _ in range(3))
-    a_param = layers.rnn_param_init(torch.empty(D, dtype=dtype, device=device))
-    return [x, gx, ga, a_param], torch.randn(B, D, dtype=dtype, device=device)
-
-
-def _scan_inputs(B, T, D, dtype, device, seed):
-    torch.manual_seed(seed)
-    a = torch.rand(B, T, D, dtype=dtype, device=device) * 0.1 + 0.899   # |a| near 1
-    b = torch.randn(B, T, D, dtype=dtype, device=device)
-    return [a, b], torch.randn(B, D, dtype=dtype, device=device)
+    kw = dict(dtype=dtype, device=device)
+    if op == "samu":
+        m = layers.SAMU(D, **kw)
+        with torch.no_grad():
+            m.phase_dir[-1], m.radial_dir[-1] = 0.3, -0.2
+        x = torch.randn(B, T, D, **kw)
+        return [x] + [p.detach() for p in m._params()], torch.randn(B, D // 2, dtype=torch.complex128, device=device)
+    if op == "rglru":
+        args = [torch.randn(B, T, D, **kw) for _ in range(3)] + [layers.rnn_param_init(torch.empty(D, **kw))]
+    else:
+        args = [torch.rand(B, T, D, **kw) * 0.1 + 0.899, torch.randn(B, T, D, **kw)]
+    return args, torch.randn(B, D, **kw)
 
 
 def _real(t):
@@ -453,13 +431,11 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     state included), with resets and a non-zero initial state; the "chunk" backend once
     per chunk size. Activations in `dtype`, parameters and the state in FP32 (float64
     when dtype is float64)."""
-    inputs = {"rglru": (_rglru_inputs, ("x", "gate_x", "gate_a", "a_param"), 3),
-              "samu": (_samu_inputs, SAMU_INPUTS, 1), "scan": (_scan_inputs, ("a", "b"), 2)}
-    if op not in inputs:
-        raise ValueError(f"expected op in {list(inputs)}, got {op!r}")
-    make, names, n_act = inputs[op]
-    args64, h064 = make(B, T, D, torch.float64, device, seed)
-    args = [a.to(dtype) if i < n_act else a.to(state_dtype(dtype)) for i, a in enumerate(args64)]
+    if op not in INPUT_NAMES:
+        raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
+    names = INPUT_NAMES[op]
+    args64, h064 = _inputs(op, B, T, D, torch.float64, device, seed)
+    args = [a.to(dtype if a.dim() == 3 else state_dtype(dtype)) for a in args64]   # activations [B, T, D]
     h0 = h064.to(state_dtype(dtype, h064.is_complex()))
     pos = make_segment_pos(B, T, resets, seed, device)
     args_exact, h0_exact = [a.double() for a in args], h0.to(h064.dtype)
@@ -471,16 +447,10 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     rows = []
     for name, fn in ops.backends(op).items():
         for opts in [{"chunk_size": k} for k in chunk_sizes] if name == "chunk" else [{}]:
-            check = f"backends/{op}/{name}"
             ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device),
                        resets=resets, relu_kinks_masked=0 if kinks is None else int(kinks.sum()), **opts)
-            try:
-                got = _run_op(fn, args, h0, pos, opts, seed, kinks, names)
-            except NotImplementedError as e:
-                rows.append({"check": check, "error": float("nan"), "tolerance": float("nan"), "passed": True,
-                             "skipped": f"NotImplementedError: {e}", **ctx})
-                continue
-            rows += _backend_rows(check, name, got, want, tols, dtype, ctx)
+            got = _run_op(fn, args, h0, pos, opts, seed, kinks, names)
+            rows += _backend_rows(f"backends/{op}/{name}", name, got, want, tols, dtype, ctx)
     return rows
 
 
