@@ -46,13 +46,11 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _row(check, error, tolerance, **context):
+    """One row; a context's dtype and device by name ("float32", "cuda")."""
     error = float(error)
+    context.update({k: str(context[k]).removeprefix("torch.") for k in ("dtype", "device") if k in context})
     return {"check": check, "error": error, "tolerance": float(tolerance),
             "passed": bool(math.isfinite(error) and error <= tolerance), **context}
-
-
-def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")
 
 
 def _lowp_tol(dtype, err_pytorch):
@@ -95,10 +93,9 @@ def _positions(B, T, n, resets, seed, device, width=0):
 
 
 def _official(dtype, seed, build, backend="auto", bias_std=0.0):
-    """(official, ours): the official module `build(recurrentgemma.torch)`, seeded; with
-    bias_std its biases and norm scales (zero at the official init) drawn from N(0,
-    bias_std**2); every parameter rounded to `dtype` (the module stays FP32). Ours is
-    its conversion in `dtype` with the mixer on `backend`."""
+    """(official, ours): `build(recurrentgemma.torch)` seeded, biases and norm scales (zero
+    at the official init) ~ N(0, bias_std**2), every parameter rounded to `dtype` (the
+    module stays FP32); ours its conversion in `dtype`, the mixer on `backend`."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"expected dtype float32, bfloat16 or float16 for an official check, got {dtype}")
     torch.manual_seed(seed)
@@ -112,10 +109,9 @@ def _official(dtype, seed, build, backend="auto", bias_std=0.0):
 
 
 def _decode(m, inp, dpos, cache):
-    """One-token steps of inputs inp(i), i < dpos.shape[1], from `cache`: ours through
-    its step (the cache updated in place), an official module (no `step`) through
-    one-token forward calls. Returns (outputs stacked on dim 1 or None, final cache,
-    the tensor cache after each step)."""
+    """One-token steps of inputs inp(i) at positions dpos [B, n] from `cache`: ours by its
+    step (the cache updated in place), an official module by one-token forward calls.
+    Returns (outputs [B, n, ...] or None, final cache, the tensor cache after each step)."""
     ys, trail = [], []
     for i in range(dpos.shape[1]):
         p = dpos[:, i: i + 1]
@@ -132,10 +128,9 @@ def _decode(m, inp, dpos, cache):
 
 
 def _official_rows(name, run, official, ours, dtype, context):
-    """Run `run(module, dtype) -> {stage: tensor}` on the FP32 official module (the
-    oracle) and on ours at `dtype`; one row per stage. For low precision the yardstick
-    is the smaller error of two PyTorch computations at `dtype`: the official module and
-    ours on the reference backend (FP32 recurrence, SPEC 4)."""
+    """One row per stage of `run(module, dtype) -> {stage: tensor}`: ours at `dtype` against
+    the FP32 official module. Below float32 the yardstick is the smaller error of the
+    official module and ours on the reference backend at `dtype` (SPEC 4)."""
     with torch.no_grad():
         want = run(official, torch.float32)
         got = run(ours, dtype)
@@ -183,18 +178,15 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
             out["decode"], out["decode_state"] = ys, torch.stack(hs, 1)
         return out
 
-    ctx = dict(shape=[B, T, D], heads=heads, dtype=_dtype_name(dtype), device=str(device), backend=backend,
-               resets=resets)
+    ctx = dict(shape=[B, T, D], heads=heads, dtype=dtype, device=device, backend=backend, resets=resets)
     return _official_rows("rglru_official", run, official, ours, dtype, ctx)
 
 
 def check_conv1d_official(B=2, T=37, D=24, temporal_width=4, device="cpu", dtype=torch.float32, seed=0,
                           resets=True, decode_steps=4):
     """Conv1D against the official layer: the sequence (masked at document starts), the
-    decode cache it leaves, and one-token decode steps from that cache. No document
-    starts in the last temporal_width - 1 prompt positions here, where the official
-    cache keeps inputs of the previous document (see kernels.layers); the case is
-    covered by check_griffin_official's decode-equals-forward rows."""
+    decode cache it leaves and decode steps from it. No document starts in the prompt's
+    last temporal_width - 1 positions (check_griffin_official covers them)."""
     official, ours = _official(dtype, seed, lambda rg: rg.Conv1D(D, temporal_width, device=device), bias_std=1.0)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
     pos, dpos = _positions(B, T, decode_steps, resets, seed, device, temporal_width - 1)
@@ -208,7 +200,7 @@ def check_conv1d_official(B=2, T=37, D=24, temporal_width=4, device="cpu", dtype
             out["decode"], out["decode_cache"] = ys, cache
         return out
 
-    ctx = dict(shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device), resets=resets)
+    ctx = dict(shape=[B, T, D], dtype=dtype, device=device, resets=resets)
     return _official_rows("conv1d_official", run, official, ours, dtype, ctx)
 
 
@@ -261,19 +253,17 @@ def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, ml
             out["decode_state"], out["decode_conv_state"] = states(cache)
         return out
 
-    ctx = dict(shape=[B, T, width], lru_width=lru_width, heads=heads, dtype=_dtype_name(dtype),
-               device=str(device), backend=backend, resets=resets)
+    ctx = dict(shape=[B, T, width], lru_width=lru_width, heads=heads, dtype=dtype, device=device, backend=backend,
+               resets=resets)
     return _official_rows("residual_block_official", run, official, ours, dtype, ctx)
 
 
 def check_griffin_official(B=2, T=29, vocab_size=97, width=32, lru_width=48, heads=4, num_layers=2,
                            device="cpu", dtype=torch.float32, seed=0, resets=True, backend="reference",
                            decode_steps=4):
-    """A tiny all-recurrent Griffin against HawkLM (converted weights): logits of a
-    forward with resets and the official prompt-then-decode logits. Then, for our model
-    alone: a prompt forward plus decode steps, and a prompt forward continued by a
-    chunked prefill, each equal to one full forward of the same tokens (document starts
-    in the last prompt positions and among the decoded tokens)."""
+    """A tiny all-recurrent Griffin against HawkLM: logits of a forward with resets, then of
+    decode steps. For ours alone: prompt + decode steps and prompt + chunked prefill equal
+    to one full forward (document starts in the prompt's tail and while decoding)."""
     official, ours = _official(dtype, seed, lambda rg: rg.Griffin(rg.GriffinConfig(
         vocab_size=vocab_size, width=width, mlp_expanded_width=3 * width, num_heads=heads,
         block_types=(rg.TemporalBlockType.RECURRENT,) * num_layers, embeddings_scale_by_sqrt_dim=False,
@@ -290,8 +280,7 @@ def check_griffin_official(B=2, T=29, vocab_size=97, width=32, lru_width=48, hea
         return out
 
     ctx = dict(shape=[B, T], vocab_size=vocab_size, width=width, lru_width=lru_width, heads=heads,
-               num_layers=num_layers, dtype=_dtype_name(dtype), device=str(device), backend=backend,
-               resets=resets)
+               num_layers=num_layers, dtype=dtype, device=device, backend=backend, resets=resets)
     rows = _official_rows("griffin_official", run, official, ours, dtype, ctx)
 
     g = torch.Generator(device="cpu").manual_seed(seed + 5)
@@ -323,7 +312,7 @@ def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True):
     (x, controller, spectrum, initial state), from an empty and from a non-zero state."""
     args, h0 = _inputs("samu", B, T, D, torch.float64, device, seed)
     pos = make_segment_pos(B, T, resets, seed, device)
-    ctx = dict(shape=[B, T, D], dtype="float64", device=str(device), resets=resets)
+    ctx = dict(shape=[B, T, D], dtype="float64", device=device, resets=resets)
     rows = []
     for tag, h in (("empty", None), ("cached", h0)):
         cplx, real = (_run_op(fn, args, h, pos, {}, seed, None, INPUT_NAMES["samu"])
@@ -361,11 +350,9 @@ def _real(t):
 
 
 def _run_op(fn, args, h0, pos, opts, seed, kinks, names):
-    """Forward + backward of one backend: {output, final_state, grad_<name> for every
-    input `names` and grad_initial_state unless h0 is None} (a gradient autograd leaves
-    None, for no dependence, is zeros). The loss is sum(y * gy) + sum(h * gh) in float64
-    with seeded random cotangents; `kinks` [B, T, D] bool zeroes gy where the exact
-    pre-relu value sits at relu's kink."""
+    """{output, final_state, grad_<name> of every input, grad_initial_state unless h0 is
+    None (zeros where autograd gives None)} of one backend, for the float64 loss
+    sum(y * gy) + sum(h * gh) with seeded cotangents, gy zero where `kinks` [B, T, D]."""
     leaves = [a.detach().clone().requires_grad_() for a in args]
     hs = None if h0 is None else h0.detach().clone().requires_grad_()
     y, h = fn(*leaves, pos, hs, True, **opts)
@@ -393,9 +380,8 @@ def _tolerances(dtype, want, yardstick):
 
 
 def _backend_rows(check, backend, got, want, tols, dtype, ctx):
-    """One row per stage; the reference backend below float64 (a yardstick) and a backend
-    inexact by design (cases.gated_backends never counts it exact either) are recorded,
-    not gated."""
+    """One row per stage; recorded, not gated: the reference backend below float64 (the
+    yardstick) and a backend inexact by design (never counted exact by cases.gated_backends)."""
     role = ("yardstick" if backend == "reference" and dtype != torch.float64
             else "inexact-by-design" if backend in ops.inexact_backends() else None)
     rows = []
@@ -411,12 +397,9 @@ KINK_REL = 10 * 2.0**-20
 
 
 def samu_relu_kinks(args64, h064, pos):
-    """Where SAMU's exact pre-relu state is within KINK_REL * max|h| of zero. relu's
-    derivative jumps there, and which side an FP32 state lands on (|h| ~ 1e-8 against
-    values of order 1) is rounding luck for any implementation, the reference included;
-    such elements get a zero output cotangent in every run of the comparison (the exact
-    one too), so the gradients are compared where they are defined. The rows report how
-    many elements were masked."""
+    """Where SAMU's exact pre-relu state is within KINK_REL * max|h| of zero: relu's
+    derivative jumps there and the side an FP32 state lands on is rounding luck for any
+    implementation, so every run of a comparison zeroes the output cotangent there."""
     with torch.no_grad():
         a, b = reference.samu_coefficients(*args64, pos)
         h_all, _ = reference.scan(a, b, pos, h064, False)
@@ -447,7 +430,7 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     rows = []
     for name, fn in ops.backends(op).items():
         for opts in [{"chunk_size": k} for k in chunk_sizes] if name == "chunk" else [{}]:
-            ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device),
+            ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=dtype, device=device,
                        resets=resets, relu_kinks_masked=0 if kinks is None else int(kinks.sum()), **opts)
             got = _run_op(fn, args, h0, pos, opts, seed, kinks, names)
             rows += _backend_rows(f"backends/{op}/{name}", name, got, want, tols, dtype, ctx)
@@ -455,14 +438,12 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
 
 
 def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float32, seed=0, options=None):
-    """Every decode step backend of `op` ("rglru", "samu") in kernels.step_backends(op)
-    against the float64 reference step: `steps` steps from a non-zero state with a reset
-    of row 0 at the second step and of every row at the third, each step's output and
-    the final state. Inputs and weights in `dtype` (parameters FP32 for SAMU, as the
-    layer holds them), the state in FP32 / complex64 (float64 / complex128 for float64).
-    options: {"op/backend": [launcher options, ...]}, e.g. the tune stage's candidates:
-    each also runs with every such set (its rows carry `options`); SAMU's Triton steps
-    also run reading the mode table, as the generation engine runs them."""
+    """Every decode step backend of `op` ("rglru", "samu") against the float64 reference:
+    each step's output and the final state of `steps` steps from a non-zero state, row 0
+    reset at the second step and every row at the third. Inputs and weights in `dtype`
+    (SAMU's parameters FP32, as the layer holds them), the state FP32 (float64 for
+    float64). options {"op/backend": [launcher options, ...]} (the tune stage's
+    candidates) add a variant per set; SAMU's Triton steps also run reading the mode table."""
     if op not in ("rglru", "samu"):
         raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
     torch.manual_seed(seed)
@@ -500,8 +481,8 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
                      if n != "reference"]
     rows = []
     for name, fn, opts in variants:
-        ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=_dtype_name(dtype), device=str(device),
-                   steps=steps, **({"options": opts} if opts else {}))
+        ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=dtype, device=device, steps=steps,
+                   **({"options": opts} if opts else {}))
         tag = "".join(f"/{k}={v}" for k, v in sorted(opts.items()))
         rows += _backend_rows(f"backends/{op}_step/{name}{tag}", name, run(fn, lambda t: t, sdt), want, tols,
                               dtype, ctx)
@@ -540,8 +521,7 @@ def check_captured_train_step(preset="tiny", B=2, T=64, vocab_size=256, steps=3,
                 losses = [train_step(m, opt, t[:, :-1], t[:, 1:], pos, autocast=autocast) for t in toks[1:]]
             runs.append((torch.stack(losses), dict(m.named_parameters())))
         (want_loss, want_p), (got_loss, got_p) = runs
-        ctx = dict(preset=preset, mixer=mixer, shape=[B, T], steps=steps, dtype=_dtype_name(dtype),
-                   device=str(device), backend=backend)
+        ctx = dict(preset=preset, mixer=mixer, shape=[B, T], steps=steps, dtype=dtype, device=device, backend=backend)
         rows.append(_row("train/captured_step/loss", rel_err(got_loss, want_loss), tol, **ctx))
         rows.append(_row("train/captured_step/parameters", max(rel_err(got_p[k], w) for k, w in want_p.items()),
                          tol, **ctx))
@@ -562,39 +542,30 @@ DEFAULT_PROFILE = {
 
 
 def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.float32, backend="reference"):
-    """All gates for one device and dtype; returns the rows of every check.
-
-    profile_shapes maps a gate of DEFAULT_PROFILE to a list of keyword arguments (shapes)
-    of its check ("backends" runs for rglru, samu and scan, "steps" for rglru and samu);
-    a missing key takes DEFAULT_PROFILE's list, an empty list skips that gate. `backend`
-    is the mixer backend of the official-parity modules ("auto": what dispatch picks on
-    `device`). The official gates run with and without resets, in float32 when dtype is
-    float64."""
+    """The rows of every gate for one device and dtype. profile_shapes: {gate of
+    DEFAULT_PROFILE: [keyword arguments of its check]} (a missing gate takes the default, []
+    skips it). `backend`: the official-parity modules' mixer backend. The official gates run
+    with and without resets, in float32 when dtype is float64."""
     profile = {**DEFAULT_PROFILE, **(profile_shapes or {})}
     unknown = set(profile) - set(DEFAULT_PROFILE)
     if unknown:
         raise ValueError(f"expected profile_shapes keys in {list(DEFAULT_PROFILE)}, got unknown {sorted(unknown)}")
     odt = torch.float32 if dtype == torch.float64 else dtype
-    rows = []
-    for kw in profile["backends"]:
-        for op in ("rglru", "samu", "scan"):
-            rows += check_backends(op, device=device, dtype=dtype, **kw)
-    for kw in profile["steps"]:
-        for op in ("rglru", "samu"):
-            rows += check_steps(op, device=device, dtype=dtype, **kw)
+    mixer, here = dict(device=device, dtype=odt, backend=backend), dict(device=device, dtype=dtype)
+    calls = [("backends", check_backends, [dict(here, op=op) for op in ("rglru", "samu", "scan")]),
+             ("steps", check_steps, [dict(here, op=op) for op in ("rglru", "samu")])]
     for resets in (True, False):
-        for kw in profile["rglru_official"]:
-            rows += check_rglru_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
-        for kw in profile["conv1d_official"]:
-            rows += check_conv1d_official(device=device, dtype=odt, resets=resets, **kw)
-        for kw in profile["residual_block_official"]:
-            rows += check_residual_block_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
-        for kw in profile["griffin_official"]:
-            rows += check_griffin_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
-        for kw in profile["samu_reference"]:
-            rows += check_samu_reference(device=device, resets=resets, **kw)
-    for kw in profile["captured_train"]:
-        rows += check_captured_train_step(device=device, dtype=odt, backend=backend, **kw)
+        calls += [("rglru_official", check_rglru_official, [dict(mixer, resets=resets)]),
+                  ("conv1d_official", check_conv1d_official, [dict(device=device, dtype=odt, resets=resets)]),
+                  ("residual_block_official", check_residual_block_official, [dict(mixer, resets=resets)]),
+                  ("griffin_official", check_griffin_official, [dict(mixer, resets=resets)]),
+                  ("samu_reference", check_samu_reference, [dict(device=device, resets=resets)])]
+    calls.append(("captured_train", check_captured_train_step, [mixer]))
+    rows = []
+    for gate, check, variants in calls:     # [(gate, its check, keyword arguments besides the shapes)]
+        for kw in profile[gate]:
+            for v in variants:
+                rows += check(**v, **kw)
     return rows
 
 

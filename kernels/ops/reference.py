@@ -79,9 +79,8 @@ def samu_controls(x, phase_dir, radial_dir, phase_amp, radial_amp):
     """Per-token shared controls (eta [B, T], delta [B, T]) in the compute dtype."""
     acc = _acc(x)
     x, phase_dir, radial_dir = x.to(acc), phase_dir.to(acc), radial_dir.to(acc)
-    # a python float goes straight into acc (torch.as_tensor(v) would round it to float32)
-    phase_amp, radial_amp = (v.to(x.device, acc) if isinstance(v, torch.Tensor)
-                             else torch.tensor(float(v), dtype=acc, device=x.device) for v in (phase_amp, radial_amp))
+    # with dtype given, a python float goes straight into acc (not through float32)
+    phase_amp, radial_amp = (torch.as_tensor(v, dtype=acc, device=x.device) for v in (phase_amp, radial_amp))
     M = x.shape[-1] // 2
     scale = 1.0 / math.sqrt(M)
     p = torch.tanh((x @ phase_dir[:-1] + phase_dir[-1]) / torch.linalg.vector_norm(phase_dir))
