@@ -370,23 +370,17 @@ def _run_op(fn, args, h0, pos, opts, seed, kinks, names):
     return dict(zip(keys, [y, h, *grads]))
 
 
-def _tolerances(dtype, want, yardstick):
-    """Per stage of `want`: BACKEND_TOL[dtype], or below float32 _lowp_tol of the error
-    of `yardstick()` (the reference backend's stages at `dtype`)."""
-    if dtype in BACKEND_TOL:
-        return {k: BACKEND_TOL[dtype] for k in want}
-    yard = yardstick()
-    return {k: _lowp_tol(dtype, rel_err(yard[k], want[k])) for k in want}
-
-
-def _backend_rows(check, backend, got, want, tols, dtype, ctx):
-    """One row per stage; recorded, not gated: the reference backend below float64 (the
-    yardstick) and a backend inexact by design (never counted exact by cases.gated_backends)."""
+def _backend_rows(check, backend, got, want, yard, dtype, ctx):
+    """One row per stage, within BACKEND_TOL[dtype] or, below float32, _lowp_tol of the error
+    of `yard` (the reference backend's stages at `dtype`). Recorded, not gated: the reference
+    backend below float64 (the yardstick) and a backend inexact by design (never counted
+    exact by cases.gated_backends)."""
     role = ("yardstick" if backend == "reference" and dtype != torch.float64
             else "inexact-by-design" if backend in ops.inexact_backends() else None)
     rows = []
     for k in want:
-        row = _row(f"{check}/{k}", rel_err(got[k], want[k]), tols[k], stage=k, **ctx)
+        tol = BACKEND_TOL[dtype] if dtype in BACKEND_TOL else _lowp_tol(dtype, rel_err(yard[k], want[k]))
+        row = _row(f"{check}/{k}", rel_err(got[k], want[k]), tol, stage=k, **ctx)
         if role:
             row.update(passed=True, role=role, within_tolerance=row["passed"])
         rows.append(row)
@@ -426,14 +420,14 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     ref = ops.backends(op)["reference"]
     # The exact answer for exactly these (rounded) inputs.
     want = _run_op(ref, args_exact, h0_exact, pos, {}, seed, kinks, names)
-    tols = _tolerances(dtype, want, lambda: _run_op(ref, args, h0, pos, {}, seed, kinks, names))
+    yard = None if dtype in BACKEND_TOL else _run_op(ref, args, h0, pos, {}, seed, kinks, names)
     rows = []
     for name, fn in ops.backends(op).items():
         for opts in [{"chunk_size": k} for k in chunk_sizes] if name == "chunk" else [{}]:
             ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=dtype, device=device,
                        resets=resets, relu_kinks_masked=0 if kinks is None else int(kinks.sum()), **opts)
             got = _run_op(fn, args, h0, pos, opts, seed, kinks, names)
-            rows += _backend_rows(f"backends/{op}/{name}", name, got, want, tols, dtype, ctx)
+            rows += _backend_rows(f"backends/{op}/{name}", name, got, want, yard, dtype, ctx)
     return rows
 
 
@@ -470,7 +464,7 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
 
     fns = ops.step_backends(op)
     want = run(fns["reference"], lambda t: t.double(), exact)
-    tols = _tolerances(dtype, want, lambda: run(fns["reference"], lambda t: t, sdt))
+    yard = None if dtype in BACKEND_TOL else run(fns["reference"], lambda t: t, sdt)
     variants = [(n, f, {}) for n, f in fns.items()]
     for key, sets in (options or {}).items():
         o, n = key.split("/")
@@ -484,7 +478,7 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
         ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=dtype, device=device, steps=steps,
                    **({"options": opts} if opts else {}))
         tag = "".join(f"/{k}={v}" for k, v in sorted(opts.items()))
-        rows += _backend_rows(f"backends/{op}_step/{name}{tag}", name, run(fn, lambda t: t, sdt), want, tols,
+        rows += _backend_rows(f"backends/{op}_step/{name}{tag}", name, run(fn, lambda t: t, sdt), want, yard,
                               dtype, ctx)
     return rows
 
