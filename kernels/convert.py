@@ -1,15 +1,9 @@
-"""Weight-exact conversion between the official `recurrentgemma.torch` modules and ours.
-
-    from_recurrentgemma(module)  official RGLRU, Conv1D, RecurrentBlock, ResidualBlock
-                                 (recurrent) or all-recurrent Griffin -> our module
-    to_recurrentgemma(module)    our RGLRU, Conv1D, RecurrentBlock / ResidualBlock /
-                                 HawkLM with the RG-LRU mixer -> the official module
-
-Parameter names agree except for two layouts: the MLP's up projection (official
-Einsum w [2, D, F], b [2, 1, 1, F]; ours one Linear(D, 2F), gate half first) and the
-embedding (official `embedder.input_embedding`; ours `embed.weight`, same [V, D]).
-Official modules are recognised by class name, so the caller may load the official
-package however it likes (kernels.official.load_official does it without JAX).
+"""Weight-exact conversion between the official `recurrentgemma.torch` modules (RGLRU,
+Conv1D, RecurrentBlock, recurrent ResidualBlock, all-recurrent Griffin) and ours (the
+RG-LRU mixer; Griffin <-> HawkLM). Parameter names agree except for the MLP's up
+projection (official Einsum w [2, D, F], b [2, 1, 1, F]; ours one Linear(D, 2F), gate
+half first) and the embedding (official `embedder.input_embedding`, ours `embed.weight`).
+Official modules are recognised by class name, however the caller loaded the package.
 """
 
 from __future__ import annotations
@@ -34,9 +28,7 @@ def _official_to_ours(state: dict) -> dict:
             k, v = k[:-1] + "weight", torch.cat([v[0].T, v[1].T], dim=0)
         elif k.endswith("mlp_block.ffw_up.b"):              # [2, 1, 1, F] -> [2F]
             k, v = k[:-1] + "bias", v.reshape(-1)
-        elif k == "embedder.input_embedding":
-            k = "embed.weight"
-        out[k] = v.detach().clone()
+        out["embed.weight" if k == "embedder.input_embedding" else k] = v.detach().clone()
     return out
 
 
@@ -44,12 +36,10 @@ def _ours_to_official(state: dict) -> dict:
     out = {}
     for k, v in state.items():
         if k.endswith("mlp_block.ffw_up.weight"):           # [2F, D] -> [2, D, F]
-            k, v = k[: -len("weight")] + "w", torch.stack([v[: v.shape[0] // 2].T, v[v.shape[0] // 2:].T], dim=0)
+            k, v = k[: -len("weight")] + "w", torch.stack([half.T for half in v.chunk(2)], dim=0)
         elif k.endswith("mlp_block.ffw_up.bias"):           # [2F] -> [2, 1, 1, F]
             k, v = k[: -len("bias")] + "b", v.reshape(2, 1, 1, -1)
-        elif k == "embed.weight":
-            k = "embedder.input_embedding"
-        out[k] = v.detach().clone().contiguous()
+        out["embedder.input_embedding" if k == "embed.weight" else k] = v.detach().clone().contiguous()
     return out
 
 

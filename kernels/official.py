@@ -7,12 +7,8 @@ import sys
 
 
 def load_official():
-    """The official `recurrentgemma.torch` module, without importing its JAX side: while
-    the package's top-level __init__ (which imports JAX) is not imported, an empty package
-    module made from its spec stands in for it, so that `recurrentgemma.torch` and
-    `recurrentgemma.common` load from the unmodified files."""
-    if "recurrentgemma.torch" in sys.modules:
-        return sys.modules["recurrentgemma.torch"]
+    """The official `recurrentgemma.torch` module, loaded from the unmodified files with
+    an empty package module standing in for the top-level __init__ (which imports JAX)."""
     if "recurrentgemma" not in sys.modules:
         spec = importlib.util.find_spec("recurrentgemma")
         if spec is None or not spec.submodule_search_locations:

@@ -1,30 +1,20 @@
-"""Correctness gates: reusable comparisons that the tests and the pipeline's audit call.
+"""Correctness gates: the comparisons that the tests and the pipeline's audit run.
 
-Every check returns rows {"check", "error", "tolerance", "passed", ...context}, where
-`error` is max|got - want| / max|want| over the compared tensor (absolute when want is
-all zero) and the context says what was compared (shape, dtype, backend, stage ...).
-
-Oracles: the unmodified official `recurrentgemma==1.0.1` torch code (`load_official`)
-for RG-LRU, Conv1D, the Hawk residual block and an all-recurrent Griffin; the float64
-references of kernels.ops.reference for every backend of every op (output, final state,
-every gradient) and for SAMU itself (complex128 `samu` against real `samu_real`).
-
-Tolerances (never loosened to make a run pass): official code in float32 1e-5; backends
-against float64: float64 1e-10, float32 1e-4; bfloat16 / float16: LOWP_FACTOR = 2 times
-the error of the same computation in PyTorch at that precision (the reference backend;
-for official checks the smaller of the official module's and ours on the reference
-backend), and at least the dtype's epsilon (two correct results may round one ulp
-apart). The reference backend's own rows below float64 are recorded, not gated (role
-"yardstick": its error measures the problem's conditioning). SAMU comparisons zero the
-output cotangent at relu's kink (see samu_relu_kinks). Official checks run in float32,
-bfloat16 or float16 (run_gates uses float32 when asked for float64).
+Every check returns rows {"check", "error", "tolerance", "passed", ...context}, `error`
+being rel_err(got, want). Oracles: the unmodified official `recurrentgemma==1.0.1` torch
+code (RG-LRU, Conv1D, the Hawk residual block, an all-recurrent Griffin) and the float64
+references of kernels.ops.reference (every backend and decode step; SAMU itself as
+complex128 `samu` against real `samu_real`). Tolerances, never loosened to make a run
+pass: OFFICIAL_FP32_TOL, BACKEND_TOL, and below float32 LOWP_FACTOR times the error of
+the same computation in PyTorch at that precision, at least the dtype's epsilon (two
+correct results may round one ulp apart). The reference backend's rows below float64
+are recorded, not gated (role "yardstick": its error measures the problem's conditioning).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import math
 
 import torch
@@ -56,13 +46,11 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _row(check, error, tolerance, **context):
+    """One row; a context's dtype and device by name ("float32", "cuda")."""
     error = float(error)
+    context.update({k: str(context[k]).removeprefix("torch.") for k in ("dtype", "device") if k in context})
     return {"check": check, "error": error, "tolerance": float(tolerance),
             "passed": bool(math.isfinite(error) and error <= tolerance), **context}
-
-
-def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")
 
 
 def _lowp_tol(dtype, err_pytorch):
@@ -73,14 +61,13 @@ def make_segment_pos(B, T, resets=True, seed=0, device="cpu"):
     """Positions [B, T] (int64). With resets, rows cycle through four patterns:
     continuation (no reset at t = 0) with two mid-sequence resets; resets at t = 0,
     at chunk edges (8, 16, 32, 64) and a run of three; resets at t = 0, 1 and random
-    places incl. t = T - 1; no reset at all. Without resets every position is >= 1
-    (a continuation: no segment_pos == 0 anywhere)."""
+    places incl. t = T - 1; no reset at all. Without resets every position is >= 1."""
     g = torch.Generator().manual_seed(seed + 17)
     pos = torch.empty(B, T, dtype=torch.int64)
     for b in range(B):
-        kind, offset, starts = b % 4 if resets else 3, 0, torch.zeros(T, dtype=torch.bool)
+        kind = b % 4 if resets else 3
+        starts = torch.zeros(T, dtype=torch.bool)
         if kind == 0:
-            offset = 3
             starts[[t for t in (T // 3, (2 * T) // 3) if 0 < t < T]] = True
         elif kind == 1:
             starts[[t for t in (0, 8, 16, 32, 64, T // 2, T // 2 + 1, T // 2 + 2) if t < T]] = True
@@ -88,67 +75,49 @@ def make_segment_pos(B, T, resets=True, seed=0, device="cpu"):
             starts[: min(2, T)] = True
             starts |= torch.rand(T, generator=g) < 0.1
             starts[T - 1] = True
-        else:
-            offset = 7 + b
-        p = offset - 1
-        for t in range(T):
-            p = 0 if starts[t] else p + 1
-            pos[b, t] = p
+        t = torch.arange(T)
+        offset = {0: 3, 3: 7 + b}.get(kind, 0)     # the position at t = 0 of a row without a start there
+        pos[b] = t - torch.cummax(torch.where(starts, t, -offset), 0).values
     return pos.to(device)
 
 
-def _continuing(pos, n):
-    """Positions for n more tokens continuing each row of pos [B, T]: [B, n]."""
-    return pos[:, -1:] + 1 + torch.arange(n, device=pos.device)
+def _positions(B, T, n, resets, seed, device, width=0):
+    """(pos [B, T] of make_segment_pos, [B, n] positions continuing it). No document starts
+    in pos's last `width` positions (continued from the position before): the official
+    conv cache keeps the previous document's inputs there."""
+    pos = make_segment_pos(B, T, resets, seed, device)
+    tail = T - width
+    if tail > 0 and bool((pos[:, tail:] == 0).any()):
+        pos[:, tail:] = pos[:, tail - 1:tail] + 1 + torch.arange(width, device=device)
+    return pos, pos[:, -1:] + 1 + torch.arange(n, device=device)
 
 
-def _round_params_(module, dtype):
-    """Round an FP32 module's parameters to dtype-representable values, in place."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(p.to(dtype).to(p.dtype))
-    return module
-
-
-def _official(dtype, seed):
-    """The official torch package, seeded, for a check in `dtype`."""
+def _official(dtype, seed, build, backend="auto", bias_std=0.0):
+    """(official, ours): `build(recurrentgemma.torch)` seeded, biases and norm scales (zero
+    at the official init) ~ N(0, bias_std**2), every parameter rounded to `dtype` (the
+    module stays FP32); ours its conversion in `dtype`, the mixer on `backend`."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"expected dtype float32, bfloat16 or float16 for an official check, got {dtype}")
     torch.manual_seed(seed)
-    return load_official()
-
-
-def _exercise_(official, dtype):
-    """The official init leaves biases and norm scales at zero: random values for them,
-    then every parameter rounded to `dtype`."""
+    official = build(load_official())
     with torch.no_grad():
         for n, p in official.named_parameters():
-            if n.endswith((".b", ".bias", ".scale")):
-                p.normal_(std=0.1)
-    return _round_params_(official, dtype)
+            if bias_std and n.rsplit(".", 1)[-1] in ("b", "bias", "scale"):
+                p.normal_(std=bias_std)
+            p.copy_(p.to(dtype).to(p.dtype))
+    return official, from_recurrentgemma(official, backend=backend).to(dtype)
 
 
-def _no_tail_starts(pos, width):
-    """pos [B, T] without document starts in its last `width` positions (continued from
-    the position before), where the official conv cache keeps the previous document."""
-    T = pos.shape[1]
-    tail = max(T - width, 0)
-    while tail > 0 and bool((pos[:, tail:] == 0).any()):
-        pos[:, tail:] = _continuing(pos[:, :tail], T - tail)
-    return pos
-
-
-def _decode(m, ours, inp, dpos, cache):
-    """One-token steps of inputs inp(i), i < dpos.shape[1], from `cache`: a module of
-    our type `ours` through its step (the cache updated in place), an official one
-    through one-token forward calls. Returns (outputs stacked on dim 1 or None, final
-    cache, the tensor cache after each step)."""
+def _decode(m, inp, dpos, cache):
+    """One-token steps of inputs inp(i) at positions dpos [B, n] from `cache`: ours by its
+    step (the cache updated in place), an official module by one-token forward calls.
+    Returns (outputs [B, n, ...] or None, final cache, the tensor cache after each step)."""
     ys, trail = [], []
     for i in range(dpos.shape[1]):
         p = dpos[:, i: i + 1]
         if isinstance(m, HawkLM):
             ys.append(m.step(inp(i), p[:, 0], cache))
-        elif isinstance(m, ours):
+        elif hasattr(m, "step"):
             ys.append(m.step(inp(i), cache, p[:, 0] == 0))
         else:
             y, cache = m(inp(i)[:, None], p, cache)
@@ -159,10 +128,9 @@ def _decode(m, ours, inp, dpos, cache):
 
 
 def _official_rows(name, run, official, ours, dtype, context):
-    """Run `run(module, dtype) -> {stage: tensor}` on the FP32 official module (the
-    oracle) and on ours at `dtype`; one row per stage. For low precision the yardstick
-    is the smaller error of two PyTorch computations at `dtype`: the official module
-    and ours on the reference backend (FP32 recurrence, SPEC 4)."""
+    """One row per stage of `run(module, dtype) -> {stage: tensor}`: ours at `dtype` against
+    the FP32 official module. Below float32 the yardstick is the smaller error of the
+    official module and ours on the reference backend at `dtype` (SPEC 4)."""
     with torch.no_grad():
         want = run(official, torch.float32)
         got = run(ours, dtype)
@@ -182,13 +150,10 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
     """RG-LRU against the official layer: sequence output and final state from an empty
     and from a cached state, the gradients of x, the initial state and every parameter
     (a_param, both gates' w and b), then one-token decode steps (output and state)."""
-    rg = _official(dtype, seed)
-    official = _round_params_(rg.RGLRU(D, heads, device=device), dtype)
-    ours = from_recurrentgemma(official, backend=backend).to(dtype)
+    official, ours = _official(dtype, seed, lambda rg: rg.RGLRU(D, heads, device=device), backend)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
     h0 = torch.randn(B, D, device=device)
-    pos = make_segment_pos(B, T, resets, seed, device)
-    dpos = _continuing(pos, decode_steps)
+    pos, dpos = _positions(B, T, decode_steps, resets, seed, device)
     if resets and decode_steps > 1:
         dpos[0, 1:] = torch.arange(decode_steps - 1, device=device)      # a reset while decoding
 
@@ -205,47 +170,37 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
             params = dict(m.named_parameters())
             y, h = m(xg, pos, hg)
             loss = (y.float() * gy).sum() + (h.float() * gh).sum()
-            names = ["x", "initial_state", *params]
             grads = torch.autograd.grad(loss, [xg, hg, *params.values()])
         out["sequence_cached"], out["final_state_cached"] = y.detach(), h.detach().clone()
-        out.update({f"grad_{n}": gr for n, gr in zip(names, grads)})
-        ys, _, hs = _decode(m, layers.RGLRU, lambda i: x[:, T + i].to(dt), dpos, h.detach().clone())
+        out.update({f"grad_{n}": gr for n, gr in zip(["x", "initial_state", *params], grads)})
+        ys, _, hs = _decode(m, lambda i: x[:, T + i].to(dt), dpos, h.detach().clone())
         if decode_steps:
             out["decode"], out["decode_state"] = ys, torch.stack(hs, 1)
         return out
 
-    ctx = dict(shape=[B, T, D], heads=heads, dtype=_dtype_name(dtype), device=str(device), backend=backend,
-               resets=resets)
+    ctx = dict(shape=[B, T, D], heads=heads, dtype=dtype, device=device, backend=backend, resets=resets)
     return _official_rows("rglru_official", run, official, ours, dtype, ctx)
 
 
 def check_conv1d_official(B=2, T=37, D=24, temporal_width=4, device="cpu", dtype=torch.float32, seed=0,
                           resets=True, decode_steps=4):
     """Conv1D against the official layer: the sequence (masked at document starts), the
-    decode cache it leaves, and one-token decode steps from that cache. No document
-    starts in the last temporal_width - 1 prompt positions here, where the official
-    cache keeps inputs of the previous document (see kernels.layers); the case is
-    covered by check_griffin_official's decode-equals-forward rows."""
-    rg = _official(dtype, seed)
-    official = rg.Conv1D(D, temporal_width, device=device)
-    with torch.no_grad():
-        official.b.normal_()                    # the official init zeroes the bias
-    _round_params_(official, dtype)
-    ours = from_recurrentgemma(official).to(dtype)
+    decode cache it leaves and decode steps from it. No document starts in the prompt's
+    last temporal_width - 1 positions (check_griffin_official covers them)."""
+    official, ours = _official(dtype, seed, lambda rg: rg.Conv1D(D, temporal_width, device=device), bias_std=1.0)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
-    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), temporal_width - 1)
-    dpos = _continuing(pos, decode_steps)
+    pos, dpos = _positions(B, T, decode_steps, resets, seed, device, temporal_width - 1)
 
     def run(m, dt):
         # Fresh copies: the official Conv1D masks its input in place.
         y, cache = m(x[:, :T].to(dt, copy=True), pos)
         out = {"sequence": y, "cache": cache.clone()}
-        ys, cache, _ = _decode(m, layers.Conv1D, lambda i: x[:, T + i].to(dt), dpos, cache)
+        ys, cache, _ = _decode(m, lambda i: x[:, T + i].to(dt), dpos, cache)
         if decode_steps:
             out["decode"], out["decode_cache"] = ys, cache
         return out
 
-    ctx = dict(shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device), resets=resets)
+    ctx = dict(shape=[B, T, D], dtype=dtype, device=device, resets=resets)
     return _official_rows("conv1d_official", run, official, ours, dtype, ctx)
 
 
@@ -261,30 +216,17 @@ _BLOCK_STAGES = {
 }
 
 
-def _capture(module, names):
-    """Forward hooks recording the (first) output of each named submodule."""
-    seen, handles = {}, []
-    for stage, path in names.items():
-        def hook(_m, _inp, out, stage=stage):
-            # Cloned: the official Conv1D masks its input in place.
-            seen[stage] = (out[0] if isinstance(out, tuple) else out).clone()
-        handles.append(module.get_submodule(path).register_forward_hook(hook))
-    return seen, handles
-
-
 def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, mlp_expanded_width=96,
                                   device="cpu", dtype=torch.float32, seed=0, resets=True,
                                   backend="reference", decode_steps=3):
     """The Hawk residual block with weights copied from the official one, stage by stage:
     norm, both projections, conv, RG-LRU sequence, final state, conv cache, temporal
     block, MLP, block output; then decode steps (block output and both states)."""
-    rg = _official(dtype, seed)
-    official = _exercise_(rg.ResidualBlock(width, mlp_expanded_width, heads, 1024, rg.TemporalBlockType.RECURRENT,
-                                           lru_width, device=device), dtype)
-    ours = from_recurrentgemma(official, backend=backend).to(dtype)
+    official, ours = _official(dtype, seed, lambda rg: rg.ResidualBlock(
+        width, mlp_expanded_width, heads, 1024, rg.TemporalBlockType.RECURRENT, lru_width, device=device),
+        backend, bias_std=0.1)
     x = torch.randn(B, T + decode_steps, width, device=device).to(dtype).float()
-    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), 3)
-    dpos = _continuing(pos, decode_steps)
+    pos, dpos = _positions(B, T, decode_steps, resets, seed, device, 3)
 
     def states(c):
         if isinstance(c, layers.RecurrentCache):
@@ -292,7 +234,12 @@ def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, ml
         return c.rg_lru_state, c.conv1d_state
 
     def run(m, dt):
-        seen, handles = _capture(m, _BLOCK_STAGES)
+        seen = {}
+
+        def hook(stage):
+            # Cloned: the official Conv1D masks its input in place.
+            return lambda _m, _inp, out: seen.update({stage: (out[0] if isinstance(out, tuple) else out).clone()})
+        handles = [m.get_submodule(path).register_forward_hook(hook(s)) for s, path in _BLOCK_STAGES.items()]
         try:
             y, cache = m(x[:, :T].to(dt, copy=True), pos)
         finally:
@@ -300,177 +247,142 @@ def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, ml
                 h.remove()
         out = dict(seen, block_output=y)
         out["final_state"], out["conv_state"] = states(cache)
-        ys, cache, _ = _decode(m, layers.ResidualBlock, lambda i: x[:, T + i].to(dt), dpos, cache)
+        ys, cache, _ = _decode(m, lambda i: x[:, T + i].to(dt), dpos, cache)
         if decode_steps:
             out["decode_output"] = ys
             out["decode_state"], out["decode_conv_state"] = states(cache)
         return out
 
-    ctx = dict(shape=[B, T, width], lru_width=lru_width, heads=heads, dtype=_dtype_name(dtype),
-               device=str(device), backend=backend, resets=resets)
+    ctx = dict(shape=[B, T, width], lru_width=lru_width, heads=heads, dtype=dtype, device=device, backend=backend,
+               resets=resets)
     return _official_rows("residual_block_official", run, official, ours, dtype, ctx)
 
 
 def check_griffin_official(B=2, T=29, vocab_size=97, width=32, lru_width=48, heads=4, num_layers=2,
                            device="cpu", dtype=torch.float32, seed=0, resets=True, backend="reference",
                            decode_steps=4):
-    """A tiny all-recurrent Griffin against HawkLM (converted weights): logits and final
-    states of a forward with resets; the official prompt-then-decode logits; and, for
-    our model alone, decode steps (with a document start among them and in the last
-    prompt positions) equal to the full forward of the same tokens."""
-    rg = _official(dtype, seed)
-    cfg = rg.GriffinConfig(vocab_size=vocab_size, width=width, mlp_expanded_width=3 * width, num_heads=heads,
-                           block_types=(rg.TemporalBlockType.RECURRENT,) * num_layers,
-                           embeddings_scale_by_sqrt_dim=False, attention_window_size=1024, logits_soft_cap=0.0,
-                           lru_width=lru_width)
-    official = _exercise_(rg.Griffin(cfg, gradient_checkpointing=False, device=device), dtype)
-    ours = from_recurrentgemma(official, backend=backend).to(dtype)
+    """A tiny all-recurrent Griffin against HawkLM: logits of a forward with resets, then of
+    decode steps. For ours alone: prompt + decode steps and prompt + chunked prefill equal
+    to one full forward (document starts in the prompt's tail and while decoding)."""
+    official, ours = _official(dtype, seed, lambda rg: rg.Griffin(rg.GriffinConfig(
+        vocab_size=vocab_size, width=width, mlp_expanded_width=3 * width, num_heads=heads,
+        block_types=(rg.TemporalBlockType.RECURRENT,) * num_layers, embeddings_scale_by_sqrt_dim=False,
+        attention_window_size=1024, logits_soft_cap=0.0, lru_width=lru_width), gradient_checkpointing=False,
+        device=device), backend, bias_std=0.1)
     tokens = torch.randint(0, vocab_size, (B, T + decode_steps), device=device)
-    pos = _no_tail_starts(make_segment_pos(B, T, resets, seed, device), 3)
-    dpos = _continuing(pos, decode_steps)
+    pos, dpos = _positions(B, T, decode_steps, resets, seed, device, 3)
 
     def run(m, dt):
         logits, cache = m(tokens[:, :T], pos)
         out = {"logits": logits}
         if decode_steps:
-            out["decode_logits"] = _decode(m, HawkLM, lambda i: tokens[:, T + i], dpos, cache)[0]
+            out["decode_logits"] = _decode(m, lambda i: tokens[:, T + i], dpos, cache)[0]
         return out
 
     ctx = dict(shape=[B, T], vocab_size=vocab_size, width=width, lru_width=lru_width, heads=heads,
-               num_layers=num_layers, dtype=_dtype_name(dtype), device=str(device), backend=backend,
-               resets=resets)
+               num_layers=num_layers, dtype=dtype, device=device, backend=backend, resets=resets)
     rows = _official_rows("griffin_official", run, official, ours, dtype, ctx)
-    rows += _decode_equals_forward(ours, B, T, decode_steps, vocab_size, device, dtype, seed, resets, ctx)
-    return rows
 
-
-def _decode_equals_forward(model, B, T, steps, vocab_size, device, dtype, seed, resets, ctx):
-    """Prompt forward then `steps` one-token steps give the logits of one full forward,
-    with document starts in the last prompt positions and among the decoded tokens."""
     g = torch.Generator(device="cpu").manual_seed(seed + 5)
-    tokens = torch.randint(0, vocab_size, (B, T + steps), generator=g).to(device)
-    pos = make_segment_pos(B, T + steps, resets, seed + 1, device)
-    if resets and T >= 2 and steps >= 2:
-        pos[0, T - 2:] = torch.arange(steps + 2, device=device)          # start in the prompt tail
-        pos[-1, T + 1:] = torch.arange(steps - 1, device=device)         # start while decoding
+    tokens = torch.randint(0, vocab_size, (B, T + decode_steps), generator=g).to(device)
+    pos = make_segment_pos(B, T + decode_steps, resets, seed + 1, device)
+    if resets and T >= 2 and decode_steps >= 2:
+        pos[0, T - 2:] = torch.arange(decode_steps + 2, device=device)  # start in the prompt tail
+        pos[-1, T + 1:] = torch.arange(decode_steps - 1, device=device)  # start while decoding
     with torch.no_grad():
-        full, _ = model(tokens, pos, return_cache=False)
-        head, cache = model(tokens[:, :T], pos[:, :T])
-        steps_out = [model.step(tokens[:, T + i], pos[:, T + i], cache) for i in range(steps)]
-        dec = torch.cat([head, torch.stack(steps_out, 1)], 1) if steps else head
-        tail_cache = model(tokens[:, :T - 1], pos[:, :T - 1])[1]
-        chunk, _ = model(tokens[:, T - 1:], pos[:, T - 1:], tail_cache)
-    if dtype == torch.float32:
+        full, _ = ours(tokens, pos, return_cache=False)
+        head, cache = ours(tokens[:, :T], pos[:, :T])
+        steps_out = [ours.step(tokens[:, T + i], pos[:, T + i], cache) for i in range(decode_steps)]
+        dec = torch.cat([head, torch.stack(steps_out, 1)], 1) if decode_steps else head
+        tail_cache = ours(tokens[:, :T - 1], pos[:, :T - 1])[1]
+        chunk, _ = ours(tokens[:, T - 1:], pos[:, T - 1:], tail_cache)
         want, tol = full, OFFICIAL_FP32_TOL
-    else:
-        # Both judged against the FP32 forward, within twice the full forward's own error.
-        with torch.no_grad():
-            want, _ = copy.deepcopy(model).float()(tokens, pos, return_cache=False)
-        tol = _lowp_tol(dtype, rel_err(full, want))
-    return [_row(check, rel_err(got, want), tol, **ctx)
-            for check, got in (("hawk/decode_equals_forward", dec),
-                               ("hawk/chunked_prefill_equals_forward", torch.cat([head[:, :T - 1], chunk], 1)))]
+        if dtype != torch.float32:
+            # Both judged against the FP32 forward, within twice the full forward's own error.
+            want, _ = copy.deepcopy(ours).float()(tokens, pos, return_cache=False)
+            tol = _lowp_tol(dtype, rel_err(full, want))
+    return rows + [_row(check, rel_err(got, want), tol, **ctx)
+                   for check, got in (("hawk/decode_equals_forward", dec),
+                                      ("hawk/chunked_prefill_equals_forward", torch.cat([head[:, :T - 1], chunk], 1)))]
 
 
-def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True, tolerance=1e-10):
+def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True):
     """SAMU computed two independent ways in float64: complex128 `reference.samu` and
     real-arithmetic `reference.samu_real`; outputs, final states and every gradient
     (x, controller, spectrum, initial state), from an empty and from a non-zero state."""
-    args, h0 = _samu_inputs(B, T, D, torch.float64, device, seed)
+    args, h0 = _inputs("samu", B, T, D, torch.float64, device, seed)
     pos = make_segment_pos(B, T, resets, seed, device)
-    ctx = dict(shape=[B, T, D], dtype="float64", device=str(device), resets=resets)
+    ctx = dict(shape=[B, T, D], dtype="float64", device=device, resets=resets)
     rows = []
     for tag, h in (("empty", None), ("cached", h0)):
-        cplx, real = (_run_op(fn, args, h, pos, {}, seed, None, SAMU_INPUTS)
+        cplx, real = (_run_op(fn, args, h, pos, {}, seed, None, INPUT_NAMES["samu"])
                       for fn in (reference.samu, reference.samu_real))
-        rows += [_row(f"samu_reference/{k}_{tag}", rel_err(real[k], cplx[k]), tolerance, **ctx) for k in real]
+        rows += [_row(f"samu_reference/{k}_{tag}", rel_err(real[k], cplx[k]), BACKEND_TOL[torch.float64], **ctx)
+                 for k in real]
     return rows
 
 
-SAMU_INPUTS = ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log")
-RGLRU_INPUTS = ("x", "gate_x", "gate_a", "a_param")
-SCAN_INPUTS = ("a", "b")
+INPUT_NAMES = {"rglru": ("x", "gate_x", "gate_a", "a_param"), "scan": ("a", "b"),
+               "samu": ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log")}
 
 
-def _samu_inputs(B, T, D, dtype, device, seed):
-    """SAMU inputs at the layer's initialisation (|a| up to 0.999) with a non-zero
-    controller bias; x ~ N(0, 1). Returns (args list in `dtype`, h0 complex128)."""
+def _inputs(op, B, T, D, dtype, device, seed):
+    """(inputs of `op` in `dtype`, initial state): activations ~ N(0, 1) [B, T, D]; RG-LRU's
+    a_param and SAMU's parameters at the layers' initialisation (SAMU: |a| up to 0.999,
+    a non-zero controller bias, h0 complex128); the scan's |a| near 1."""
     torch.manual_seed(seed)
-    m = layers.SAMU(D, dtype=dtype, device=device)
-    with torch.no_grad():
-        m.phase_dir[-1] = 0.3
-        m.radial_dir[-1] = -0.2
-    x = torch.randn(B, T, D, dtype=dtype, device=device)
-    h0 = torch.randn(B, D // 2, dtype=torch.complex128, device=device)
-    return [x] + [p.detach() for p in m._params()], h0
+    kw = dict(dtype=dtype, device=device)
+    if op == "samu":
+        m = layers.SAMU(D, **kw)
+        with torch.no_grad():
+            m.phase_dir[-1], m.radial_dir[-1] = 0.3, -0.2
+        x = torch.randn(B, T, D, **kw)
+        return [x] + [p.detach() for p in m._params()], torch.randn(B, D // 2, dtype=torch.complex128, device=device)
+    if op == "rglru":
+        args = [torch.randn(B, T, D, **kw) for _ in range(3)] + [layers.rnn_param_init(torch.empty(D, **kw))]
+    else:
+        args = [torch.rand(B, T, D, **kw) * 0.1 + 0.899, torch.randn(B, T, D, **kw)]
+    return args, torch.randn(B, D, **kw)
 
 
-def _rglru_inputs(B, T, D, dtype, device, seed):
-    torch.manual_seed(seed)
-    x, gx, ga = (torch.randn(B, T, D, dtype=dtype, device=device) for _ in range(3))
-    a_param = layers.rnn_param_init(torch.empty(D, dtype=dtype, device=device))
-    return [x, gx, ga, a_param], torch.randn(B, D, dtype=dtype, device=device)
-
-
-def _scan_inputs(B, T, D, dtype, device, seed):
-    torch.manual_seed(seed)
-    a = torch.rand(B, T, D, dtype=dtype, device=device) * 0.1 + 0.899   # |a| near 1
-    b = torch.randn(B, T, D, dtype=dtype, device=device)
-    return [a, b], torch.randn(B, D, dtype=dtype, device=device)
-
-
-def _cotangents(y, h, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed + 99)
-    gy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype)
-    gh = torch.randn(h.shape, generator=g, dtype=torch.complex128 if h.is_complex() else torch.float64)
-    return gy, gh.to(h.device, h.dtype)
-
-
-def _inner(t, g):
-    """sum(t * g) in float64, over the real and imaginary parts of complex tensors."""
-    if t.is_complex():
-        t, g = torch.view_as_real(t), torch.view_as_real(g)
-    return (t.double() * g.double()).sum()
+def _real(t):
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _run_op(fn, args, h0, pos, opts, seed, kinks, names):
-    """Forward + backward of one backend: {output, final_state, grad_<name> for every
-    input `names` and grad_initial_state unless h0 is None} (a gradient autograd leaves
-    None, for no dependence, is zeros). `kinks` [B, T, D] bool zeroes the output
-    cotangent where the exact pre-relu value sits at relu's kink."""
+    """{output, final_state, grad_<name> of every input, grad_initial_state unless h0 is
+    None (zeros where autograd gives None)} of one backend, for the float64 loss
+    sum(y * gy) + sum(h * gh) with seeded cotangents, gy zero where `kinks` [B, T, D]."""
     leaves = [a.detach().clone().requires_grad_() for a in args]
     hs = None if h0 is None else h0.detach().clone().requires_grad_()
     y, h = fn(*leaves, pos, hs, True, **opts)
-    gy, gh = _cotangents(y, h, seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 99)
+    gy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype)
+    gh = torch.randn(h.shape, generator=g, dtype=torch.complex128 if h.is_complex() else torch.float64)
+    gh = gh.to(h.device, h.dtype)
     if kinks is not None:
         gy = gy.masked_fill(kinks, 0)
+    loss = sum((_real(t).double() * _real(c).double()).sum() for t, c in ((y, gy), (h, gh)))
     wrt = leaves + ([] if hs is None else [hs])
-    grads = torch.autograd.grad(_inner(y, gy) + _inner(h, gh), wrt, allow_unused=True)
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt)]
     keys = ["output", "final_state"] + [f"grad_{n}" for n in (*names, "initial_state")]
     return dict(zip(keys, [y, h, *grads]))
 
 
-def _tolerances(dtype, want, yardstick):
-    """Per stage of `want`: BACKEND_TOL[dtype], or below float32 _lowp_tol of the error
-    of `yardstick()` (the reference backend's stages at `dtype`)."""
-    if dtype in BACKEND_TOL:
-        return {k: BACKEND_TOL[dtype] for k in want}
-    yard = yardstick()
-    return {k: _lowp_tol(dtype, rel_err(yard[k], want[k])) for k in want}
-
-
-def _backend_rows(check, backend, got, want, tols, dtype, ctx, inexact=False):
-    """One row per stage; the reference backend below float64 (a yardstick) and a backend
-    inexact by design are recorded, not gated."""
+def _backend_rows(check, backend, got, want, yard, dtype, ctx):
+    """One row per stage, within BACKEND_TOL[dtype] or, below float32, _lowp_tol of the error
+    of `yard` (the reference backend's stages at `dtype`). Recorded, not gated: the reference
+    backend below float64 (the yardstick) and a backend inexact by design (never counted
+    exact by cases.gated_backends)."""
+    role = ("yardstick" if backend == "reference" and dtype != torch.float64
+            else "inexact-by-design" if backend in ops.inexact_backends() else None)
     rows = []
     for k in want:
-        row = _row(f"{check}/{k}", rel_err(got[k], want[k]), tols[k], stage=k, **ctx)
-        if backend == "reference" and dtype != torch.float64:
-            row.update(passed=True, role="yardstick", within_tolerance=row["passed"])
-        elif inexact:
-            # cases.gated_backends never counts it exact either.
-            row.update(passed=True, role="inexact-by-design", within_tolerance=row["passed"])
+        tol = BACKEND_TOL[dtype] if dtype in BACKEND_TOL else _lowp_tol(dtype, rel_err(yard[k], want[k]))
+        row = _row(f"{check}/{k}", rel_err(got[k], want[k]), tol, stage=k, **ctx)
+        if role:
+            row.update(passed=True, role=role, within_tolerance=row["passed"])
         rows.append(row)
     return rows
 
@@ -479,12 +391,9 @@ KINK_REL = 10 * 2.0**-20
 
 
 def samu_relu_kinks(args64, h064, pos):
-    """Where SAMU's exact pre-relu state is within KINK_REL * max|h| of zero. relu's
-    derivative jumps there, and which side an FP32 state lands on (|h| ~ 1e-8 against
-    values of order 1) is rounding luck for any implementation, the reference included;
-    such elements get a zero output cotangent in every run of the comparison (the exact
-    one too), so the gradients are compared where they are defined. The rows report how
-    many elements were masked."""
+    """Where SAMU's exact pre-relu state is within KINK_REL * max|h| of zero: relu's
+    derivative jumps there and the side an FP32 state lands on is rounding luck for any
+    implementation, so every run of a comparison zeroes the output cotangent there."""
     with torch.no_grad():
         a, b = reference.samu_coefficients(*args64, pos)
         h_all, _ = reference.scan(a, b, pos, h064, False)
@@ -492,65 +401,43 @@ def samu_relu_kinks(args64, h064, pos):
         return h.abs() <= KINK_REL * h.abs().max()
 
 
-def _accepts_chunk_size(name, fn) -> bool:
-    """A launcher that names `chunk_size`, or a "chunk" backend taking keyword options."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return "chunk_size" in params or (name == "chunk" and var_kw)
-
-
 def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0,
                    resets=True):
     """Every backend of `op` ("rglru", "samu", "scan") in kernels.backends(op) against the
     float64 reference: output, final state and the gradient of every input (initial
-    state included), with resets and a non-zero initial state. Backends whose launcher
-    names a `chunk_size` parameter run once per chunk size. Activations in `dtype`,
-    parameters and the state in FP32 (float64 when dtype is float64)."""
-    inputs = {"rglru": (_rglru_inputs, RGLRU_INPUTS, 3), "samu": (_samu_inputs, SAMU_INPUTS, 1),
-              "scan": (_scan_inputs, SCAN_INPUTS, 2)}
-    if op not in inputs:
-        raise ValueError(f"expected op in {list(inputs)}, got {op!r}")
-    make, names, n_act = inputs[op]
-    args64, h064 = make(B, T, D, torch.float64, device, seed)
-    pdt = state_dtype(dtype)
-    args = [a.to(dtype) if i < n_act else a.to(pdt) for i, a in enumerate(args64)]
+    state included), with resets and a non-zero initial state; the "chunk" backend once
+    per chunk size. Activations in `dtype`, parameters and the state in FP32 (float64
+    when dtype is float64)."""
+    if op not in INPUT_NAMES:
+        raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
+    names = INPUT_NAMES[op]
+    args64, h064 = _inputs(op, B, T, D, torch.float64, device, seed)
+    args = [a.to(dtype if a.dim() == 3 else state_dtype(dtype)) for a in args64]   # activations [B, T, D]
     h0 = h064.to(state_dtype(dtype, h064.is_complex()))
     pos = make_segment_pos(B, T, resets, seed, device)
     args_exact, h0_exact = [a.double() for a in args], h0.to(h064.dtype)
     kinks = samu_relu_kinks(args_exact, h0_exact, pos) if op == "samu" else None
-    n_kinks = 0 if kinks is None else int(kinks.sum())
     ref = ops.backends(op)["reference"]
     # The exact answer for exactly these (rounded) inputs.
     want = _run_op(ref, args_exact, h0_exact, pos, {}, seed, kinks, names)
-    tols = _tolerances(dtype, want, lambda: _run_op(ref, args, h0, pos, {}, seed, kinks, names))
+    yard = None if dtype in BACKEND_TOL else _run_op(ref, args, h0, pos, {}, seed, kinks, names)
     rows = []
     for name, fn in ops.backends(op).items():
-        variants = [{"chunk_size": k} for k in chunk_sizes] if _accepts_chunk_size(name, fn) else [{}]
-        for opts in variants:
-            ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=_dtype_name(dtype), device=str(device),
-                       resets=resets, relu_kinks_masked=n_kinks, **opts)
-            try:
-                got = _run_op(fn, args, h0, pos, opts, seed, kinks, names)
-            except NotImplementedError as e:
-                rows.append({"check": f"backends/{op}/{name}", "error": float("nan"), "tolerance": float("nan"),
-                             "passed": True, "skipped": f"NotImplementedError: {e}", **ctx})
-                continue
-            rows += _backend_rows(f"backends/{op}/{name}", name, got, want, tols, dtype, ctx,
-                                  inexact=name in ops.inexact_backends())
+        for opts in [{"chunk_size": k} for k in chunk_sizes] if name == "chunk" else [{}]:
+            ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=dtype, device=device,
+                       resets=resets, relu_kinks_masked=0 if kinks is None else int(kinks.sum()), **opts)
+            got = _run_op(fn, args, h0, pos, opts, seed, kinks, names)
+            rows += _backend_rows(f"backends/{op}/{name}", name, got, want, yard, dtype, ctx)
     return rows
 
 
 def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float32, seed=0, options=None):
-    """Every decode step backend of `op` ("rglru", "samu") in kernels.step_backends(op)
-    against the float64 reference step: `steps` steps from a non-zero state with a reset
-    of row 0 at the second step and of every row at the third, each step's output and
-    the final state. Inputs and weights in `dtype` (parameters FP32 for SAMU, as the
-    layer holds them), the state in FP32 / complex64 (float64 / complex128 for float64).
-    options: {"op/backend": [launcher options, ...]}, e.g. the tune stage's candidates:
-    each also runs with every such set (its rows carry `options`)."""
+    """Every decode step backend of `op` ("rglru", "samu") against the float64 reference:
+    each step's output and the final state of `steps` steps from a non-zero state, row 0
+    reset at the second step and every row at the third. Inputs and weights in `dtype`
+    (SAMU's parameters FP32, as the layer holds them), the state FP32 (float64 for
+    float64). options {"op/backend": [launcher options, ...]} (the tune stage's
+    candidates) add a variant per set; SAMU's Triton steps also run reading the mode table."""
     if op not in ("rglru", "samu"):
         raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
     torch.manual_seed(seed)
@@ -570,31 +457,29 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
 
     def run(fn, cast, st_dtype):
         st = state0.to(st_dtype).clone()
-        ys = []
         with torch.no_grad():
-            for x, r in zip(xs, resets):
-                ys.append(fn(cast(x), *[cast(q) if q.is_floating_point() else q for q in params], st, r))
+            ys = [fn(cast(x), *[cast(q) if q.is_floating_point() else q for q in params], st, r)
+                  for x, r in zip(xs, resets)]
         return {"output": torch.stack(ys), "state": st}
 
-    ref = ops.step_backends(op)["reference"]
-    want = run(ref, lambda t: t.double(), exact)
-    tols = _tolerances(dtype, want, lambda: run(ref, lambda t: t, sdt))
     fns = ops.step_backends(op)
+    want = run(fns["reference"], lambda t: t.double(), exact)
+    yard = None if dtype in BACKEND_TOL else run(fns["reference"], lambda t: t, sdt)
     variants = [(n, f, {}) for n, f in fns.items()]
     for key, sets in (options or {}).items():
         o, n = key.split("/")
         variants += [(n, functools.partial(fns[n], **opts), opts) for opts in sets if o == op and opts]
-    if op == "samu":    # each Triton step also as the generation engine runs it: reading the mode table
+    if op == "samu":
         tab = ops.samu_mode_table(m.nu_log.detach(), m.theta_log.detach(), dtype)
         variants += [(f"{n}+table", functools.partial(f, modes=tab), opts) for n, f, opts in variants
                      if n != "reference"]
     rows = []
     for name, fn, opts in variants:
-        got = run(fn, lambda t: t, sdt)
-        ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=_dtype_name(dtype), device=str(device),
-                   steps=steps, **({"options": opts} if opts else {}))
+        ctx = dict(op=f"{op}_step", backend=name, shape=[B, D], dtype=dtype, device=device, steps=steps,
+                   **({"options": opts} if opts else {}))
         tag = "".join(f"/{k}={v}" for k, v in sorted(opts.items()))
-        rows += _backend_rows(f"backends/{op}_step/{name}{tag}", name, got, want, tols, dtype, ctx)
+        rows += _backend_rows(f"backends/{op}_step/{name}{tag}", name, run(fn, lambda t: t, sdt), want, yard,
+                              dtype, ctx)
     return rows
 
 
@@ -602,9 +487,9 @@ def check_captured_train_step(preset="tiny", B=2, T=64, vocab_size=256, steps=3,
                               dtype=torch.float32, seed=0, backend="auto"):
     """The training step captured in a CUDA graph (`CapturedTrainStep`) against the same
     steps run eagerly from the same weights and batches, per mixer: each step's loss and
-    every parameter after the last step (rel_err). float32: an FP32 step; bfloat16 /
-    float16: FP32 weights under autocast. Both paths launch the same kernels in the same
-    order, so the tolerance is BACKEND_TOL's float32 one at every dtype."""
+    every parameter after the last step. float32: an FP32 step; bfloat16 / float16: FP32
+    weights under autocast. Both paths launch the same kernels in the same order, so the
+    tolerance is BACKEND_TOL's float32 one at every dtype."""
     if torch.device(device).type != "cuda":
         raise ValueError(f"a captured training step needs a CUDA device, got {device!r}")
     from .models import CapturedTrainStep, HawkConfig, train_step
@@ -612,6 +497,7 @@ def check_captured_train_step(preset="tiny", B=2, T=64, vocab_size=256, steps=3,
     g = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, vocab_size, (steps + 1, B, T + 1), generator=g).to(device)
     pos = make_segment_pos(B, T, resets=True, seed=seed, device=device)
+    tol = BACKEND_TOL[torch.float32]
     rows = []
     for mixer in ("rglru", "samu"):
         cfg = HawkConfig.preset(preset, mixer=mixer, vocab_size=vocab_size)
@@ -629,9 +515,7 @@ def check_captured_train_step(preset="tiny", B=2, T=64, vocab_size=256, steps=3,
                 losses = [train_step(m, opt, t[:, :-1], t[:, 1:], pos, autocast=autocast) for t in toks[1:]]
             runs.append((torch.stack(losses), dict(m.named_parameters())))
         (want_loss, want_p), (got_loss, got_p) = runs
-        ctx = dict(preset=preset, mixer=mixer, shape=[B, T], steps=steps, dtype=_dtype_name(dtype),
-                   device=str(device), backend=backend)
-        tol = BACKEND_TOL[torch.float32]
+        ctx = dict(preset=preset, mixer=mixer, shape=[B, T], steps=steps, dtype=dtype, device=device, backend=backend)
         rows.append(_row("train/captured_step/loss", rel_err(got_loss, want_loss), tol, **ctx))
         rows.append(_row("train/captured_step/parameters", max(rel_err(got_p[k], w) for k, w in want_p.items()),
                          tol, **ctx))
@@ -652,47 +536,32 @@ DEFAULT_PROFILE = {
 
 
 def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.float32, backend="reference"):
-    """All gates for one device and dtype; returns the rows of every check.
-
-    profile_shapes maps a gate of DEFAULT_PROFILE to a list of keyword arguments (shapes)
-    of its check ("backends" runs for rglru, samu and scan, "steps" for rglru and samu);
-    a missing key takes DEFAULT_PROFILE's list, an empty list skips that gate. `backend`
-    is the mixer backend of the official-parity modules ("auto": what dispatch picks on
-    `device`). The official gates run with and without resets, in float32 when dtype is
-    float64."""
+    """The rows of every gate for one device and dtype. profile_shapes: {gate of
+    DEFAULT_PROFILE: [keyword arguments of its check]} (a missing gate takes the default, []
+    skips it). `backend`: the official-parity modules' mixer backend. The official gates run
+    with and without resets, in float32 when dtype is float64."""
     profile = {**DEFAULT_PROFILE, **(profile_shapes or {})}
     unknown = set(profile) - set(DEFAULT_PROFILE)
     if unknown:
         raise ValueError(f"expected profile_shapes keys in {list(DEFAULT_PROFILE)}, got unknown {sorted(unknown)}")
     odt = torch.float32 if dtype == torch.float64 else dtype
-    rows = []
-    for kw in profile["backends"]:
-        for op in ("rglru", "samu", "scan"):
-            rows += check_backends(op, device=device, dtype=dtype, **kw)
-    for kw in profile["steps"]:
-        for op in ("rglru", "samu"):
-            rows += check_steps(op, device=device, dtype=dtype, **kw)
+    mixer, here = dict(device=device, dtype=odt, backend=backend), dict(device=device, dtype=dtype)
+    calls = [("backends", check_backends, [dict(here, op=op) for op in ("rglru", "samu", "scan")]),
+             ("steps", check_steps, [dict(here, op=op) for op in ("rglru", "samu")])]
     for resets in (True, False):
-        for kw in profile["rglru_official"]:
-            rows += check_rglru_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
-        for kw in profile["conv1d_official"]:
-            rows += check_conv1d_official(device=device, dtype=odt, resets=resets, **kw)
-        for kw in profile["residual_block_official"]:
-            rows += check_residual_block_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
-        for kw in profile["griffin_official"]:
-            rows += check_griffin_official(device=device, dtype=odt, resets=resets, backend=backend, **kw)
-        for kw in profile["samu_reference"]:
-            rows += check_samu_reference(device=device, resets=resets, **kw)
-    for kw in profile["captured_train"]:
-        rows += check_captured_train_step(device=device, dtype=odt, backend=backend, **kw)
+        calls += [("rglru_official", check_rglru_official, [dict(mixer, resets=resets)]),
+                  ("conv1d_official", check_conv1d_official, [dict(device=device, dtype=odt, resets=resets)]),
+                  ("residual_block_official", check_residual_block_official, [dict(mixer, resets=resets)]),
+                  ("griffin_official", check_griffin_official, [dict(mixer, resets=resets)]),
+                  ("samu_reference", check_samu_reference, [dict(device=device, resets=resets)])]
+    calls.append(("captured_train", check_captured_train_step, [mixer]))
+    rows = []
+    for gate, check, variants in calls:     # [(gate, its check, keyword arguments besides the shapes)]
+        for kw in profile[gate]:
+            for v in variants:
+                rows += check(**v, **kw)
     return rows
 
 
 def failures(rows):
     return [r for r in rows if not r["passed"]]
-
-
-__all__ = ["load_official", "rel_err", "make_segment_pos", "check_rglru_official", "check_conv1d_official",
-           "check_residual_block_official", "check_griffin_official", "check_samu_reference", "check_backends",
-           "check_steps", "check_captured_train_step", "run_gates", "failures", "DEFAULT_PROFILE", "OFFICIAL_FP32_TOL", "BACKEND_TOL",
-           "LOWP_FACTOR", "LOWP_FLOOR"]

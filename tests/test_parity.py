@@ -138,9 +138,9 @@ def test_reference_rows_below_float64_are_yardsticks_not_gates():
 
 
 def test_samu_relu_kinks_mask_only_states_at_zero():
-    from kernels.parity import _samu_inputs, samu_relu_kinks
+    from kernels.parity import _inputs, samu_relu_kinks
 
-    args, h0 = _samu_inputs(1, 6, 8, torch.float64, "cpu", 0)
+    args, h0 = _inputs("samu", 1, 6, 8, torch.float64, "cpu", 0)
     args[0][0, 2] = 0.0  # a reset with a zero write: h is exactly 0 at t = 2
     pos = torch.tensor([[3, 4, 0, 1, 2, 3]])
     kinks = samu_relu_kinks(args, h0, pos)

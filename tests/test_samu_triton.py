@@ -400,7 +400,7 @@ def test_bf16_long_row_state_as_accurate_as_pytorch():
     from kernels import parity
 
     Bq, Tq, Dq = 1, 512, 64
-    args64, h064 = parity._samu_inputs(Bq, Tq, Dq, torch.float64, "cpu", 0)
+    args64, h064 = parity._inputs("samu", Bq, Tq, Dq, torch.float64, "cpu", 0)
     args = [args64[0].to(torch.bfloat16)] + [a.float() for a in args64[1:]]
     pos = parity.make_segment_pos(Bq, Tq, True, 0)
     h0 = h064.to(torch.complex64)

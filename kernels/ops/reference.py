@@ -17,11 +17,9 @@ MAX_SQRT_GRADIENT = 1000.0
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
+    if t.is_complex():
+        return torch.complex128 if t.dtype == torch.complex128 else torch.complex64
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _reset(segment_pos: torch.Tensor | None) -> torch.Tensor | None:
-    return None if segment_pos is None else (segment_pos == 0)
 
 
 class SqrtBoundDerivative(torch.autograd.Function):
@@ -42,13 +40,9 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False):
     """h_t = a_t * h_{t-1} + b_t with a_t = 0 where segment_pos == 0. a, b: [B, T, D] real
     or complex; initial_state: [B, D] in the state dtype (float64/complex128 for those
     inputs, else FP32/complex64). Returns (y in b's dtype, final state)."""
-    if b.is_complex():
-        acc = torch.complex128 if b.dtype == torch.complex128 else torch.complex64
-    else:
-        acc = _acc(b)
-    reset = _reset(segment_pos)
-    if reset is not None:
-        a = torch.where(reset[..., None], torch.zeros_like(a), a)
+    acc = _acc(b)
+    if segment_pos is not None:
+        a = torch.where((segment_pos == 0)[..., None], torch.zeros_like(a), a)
     B, T, D = b.shape
     h = torch.zeros(B, D, dtype=acc, device=b.device) if initial_state is None else initial_state.to(acc)
     ys = []
@@ -66,9 +60,8 @@ def rglru_coefficients(x, gate_x, gate_a, a_param, segment_pos=None):
     log_a = -8.0 * torch.sigmoid(gate_a) * F.softplus(a_param)
     a = torch.exp(log_a)
     mult = SqrtBoundDerivative.apply(1.0 - torch.exp(2.0 * log_a))
-    reset = _reset(segment_pos)
-    if reset is not None:
-        mult = torch.where(reset[..., None], torch.ones_like(mult), mult)
+    if segment_pos is not None:
+        mult = torch.where((segment_pos == 0)[..., None], torch.ones_like(mult), mult)
     b = x * torch.sigmoid(gate_x) * mult
     return a, b
 
@@ -86,9 +79,8 @@ def samu_controls(x, phase_dir, radial_dir, phase_amp, radial_amp):
     """Per-token shared controls (eta [B, T], delta [B, T]) in the compute dtype."""
     acc = _acc(x)
     x, phase_dir, radial_dir = x.to(acc), phase_dir.to(acc), radial_dir.to(acc)
-    # a python float goes straight into acc (torch.as_tensor(v) would round it to float32)
-    phase_amp, radial_amp = (v.to(x.device, acc) if isinstance(v, torch.Tensor)
-                             else torch.tensor(float(v), dtype=acc, device=x.device) for v in (phase_amp, radial_amp))
+    # with dtype given, a python float goes straight into acc (not through float32)
+    phase_amp, radial_amp = (torch.as_tensor(v, dtype=acc, device=x.device) for v in (phase_amp, radial_amp))
     M = x.shape[-1] // 2
     scale = 1.0 / math.sqrt(M)
     p = torch.tanh((x @ phase_dir[:-1] + phase_dir[-1]) / torch.linalg.vector_norm(phase_dir))
@@ -115,9 +107,8 @@ def samu_coefficients(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, t
     xa = x.to(acc)
     gamma = samu_gamma(nu_log.to(acc))
     b = torch.complex(gamma * xa[..., :M], gamma * xa[..., M:])
-    reset = _reset(segment_pos)
-    if reset is not None:
-        a = torch.where(reset[..., None], torch.zeros_like(a), a)
+    if segment_pos is not None:
+        a = torch.where((segment_pos == 0)[..., None], torch.zeros_like(a), a)
     return a, b
 
 
@@ -146,8 +137,7 @@ def samu_real(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     xa = x.to(acc)
     cos_t, sin_t = torch.cos(theta), torch.sin(theta)
     if initial_state is None:
-        hr = torch.zeros(B, M, dtype=acc, device=x.device)
-        hi = torch.zeros(B, M, dtype=acc, device=x.device)
+        hr = hi = torch.zeros(B, M, dtype=acc, device=x.device)
     else:
         hr, hi = initial_state.real.to(acc), initial_state.imag.to(acc)
     outs = []
@@ -158,14 +148,11 @@ def samu_real(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
         s = sin_t * cd + cos_t * sd
         mag = torch.exp(-nu * E)
         if segment_pos is not None:
-            keep = (segment_pos[:, t] != 0).to(acc)[:, None]
-            mag = mag * keep
+            mag = mag * (segment_pos[:, t] != 0).to(acc)[:, None]
         ar, ai = mag * c, mag * s
         hr, hi = ar * hr - ai * hi + gamma * xa[:, t, :M], ar * hi + ai * hr + gamma * xa[:, t, M:]
         outs.append(torch.cat([torch.relu(hr), torch.relu(hi)], dim=-1))
-    y = torch.stack(outs, dim=1).to(x.dtype)
-    h = torch.complex(hr, hi).to(torch.complex128 if acc == torch.float64 else torch.complex64)
-    return y, (h if output_final_state else None)
+    return torch.stack(outs, dim=1).to(x.dtype), (torch.complex(hr, hi) if output_final_state else None)
 
 
 def block_diagonal(x, w, b):
