@@ -21,11 +21,10 @@ import math
 import triton
 import triton.language as tl
 
-from .. import accounting
 from ..triton_utils import cdiv, launcher, scratch
-from .common import (alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2, step_in,
-                     store_pair, store_param_partials, tl_dtype)
-from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
+from .common import (account, alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2,
+                     step_in, store_pair, store_param_partials, tl_dtype)
+from .fused_recurrent import BM, BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
 
 PREFIX_BM = 128
 PREFIX_UNROLL = 4
@@ -173,16 +172,14 @@ class _Plan:
     """What a chunk launcher computes from the shape alone, once per (shape, config): the
     grids, the launch keywords and the scratch shapes (host time of every eager call)."""
 
-    def __init__(self, B, T, M, K, BM, NW, acc, backward):
+    def __init__(self, B, T, M, K, acc, backward):
         N, nmb = cdiv(T, K), cdiv(M, BM)
         gs, ng = group_sizes(N)
         self.N, self.nmb, self.grid = N, nmb, (nmb, N, B)
-        self.kw = dict(K=K, U=min(K, FWD_UNROLL) if not backward else BWD_UNROLL, BM=BM, ACC=tl_dtype(acc),
-                       num_warps=NW)
-        self.summary_kw = {**self.kw, "U": min(K, FWD_UNROLL)}
-        pb = cdiv(M, PREFIX_BM)
+        self.summary_kw = dict(K=K, U=min(K, FWD_UNROLL), BM=BM, ACC=tl_dtype(acc), num_warps=1)
+        self.kw = {**self.summary_kw, "U": BWD_UNROLL} if backward else self.summary_kw
         # the grouped prefix (forward, or backward: the conjugate maps right to left)
-        self.group_grid, self.group_args = (pb, ng, B), (N, ng, M)
+        self.group_grid, self.group_args = (cdiv(M, PREFIX_BM), ng, B), (N, ng, M)
         self.group_kw = dict(GS=gs, V=min(gs, PREFIX_UNROLL), BM=PREFIX_BM, CONJ=backward, REVERSE=backward,
                              ACC=tl_dtype(acc), num_warps=4)
         maps = ((B, N, M, 2),) * (3 if backward else 2)
@@ -190,9 +187,7 @@ class _Plan:
         self.scratch = (*maps, *ckpt, *((B, ng, M, 2),) * 2)
 
 
-@functools.lru_cache(maxsize=256)
-def plan(B, T, M, K, BM, NW, acc, backward=False) -> _Plan:
-    return _Plan(B, T, M, K, BM, NW, acc, backward)
+plan = functools.lru_cache(maxsize=256)(_Plan)
 
 
 def _prefix(p: _Plan, A, Bv, init, S, work):
@@ -203,11 +198,9 @@ def _prefix(p: _Plan, A, Bv, init, S, work):
     final = alloc((A.shape[0], A.shape[2], 2), A.dtype, A.device)
     args = (A, Bv, init if init is not None else final, S, AG, BG, final, *p.group_args)
     _group_kernel[p.group_grid](*args, FILL=False, HAS_INIT=False, **p.group_kw)
-    if accounting.on():
-        accounting.record("samu_prefix_group", accounting.nbytes(A, Bv), accounting.nbytes(AG, BG))
+    account("samu_prefix_group", (A, Bv), (AG, BG))
     _group_kernel[p.group_grid](*args, FILL=True, HAS_INIT=init is not None, **p.group_kw)
-    if accounting.on():
-        accounting.record("samu_prefix_fill", accounting.nbytes(A, Bv, AG, BG, init), accounting.nbytes(S, final))
+    account("samu_prefix_fill", (A, Bv, AG, BG, init), (S, final))
     return final
 
 
@@ -217,18 +210,16 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     if T == 0:
         return serial_forward(x, ctrl, modes, h0, need_states, cfg)
     M, acc = D // 2, ctrl.dtype
-    p = plan(B, T, M, cfg["K"], cfg["BM"], cfg["NW"], acc)
+    p = plan(B, T, M, cfg["K"], acc, False)
     P, Q, *work = scratch(acc, x.device, *p.scratch)
     _fwd_kernel[p.grid](x, ctrl, modes, P, P, Q, T, p.N, D, M, REPLAY=False, **p.kw)
-    if accounting.on():
-        accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
+    account("samu_chunk_summary", (x, ctrl), (P, Q))
     # the state entering every chunk, kept for the backward
     states = alloc((B, p.N, M, 2), acc, x.device)
     hT = _prefix(p, P, Q, h0, states, work)
     y = alloc(x.shape, x.dtype, x.device)
     _fwd_kernel[p.grid](x, ctrl, modes, states, y, y, T, p.N, D, M, REPLAY=True, **p.kw)
-    if accounting.on():
-        accounting.record("samu_chunk_replay", accounting.nbytes(x, ctrl, states), accounting.nbytes(y))
+    account("samu_chunk_replay", (x, ctrl, states), (y,))
     return y, hT, (states if need_states else None)
 
 
@@ -237,20 +228,17 @@ def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
     if T == 0:
         return serial_backward(x, dy, ctrl, modes, states, gh, cfg)
     M, acc = D // 2, ctrl.dtype
-    p = plan(B, T, M, cfg["K"], cfg["BM"], cfg["NW"], acc, backward=True)
+    p = plan(B, T, M, cfg["K"], acc, True)
     N, nmb = p.N, p.nmb
     # scratch of this launcher (summaries, adjoints entering chunks, checkpoints, the
     # prefix's groups) apart from the partials dpart, ppart, which live on in controls_bwd
     P, Qb, R, ckpt, *work = scratch(acc, x.device, *p.scratch)
     dpart, ppart = scratch(acc, x.device, (B * T, nmb, 2), (B * N, M, 2))
     _bwd_summary_kernel[p.grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, **p.summary_kw)
-    if accounting.on():
-        accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
+    account("samu_chunk_bwd_summary", (x, dy, ctrl, states), (P, Qb))
     dh0 = _prefix(p, P, Qb, gh, R, work)
     dxw = alloc(x.shape, acc, x.device)
     _bwd_kernel[p.grid](x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb, **p.kw)
     # ckpt: every U-th state of the chunk, written and read back by the same program
-    if accounting.on():
-        accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, R, ckpt),
-                          accounting.nbytes(dxw, dpart, ppart, ckpt))
+    account("samu_chunk_bwd", (x, dy, ctrl, states, R, ckpt), (dxw, dpart, ppart, ckpt))
     return dxw, dpart, ppart, dh0

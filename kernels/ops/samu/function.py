@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..checks import MODE_CONSTS, no_double_backward
-from ..triton_utils import acc_dtype, cfg_of, opts_items, opts_key, spec_of
+from ..triton_utils import acc_dtype, cdiv, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
 from .common import controls_bwd, controls_fwd, scalar_param
 
@@ -31,11 +31,9 @@ def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
     """(y, final state [B, M, 2], ctrl, aux, modes, states or None); pa, ra: [1] tensors
     in the accumulation dtype, h0: [B, M, 2] or None."""
     x = x.contiguous()
-    phase_dir, radial_dir = phase_dir.contiguous(), radial_dir.contiguous()
-    pos = None if pos is None else pos.contiguous()
     h0 = None if h0 is None else h0.contiguous()
-    ctrl, aux, modes = controls_fwd(x, phase_dir, radial_dir, pa, ra, pos, nu_log.contiguous(),
-                                    theta_log.contiguous(), acc_dtype(x.dtype))
+    ctrl, aux, modes = controls_fwd(x, phase_dir.contiguous(), radial_dir.contiguous(), pa, ra, pos,
+                                    nu_log.contiguous(), theta_log.contiguous(), acc_dtype(x.dtype))
     y, h, states = _LAUNCH[cfg["backend"]][0](x, ctrl, modes, h0, save, cfg)
     return y, h, ctrl, aux, modes, states
 
@@ -53,9 +51,14 @@ def _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh
     return dx, dpd, drd, damp, dmode, dh0
 
 
-def _param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log):
-    return (dpd.to(phase_dir.dtype), drd.to(radial_dir.dtype), damp[0:1], damp[1:2],
-            dmode[:, 0].to(nu_log.dtype), dmode[:, 1].to(theta_log.dtype))
+def _grads(ctx, dy, dh, bwd):
+    """The gradients of (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0) by
+    bwd (_backward or the op kernels::samu_bwd) of the saved tensors."""
+    x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, *saved = ctx.saved_tensors
+    dy = torch.zeros_like(x) if dy is None else dy
+    dx, dpd, drd, damp, dmode, dh0 = bwd(x, phase_dir, radial_dir, pa, ra, *saved, dy, dh)
+    return (dx, dpd.to(phase_dir.dtype), drd.to(radial_dir.dtype), damp[0:1], damp[1:2],
+            dmode[:, 0].to(nu_log.dtype), dmode[:, 1].to(theta_log.dtype), None, dh0 if ctx.has_h0 else None)
 
 
 class SamuFunction(torch.autograd.Function):
@@ -77,12 +80,7 @@ class SamuFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         no_double_backward()
-        x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
-        dy = torch.zeros_like(x) if dy is None else dy
-        dx, dpd, drd, damp, dmode, dh0 = _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy,
-                                                   dh, ctx.cfg)
-        return (dx, *_param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log), None,
-                dh0 if ctx.has_h0 else None, None)
+        return (*_grads(ctx, dy, dh, lambda *a: _backward(*a, ctx.cfg)), None)
 
 
 @torch.library.custom_op("kernels::samu_fwd", mutates_args=())
@@ -98,7 +96,7 @@ def samu_fwd(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: T
 def _(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec):
     B, T, D = x.shape
     M, acc = D // 2, acc_dtype(x.dtype)
-    states = fused_recurrent.saved_shape(cfg_of(spec), B, T, M) if save else (0,)
+    states = (B, cdiv(T, cfg_of(spec)["K"]), M, 2) if save else (0,)     # the states entering the chunks
     return (torch.empty_like(x), x.new_empty(B, M, 2, dtype=acc), x.new_empty(B * T, 4, dtype=acc),
             x.new_empty(B * T, 2, dtype=acc), x.new_empty(MODE_CONSTS, M, dtype=acc), x.new_empty(states, dtype=acc))
 
@@ -125,12 +123,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _op_backward(ctx, dy, dh, *_):
-    x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
-    dy = torch.zeros_like(x) if dy is None else dy
-    dx, dpd, drd, damp, dmode, dh0 = torch.ops.kernels.samu_bwd(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes,
-                                                                states, dy, dh, ctx.spec)
-    return (dx, *_param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log), None,
-            dh0 if ctx.has_h0 else None, None, None)
+    return (*_grads(ctx, dy, dh, lambda *a: torch.ops.kernels.samu_bwd(*a, ctx.spec)), None, None)
 
 
 torch.library.register_autograd("kernels::samu_fwd", _op_backward, setup_context=_setup_context)

@@ -20,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
 from ..triton_utils import acc_dtype, cdiv, check_pow2, empty, launcher, multiprocessors, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
-from .common import dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
+from .common import account, controller, dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair
 
 ROW_MIN_BATCH = 64
 ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
@@ -55,14 +54,9 @@ def _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD: tl.constexpr, ACC: tl
         zr += xv * wr
         wpp += wp * wp
         wrr += wr * wr
-    bp = tl.load(pd + D).to(ACC)
-    br = tl.load(rd + D).to(ACC)
-    p = tanh(((tl.sum(zp, axis=0) + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp)).to(tl.float64))
-    r = tanh(((tl.sum(zr, axis=0) + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br)).to(tl.float64))
-    delta = scale * tanh(tl.load(pa).to(tl.float64)) * p
-    eta = scale * tanh(tl.load(ra).to(tl.float64)) * r / (1.0 + r * r)
-    d = delta.to(ACC)
-    return tl.exp(eta).to(ACC), tl.cos(d) * keep, tl.sin(d) * keep
+    _, _, E, d = controller(tl.sum(zp, axis=0), tl.sum(zr, axis=0), tl.sum(wpp, axis=0), tl.sum(wrr, axis=0),
+                            pd, rd, pa, ra, D, scale, ACC)
+    return E, tl.cos(d) * keep, tl.sin(d) * keep
 
 
 @triton.jit
@@ -83,7 +77,9 @@ def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC
 
 @triton.jit
 def _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi):
-    ar, ai = transition(E, ck, sk, nu, ct, st, lnr, True)
+    mag = tl.exp(-(nu * E + lnr))
+    ar = mag * (ct * ck - st * sk)
+    ai = mag * (st * ck + ct * sk)
     hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
     store_pair(s_b, offs_m, hr, hi, mask_m)
     tl.store(y_b + offs_m, relu(hr).to(y_b.dtype.element_ty), mask=mask_m)
@@ -161,11 +157,8 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
         BM = 128
         _step_kernel[(cdiv(M, BM), B)](*args, **flags, ROW=False, BD=min(next_pow2(D), ROW_BLOCK_D), BM=BM, ACC=acc,
                                        num_warps=4)
-    if accounting.on():
-        accounting.record(f"samu_step_{layout}",
-                          accounting.nbytes(x, phase_dir, radial_dir, *((nu_log, theta_log) if modes is None
-                                                                        else (modes,)), sr, reset),
-                          accounting.nbytes(sr, y))
+    account(f"samu_step_{layout}", (x, phase_dir, radial_dir, *((nu_log, theta_log) if modes is None else (modes,)),
+                                    sr, reset), (sr, y))
     return y
 
 
