@@ -30,28 +30,15 @@ PREFIX_BM = 128
 PREFIX_UNROLL = 4
 
 
-def group_sizes(n: int) -> tuple[int, int]:
-    """(GS chunks per group, NG groups) for n chunks."""
-    gs = next_pow2(max(1, math.ceil(math.sqrt(n))))
-    return gs, cdiv(n, gs)
-
-
-@triton.jit
-def cmul_add(ar, ai, sr, si, br, bi):
-    # a s + b for complex a, s, b
-    return ar * sr - ai * si + br, ar * si + ai * sr + bi
-
-
 @launcher
 @triton.jit(do_not_specialize=["N", "NG", "M"])
 def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
-                  CONJ: tl.constexpr, REVERSE: tl.constexpr, FILL: tl.constexpr, HAS_INIT: tl.constexpr,
-                  ACC: tl.constexpr):
-    """Walks group g's GS chunk maps in order (REVERSE: right to left). FILL False:
-    composes them into one map (AG, BG [B, NG, M, 2]); True: from the state entering the
-    group (init composed with the maps of the groups walked before it, a short serial
-    prefix each program repeats instead of a launch of its own) writes the state entering
-    every chunk to S [B, N, M, 2], and the last group the final state."""
+                  REVERSE: tl.constexpr, FILL: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+    """Walks group g's GS chunk maps in order (REVERSE: the adjoint's conjugate maps, right
+    to left). FILL False: composes them into one map (AG, BG [B, NG, M, 2]); True: from the
+    state entering the group (init composed with the maps of the groups walked before it,
+    a short serial prefix each program repeats instead of a launch of its own) writes the
+    state entering every chunk to S [B, N, M, 2], and the last group the final state."""
     pid_m, b, offs_m, mask_m = block_ids(M, BM, 2)
     g = tl.program_id(1)
     w = NG - 1 - g if REVERSE else g        # the group's place in the walk
@@ -65,7 +52,7 @@ def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: 
                 gidx = (b * NG + gg) * M + offs_m
                 ar, ai = load_pair(AG, gidx, lm, 1.0, 0.0)
                 br, bi = load_pair(BG, gidx, lm, 0.0, 0.0)
-                sr, si = cmul_add(ar, ai, sr, si, br, bi)
+                sr, si = ar * sr - ai * si + br, ar * si + ai * sr + bi
     else:
         sr = tl.zeros([BM], ACC)
         si = tl.zeros([BM], ACC)
@@ -82,10 +69,10 @@ def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: 
             if FILL:
                 store_pair(S, idx, sr, si, lm)
             ar, ai = load_pair(A, idx, lm, 1.0, 0.0)
-            if CONJ:
+            if REVERSE:
                 ai = -ai
             br, bi = load_pair(Bv, idx, lm, 0.0, 0.0)
-            sr, si = cmul_add(ar, ai, sr, si, br, bi)
+            sr, si = ar * sr - ai * si + br, ar * si + ai * sr + bi
             if not FILL:
                 pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
     if FILL:
@@ -174,13 +161,14 @@ class _Plan:
 
     def __init__(self, B, T, M, K, acc, backward):
         N, nmb = cdiv(T, K), cdiv(M, BM)
-        gs, ng = group_sizes(N)
+        gs = next_pow2(math.ceil(math.sqrt(N)))     # GS ~ sqrt(N) chunks per group, NG groups
+        ng = cdiv(N, gs)
         self.N, self.nmb, self.grid = N, nmb, (nmb, N, B)
         self.summary_kw = dict(K=K, U=min(K, FWD_UNROLL), BM=BM, ACC=tl_dtype(acc), num_warps=1)
         self.kw = {**self.summary_kw, "U": BWD_UNROLL} if backward else self.summary_kw
         # the grouped prefix (forward, or backward: the conjugate maps right to left)
         self.group_grid, self.group_args = (cdiv(M, PREFIX_BM), ng, B), (N, ng, M)
-        self.group_kw = dict(GS=gs, V=min(gs, PREFIX_UNROLL), BM=PREFIX_BM, CONJ=backward, REVERSE=backward,
+        self.group_kw = dict(GS=gs, V=min(gs, PREFIX_UNROLL), BM=PREFIX_BM, REVERSE=backward,
                              ACC=tl_dtype(acc), num_warps=4)
         maps = ((B, N, M, 2),) * (3 if backward else 2)
         ckpt = ((B * N * nmb * (K // BWD_UNROLL) * BM * 2,),) if backward else ()

@@ -157,52 +157,16 @@ def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu,
 
 
 @triton.jit
-def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
-              NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, U: tl.constexpr, ACC: tl.constexpr):
-    """Adjoint walk over steps t0 + U - 1 down to t0 given h before t0 and the carry
-    R = conj(a_{t0+U}) lam_{t0+U} (lam_t = g_t + R), the U states recomputed first.
-    Writes gamma lam (dL/dx of the write) to dxw and the per-token sums over this mode
-    block of dL/deta, dL/ddelta to dpart [B*T, NMB, 2]; accumulates the per-mode sums of
-    the nu / theta / gamma gradients; returns the carry conj(a_{t0}) lam_{t0}."""
-    hs_r = (hr,)
-    hs_i = (hi,)
-    for j in tl.static_range(U):
-        t = t0 + j
-        valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
-        hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
-        hs_r = hs_r + (hr,)
-        hs_i = hs_i + (hi,)
-    for jj in tl.static_range(U):
-        t = t0 + (U - 1 - jj)
-        valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
-        dyr = tl.load(dy_b + row + offs_m, mask=lm, other=0.0).to(ACC)
-        dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
-        lr = tl.where(hs_r[U - jj] <= 0.0, 0.0, dyr) + Rr
-        li = tl.where(hs_i[U - jj] <= 0.0, 0.0, dyi) + Ri
-        tl.store(dxw_b + row + offs_m, gam * lr, mask=lm)
-        tl.store(dxw_b + row + M + offs_m, gam * li, mask=lm)
-        # G = lam conj(h_{t-1}); dL/dlog|a| = Re(G conj a), dL/darg a = Im(G conj a)
-        gr = lr * hs_r[U - 1 - jj] + li * hs_i[U - 1 - jj]
-        gi = li * hs_r[U - 1 - jj] - lr * hs_i[U - 1 - jj]
-        dl = tl.where(valid, gr * ar + gi * ai, 0.0)
-        dph = tl.where(valid, gi * ar - gr * ai, 0.0)
-        tok = ((tok0 + t).to(tl.int64) * NMB + pid_m) * 2
-        tl.store(dpart + tok, -E * tl.sum(nu * dl, axis=0), mask=valid)
-        tl.store(dpart + tok + 1, tl.sum(dph, axis=0), mask=valid)
-        acc_nu += E * dl
-        acc_th += dph
-        acc_g += lr * xr + li * xi
-        Rr, Ri = ar * lr + ai * li, ar * li - ai * lr
-    return Rr, Ri, acc_nu, acc_th, acc_g
-
-
-@triton.jit
 def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
               NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
-    """bwd_steps over the K tokens from t0, U at a time in reverse, from the state before
-    every U-th token saved in this program's slots ckpt [K/U, BM, 2] (read back by the
-    same threads: no barrier)."""
+    """Adjoint walk over the K tokens from t0 given h before t0 and the carry R =
+    conj(a_{t0+K}) lam_{t0+K} (lam_t = g_t + R), U tokens at a time in reverse, each
+    group's states recomputed from the one before it, saved in this program's slots
+    ckpt [K/U, BM, 2] (read back by the same threads: no barrier). Writes gamma lam (dL/dx
+    of the write) to dxw and the per-token sums over this mode block of dL/deta, dL/ddelta
+    to dpart [B*T, NMB, 2]; accumulates the per-mode sums of the nu / theta / gamma
+    gradients; returns the carry conj(a_{t0}) lam_{t0}."""
     lane = tl.arange(0, BM)
     for q in range(0, K // U):
         store_pair(ckpt, q * BM + lane, hr, hi, mask_m)
@@ -211,9 +175,36 @@ def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpa
     for qq in range(0, K // U):
         q = K // U - 1 - qq
         hr, hi = load_pair(ckpt, q * BM + lane, mask_m, 0.0, 0.0)
-        Rr, Ri, acc_nu, acc_th, acc_g = bwd_steps(
-            hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0 + q * U, T, D, M,
-            NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, U, ACC)
+        t1 = t0 + q * U
+        hs_r = (hr,)
+        hs_i = (hi,)
+        for j in tl.static_range(U):
+            valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t1 + j, T, D, M, offs_m, mask_m, nu, ct, st,
+                                                        lnr, ACC)
+            hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
+            hs_r = hs_r + (hr,)
+            hs_i = hs_i + (hi,)
+        for jj in tl.static_range(U):
+            t = t1 + (U - 1 - jj)
+            valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
+            dyr = tl.load(dy_b + row + offs_m, mask=lm, other=0.0).to(ACC)
+            dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+            lr = tl.where(hs_r[U - jj] <= 0.0, 0.0, dyr) + Rr
+            li = tl.where(hs_i[U - jj] <= 0.0, 0.0, dyi) + Ri
+            tl.store(dxw_b + row + offs_m, gam * lr, mask=lm)
+            tl.store(dxw_b + row + M + offs_m, gam * li, mask=lm)
+            # G = lam conj(h_{t-1}); dL/dlog|a| = Re(G conj a), dL/darg a = Im(G conj a)
+            gr = lr * hs_r[U - 1 - jj] + li * hs_i[U - 1 - jj]
+            gi = li * hs_r[U - 1 - jj] - lr * hs_i[U - 1 - jj]
+            dl = tl.where(valid, gr * ar + gi * ai, 0.0)
+            dph = tl.where(valid, gi * ar - gr * ai, 0.0)
+            tok = ((tok0 + t).to(tl.int64) * NMB + pid_m) * 2
+            tl.store(dpart + tok, -E * tl.sum(nu * dl, axis=0), mask=valid)
+            tl.store(dpart + tok + 1, tl.sum(dph, axis=0), mask=valid)
+            acc_nu += E * dl
+            acc_th += dph
+            acc_g += lr * xr + li * xi
+            Rr, Ri = ar * lr + ai * li, ar * li - ai * lr
     return Rr, Ri, acc_nu, acc_th, acc_g
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..checks import MODE_CONSTS, no_double_backward
+from ..checks import MODE_CONSTS, check_chunk_size, no_double_backward
 from ..triton_utils import acc_dtype, cdiv, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
 from .common import controls_bwd, controls_fwd, scalar_param
@@ -24,7 +24,12 @@ _LAUNCH = {"serial": (fused_recurrent.serial_forward, fused_recurrent.serial_bac
 
 @functools.lru_cache(maxsize=256)
 def _config(backend, opts):
-    return fused_recurrent.config(backend, **opts_items(opts))
+    """Launch configuration: the chunk (default 16) or serial tile (default 32) length."""
+    opts = opts_items(opts)
+    K = opts.pop("chunk_size", None)
+    if opts:
+        raise ValueError(f"expected {backend} options among ['chunk_size'], got {sorted(opts)}")
+    return {"backend": backend, "K": check_chunk_size((32 if backend == "serial" else 16) if K is None else K)}
 
 
 def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, cfg):
@@ -40,9 +45,8 @@ def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
 
 def _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh, cfg):
     """(dx, d phase_dir, d radial_dir, d amplitudes [2], d (nu_log, theta_log) [M, 2],
-    d h0 [B, M, 2]) in the accumulation dtype (dx in x's). The kernels index x and the
-    directions as contiguous: the saved tensors are the caller's (a strided x, or what
-    torch.compile hands the op) and are copied where strided."""
+    d h0 [B, M, 2]) in the accumulation dtype (dx in x's). The saved tensors are the
+    caller's (a strided x, or what torch.compile hands the op): copied where strided."""
     x, phase_dir, radial_dir = x.contiguous(), phase_dir.contiguous(), radial_dir.contiguous()
     dy = dy.contiguous()
     dh = None if dh is None else dh.contiguous()
@@ -150,15 +154,13 @@ def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
 
 def fused_recurrent_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                          initial_state=None, output_final_state=False, **opts):
-    """Serial SAMU (reference signature); options fused_recurrent.OPTIONS (chunk_size: the
-    tile and checkpoint length, default 32)."""
+    """Serial SAMU (reference signature); option chunk_size: the tile and checkpoint length (default 32)."""
     return _run("serial", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
                 initial_state, output_final_state, opts)
 
 
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                initial_state=None, output_final_state=False, **opts):
-    """Two-level chunked SAMU (reference signature); options as fused_recurrent_samu's
-    (chunk_size default 16)."""
+    """Two-level chunked SAMU (reference signature); option chunk_size (default 16)."""
     return _run("chunk", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
                 initial_state, output_final_state, opts)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import cdiv, check_chunk_size, launcher, scratch
+from ..triton_utils import cdiv, launcher, scratch
 from .common import (account, alloc, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, store_pair,
                      store_param_partials, tl_dtype)
 
@@ -66,14 +66,6 @@ def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, c
             NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, K, U, BM, ACC)
     store_pair(dh0, b * M + offs_m, Rr, Ri, mask_m)
     store_param_partials(ppart, b, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
-
-
-def config(backend: str, chunk_size=None, **unknown) -> dict:
-    """Launch configuration of the serial (default tile 32) or chunk (default K 16) backend."""
-    if unknown:
-        raise ValueError(f"expected {backend} options among ['chunk_size'], got {sorted(unknown)}")
-    K = (32 if backend == "serial" else 16) if chunk_size is None else chunk_size
-    return {"backend": backend, "K": check_chunk_size(K)}
 
 
 def serial_forward(x, ctrl, modes, h0, need_states, cfg):
