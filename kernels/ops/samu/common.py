@@ -266,7 +266,7 @@ def dir_norms(pd, rd, D, BLOCK: tl.constexpr, ACC: tl.constexpr):
 @triton.jit
 def controller(zp, zr, wpp, wrr, pd, rd, pa, ra, D, scale, ACC: tl.constexpr):
     """From the projections z = x . w[:D] and the squared norms of w[:D]: the normalised
-    projections vp, vr (the biases pd[D], rd[D] added), exp(eta) and delta. Float64 where
+    projections vp, vr (the biases pd[D], rd[D] added), eta and delta. Float64 where
     FP32 loses digits (tanh near 0, 1 + r^2); delta rounded to ACC for its cos and sin."""
     bp = tl.load(pd + D).to(ACC)
     br = tl.load(rd + D).to(ACC)
@@ -276,7 +276,7 @@ def controller(zp, zr, wpp, wrr, pd, rd, pa, ra, D, scale, ACC: tl.constexpr):
     r = tanh(vr.to(tl.float64))
     delta = scale * tanh(tl.load(pa).to(tl.float64)) * p
     eta = scale * tanh(tl.load(ra).to(tl.float64)) * r / (1.0 + r * r)
-    return vp, vr, tl.exp(eta).to(ACC), delta.to(ACC)
+    return vp, vr, eta, delta.to(ACC)
 
 
 @launcher
@@ -305,7 +305,7 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, t
             zr2 += xt * wr[None, :]
             wpp += wp * wp
             wrr += wr * wr
-        vp, vr, E, delta = controller(tl.sum(zp2, axis=1), tl.sum(zr2, axis=1), tl.sum(wpp, axis=0),
+        vp, vr, eta, delta = controller(tl.sum(zp2, axis=1), tl.sum(zr2, axis=1), tl.sum(wpp, axis=0),
                                       tl.sum(wrr, axis=0), pd, rd, pa, ra, D, scale, ACC)
         c = tl.cos(delta)
         s = tl.sin(delta)
@@ -313,7 +313,7 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, t
             keep = tl.load(seg + tok, mask=tmask, other=1) != 0
             c = tl.where(keep, c, 0.0)
             s = tl.where(keep, s, 0.0)
-        tl.store(ctrl + tok * 4, E, mask=tmask)
+        tl.store(ctrl + tok * 4, tl.exp(eta).to(ACC), mask=tmask)
         tl.store(ctrl + tok * 4 + 1, c, mask=tmask)
         tl.store(ctrl + tok * 4 + 2, s, mask=tmask)
         tl.store(ctrl + tok * 4 + 3, tl.zeros(c.shape, ACC), mask=tmask)
@@ -322,9 +322,14 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, t
     else:
         offs_m = (pid - NTB) * BM + tl.arange(0, BM)
         mask_m = offs_m < M
-        consts = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
-        for i in tl.static_range(7):
-            tl.store(tab + i * M + offs_m, consts[i], mask=mask_m)
+        nu, th, ct, st, gam, lnr, dgam = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
+        tl.store(tab + offs_m, nu, mask=mask_m)
+        tl.store(tab + M + offs_m, th, mask=mask_m)
+        tl.store(tab + 2 * M + offs_m, ct, mask=mask_m)
+        tl.store(tab + 3 * M + offs_m, st, mask=mask_m)
+        tl.store(tab + 4 * M + offs_m, gam, mask=mask_m)
+        tl.store(tab + 5 * M + offs_m, lnr, mask=mask_m)
+        tl.store(tab + 6 * M + offs_m, dgam, mask=mask_m)
 
 
 def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, nu_log, theta_log, acc):

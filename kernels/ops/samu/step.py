@@ -90,8 +90,9 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
         zr += xv * wr
         wpp += wp * wp
         wrr += wr * wr
-    _, _, E, d = controller(tl.sum(zp, axis=0), tl.sum(zr, axis=0), tl.sum(wpp, axis=0), tl.sum(wrr, axis=0),
+    _, _, eta, d = controller(tl.sum(zp, axis=0), tl.sum(zr, axis=0), tl.sum(wpp, axis=0), tl.sum(wrr, axis=0),
                             pd, rd, pa, ra, D, scale, ACC)
+    E = tl.exp(eta).to(ACC)
     ck = tl.cos(d) * keep
     sk = tl.sin(d) * keep
     _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
