@@ -322,14 +322,9 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, t
     else:
         offs_m = (pid - NTB) * BM + tl.arange(0, BM)
         mask_m = offs_m < M
-        nu, th, ct, st, gam, lnr, dgam = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
-        tl.store(tab + offs_m, nu, mask=mask_m)
-        tl.store(tab + M + offs_m, th, mask=mask_m)
-        tl.store(tab + 2 * M + offs_m, ct, mask=mask_m)
-        tl.store(tab + 3 * M + offs_m, st, mask=mask_m)
-        tl.store(tab + 4 * M + offs_m, gam, mask=mask_m)
-        tl.store(tab + 5 * M + offs_m, lnr, mask=mask_m)
-        tl.store(tab + 6 * M + offs_m, dgam, mask=mask_m)
+        consts = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
+        for i in tl.static_range(7):        # the table's rows, in mode_consts64's order
+            tl.store(tab + i * M + offs_m, consts[i], mask=mask_m)
 
 
 def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, nu_log, theta_log, acc):
