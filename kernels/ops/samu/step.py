@@ -13,6 +13,7 @@ import math
 from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
@@ -114,8 +115,9 @@ def _row_block_d(B, D, device):
     return min(next_pow2(D), ROW_MANY_ROWS_BLOCK_D if sms is not None and B > 2 * sms else ROW_BLOCK_D)
 
 
-def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-            block_m=0, block_d=0, num_warps=0):
+def _launch(layout: str, x: Tensor, phase_dir: Tensor, radial_dir: Tensor, phase_amp: Tensor, radial_amp: Tensor,
+            nu_log: Tensor, theta_log: Tensor, state: Tensor, reset: Optional[Tensor], modes: Optional[Tensor],
+            block_m: int = 0, block_d: int = 0, num_warps: int = 0) -> Tensor:
     B, D = x.shape
     M = D // 2
     if not state.is_contiguous():
@@ -147,18 +149,12 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
     return y
 
 
-@torch.library.custom_op("kernels::samu_step", mutates_args=("state",))
-def _step_op(x: torch.Tensor, phase_dir: torch.Tensor, radial_dir: torch.Tensor, phase_amp: torch.Tensor,
-             radial_amp: torch.Tensor, nu_log: torch.Tensor, theta_log: torch.Tensor, state: torch.Tensor,
-             reset: Optional[torch.Tensor], modes: Optional[torch.Tensor], layout: str, block_m: int, block_d: int,
-             num_warps: int) -> torch.Tensor:
-    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                   block_m, block_d, num_warps)
+# under torch.compile: the launcher as the custom op kernels::samu_step
+_step_op = torch.library.custom_op("kernels::samu_step", _launch, mutates_args=("state",))
 
 
 @_step_op.register_fake
-def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes, layout, block_m,
-      block_d, num_warps):
+def _(layout, x, *args):
     return torch.empty_like(x)
 
 
@@ -169,9 +165,8 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
     no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
                    radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     if torch.compiler.is_compiling():
-        return torch.ops.kernels.samu_step(x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
-                                           nu_log, theta_log, state, reset, modes, layout, block_m, block_d,
-                                           num_warps)
+        return torch.ops.kernels.samu_step(layout, x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
+                                           nu_log, theta_log, state, reset, modes, block_m, block_d, num_warps)
     return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
                    block_m, block_d, num_warps)
 
