@@ -412,55 +412,23 @@ def test_bf16_long_row_state_as_accurate_as_pytorch():
         assert rel(mine, want) <= max(rel(theirs, want), 1e-7), (name, rel(mine, want), rel(theirs, want))
 
 
-@pytest.mark.parametrize("backend,chunk,block_m,num_warps", [("chunk", 8, 64, 1), ("chunk", 16, 128, 2),
-                                                             ("serial", 8, 64, 1)])
-def test_modes_per_thread_match_reference(backend, chunk, block_m, num_warps, ref64):
-    """num_warps < block_m / 32 (several adjacent modes per thread) is the same exact
-    algorithm: float64 to rounding, with resets, initial state and every gradient."""
-    p = leaves(make_inputs(torch.float64))
-    with poisoned():
-        got = run(BACKENDS["samu"][backend], p, chunk_size=chunk, block_m=block_m, num_warps=num_warps)
-    assert_close_all(got, ref64, 1e-11)
-
-
-def test_bad_num_warps():
-    inputs = make_inputs(torch.float32)
-    for bm, nw in ((32, 2), (64, 3), (128, 8)):
-        with pytest.raises(ValueError, match="num_warps"):
-            BACKENDS["samu"]["chunk"](*[inputs[k] for k in GRAD_NAMES[:7]], None, None, False, block_m=bm,
-                                      num_warps=nw)
-
-
-@pytest.mark.parametrize("backend,chunk,opts", [("serial", 16, {}), ("chunk", 8, {}),
-                                                ("chunk", 16, {"num_warps": 1})],
-                         ids=["serial16", "chunk8", "chunk16w1"])
-def test_odd_modes_several_mode_blocks(backend, chunk, opts, ref64_wide):
+@pytest.mark.parametrize("backend,chunk", [("serial", 16), ("chunk", 8), ("chunk", 16)])
+def test_odd_modes_several_mode_blocks(backend, chunk, ref64_wide):
     """M = 35 (odd) over two mode blocks of 32, the second partial: float64 to rounding
     for the output, final state and every gradient, with SEGMENT_POS's resets inside and
     across chunks and an initial state (row 0 continues a document)."""
     p = leaves(make_inputs(torch.float64, d=WIDE_D, seed=13))
     with poisoned():
-        got = run(BACKENDS["samu"][backend], p, chunk_size=chunk, block_m=32, **opts)
+        got = run(BACKENDS["samu"][backend], p, chunk_size=chunk)
     assert got[1].shape == (B, WIDE_D // 2)
     assert_close_all(got, ref64_wide, 1e-11)
 
 
-@pytest.mark.parametrize("subblocks", [1, 2])
-def test_controls_backward_column_spans(subblocks, monkeypatch):
-    """controls_bwd's programs own column spans of CONTROLS_BWD_SUBBLOCKS blocks of 128:
-    at D = 260 (3 blocks, the last partial) one span per block and spans of two (the
-    second with a partial and an empty block) give every gradient to rounding in float64,
-    and bitwise the values of a single span over all columns."""
-    from kernels.ops.samu import common as samu_common
-
-    d = 260
-    p = leaves(make_inputs(torch.float64, d=d, t=9, seed=5))
+def test_controls_backward_column_blocks():
+    """controls_bwd at D = 260 (three column blocks of 128, the last partial): every
+    gradient to rounding in float64."""
+    p = leaves(make_inputs(torch.float64, d=260, t=9, seed=5))
     want = run(reference.samu, p, segment_pos=SEGMENT_POS[:, :9])
-    got = {}
-    for n in (subblocks, 4):
-        monkeypatch.setattr(samu_common, "CONTROLS_BWD_SUBBLOCKS", n)
-        with poisoned():
-            got[n] = run(BACKENDS["samu"]["chunk"], p, segment_pos=SEGMENT_POS[:, :9], chunk_size=8)
-    assert_close_all(got[subblocks], want, 1e-11)
-    for k in GRAD_NAMES:
-        assert torch.equal(got[subblocks][2][k], got[4][2][k]), k
+    with poisoned():
+        got = run(BACKENDS["samu"]["chunk"], p, segment_pos=SEGMENT_POS[:, :9], chunk_size=8)
+    assert_close_all(got, want, 1e-11)

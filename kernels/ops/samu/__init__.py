@@ -1,13 +1,6 @@
-"""Fused Triton SAMU: training forward/backward with the controller and the write fused,
-exact chunked scans, the prefill and the one-launch decode step.
-
-Backends: "serial" (fused_recurrent.py): one program per (sequence, mode block) walking
-time in unrolled tiles; "chunk" (chunk.py): exact two-level chunked scan with a
-linear-work grouped prefix. common.py: the per-token controller, its backward and the
-deterministic parameter reductions. Transition, write and relu exist only in registers;
-the backward keeps [B, T] controls and [B, T/K, M] states, and its scratch is the FP32
-write gradient [B, T, D], per-token and per-chunk partials and the checkpoints of every
-BWD_UNROLL-th state inside a chunk. Decode (step.py): "row", "blocked", "fused".
+"""Fused Triton SAMU: the "serial" (fused_recurrent.py) and "chunk" (chunk.py) training
+backends over the shared controller, its backward and the parameter reductions
+(common.py), and the one-launch decode steps (step.py: "row", "blocked", "fused").
 """
 
 from .common import mode_table

@@ -21,38 +21,24 @@ import math
 import triton
 import triton.language as tl
 
-from .. import accounting
 from ..triton_utils import cdiv, launcher, scratch
-from .common import (alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2, step_in,
-                     store_pair, store_param_partials, tl_dtype)
-from .fused_recurrent import BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
+from .common import (account, alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2,
+                     step_in, store_pair, store_param_partials, tl_dtype)
+from .fused_recurrent import BM, BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
 
 PREFIX_BM = 128
 PREFIX_UNROLL = 4
 
 
-def group_sizes(n: int) -> tuple[int, int]:
-    """(GS chunks per group, NG groups) for n chunks."""
-    gs = next_pow2(max(1, math.ceil(math.sqrt(n))))
-    return gs, cdiv(n, gs)
-
-
-@triton.jit
-def cmul_add(ar, ai, sr, si, br, bi):
-    # a s + b for complex a, s, b
-    return ar * sr - ai * si + br, ar * si + ai * sr + bi
-
-
 @launcher
 @triton.jit(do_not_specialize=["N", "NG", "M"])
 def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
-                  CONJ: tl.constexpr, REVERSE: tl.constexpr, FILL: tl.constexpr, HAS_INIT: tl.constexpr,
-                  ACC: tl.constexpr):
-    """Walks group g's GS chunk maps in order (REVERSE: right to left). FILL False:
-    composes them into one map (AG, BG [B, NG, M, 2]); True: from the state entering the
-    group (init composed with the maps of the groups walked before it, a short serial
-    prefix each program repeats instead of a launch of its own) writes the state entering
-    every chunk to S [B, N, M, 2], and the last group the final state."""
+                  REVERSE: tl.constexpr, FILL: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+    """Walks group g's GS chunk maps in order (REVERSE: the adjoint's conjugate maps, right
+    to left). FILL False: composes them into one map (AG, BG [B, NG, M, 2]); True: from the
+    state entering the group (init composed with the maps of the groups walked before it,
+    a short serial prefix each program repeats instead of a launch of its own) writes the
+    state entering every chunk to S [B, N, M, 2], and the last group the final state."""
     pid_m, b, offs_m, mask_m = block_ids(M, BM, 2)
     g = tl.program_id(1)
     w = NG - 1 - g if REVERSE else g        # the group's place in the walk
@@ -66,7 +52,7 @@ def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: 
                 gidx = (b * NG + gg) * M + offs_m
                 ar, ai = load_pair(AG, gidx, lm, 1.0, 0.0)
                 br, bi = load_pair(BG, gidx, lm, 0.0, 0.0)
-                sr, si = cmul_add(ar, ai, sr, si, br, bi)
+                sr, si = ar * sr - ai * si + br, ar * si + ai * sr + bi
     else:
         sr = tl.zeros([BM], ACC)
         si = tl.zeros([BM], ACC)
@@ -83,10 +69,10 @@ def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: 
             if FILL:
                 store_pair(S, idx, sr, si, lm)
             ar, ai = load_pair(A, idx, lm, 1.0, 0.0)
-            if CONJ:
+            if REVERSE:
                 ai = -ai
             br, bi = load_pair(Bv, idx, lm, 0.0, 0.0)
-            sr, si = cmul_add(ar, ai, sr, si, br, bi)
+            sr, si = ar * sr - ai * si + br, ar * si + ai * sr + bi
             if not FILL:
                 pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
     if FILL:
@@ -173,26 +159,23 @@ class _Plan:
     """What a chunk launcher computes from the shape alone, once per (shape, config): the
     grids, the launch keywords and the scratch shapes (host time of every eager call)."""
 
-    def __init__(self, B, T, M, K, BM, NW, acc, backward):
+    def __init__(self, B, T, M, K, acc, backward):
         N, nmb = cdiv(T, K), cdiv(M, BM)
-        gs, ng = group_sizes(N)
+        gs = next_pow2(math.ceil(math.sqrt(N)))     # GS ~ sqrt(N) chunks per group, NG groups
+        ng = cdiv(N, gs)
         self.N, self.nmb, self.grid = N, nmb, (nmb, N, B)
-        self.kw = dict(K=K, U=min(K, FWD_UNROLL) if not backward else BWD_UNROLL, BM=BM, ACC=tl_dtype(acc),
-                       num_warps=NW)
-        self.summary_kw = {**self.kw, "U": min(K, FWD_UNROLL)}
-        pb = cdiv(M, PREFIX_BM)
+        self.summary_kw = dict(K=K, U=min(K, FWD_UNROLL), BM=BM, ACC=tl_dtype(acc), num_warps=1)
+        self.kw = {**self.summary_kw, "U": BWD_UNROLL} if backward else self.summary_kw
         # the grouped prefix (forward, or backward: the conjugate maps right to left)
-        self.group_grid, self.group_args = (pb, ng, B), (N, ng, M)
-        self.group_kw = dict(GS=gs, V=min(gs, PREFIX_UNROLL), BM=PREFIX_BM, CONJ=backward, REVERSE=backward,
+        self.group_grid, self.group_args = (cdiv(M, PREFIX_BM), ng, B), (N, ng, M)
+        self.group_kw = dict(GS=gs, V=min(gs, PREFIX_UNROLL), BM=PREFIX_BM, REVERSE=backward,
                              ACC=tl_dtype(acc), num_warps=4)
         maps = ((B, N, M, 2),) * (3 if backward else 2)
         ckpt = ((B * N * nmb * (K // BWD_UNROLL) * BM * 2,),) if backward else ()
         self.scratch = (*maps, *ckpt, *((B, ng, M, 2),) * 2)
 
 
-@functools.lru_cache(maxsize=256)
-def plan(B, T, M, K, BM, NW, acc, backward=False) -> _Plan:
-    return _Plan(B, T, M, K, BM, NW, acc, backward)
+plan = functools.lru_cache(maxsize=256)(_Plan)
 
 
 def _prefix(p: _Plan, A, Bv, init, S, work):
@@ -203,11 +186,9 @@ def _prefix(p: _Plan, A, Bv, init, S, work):
     final = alloc((A.shape[0], A.shape[2], 2), A.dtype, A.device)
     args = (A, Bv, init if init is not None else final, S, AG, BG, final, *p.group_args)
     _group_kernel[p.group_grid](*args, FILL=False, HAS_INIT=False, **p.group_kw)
-    if accounting.on():
-        accounting.record("samu_prefix_group", accounting.nbytes(A, Bv), accounting.nbytes(AG, BG))
+    account("samu_prefix_group", (A, Bv), (AG, BG))
     _group_kernel[p.group_grid](*args, FILL=True, HAS_INIT=init is not None, **p.group_kw)
-    if accounting.on():
-        accounting.record("samu_prefix_fill", accounting.nbytes(A, Bv, AG, BG, init), accounting.nbytes(S, final))
+    account("samu_prefix_fill", (A, Bv, AG, BG, init), (S, final))
     return final
 
 
@@ -217,18 +198,16 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     if T == 0:
         return serial_forward(x, ctrl, modes, h0, need_states, cfg)
     M, acc = D // 2, ctrl.dtype
-    p = plan(B, T, M, cfg["K"], cfg["BM"], cfg["NW"], acc)
+    p = plan(B, T, M, cfg["K"], acc, False)
     P, Q, *work = scratch(acc, x.device, *p.scratch)
     _fwd_kernel[p.grid](x, ctrl, modes, P, P, Q, T, p.N, D, M, REPLAY=False, **p.kw)
-    if accounting.on():
-        accounting.record("samu_chunk_summary", accounting.nbytes(x, ctrl), accounting.nbytes(P, Q))
+    account("samu_chunk_summary", (x, ctrl), (P, Q))
     # the state entering every chunk, kept for the backward
     states = alloc((B, p.N, M, 2), acc, x.device)
     hT = _prefix(p, P, Q, h0, states, work)
     y = alloc(x.shape, x.dtype, x.device)
     _fwd_kernel[p.grid](x, ctrl, modes, states, y, y, T, p.N, D, M, REPLAY=True, **p.kw)
-    if accounting.on():
-        accounting.record("samu_chunk_replay", accounting.nbytes(x, ctrl, states), accounting.nbytes(y))
+    account("samu_chunk_replay", (x, ctrl, states), (y,))
     return y, hT, (states if need_states else None)
 
 
@@ -237,20 +216,17 @@ def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
     if T == 0:
         return serial_backward(x, dy, ctrl, modes, states, gh, cfg)
     M, acc = D // 2, ctrl.dtype
-    p = plan(B, T, M, cfg["K"], cfg["BM"], cfg["NW"], acc, backward=True)
+    p = plan(B, T, M, cfg["K"], acc, True)
     N, nmb = p.N, p.nmb
     # scratch of this launcher (summaries, adjoints entering chunks, checkpoints, the
     # prefix's groups) apart from the partials dpart, ppart, which live on in controls_bwd
     P, Qb, R, ckpt, *work = scratch(acc, x.device, *p.scratch)
     dpart, ppart = scratch(acc, x.device, (B * T, nmb, 2), (B * N, M, 2))
     _bwd_summary_kernel[p.grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, **p.summary_kw)
-    if accounting.on():
-        accounting.record("samu_chunk_bwd_summary", accounting.nbytes(x, dy, ctrl, states), accounting.nbytes(P, Qb))
+    account("samu_chunk_bwd_summary", (x, dy, ctrl, states), (P, Qb))
     dh0 = _prefix(p, P, Qb, gh, R, work)
     dxw = alloc(x.shape, acc, x.device)
     _bwd_kernel[p.grid](x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb, **p.kw)
     # ckpt: every U-th state of the chunk, written and read back by the same program
-    if accounting.on():
-        accounting.record("samu_chunk_bwd", accounting.nbytes(x, dy, ctrl, states, R, ckpt),
-                          accounting.nbytes(dxw, dpart, ppart, ckpt))
+    account("samu_chunk_bwd", (x, dy, ctrl, states, R, ckpt), (dxw, dpart, ppart, ckpt))
     return dxw, dpart, ppart, dh0

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .. import accounting
 from ..checks import MODE_CONSTS
-from ..triton_utils import acc_dtype, cdiv, launcher, next_pow2, scratch
+from ..triton_utils import cdiv, launcher, next_pow2, scratch
 from ..triton_utils import empty as alloc
 from ..triton_utils import tl_acc as tl_dtype
 
@@ -42,24 +42,14 @@ def scalar_param(v, device, dtype) -> torch.Tensor:
     return t
 
 
+def account(kernel, reads, writes):
+    """accounting.record of the tensors' bytes, sized only inside a counting() block."""
+    if accounting.on():
+        accounting.record(kernel, accounting.nbytes(*reads), accounting.nbytes(*writes))
+
+
 # kept for the process's life: a CUDA graph captured reading one must never see it freed
 _CONSTANTS: dict = {}
-
-
-def check_block_m(bm):
-    if bm not in (32, 64, 128, 256):
-        raise ValueError(f"expected block_m in [32, 64, 128, 256], got {bm!r}")
-    return bm
-
-
-def check_num_warps(nw, bm):
-    """Warps per program: None -> one mode per thread (bm // 32); fewer give each thread
-    bm / (32 nw) adjacent modes (vector loads, per-step scalar work shared)."""
-    if nw is None:
-        return max(1, bm // 32)
-    if nw not in (1, 2, 4, 8) or 32 * nw > bm:
-        raise ValueError(f"expected num_warps in [1, 2, 4, 8] with 32 * num_warps <= block_m = {bm}, got {nw!r}")
-    return nw
 
 
 @triton.jit
@@ -96,25 +86,8 @@ def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
     return nu.to(ACC), th.to(ACC), ct, st, gam.to(ACC), lnr.to(ACC), dgam.to(ACC)
 
 
-@triton.jit
-def store_mode_table(nu_log, theta_log, tab, M, blk, BM: tl.constexpr, ACC: tl.constexpr):
-    """Mode block `blk` of the table [MODE_CONSTS, M] (one row per constant of mode_consts64)."""
-    offs_m = blk * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    nu, th, ct, st, gam, lnr, dgam = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
-    tl.store(tab + offs_m, nu, mask=mask_m)
-    tl.store(tab + M + offs_m, th, mask=mask_m)
-    tl.store(tab + 2 * M + offs_m, ct, mask=mask_m)
-    tl.store(tab + 3 * M + offs_m, st, mask=mask_m)
-    tl.store(tab + 4 * M + offs_m, gam, mask=mask_m)
-    tl.store(tab + 5 * M + offs_m, lnr, mask=mask_m)
-    tl.store(tab + 6 * M + offs_m, dgam, mask=mask_m)
-
-
 def mode_table(nu_log, theta_log, acc):
-    """[MODE_CONSTS, M] per-mode constants (see mode_consts64): one row per constant, so a
-    block of modes reads each with one coalesced load (the controls kernel's table
-    programs alone)."""
+    """[MODE_CONSTS, M]: the constants of mode_consts64, one row each (one coalesced load per block of modes)."""
     return controls_fwd(None, None, None, None, None, None, nu_log, theta_log, acc)[2]
 
 
@@ -146,20 +119,10 @@ def mode_block(modes, M, BM: tl.constexpr, B_AXIS: tl.constexpr):
 
 
 @triton.jit
-def transition(E, ck, sk, nu, ct, st, lnr, valid):
-    """a = exp(-(nu E + lnr)) (cos(theta + delta), sin(theta + delta)); identity on padding steps."""
-    mag = tl.exp(-(nu * E + lnr))
-    ar = mag * (ct * ck - st * sk)
-    ai = mag * (st * ck + ct * sk)
-    return tl.where(valid, ar, 1.0), tl.where(valid, ai, 0.0)
-
-
-@triton.jit
 def step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC: tl.constexpr):
     """Step t's (valid, mode mask, row offset, E, transition (ar, ai), input (xr, xi));
-    identity past T; t a tensor (the interpreter makes one of an assigned value).
-    `transition`'s arithmetic is written out: each device-function call costs the
-    interpreter milliseconds, and this runs once per step."""
+    identity past T; t a tensor (the interpreter makes one of an assigned value). No
+    device-function call inside: each costs the interpreter milliseconds, once per step."""
     valid = t < T
     E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
     ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
@@ -194,52 +157,16 @@ def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu,
 
 
 @triton.jit
-def bwd_steps(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
-              NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, U: tl.constexpr, ACC: tl.constexpr):
-    """Adjoint walk over steps t0 + U - 1 down to t0 given h before t0 and the carry
-    R = conj(a_{t0+U}) lam_{t0+U} (lam_t = g_t + R), the U states recomputed first.
-    Writes gamma lam (dL/dx of the write) to dxw and the per-token sums over this mode
-    block of dL/deta, dL/ddelta to dpart [B*T, NMB, 2]; accumulates the per-mode sums of
-    the nu / theta / gamma gradients; returns the carry conj(a_{t0}) lam_{t0}."""
-    hs_r = (hr,)
-    hs_i = (hi,)
-    for j in tl.static_range(U):
-        t = t0 + j
-        valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
-        hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
-        hs_r = hs_r + (hr,)
-        hs_i = hs_i + (hi,)
-    for jj in tl.static_range(U):
-        t = t0 + (U - 1 - jj)
-        valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
-        dyr = tl.load(dy_b + row + offs_m, mask=lm, other=0.0).to(ACC)
-        dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
-        lr = tl.where(hs_r[U - jj] <= 0.0, 0.0, dyr) + Rr
-        li = tl.where(hs_i[U - jj] <= 0.0, 0.0, dyi) + Ri
-        tl.store(dxw_b + row + offs_m, gam * lr, mask=lm)
-        tl.store(dxw_b + row + M + offs_m, gam * li, mask=lm)
-        # G = lam conj(h_{t-1}); dL/dlog|a| = Re(G conj a), dL/darg a = Im(G conj a)
-        gr = lr * hs_r[U - 1 - jj] + li * hs_i[U - 1 - jj]
-        gi = li * hs_r[U - 1 - jj] - lr * hs_i[U - 1 - jj]
-        dl = tl.where(valid, gr * ar + gi * ai, 0.0)
-        dph = tl.where(valid, gi * ar - gr * ai, 0.0)
-        tok = ((tok0 + t).to(tl.int64) * NMB + pid_m) * 2
-        tl.store(dpart + tok, -E * tl.sum(nu * dl, axis=0), mask=valid)
-        tl.store(dpart + tok + 1, tl.sum(dph, axis=0), mask=valid)
-        acc_nu += E * dl
-        acc_th += dph
-        acc_g += lr * xr + li * xi
-        Rr, Ri = ar * lr + ai * li, ar * li - ai * lr
-    return Rr, Ri, acc_nu, acc_th, acc_g
-
-
-@triton.jit
 def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
               NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
-    """bwd_steps over the K tokens from t0, U at a time in reverse, from the state before
-    every U-th token saved in this program's slots ckpt [K/U, BM, 2] (read back by the
-    same threads: no barrier)."""
+    """Adjoint walk over the K tokens from t0 given h before t0 and the carry R =
+    conj(a_{t0+K}) lam_{t0+K} (lam_t = g_t + R), U tokens at a time in reverse, each
+    group's states recomputed from the one before it, saved in this program's slots
+    ckpt [K/U, BM, 2] (read back by the same threads: no barrier). Writes gamma lam (dL/dx
+    of the write) to dxw and the per-token sums over this mode block of dL/deta, dL/ddelta
+    to dpart [B*T, NMB, 2]; accumulates the per-mode sums of the nu / theta / gamma
+    gradients; returns the carry conj(a_{t0}) lam_{t0}."""
     lane = tl.arange(0, BM)
     for q in range(0, K // U):
         store_pair(ckpt, q * BM + lane, hr, hi, mask_m)
@@ -248,9 +175,36 @@ def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpa
     for qq in range(0, K // U):
         q = K // U - 1 - qq
         hr, hi = load_pair(ckpt, q * BM + lane, mask_m, 0.0, 0.0)
-        Rr, Ri, acc_nu, acc_th, acc_g = bwd_steps(
-            hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0 + q * U, T, D, M,
-            NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr, U, ACC)
+        t1 = t0 + q * U
+        hs_r = (hr,)
+        hs_i = (hi,)
+        for j in tl.static_range(U):
+            valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t1 + j, T, D, M, offs_m, mask_m, nu, ct, st,
+                                                        lnr, ACC)
+            hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
+            hs_r = hs_r + (hr,)
+            hs_i = hs_i + (hi,)
+        for jj in tl.static_range(U):
+            t = t1 + (U - 1 - jj)
+            valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
+            dyr = tl.load(dy_b + row + offs_m, mask=lm, other=0.0).to(ACC)
+            dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
+            lr = tl.where(hs_r[U - jj] <= 0.0, 0.0, dyr) + Rr
+            li = tl.where(hs_i[U - jj] <= 0.0, 0.0, dyi) + Ri
+            tl.store(dxw_b + row + offs_m, gam * lr, mask=lm)
+            tl.store(dxw_b + row + M + offs_m, gam * li, mask=lm)
+            # G = lam conj(h_{t-1}); dL/dlog|a| = Re(G conj a), dL/darg a = Im(G conj a)
+            gr = lr * hs_r[U - 1 - jj] + li * hs_i[U - 1 - jj]
+            gi = li * hs_r[U - 1 - jj] - lr * hs_i[U - 1 - jj]
+            dl = tl.where(valid, gr * ar + gi * ai, 0.0)
+            dph = tl.where(valid, gi * ar - gr * ai, 0.0)
+            tok = ((tok0 + t).to(tl.int64) * NMB + pid_m) * 2
+            tl.store(dpart + tok, -E * tl.sum(nu * dl, axis=0), mask=valid)
+            tl.store(dpart + tok + 1, tl.sum(dph, axis=0), mask=valid)
+            acc_nu += E * dl
+            acc_th += dph
+            acc_g += lr * xr + li * xi
+            Rr, Ri = ar * lr + ai * li, ar * li - ai * lr
     return Rr, Ri, acc_nu, acc_th, acc_g
 
 
@@ -298,55 +252,31 @@ def dir_cols(pd, rd, d0, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def store_token_controls(ctrl, seg, tok, tmask, vp, vr, tpa, tra, scale, HAS_SEG: tl.constexpr,
-                         ACC: tl.constexpr):
-    """ctrl rows tok = (exp(eta), cos delta, sin delta, 0) of the normalised projections
-    vp, vr, the phase zeroed at resets; tpa, tra: tanh of the amplitudes. Float64 where
-    FP32 loses digits (tanh near 0, 1 - p^2); cos/sin of the rounded delta in FP32."""
-    p = tanh(vp.to(tl.float64))
-    r = tanh(vr.to(tl.float64))
-    delta = scale * tpa * p
-    eta = scale * tra * r / (1.0 + r * r)
-    c = tl.cos(delta.to(ACC))
-    s = tl.sin(delta.to(ACC))
-    if HAS_SEG:
-        keep = tl.load(seg + tok, mask=tmask, other=1) != 0
-        c = tl.where(keep, c, 0.0)
-        s = tl.where(keep, s, 0.0)
-    tl.store(ctrl + tok * 4, tl.exp(eta).to(ACC), mask=tmask)
-    tl.store(ctrl + tok * 4 + 1, c, mask=tmask)
-    tl.store(ctrl + tok * 4 + 2, s, mask=tmask)
-    tl.store(ctrl + tok * 4 + 3, tl.zeros(c.shape, ACC), mask=tmask)
+def dir_norms(pd, rd, D, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """|pd| and |rd| over their D + 1 entries (the bias included)."""
+    wpp = tl.zeros([BLOCK], ACC)
+    wrr = tl.zeros([BLOCK], ACC)
+    for d0 in range(0, D + 1, BLOCK):
+        cols, cm, wp, wr = dir_cols(pd, rd, d0, D + 1, BLOCK, ACC)
+        wpp += wp * wp
+        wrr += wr * wr
+    return tl.sqrt(tl.sum(wpp, axis=0)), tl.sqrt(tl.sum(wrr, axis=0))
 
 
 @triton.jit
-def controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tmask, D, scale,
-                  HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    """ctrl and aux of the BLOCK_T tokens `tok` (rows of x [B*T, D]; tmask: which exist)."""
-    # [BLOCK_T, BLOCK_D] accumulators reduced once after the loop (a reduction inside it
-    # costs shuffles and shared-memory round trips per element)
-    zp2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
-    zr2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
-    wpp = tl.zeros([BLOCK_D], ACC)
-    wrr = tl.zeros([BLOCK_D], ACC)
-    for d0 in range(0, D, BLOCK_D):
-        cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BLOCK_D, ACC)
-        xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :],
-                     other=0.0).to(ACC)  # [BLOCK_T, BLOCK_D]
-        zp2 += xt * wp[None, :]
-        zr2 += xt * wr[None, :]
-        wpp += wp * wp
-        wrr += wr * wr
-    zp = tl.sum(zp2, axis=1)
-    zr = tl.sum(zr2, axis=1)
+def controller(zp, zr, wpp, wrr, pd, rd, pa, ra, D, scale, ACC: tl.constexpr):
+    """From the projections z = x . w[:D] and the squared norms of w[:D]: the normalised
+    projections vp, vr (the biases pd[D], rd[D] added), eta and delta. Float64 where
+    FP32 loses digits (tanh near 0, 1 + r^2); delta rounded to ACC for its cos and sin."""
     bp = tl.load(pd + D).to(ACC)
     br = tl.load(rd + D).to(ACC)
-    vp = (zp + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp)
-    vr = (zr + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br)
-    store_token_controls(ctrl, seg, tok, tmask, vp, vr, tanh(tl.load(pa).to(tl.float64)),
-                         tanh(tl.load(ra).to(tl.float64)), scale, HAS_SEG, ACC)
-    tl.store(aux + tok * 2, vp, mask=tmask)
-    tl.store(aux + tok * 2 + 1, vr, mask=tmask)
+    vp = (zp + bp) / tl.sqrt(wpp + bp * bp)
+    vr = (zr + br) / tl.sqrt(wrr + br * br)
+    p = tanh(vp.to(tl.float64))
+    r = tanh(vr.to(tl.float64))
+    delta = scale * tanh(tl.load(pa).to(tl.float64)) * p
+    eta = scale * tanh(tl.load(ra).to(tl.float64)) * r / (1.0 + r * r)
+    return vp, vr, eta, delta.to(ACC)
 
 
 @launcher
@@ -354,15 +284,47 @@ def controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tmask, D, scale,
 def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, tab, NTOK, NTB, D, M, scale,
                          HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr,
                          ACC: tl.constexpr):
-    """Programs [0, NTB): the controls of BLOCK_T tokens each; the rest: the mode table
-    (its own launch would cost a launch boundary per forward)."""
+    """Programs [0, NTB): ctrl and aux of BLOCK_T tokens (rows of x [B*T, D]) each; the
+    rest: a block of the mode table (its own launch would cost a launch boundary per
+    forward)."""
     pid = tl.program_id(0)
     if pid < NTB:
         tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        controls_tile(x, pd, rd, pa, ra, seg, ctrl, aux, tok, tok < NTOK, D, scale, HAS_SEG, BLOCK_T, BLOCK_D,
-                      ACC)
+        tmask = tok < NTOK
+        # [BLOCK_T, BLOCK_D] accumulators reduced once after the loop (a reduction inside it
+        # costs shuffles and shared-memory round trips per element)
+        zp2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
+        zr2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
+        wpp = tl.zeros([BLOCK_D], ACC)
+        wrr = tl.zeros([BLOCK_D], ACC)
+        for d0 in range(0, D, BLOCK_D):
+            cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BLOCK_D, ACC)
+            xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :],
+                         other=0.0).to(ACC)
+            zp2 += xt * wp[None, :]
+            zr2 += xt * wr[None, :]
+            wpp += wp * wp
+            wrr += wr * wr
+        vp, vr, eta, delta = controller(tl.sum(zp2, axis=1), tl.sum(zr2, axis=1), tl.sum(wpp, axis=0),
+                                      tl.sum(wrr, axis=0), pd, rd, pa, ra, D, scale, ACC)
+        c = tl.cos(delta)
+        s = tl.sin(delta)
+        if HAS_SEG:     # the phase zeroed at resets
+            keep = tl.load(seg + tok, mask=tmask, other=1) != 0
+            c = tl.where(keep, c, 0.0)
+            s = tl.where(keep, s, 0.0)
+        tl.store(ctrl + tok * 4, tl.exp(eta).to(ACC), mask=tmask)
+        tl.store(ctrl + tok * 4 + 1, c, mask=tmask)
+        tl.store(ctrl + tok * 4 + 2, s, mask=tmask)
+        tl.store(ctrl + tok * 4 + 3, tl.zeros(c.shape, ACC), mask=tmask)
+        tl.store(aux + tok * 2, vp, mask=tmask)
+        tl.store(aux + tok * 2 + 1, vr, mask=tmask)
     else:
-        store_mode_table(nu_log, theta_log, tab, M, pid - NTB, BM, ACC)
+        offs_m = (pid - NTB) * BM + tl.arange(0, BM)
+        mask_m = offs_m < M
+        consts = mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC)
+        for i in tl.static_range(7):        # the table's rows, in mode_consts64's order
+            tl.store(tab + i * M + offs_m, consts[i], mask=mask_m)
 
 
 def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, nu_log, theta_log, acc):
@@ -381,23 +343,17 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, n
         *tensors, seg, ctrl, aux, nu_log, theta_log, tab, ntok, ntb, D, M, 1.0 / math.sqrt(M),
         HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=min(256, next_pow2(D)), BM=BM,
         ACC=tl_dtype(acc), num_warps=4)
-    if accounting.on():
-        accounting.record("samu_controls_fwd", accounting.nbytes(x, phase_dir, radial_dir, segment_pos, nu_log,
-                                                                 theta_log), accounting.nbytes(ctrl, aux, tab))
+    account("samu_controls_fwd", (x, phase_dir, radial_dir, segment_pos, nu_log, theta_log), (ctrl, aux, tab))
     return ctrl, aux, tab
 
 
 @launcher
 @triton.jit(do_not_specialize=["NTOK", "D", "NMB"])
 def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpart, NTOK, D, NMB, scale,
-                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NSUB: tl.constexpr, NMBP: tl.constexpr,
-                         ACC: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NMBP: tl.constexpr, ACC: tl.constexpr):
     """dx = dx_write + dv_p pd / |pd| + dv_r rd / |rd| per token, plus per-block partial
-    sums for the direction and amplitude gradients. Program (i, j) owns token block i and
-    columns [j, j + 1) x NSUB x BLOCK_D (a grid of column spans keeps enough programs in
-    flight at few tokens); the span-0 program also writes the block's scalar partials."""
+    sums for the direction and amplitude gradients."""
     pid = tl.program_id(0)
-    span = tl.program_id(1)
     tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < NTOK
     mb = tl.arange(0, NMBP)
@@ -416,35 +372,23 @@ def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpa
     dvr64 = scale * tra * (1.0 - r * r) / (q * q) * deta * (1.0 - r * r)
     dvp = dvp64.to(ACC)
     dvr = dvr64.to(ACC)
-    if span == 0:
-        sbase = scalpart + pid.to(tl.int64) * 8
-        tl.store(sbase + 0, tl.sum(dvp64, axis=0).to(ACC))
-        tl.store(sbase + 1, tl.sum(dvr64, axis=0).to(ACC))
-        tl.store(sbase + 2, tl.sum(dvp64 * vp, axis=0).to(ACC))
-        tl.store(sbase + 3, tl.sum(dvr64 * vr, axis=0).to(ACC))
-        tl.store(sbase + 4, tl.sum(ddel * p, axis=0).to(ACC))
-        tl.store(sbase + 5, tl.sum(deta * r / q, axis=0).to(ACC))
-        tl.store(sbase + 6, 0.0)
-        tl.store(sbase + 7, 0.0)
-    wpp = tl.zeros([BLOCK_D], ACC)
-    wrr = tl.zeros([BLOCK_D], ACC)
-    for d0 in range(0, D + 1, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        cm = cols < D + 1
-        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC)
-        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC)
-        wpp += wp * wp
-        wrr += wr * wr
-    inv_np = 1.0 / tl.sqrt(tl.sum(wpp, axis=0))
-    inv_nr = 1.0 / tl.sqrt(tl.sum(wrr, axis=0))
-    for j in range(NSUB):
-        cols = (span * NSUB + j) * BLOCK_D + tl.arange(0, BLOCK_D)
-        cm = cols < D
+    sbase = scalpart + pid.to(tl.int64) * 8
+    tl.store(sbase + 0, tl.sum(dvp64, axis=0).to(ACC))
+    tl.store(sbase + 1, tl.sum(dvr64, axis=0).to(ACC))
+    tl.store(sbase + 2, tl.sum(dvp64 * vp, axis=0).to(ACC))
+    tl.store(sbase + 3, tl.sum(dvr64 * vr, axis=0).to(ACC))
+    tl.store(sbase + 4, tl.sum(ddel * p, axis=0).to(ACC))
+    tl.store(sbase + 5, tl.sum(deta * r / q, axis=0).to(ACC))
+    tl.store(sbase + 6, 0.0)
+    tl.store(sbase + 7, 0.0)
+    np_, nr_ = dir_norms(pd, rd, D, BLOCK_D, ACC)
+    inv_np, inv_nr = 1.0 / np_, 1.0 / nr_
+    for d0 in range(0, D, BLOCK_D):
+        cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BLOCK_D, ACC)
         m2 = tmask[:, None] & cm[None, :]
         offs = tok[:, None] * D + cols[None, :]
-        wp = tl.load(pd + cols, mask=cm, other=0.0).to(ACC) * inv_np
-        wr = tl.load(rd + cols, mask=cm, other=0.0).to(ACC) * inv_nr
-        g = tl.load(dxw + offs, mask=m2, other=0.0) + dvp[:, None] * wp[None, :] + dvr[:, None] * wr[None, :]
+        g = (tl.load(dxw + offs, mask=m2, other=0.0) + dvp[:, None] * (wp * inv_np)[None, :]
+             + dvr[:, None] * (wr * inv_nr)[None, :])
         tl.store(dx + offs, g.to(dx.dtype.element_ty), mask=m2)
         xt = tl.load(x + offs, mask=m2, other=0.0).to(ACC)
         cbase = colpart + pid.to(tl.int64) * 2 * D
@@ -475,16 +419,7 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         s = _colsum(scalpart, NTB, 8, sc, sc < 8, BLOCK_R, 8, ACC)
         s_vp = tl.sum(tl.where(sc == 2, s, 0.0), axis=0)
         s_vr = tl.sum(tl.where(sc == 3, s, 0.0), axis=0)
-        wpp = tl.zeros([BLOCK_C], ACC)
-        wrr = tl.zeros([BLOCK_C], ACC)
-        for d0 in range(0, D + 1, BLOCK_C):
-            cc = d0 + tl.arange(0, BLOCK_C)
-            wp = tl.load(pd + cc, mask=cc < D + 1, other=0.0).to(ACC)
-            wr = tl.load(rd + cc, mask=cc < D + 1, other=0.0).to(ACC)
-            wpp += wp * wp
-            wrr += wr * wr
-        np_ = tl.sqrt(tl.sum(wpp, axis=0))
-        nr_ = tl.sqrt(tl.sum(wrr, axis=0))
+        np_, nr_ = dir_norms(pd, rd, D, BLOCK_C, ACC)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = cols < D
         gp = _colsum(colpart, NTB, 2 * D, cols, cm, BLOCK_R, BLOCK_C, ACC)
@@ -493,9 +428,7 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         isb = cols == D
         gp = tl.where(isb, tl.sum(tl.where(sc == 0, s, 0.0), axis=0), gp)
         gr = tl.where(isb, tl.sum(tl.where(sc == 1, s, 0.0), axis=0), gr)
-        wm = cols < D + 1
-        wp = tl.load(pd + cols, mask=wm, other=0.0).to(ACC)
-        wr = tl.load(rd + cols, mask=wm, other=0.0).to(ACC)
+        _, wm, wp, wr = dir_cols(pd, rd, pid * BLOCK_C, D + 1, BLOCK_C, ACC)
         tl.store(dpd + cols, gp / np_ - wp * s_vp / (np_ * np_), mask=wm)
         tl.store(drd + cols, gr / nr_ - wr * s_vr / (nr_ * nr_), mask=wm)
         if pid == 0:
@@ -511,14 +444,6 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         tl.store(dmode + cols, _colsum(ppart, RP, 2 * M, cols, cm, BLOCK_R, BLOCK_C, ACC), mask=cm)
 
 
-# Column blocks of BLOCK_D per controls_bwd program. At the 1.3b width (D = 2560): 5 spans
-# of 512 columns per 32-token block, 1280 programs at B x T = 8192, where one program per
-# token block would leave under two per multiprocessor on 132. Each span program repeats
-# its tokens' (dL/deta, dL/ddelta) sums over the mode blocks and the direction norms, a
-# small read next to its [32, 512] tiles.
-CONTROLS_BWD_SUBBLOCKS = 4
-
-
 def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     """dx (x's dtype) and the gradients of both directions, both amplitudes, nu_log and
     theta_log, by fixed-order reductions. dxw [B, T, D]: the write's part of dL/dx;
@@ -531,30 +456,22 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     nmb = dpart.shape[1]
     scale = 1.0 / math.sqrt(M)
     dx = dxw if x.dtype == acc else alloc(x.shape, x.dtype, x.device)
-    BLOCK_T, BLOCK_D = 32, min(128, next_pow2(D))
-    nsub = min(CONTROLS_BWD_SUBBLOCKS, cdiv(D, BLOCK_D))
+    BLOCK_T = 32
     ntb = cdiv(ntok, BLOCK_T) if ntok else 0
     colpart, scalpart = scratch(acc, x.device, (max(ntb, 1), 2 * D), (max(ntb, 1), 8))
     if ntb:
-        _controls_bwd_kernel[(ntb, cdiv(D, nsub * BLOCK_D))](
+        _controls_bwd_kernel[(ntb,)](
             dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NSUB=nsub, NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
-        if accounting.on():
-            accounting.record("samu_controls_bwd", accounting.nbytes(dxw, x, aux, dpart, phase_dir, radial_dir),
-                              accounting.nbytes(dx, colpart, scalpart))
+            BLOCK_T=BLOCK_T, BLOCK_D=min(128, next_pow2(D)), NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
+        account("samu_controls_bwd", (dxw, x, aux, dpart, phase_dir, radial_dir), (dx, colpart, scalpart))
     else:
         colpart.zero_()
         scalpart.zero_()
-    dpd = alloc((D + 1,), acc, x.device)
-    drd = alloc((D + 1,), acc, x.device)
-    damp = alloc((2,), acc, x.device)
-    dmode = alloc((M, 2), acc, x.device)
+    dpd, drd, damp, dmode = (alloc(s, acc, x.device) for s in ((D + 1,), (D + 1,), (2,), (M, 2)))
     BLOCK_C = 128
     ndb = cdiv(D + 1, BLOCK_C)
     _finalize_kernel[(ndb + cdiv(2 * M, BLOCK_C),)](
         colpart, scalpart, ppart, phase_dir, radial_dir, pa, ra, dpd, drd, damp, dmode, max(ntb, 1),
         ppart.shape[0], D, M, scale, ndb, BLOCK_R=16, BLOCK_C=BLOCK_C, ACC=tl_dtype(acc), num_warps=4)
-    if accounting.on():
-        accounting.record("samu_finalize", accounting.nbytes(colpart, scalpart, ppart, phase_dir, radial_dir),
-                          accounting.nbytes(dpd, drd, damp, dmode))
+    account("samu_finalize", (colpart, scalpart, ppart, phase_dir, radial_dir), (dpd, drd, damp, dmode))
     return dx, dpd, drd, damp, dmode

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..checks import MODE_CONSTS, no_double_backward
-from ..triton_utils import acc_dtype, cfg_of, opts_items, opts_key, spec_of
+from ..checks import MODE_CONSTS, check_chunk_size, no_double_backward
+from ..triton_utils import acc_dtype, cdiv, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
 from .common import controls_bwd, controls_fwd, scalar_param
 
@@ -24,65 +24,71 @@ _LAUNCH = {"serial": (fused_recurrent.serial_forward, fused_recurrent.serial_bac
 
 @functools.lru_cache(maxsize=256)
 def _config(backend, opts):
-    return fused_recurrent.config(backend, **opts_items(opts))
+    """The launch configuration as spec_of's string: the chunk (default 16) or serial tile (default 32) length."""
+    opts = opts_items(opts)
+    K = opts.pop("chunk_size", None)
+    if opts:
+        raise ValueError(f"expected {backend} options among ['chunk_size'], got {sorted(opts)}")
+    return spec_of({"backend": backend, "K": check_chunk_size((32 if backend == "serial" else 16) if K is None else K)})
 
 
-def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, cfg):
+def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec):
     """(y, final state [B, M, 2], ctrl, aux, modes, states or None); pa, ra: [1] tensors
     in the accumulation dtype, h0: [B, M, 2] or None."""
     x = x.contiguous()
-    phase_dir, radial_dir = phase_dir.contiguous(), radial_dir.contiguous()
-    pos = None if pos is None else pos.contiguous()
     h0 = None if h0 is None else h0.contiguous()
-    ctrl, aux, modes = controls_fwd(x, phase_dir, radial_dir, pa, ra, pos, nu_log.contiguous(),
-                                    theta_log.contiguous(), acc_dtype(x.dtype))
+    ctrl, aux, modes = controls_fwd(x, phase_dir.contiguous(), radial_dir.contiguous(), pa, ra, pos,
+                                    nu_log.contiguous(), theta_log.contiguous(), acc_dtype(x.dtype))
+    cfg = cfg_of(spec)
     y, h, states = _LAUNCH[cfg["backend"]][0](x, ctrl, modes, h0, save, cfg)
     return y, h, ctrl, aux, modes, states
 
 
-def _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh, cfg):
+def _backward(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: Tensor, ctrl: Tensor, aux: Tensor,
+              modes: Tensor, states: Tensor, dy: Tensor, dh: Optional[Tensor],
+              spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d phase_dir, d radial_dir, d amplitudes [2], d (nu_log, theta_log) [M, 2],
-    d h0 [B, M, 2]) in the accumulation dtype (dx in x's). The kernels index x and the
-    directions as contiguous: the saved tensors are the caller's (a strided x, or what
-    torch.compile hands the op) and are copied where strided."""
+    d h0 [B, M, 2]) in the accumulation dtype (dx in x's). The saved tensors are the
+    caller's (a strided x, or what torch.compile hands the op): copied where strided."""
     x, phase_dir, radial_dir = x.contiguous(), phase_dir.contiguous(), radial_dir.contiguous()
     dy = dy.contiguous()
     dh = None if dh is None else dh.contiguous()
+    cfg = cfg_of(spec)
     dxw, dpart, ppart, dh0 = _LAUNCH[cfg["backend"]][1](x, dy, ctrl, modes, states, dh, cfg)
     dx, dpd, drd, damp, dmode = controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra)
     return dx, dpd, drd, damp, dmode, dh0
 
 
-def _param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log):
-    return (dpd.to(phase_dir.dtype), drd.to(radial_dir.dtype), damp[0:1], damp[1:2],
-            dmode[:, 0].to(nu_log.dtype), dmode[:, 1].to(theta_log.dtype))
+def _grads(ctx, dy, dh, bwd):
+    """The gradients of (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0) by
+    bwd (_backward, or the op kernels::samu_bwd under torch.compile) of the saved tensors."""
+    x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, *saved = ctx.saved_tensors
+    dy = torch.zeros_like(x) if dy is None else dy
+    dx, dpd, drd, damp, dmode, dh0 = bwd(x, phase_dir, radial_dir, pa, ra, *saved, dy, dh, ctx.spec)
+    return (dx, dpd.to(phase_dir.dtype), drd.to(radial_dir.dtype), damp[0:1], damp[1:2],
+            dmode[:, 0].to(nu_log.dtype), dmode[:, 1].to(theta_log.dtype), None, dh0 if ctx.has_h0 else None)
 
 
 class SamuFunction(torch.autograd.Function):
-    """SAMU through the launchers `cfg` names; pa, ra: [1] amplitude tensors in the
+    """SAMU through the launchers `spec` names; pa, ra: [1] amplitude tensors in the
     accumulation dtype; h0: the initial state as [B, M, 2] or None."""
 
     @staticmethod
-    def forward(ctx, x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, cfg):
+    def forward(ctx, x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, spec):
         # an unused output's gradient arrives as None, not as a zero tensor filled per call
         ctx.set_materialize_grads(False)
         save = any(ctx.needs_input_grad)
         y, h, ctrl, aux, modes, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0,
-                                                  save, cfg)
+                                                  save, spec)
         if save:
             ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states)
-            ctx.cfg, ctx.has_h0 = cfg, h0 is not None
+            ctx.spec, ctx.has_h0 = spec, h0 is not None
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh):
         no_double_backward()
-        x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
-        dy = torch.zeros_like(x) if dy is None else dy
-        dx, dpd, drd, damp, dmode, dh0 = _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy,
-                                                   dh, ctx.cfg)
-        return (dx, *_param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log), None,
-                dh0 if ctx.has_h0 else None, None)
+        return (*_grads(ctx, dy, dh, _backward), None)
 
 
 @torch.library.custom_op("kernels::samu_fwd", mutates_args=())
@@ -90,7 +96,7 @@ def samu_fwd(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: T
              theta_log: Tensor, pos: Optional[Tensor], h0: Optional[Tensor], save: bool,
              spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     y, h, ctrl, aux, modes, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
-                                              cfg_of(spec))
+                                              spec)
     return y, h, ctrl, aux, modes, (states if save else h.new_empty(0))
 
 
@@ -98,16 +104,12 @@ def samu_fwd(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: T
 def _(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec):
     B, T, D = x.shape
     M, acc = D // 2, acc_dtype(x.dtype)
-    states = fused_recurrent.saved_shape(cfg_of(spec), B, T, M) if save else (0,)
+    states = (B, cdiv(T, cfg_of(spec)["K"]), M, 2) if save else (0,)     # the states entering the chunks
     return (torch.empty_like(x), x.new_empty(B, M, 2, dtype=acc), x.new_empty(B * T, 4, dtype=acc),
             x.new_empty(B * T, 2, dtype=acc), x.new_empty(MODE_CONSTS, M, dtype=acc), x.new_empty(states, dtype=acc))
 
 
-@torch.library.custom_op("kernels::samu_bwd", mutates_args=())
-def samu_bwd(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: Tensor, ctrl: Tensor, aux: Tensor,
-             modes: Tensor, states: Tensor, dy: Tensor, dh: Optional[Tensor],
-             spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _backward(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh, cfg_of(spec))
+samu_bwd = torch.library.custom_op("kernels::samu_bwd", _backward, mutates_args=())
 
 
 @samu_bwd.register_fake
@@ -125,12 +127,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _op_backward(ctx, dy, dh, *_):
-    x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states = ctx.saved_tensors
-    dy = torch.zeros_like(x) if dy is None else dy
-    dx, dpd, drd, damp, dmode, dh0 = torch.ops.kernels.samu_bwd(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes,
-                                                                states, dy, dh, ctx.spec)
-    return (dx, *_param_grads(dpd, drd, damp, dmode, phase_dir, radial_dir, nu_log, theta_log), None,
-            dh0 if ctx.has_h0 else None, None, None)
+    return (*_grads(ctx, dy, dh, torch.ops.kernels.samu_bwd), None, None)
 
 
 torch.library.register_autograd("kernels::samu_fwd", _op_backward, setup_context=_setup_context)
@@ -138,7 +135,7 @@ torch.library.register_autograd("kernels::samu_fwd", _op_backward, setup_context
 
 def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
          initial_state, output_final_state, opts):
-    cfg = _config(backend, opts_key(opts))
+    spec = _config(backend, opts_key(opts))
     acc = acc_dtype(x.dtype)
     pa = scalar_param(phase_amp, x.device, acc)
     ra = scalar_param(radial_amp, x.device, acc)
@@ -147,25 +144,23 @@ def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
     args = (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*args, h0))
     if torch.compiler.is_compiling():
-        y, h, *_ = torch.ops.kernels.samu_fwd(*args, segment_pos, h0, grad, spec_of(cfg))
+        y, h, *_ = torch.ops.kernels.samu_fwd(*args, segment_pos, h0, grad, spec)
     elif grad:
-        y, h = SamuFunction.apply(*args, segment_pos, h0, cfg)
+        y, h = SamuFunction.apply(*args, segment_pos, h0, spec)
     else:       # the prefill: no states kept
-        y, h, *_ = _forward(*args, segment_pos, h0, False, cfg)
+        y, h, *_ = _forward(*args, segment_pos, h0, False, spec)
     return y, (torch.view_as_complex(h) if output_final_state else None)
 
 
 def fused_recurrent_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                          initial_state=None, output_final_state=False, **opts):
-    """Serial SAMU (reference signature); options fused_recurrent.OPTIONS (chunk_size: the
-    tile and checkpoint length, default 32)."""
+    """Serial SAMU (reference signature); option chunk_size: the tile and checkpoint length (default 32)."""
     return _run("serial", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
                 initial_state, output_final_state, opts)
 
 
 def chunk_samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
                initial_state=None, output_final_state=False, **opts):
-    """Two-level chunked SAMU (reference signature); options as fused_recurrent_samu's
-    (chunk_size default 16)."""
+    """Two-level chunked SAMU (reference signature); option chunk_size (default 16)."""
     return _run("chunk", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
                 initial_state, output_final_state, opts)

@@ -14,13 +14,15 @@ import triton
 import triton.language as tl
 
 from .. import accounting
-from ..triton_utils import cdiv, check_chunk_size, launcher, scratch
-from .common import (alloc, bwd_chunk, check_block_m, check_num_warps, fwd_steps, load_pair, load_state, mode_block,
-                     store_pair, store_param_partials, tl_dtype)
+from ..triton_utils import cdiv, launcher, scratch
+from .common import (account, alloc, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, store_pair,
+                     store_param_partials, tl_dtype)
 
 # Steps unrolled inside the time loops (the rest stays a loop; see common.fwd_steps).
 FWD_UNROLL = 8
 BWD_UNROLL = 4
+# Modes per program of the serial and chunk kernels: one per thread of one warp.
+BM = 32
 
 
 @launcher
@@ -66,27 +68,9 @@ def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, c
     store_param_partials(ppart, b, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
 
 
-OPTIONS = ("chunk_size", "block_m", "num_warps")
-
-
-def config(backend: str, chunk_size=None, block_m=32, num_warps=None, **unknown) -> dict:
-    """Launch configuration of the serial (default tile 32) or chunk (default K 16) backend."""
-    if unknown:
-        raise ValueError(f"expected {backend} options among {list(OPTIONS)}, got {sorted(unknown)}")
-    K = check_chunk_size((32 if backend == "serial" else 16) if chunk_size is None else chunk_size)
-    bm = check_block_m(block_m)
-    return {"backend": backend, "K": K, "BM": bm, "NW": check_num_warps(num_warps, bm)}
-
-
-def saved_shape(cfg: dict, B: int, T: int, M: int) -> tuple:
-    """The states kept for backward: the one entering every tile or chunk [B, N, M, 2]."""
-    return (B, cdiv(T, cfg["K"]), M, 2)
-
-
 def serial_forward(x, ctrl, modes, h0, need_states, cfg):
     B, T, D = x.shape
-    M, K, BM = D // 2, cfg["K"], cfg["BM"]
-    acc = ctrl.dtype
+    M, K, acc = D // 2, cfg["K"], ctrl.dtype
     N = cdiv(T, K)
     y = alloc(x.shape, x.dtype, x.device)
     hT = alloc((B, M, 2), acc, x.device)
@@ -94,30 +78,26 @@ def serial_forward(x, ctrl, modes, h0, need_states, cfg):
     _serial_fwd_kernel[(cdiv(M, BM), B)](
         x, ctrl, modes, h0 if h0 is not None else hT, y, states if need_states else hT, hT,
         T, N, D, M, K=K, U=FWD_UNROLL, BM=BM, HAS_H0=h0 is not None, STORE_STATES=need_states, ACC=tl_dtype(acc),
-        num_warps=cfg["NW"])
-    if accounting.on():
-        accounting.record("samu_serial_fwd", accounting.nbytes(x, ctrl, modes, h0),
-                          accounting.nbytes(y, hT, states))
+        num_warps=1)
+    account("samu_serial_fwd", (x, ctrl, modes, h0), (y, hT, states))
     return y, hT, states
 
 
 def serial_backward(x, dy, ctrl, modes, states, gh, cfg):
     B, T, D = x.shape
-    M, K, BM = D // 2, cfg["K"], cfg["BM"]
-    acc = ctrl.dtype
+    M, K, acc = D // 2, cfg["K"], ctrl.dtype
     N = cdiv(T, K)
     nmb = cdiv(M, BM)
     dxw = alloc(x.shape, acc, x.device)
     dh0 = alloc((B, M, 2), acc, x.device)
     # scratch: the partials (read by controls_bwd right after this launcher), the checkpoints
     dpart, ppart, ckpt = scratch(acc, x.device, (B * T, nmb, 2), (B, M, 2), (B * nmb * (K // BWD_UNROLL) * BM * 2,))
-    ckpt_bytes = accounting.nbytes(ckpt)
     _serial_bwd_kernel[(nmb, B)](
         x, dy, ctrl, modes, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
-        T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc),
-        num_warps=cfg["NW"])
+        T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc), num_warps=1)
     # ckpt: each program's slots, written and read back once per tile (N tiles)
     if accounting.on():
-        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh) + N * ckpt_bytes,
-                          accounting.nbytes(dxw, dpart, ppart, dh0) + N * ckpt_bytes)
+        ckpt_bytes = N * accounting.nbytes(ckpt)
+        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh) + ckpt_bytes,
+                          accounting.nbytes(dxw, dpart, ppart, dh0) + ckpt_bytes)
     return dxw, dpart, ppart, dh0

@@ -1,14 +1,10 @@
 """One-token SAMU decode step in one launch: controller, transition, write, in-place
 state update and relu. "row": one program per sequence walks all modes; "blocked": one
-program per (sequence, mode block), each recomputing its row's projections. "fused"
-takes "blocked" below ROW_MIN_BATCH sequences (ROW_MIN_BATCH_TABLE with a mode table:
-where the two crossed on an H200 at D = 2560; the tune stage re-measures). No host
-synchronisation, no allocation besides y.
-
-The per-mode constants come from `modes`, the mode_table of these parameters that the
-caller computed once (the generation engine does, per batch it starts); without it
-every program recomputes them in float64 (B x M evaluations of exp, cos, sin and log
-per step, slow where FP64 throughput is low). Both give the same FP32 values.
+program per (sequence, mode block), each recomputing its row's projections; "fused":
+"blocked" below ROW_MIN_BATCH sequences (ROW_MIN_BATCH_TABLE with a mode table: where
+the two crossed on an H200 at D = 2560). No host synchronisation, no allocation besides
+y. The per-mode constants come from `modes` (mode_table of these parameters), else every
+program recomputes them in float64 (slow where FP64 throughput is low); the same values.
 """
 
 from __future__ import annotations
@@ -17,52 +13,26 @@ import math
 from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from .. import accounting
 from ..checks import check_tensor, no_grad_inputs
 from ..triton_utils import acc_dtype, cdiv, check_pow2, empty, launcher, multiprocessors, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
-from .common import dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair, tanh, transition
+from .common import account, controller, dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair
 
 ROW_MIN_BATCH = 64
-ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
-# The row step's default modes per iteration: 256 was the fastest of 256, 512 and 2048 (the
-# whole row at D = 2560) at every batch size of the H200 decode tune (B = 16 to 256).
-ROW_DEFAULT_BLOCK_M = 256
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
-# The controller reduction's width (columns per iteration). The whole row (4096 at
-# D = 2560) holds four 4096-wide FP32 vectors: about 120 registers a thread at 8 warps, so
-# two programs fit a multiprocessor; half that width needs about 64, and four fit. The row
-# step takes the half width by default where B exceeds two rows per multiprocessor, so
-# that one wave still holds every row; below that the whole row is a little faster. The
-# tune stage times both as `block_d`.
+ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
+# the fastest of 256, 512 and 2048 at every batch size of the H200 decode tune (B = 16 to 256)
+ROW_DEFAULT_BLOCK_M = 256
+# The controller reduction's width: the whole row (4096 at D = 2560) takes about 120
+# registers a thread at 8 warps (two programs per multiprocessor), half of it about 64
+# (four); the half by default beyond two rows per multiprocessor, so that one wave holds
+# every row; below that the whole row is a little faster.
 ROW_BLOCK_D = 4096
 ROW_MANY_ROWS_BLOCK_D = 2048
-
-
-@triton.jit
-def _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD: tl.constexpr, ACC: tl.constexpr):
-    zp = tl.zeros([BD], ACC)
-    zr = tl.zeros([BD], ACC)
-    wpp = tl.zeros([BD], ACC)
-    wrr = tl.zeros([BD], ACC)
-    for d0 in range(0, D, BD):
-        cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BD, ACC)
-        xv = tl.load(x_b + cols, mask=cm, other=0.0).to(ACC)
-        zp += xv * wp
-        zr += xv * wr
-        wpp += wp * wp
-        wrr += wr * wr
-    bp = tl.load(pd + D).to(ACC)
-    br = tl.load(rd + D).to(ACC)
-    p = tanh(((tl.sum(zp, axis=0) + bp) / tl.sqrt(tl.sum(wpp, axis=0) + bp * bp)).to(tl.float64))
-    r = tanh(((tl.sum(zr, axis=0) + br) / tl.sqrt(tl.sum(wrr, axis=0) + br * br)).to(tl.float64))
-    delta = scale * tanh(tl.load(pa).to(tl.float64)) * p
-    eta = scale * tanh(tl.load(ra).to(tl.float64)) * r / (1.0 + r * r)
-    d = delta.to(ACC)
-    return tl.exp(eta).to(ACC), tl.cos(d) * keep, tl.sin(d) * keep
 
 
 @triton.jit
@@ -83,7 +53,9 @@ def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC
 
 @triton.jit
 def _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi):
-    ar, ai = transition(E, ck, sk, nu, ct, st, lnr, True)
+    mag = tl.exp(-(nu * E + lnr))
+    ar = mag * (ct * ck - st * sk)
+    ai = mag * (st * ck + ct * sk)
     hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
     store_pair(s_b, offs_m, hr, hi, mask_m)
     tl.store(y_b + offs_m, relu(hr).to(y_b.dtype.element_ty), mask=mask_m)
@@ -97,10 +69,7 @@ def _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, 
 def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D, M, scale,
                  HAS_RESET: tl.constexpr, ROW: tl.constexpr, TABLE: tl.constexpr, BD: tl.constexpr,
                  BM: tl.constexpr, ACC: tl.constexpr):
-    if ROW:
-        b = tl.program_id(0).to(tl.int64)
-    else:
-        b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(0 if ROW else 1).to(tl.int64)
     x_b, y_b, s_b = x + b * D, y + b * D, state + b * M * 2
     keep = 1.0
     if HAS_RESET:
@@ -111,7 +80,22 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
     m0 = 0 if ROW else tl.program_id(0) * BM
     offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M,
                                                                       BM, ACC, TABLE)
-    E, ck, sk = _row_controls(x_b, pd, rd, pa, ra, D, scale, keep, BD, ACC)
+    zp = tl.zeros([BD], ACC)
+    zr = tl.zeros([BD], ACC)
+    wpp = tl.zeros([BD], ACC)
+    wrr = tl.zeros([BD], ACC)
+    for d0 in range(0, D, BD):
+        cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BD, ACC)
+        xv = tl.load(x_b + cols, mask=cm, other=0.0).to(ACC)
+        zp += xv * wp
+        zr += xv * wr
+        wpp += wp * wp
+        wrr += wr * wr
+    _, _, eta, d = controller(tl.sum(zp, axis=0), tl.sum(zr, axis=0), tl.sum(wpp, axis=0), tl.sum(wrr, axis=0),
+                            pd, rd, pa, ra, D, scale, ACC)
+    E = tl.exp(eta).to(ACC)
+    ck = tl.cos(d) * keep
+    sk = tl.sin(d) * keep
     _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
     if ROW:
         for m1 in range(BM, M, BM):
@@ -122,9 +106,7 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
 
 def _amp(v, x):
     """An amplitude as a one-element tensor (a float in x's accumulation dtype)."""
-    if isinstance(v, torch.Tensor):
-        return v.reshape(1)
-    return scalar_param(v, x.device, acc_dtype(x.dtype))
+    return v.reshape(1) if isinstance(v, torch.Tensor) else scalar_param(v, x.device, acc_dtype(x.dtype))
 
 
 def _row_block_d(B, D, device):
@@ -133,8 +115,9 @@ def _row_block_d(B, D, device):
     return min(next_pow2(D), ROW_MANY_ROWS_BLOCK_D if sms is not None and B > 2 * sms else ROW_BLOCK_D)
 
 
-def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-            block_m=0, block_d=0, num_warps=0):
+def _launch(layout: str, x: Tensor, phase_dir: Tensor, radial_dir: Tensor, phase_amp: Tensor, radial_amp: Tensor,
+            nu_log: Tensor, theta_log: Tensor, state: Tensor, reset: Optional[Tensor], modes: Optional[Tensor],
+            block_m: int = 0, block_d: int = 0, num_warps: int = 0) -> Tensor:
     B, D = x.shape
     M = D // 2
     if not state.is_contiguous():
@@ -161,26 +144,17 @@ def _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, the
         BM = 128
         _step_kernel[(cdiv(M, BM), B)](*args, **flags, ROW=False, BD=min(next_pow2(D), ROW_BLOCK_D), BM=BM, ACC=acc,
                                        num_warps=4)
-    if accounting.on():
-        accounting.record(f"samu_step_{layout}",
-                          accounting.nbytes(x, phase_dir, radial_dir, *((nu_log, theta_log) if modes is None
-                                                                        else (modes,)), sr, reset),
-                          accounting.nbytes(sr, y))
+    account(f"samu_step_{layout}", (x, phase_dir, radial_dir, *((nu_log, theta_log) if modes is None else (modes,)),
+                                    sr, reset), (sr, y))
     return y
 
 
-@torch.library.custom_op("kernels::samu_step", mutates_args=("state",))
-def _step_op(x: torch.Tensor, phase_dir: torch.Tensor, radial_dir: torch.Tensor, phase_amp: torch.Tensor,
-             radial_amp: torch.Tensor, nu_log: torch.Tensor, theta_log: torch.Tensor, state: torch.Tensor,
-             reset: Optional[torch.Tensor], modes: Optional[torch.Tensor], layout: str, block_m: int, block_d: int,
-             num_warps: int) -> torch.Tensor:
-    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                   block_m, block_d, num_warps)
+# under torch.compile: the launcher as the custom op kernels::samu_step
+_step_op = torch.library.custom_op("kernels::samu_step", _launch, mutates_args=("state",))
 
 
 @_step_op.register_fake
-def _(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes, layout, block_m,
-      block_d, num_warps):
+def _(layout, x, *args):
     return torch.empty_like(x)
 
 
@@ -191,9 +165,8 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
     no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
                    radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
     if torch.compiler.is_compiling():
-        return torch.ops.kernels.samu_step(x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
-                                           nu_log, theta_log, state, reset, modes, layout, block_m, block_d,
-                                           num_warps)
+        return torch.ops.kernels.samu_step(layout, x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
+                                           nu_log, theta_log, state, reset, modes, block_m, block_d, num_warps)
     return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
                    block_m, block_d, num_warps)
 
@@ -201,12 +174,10 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
                   block_m=None, block_d=None, num_warps=None):
     """Decode step, one program per sequence walking its modes in blocks of `block_m` (a
-    power of two in [16, 2048]; default ROW_DEFAULT_BLOCK_M, or all modes where fewer),
-    its controller reduction in `block_d` columns (a power of two in [16, 4096]; default
-    the whole row up to ROW_BLOCK_D, ROW_MANY_ROWS_BLOCK_D beyond two rows per multiprocessor),
-    with `num_warps` warps (1 to 16, default 8). x: [B, D]; state: [B, M] complex64,
-    updated in place; reset: [B] bool; modes: mode_table(nu_log, theta_log) of these
-    parameters or None. Returns y [B, D] in x's dtype. No backward."""
+    power of two in [16, 2048]; default ROW_DEFAULT_BLOCK_M), its controller reduction in
+    `block_d` columns (a power of two in [16, 4096]; default _row_block_d), with
+    `num_warps` warps (1 to 16, default 8). x: [B, D]; state: [B, M] complex64, updated
+    in place; reset: [B] bool; modes: mode_table of these parameters or None. Returns y."""
     bm = 0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M)
     bd = 0 if block_d is None else check_pow2("block_d", block_d, 16, ROW_BLOCK_D)
     nw = 0 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
