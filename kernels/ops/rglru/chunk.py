@@ -24,8 +24,7 @@ import triton.language as tl
 from .. import accounting
 from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher, next_pow2, out,
                             scratch, tl_acc)
-from .common import (act_bytes, affine, excl_scan, first_row, last_row, load_a, load_tile, param_sp, tile_grads,
-                     tile_states)
+from .common import act_bytes, affine, excl_scan, load_a, load_tile, param_sp, row_of, tile_grads, tile_states
 
 
 @triton.jit
@@ -56,8 +55,8 @@ def chunk_fwd_kernel(
     if REPLAY:
         tl.store(P + off, out(A * hin[None, :] + Bs, P, RNE), mask=m)
     else:
-        tl.store(P + o, last_row(A, rows, K), mask=m_d)
-        tl.store(Q + o, last_row(Bs, rows, K), mask=m_d)
+        tl.store(P + o, row_of(A, rows[:, None], K - 1), mask=m_d)
+        tl.store(Q + o, row_of(Bs, rows[:, None], K - 1), mask=m_d)
 
 
 @launcher
@@ -95,9 +94,9 @@ def chunk_prefix_kernel(
         ea, eb, ia, ib = excl_scan(p, q, ACC, REVERSE)
         tl.store(S + off, ea * carry[None, :] + eb, mask=m)
         if REVERSE:
-            carry = first_row(ia * carry[None, :] + ib, rows)
+            carry = row_of(ia * carry[None, :] + ib, rows[:, None], 0)
         else:
-            carry = last_row(ia * carry[None, :] + ib, rows, G)
+            carry = row_of(ia * carry[None, :] + ib, rows[:, None], G - 1)
     if STORE_HN:
         tl.store(hN + i_b * D + o_d, carry, mask=m_d)
 
@@ -115,8 +114,8 @@ def chunk_bwd_summary_kernel(
     dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
     A, Bs = tl.associative_scan((a, a * dyv), 0, affine, reverse=True)
     o = (i_b * NC + i_c) * D + o_d
-    tl.store(P + o, first_row(A, rows), mask=m_d)
-    tl.store(Q + o, first_row(Bs, rows), mask=m_d)
+    tl.store(P + o, row_of(A, rows[:, None], 0), mask=m_d)
+    tl.store(Q + o, row_of(Bs, rows[:, None], 0), mask=m_d)
 
 
 @launcher
@@ -179,7 +178,7 @@ def _setup(x, a_param, pos, is_scan, cfg):
             pos if pos is not None else x, kw)
 
 
-def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
     """Summary, prefix, replay (S is kept whatever `save`). Scan: x = b, ga = a.
     Returns (y, ht, S)."""
     B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
@@ -198,7 +197,7 @@ def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan
     return y, ht, S
 
 
-def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
+def backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     """Returns (dx, dgx, dga, dh0, dsp_part)."""
     B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
     acc = acc_dtype(x.dtype)

@@ -34,29 +34,22 @@ def _cached_config(backend, B, T, D, is_scan, grad, dev, opts):
     return _BACKENDS[backend].config(B, T, D, is_scan, *dev, grad=grad, **opts_items(opts))
 
 
-def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+def _contiguous(*ts):
     # the kernels index every tensor as contiguous
-    x, ga = x.contiguous(), ga.contiguous()
-    gx = x if gx is None else gx.contiguous()
-    a_param = None if a_param is None else a_param.contiguous()
-    pos = None if pos is None else pos.contiguous()
-    h0 = None if h0 is None else h0.contiguous()
-    fwd = _BACKENDS[cfg["backend"]]
-    launch = fwd.serial_forward if cfg["backend"] == "serial" else fwd.chunk_forward
-    return launch(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+    x, gx, ga, a_param, pos, h0 = _contiguous(x, gx, ga, a_param, pos, h0)
+    return _BACKENDS[cfg["backend"]].forward(x, gx if gx is not None else x, ga, a_param, pos, h0, output_final_state,
+                                             save, is_scan, cfg)
 
 
 def _backward(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg):
     """(dx, dgx, dga, da_param, dh0); None where there is none."""
-    x, ga = x.contiguous(), ga.contiguous()
-    gx = x if gx is None else gx.contiguous()
-    a_param = None if a_param is None else a_param.contiguous()
-    pos = None if pos is None else pos.contiguous()
-    dy = dy.contiguous()
-    dht = None if dht is None else dht.contiguous()
-    fwd = _BACKENDS[cfg["backend"]]
-    launch = fwd.serial_backward if cfg["backend"] == "serial" else fwd.chunk_backward
-    dx, dgx, dga, dh0, part = launch(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg)
+    x, gx, ga, a_param, pos, dy, dht = _contiguous(x, gx, ga, a_param, pos, dy, dht)
+    dx, dgx, dga, dh0, part = _BACKENDS[cfg["backend"]].backward(
+        x, gx if gx is not None else x, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg)
     dap = None if is_scan or a_param is None else reduce_dap(part, a_param)
     return dx, dgx, dga, dap, dh0
 
