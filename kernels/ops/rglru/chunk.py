@@ -1,19 +1,14 @@
 """Exact two-level chunked RG-LRU and affine scan (chunk sizes K = 8, 16, 32, 64).
 
-Forward, three launches:
-1. summary: each (sequence, chunk, channel block) composes its K maps into one,
-   h_out = P h_in + Q (P <- a_t P, Q <- a_t Q + b_t), from inputs formed in registers;
-2. prefix over the NC = ceil(T / K) chunk summaries, linear work: groups of G
-   summaries are composed locally (an associative scan inside the group gives every
-   chunk's exclusive prefix), an outer serial prefix carries the state from group to
-   group in order, and the local correction applies the carried state to the group's
-   exclusive prefixes; the result is the state entering every chunk, S [B, NC, D] FP32
-   (kept for backward: 4 / K bytes per element) and the final state;
-3. replay: every chunk recomputes its inputs and scans from its entering state.
-Backward, the same algebra on the adjoint (see common.py): summary of the maps
-(a_t, a_t dy_t) per chunk, a reverse prefix from dL/dh_T (its last carry is dL/dh0),
-a replay that recomputes the chunk's states from S and stores every gradient, and the
-deterministic reduction of the per-(sequence, chunk) a_param partials.
+Forward, three launches: (1) summary: each (sequence, chunk, channel block) composes its
+K maps into one, h_out = P h_in + Q; (2) prefix over the NC = ceil(T / K) summaries in
+linear work: an associative scan inside each group of G, an outer serial prefix carrying
+the state from group to group in order; it gives the state entering every chunk, S
+[B, NC, D] FP32 (kept for backward), and the final state; (3) replay: every chunk scans
+again from S. Backward, the same algebra on the adjoint (common.py): summaries of the
+maps (a_t, a_t dy_t), a reverse prefix from dL/dh_T (its last carry is dL/dh0), a replay
+storing every gradient, and the deterministic reduction of the per-chunk a_param partials.
+Options: chunk_size (K), block_d, num_warps, group (G).
 """
 
 from __future__ import annotations

@@ -81,12 +81,10 @@ def softplus(x):
 
 @triton.jit
 def one_minus_sq(a, log_a):
-    # 1 - a^2 = -expm1(z) for a = exp(log_a) <= 1, z = 2 log_a (exact). Near a = 1 (long
-    # memory) 1 - a*a from the rounded a keeps few digits. FP32: for z > -1/2 the Taylor
-    # series of -expm1 through z^8 in Horner form (the rest is under 2^-26 relative: no
-    # log, no division: seven FMAs per element), else 1 - a*a (the
-    # rounding of a*a is amplified at most e^z / (1 - e^z) < 1.6 times). Float64: Kahan's
-    # expm1(z) = (e - 1) z / log(e) with e = a*a.
+    # 1 - a^2 = -expm1(z), z = 2 log_a: near a = 1 (long memory) 1 - a*a from the rounded
+    # a keeps few digits. FP32: for z > -1/2 the Taylor series of -expm1 through z^8 (the
+    # rest is under 2^-26 relative; seven FMAs), else 1 - a*a (its rounding amplified at
+    # most 1.6 times). Float64: Kahan's expm1(z) = (e - 1) z / log(e) with e = a*a.
     e = a * a
     z = 2.0 * log_a
     if a.dtype == tl.float64:
@@ -111,7 +109,7 @@ def row_of(v, idx, k):
 
 @triton.jit
 def tile_offsets(i_b, t0, T, D, o_d, m_d, rows):
-    """Element offsets (int64) and mask of the tile of rows t0 .. t0 + BT - 1."""
+    """Element offsets (int64) and mask of the rows t0 + rows."""
     t = t0 + rows
     off = (i_b * T + t[:, None]) * D + o_d[None, :]
     m = ((t >= 0) & (t < T))[:, None] & m_d[None, :]
@@ -120,8 +118,8 @@ def tile_offsets(i_b, t0, T, D, o_d, m_d, rows):
 
 @triton.jit
 def load_inputs(x, gx, ga, pos, off, m, t, T, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr):
-    """Inputs at offsets `off` (mask m) as stored and the positions of steps t; rows
-    outside [0, T) read nothing. RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
+    """Inputs at offsets `off` (mask m) as stored and the positions of steps t (none read
+    outside [0, T)). RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
     if HAS_RESET:
         p = tl.load(pos + t, mask=(t >= 0) & (t < T), other=1)
     else:
@@ -167,8 +165,7 @@ def coeffs(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.conste
 @triton.jit
 def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
               IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
-    """The tile of rows t0 .. t0 + BT - 1 (scan: x = b, ga = a) and its coefficients:
-    (off, m, valid, keep, a, b, xv, sx, sa, mult, u)."""
+    """(off, m, valid, keep, a, b, xv, sx, sa, mult, u) of the rows t0 + rows."""
     off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
     r0, r1, r2, p = load_inputs(x, gx, ga, pos + i_b * T, off, m, t0 + rows, T, IS_SCAN, HAS_RESET)
     valid = ((t0 + rows) < T)[:, None]
@@ -180,7 +177,7 @@ def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
 @triton.jit
 def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
            IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
-    """The transition a_t of a tile alone (as load_tile forms it): (off, m, a)."""
+    """(off, m, a): the transition a_t alone, as load_tile forms it."""
     t = t0 + rows
     m_t = t < T
     off = (i_b * T + t[:, None]) * D + o_d[None, :]
@@ -232,8 +229,7 @@ def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u
     # The reverse adjoint maps: lam_t = dy_t + ea_t r + eb_t for the carry r after the
     # tile (split: after the warp's segment); (ia, ib)'s first row maps r to mu there.
     if W > 1:
-        # flip, forward scan, flip: time lies inside each thread, where Triton's reverse
-        # scan would add lane shuffles
+        # flip, scan, flip: Triton's reverse scan would add lane shuffles
         ea, eb, ia, ib = excl_scan(tl.flip(a, 0), tl.flip(ad, 0), ACC)
         ea = tl.flip(ea, 0)
         eb = tl.flip(eb, 0)
@@ -305,7 +301,7 @@ def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
 
 
 def act_bytes(is_scan, x, pos):
-    """Bytes of a pass's activation inputs (accounting)."""
+    # bytes of a pass's activation inputs (accounting)
     n = x.numel() * x.element_size()
     return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
 

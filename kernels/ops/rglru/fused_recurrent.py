@@ -53,13 +53,11 @@ def axes(TT: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def tile_at(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
-    """The tile of steps from t0: (steps, base element, element offsets from it, mask).
-    W = 1: steps [TT], int64 offsets [TT, BD] (base 0). Split: warp row w holds segment
-    seg[w]; steps [W, TT], an int64 base, int32 offsets in memory order [W, TT, BD]
-    (lanes go along the contiguous last axis, warps along axis 0: Triton orders
-    equal-contiguity dims by position, so axis 1 stays in each thread's registers), and
-    with EVEN one uniform predicate for the whole tiles outside [0, T) that the prefetch
-    reaches."""
+    """The tile of steps from t0: (steps, base element, offsets from it, mask). W = 1:
+    steps [TT], int64 offsets [TT, BD], base 0. Split: warp row w holds segment seg[w];
+    steps [W, TT], an int64 base, int32 offsets in memory order [W, TT, BD] (Triton orders
+    equal-contiguity dims by position, so axis 1 stays in each thread's registers); EVEN:
+    one uniform predicate (for the whole tiles outside [0, T) that the prefetch reaches)."""
     if W == 1:
         rel, m = tile_offsets(i_b, t0, T, D, o_d, m_d, im)
         return t0 + im, 0, rel, m
