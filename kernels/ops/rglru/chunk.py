@@ -19,7 +19,7 @@ import triton.language as tl
 from .. import accounting
 from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher, next_pow2, out,
                             scratch, tl_acc)
-from .common import act_bytes, affine, excl_scan, load_a, load_tile, param_sp, row_of, tile_grads, tile_states
+from .common import act_bytes, affine, excl_scan, load_tile, param_sp, row_of, tile_grads, tile_states
 
 
 @triton.jit
@@ -103,9 +103,20 @@ def chunk_bwd_summary_kernel(
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     RNE: tl.constexpr,
 ):
-    # The chunk's adjoint map mu_first = P r + Q over (a_t, a_t dy_t), reverse order.
+    # The chunk's adjoint map mu_first = P r + Q over (a_t, a_t dy_t), reverse order; a_t
+    # formed alone, as load_tile forms it.
     i_c, i_b, o_d, m_d, rows, sp = chunk_start(ap, D, K, BD, IS_SCAN, ACC)
-    off, m, a = load_a(ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+    t = i_c * K + rows
+    m_t = t < T
+    off = (i_b * T + t[:, None]) * D + o_d[None, :]
+    m = m_t[:, None] & m_d[None, :]
+    if IS_SCAN:
+        a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
+    else:
+        a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp[None, :])
+    if HAS_RESET:
+        a = tl.where((tl.load(pos + i_b * T + t, mask=m_t, other=1) != 0)[:, None], a, 0.0)
+    a = tl.where(m_t[:, None], a, 1.0)
     dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
     A, Bs = tl.associative_scan((a, a * dyv), 0, affine, reverse=True)
     o = (i_b * NC + i_c) * D + o_d

@@ -175,25 +175,6 @@ def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
 
 
 @triton.jit
-def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
-           IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
-    """(off, m, a): the transition a_t alone, as load_tile forms it."""
-    t = t0 + rows
-    m_t = t < T
-    off = (i_b * T + t[:, None]) * D + o_d[None, :]
-    m = m_t[:, None] & m_d[None, :]
-    if IS_SCAN:
-        a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
-    else:
-        a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp[None, :])
-    if HAS_RESET:
-        p = tl.load(pos + i_b * T + t, mask=m_t, other=1)
-        a = tl.where((p != 0)[:, None], a, 0.0)
-    a = tl.where(m_t[:, None], a, 1.0)
-    return off, m, a
-
-
-@triton.jit
 def tile_states(a, b, hin, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
     """(h, hprev) of a tile from the state entering it: both h_t for the RG-LRU (its
     adjoint uses a h_{t-1} = h_t - b_t), both h_{t-1} for the scan (da = lam h_{t-1})."""

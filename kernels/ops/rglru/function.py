@@ -154,13 +154,12 @@ def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg, grad):
     return y, (ht if output_final_state else None)
 
 
-def _run(backend, x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts):
-    B, T, D = x.shape
-    grad = _needs_grad(x, gate_x, gate_a, a_param, initial_state)
-    cfg = _config(backend, x, False, grad, opts)
-    if T == 0:
-        return empty_sequence(x, initial_state, output_final_state)
-    return apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, cfg, grad)
+def _run(backend, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, opts):
+    grad = _needs_grad(x, gx, ga, a_param, h0)
+    cfg = _config(backend, x, is_scan, grad, opts)
+    if x.shape[1] == 0:
+        return empty_sequence(x, h0, output_final_state)
+    return apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg, grad)
 
 
 def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opts):
@@ -168,24 +167,20 @@ def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opt
         from .. import reference
 
         return reference.scan(a, b, segment_pos, initial_state, output_final_state)
-    grad = _needs_grad(a, b, initial_state)
-    cfg = _config(backend, b, True, grad, opts)
-    if b.shape[1] == 0:
-        return empty_sequence(b, initial_state, output_final_state)
     a = a.to(b.dtype) if a.dtype != b.dtype else a
-    return apply(b, None, a, None, segment_pos, initial_state, output_final_state, True, cfg, grad)
+    return _run(backend, b, None, a, None, segment_pos, initial_state, output_final_state, True, opts)
 
 
 def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,
                           output_final_state=False, **opts):
     """RG-LRU through the serial kernels (reference signature); fused_recurrent.OPTIONS."""
-    return _run("serial", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts)
+    return _run("serial", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, opts)
 
 
 def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
                 **opts):
     """RG-LRU through the chunked kernels; chunk.OPTIONS."""
-    return _run("chunk", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts)
+    return _run("chunk", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, opts)
 
 
 def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):

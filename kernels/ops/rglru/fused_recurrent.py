@@ -1,24 +1,19 @@
 """Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
 sequence and walks time in tiles, carrying the FP32 state in registers; the backward
-walks the tiles in reverse, recomputes their states from the saved ones and runs the
-adjoint (common.py). The a_param gradient is a per-program partial [B, D] reduced in a
-fixed order.
+walks the tiles in reverse from the saved states and runs the adjoint (common.py). The
+a_param gradient is a per-program partial [B, D] reduced in a fixed order.
 
 Split kernels (time_warps W > 1, the default): tiles of W * TT steps (TT = chunk_size),
-warp w holding TT consecutive steps, each thread its channels' TT steps in registers (one
+warp w holding TT consecutive steps, each thread its channels' steps in registers (one
 thread per channel column leaves too few threads on serial chains to cover memory
-latency; the split multiplies them by W). Each warp scans its steps from a zero state,
-one small scan composes the W segment maps across warps (common.affine_excl), and the
-state entering every segment is saved ([B, T / TT, D] FP32), so the backward's warps
-recompute their states alone; there the warps hold the segments last first, so the
-reverse adjoint maps compose across warps by a forward scan. The tile is addressed in
-memory order [W, TT, BD] (so Triton's coalescing picks that layout) and relabelled
-[TT, W, BD] (common.mem_order) for the scans along axis 0; offsets are int32 from one
-int64 base per tile; EVEN (T and D multiples of the tile) forms no element masks.
-
+latency). Each warp scans its steps from a zero state, one small scan composes the W
+segment maps across warps (common.affine_excl), and the state entering every segment is
+saved ([B, T / TT, D] FP32), so the backward's warps recompute their states alone; there
+the warps hold the segments last first, so the adjoint composes across warps by a forward
+scan. The tile is addressed in memory order [W, TT, BD] (Triton's coalescing picks that
+layout) and relabelled [TT, W, BD] (common.mem_order) for the scans along axis 0.
 Tile kernels (W = 1; also the default for an RG-LRU forward without gradient): one
-associative scan per tile of TT steps from the carried state; the state entering every
-tile ([B, NT, D] FP32) is saved.
+associative scan per tile of TT steps; the state entering every tile is saved.
 
 Options: chunk_size (TT; default 8 split, 64 RG-LRU and 128 scan tile), time_warps,
 block_d (W = 1: a power of two in [8, 1024]; W > 1: SPLIT_BLOCKS) and num_stages
