@@ -147,12 +147,12 @@ def test_serial_launch_plans_are_kept_per_shape_and_configuration(stubbed, monke
     cfg = rglru_serial.config(*x.shape, True, grad=False)
     with torch.no_grad():
         for T in (16, 16, 8, 16):
-            rglru_serial.serial_forward(x[:, :T].contiguous(), x, ga[:, :T].contiguous(), None, None, None, False,
-                                        False, True, cfg)
+            rglru_serial.forward(x[:, :T].contiguous(), x, ga[:, :T].contiguous(), None, None, None, False, False,
+                                 True, cfg)
         assert made == [(2, 16, 64), (2, 8, 64)]
-        rglru_serial.serial_forward(x, x, ga, None, None, None, False, False, True, dict(cfg))
+        rglru_serial.forward(x, x, ga, None, None, None, False, False, True, dict(cfg))
         assert len(made) == 3
         key = next(iter(rglru_serial._PLANS))
         rglru_serial._PLANS[key] = ({}, *rglru_serial._PLANS[key][1:])    # another object under cfg's id
-        rglru_serial.serial_forward(x, x, ga, None, None, None, False, False, True, cfg)
+        rglru_serial.forward(x, x, ga, None, None, None, False, False, True, cfg)
         assert len(made) == 4

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import cdiv, empty
+from .triton_utils import acc_dtype, cdiv, empty, tl_acc
 
 BT, BE = 64, 128
 
@@ -26,49 +26,47 @@ def _keep(pos_ptr, t, T, HAS_POS: tl.constexpr):
 
 @triton.jit
 def _conv_fwd(x_ptr, w_ptr, b_ptr, pos_ptr, y_ptr, T, E, W: tl.constexpr, HAS_POS: tl.constexpr,
-              F64: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
-    acc_ty = tl.float64 if F64 else tl.float32
+              ACC: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     row = tl.program_id(2).to(tl.int64) * T
     me = e < E
     keep = t < T
-    y = tl.zeros((BT, BE), acc_ty) + tl.load(b_ptr + e, mask=me).to(acc_ty)[None, :]
+    y = tl.zeros((BT, BE), ACC) + tl.load(b_ptr + e, mask=me).to(ACC)[None, :]
     for s in tl.static_range(W):
         if s > 0:
             keep = keep & (t - s >= 0) & _keep(pos_ptr + row, t - s + 1, T, HAS_POS)
         x = tl.load(x_ptr + (row + t - s)[:, None] * E + e[None, :], mask=keep[:, None] & me[None, :], other=0)
-        y += x.to(acc_ty) * tl.load(w_ptr + (W - 1 - s) * E + e, mask=me).to(acc_ty)[None, :]
+        y += x.to(ACC) * tl.load(w_ptr + (W - 1 - s) * E + e, mask=me).to(ACC)[None, :]
     tl.store(y_ptr + (row + t)[:, None] * E + e[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(t < T)[:, None] & me[None, :])
 
 
 @triton.jit
 def _conv_bwd(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dwp_ptr, T, E, NT, W: tl.constexpr, HAS_POS: tl.constexpr,
-              F64: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+              ACC: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
     # dx[t] = sum_s w[W-1-s] keep_s[t+s] dy[t+s]; partial dw[W-1-s] = sum_t dy[t] x[t-s] keep_s[t]
     # and db = sum_t dy[t] over this tile, stored at dwp[tile, W-1-s] and dwp[tile, W].
-    acc_ty = tl.float64 if F64 else tl.float32
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     row = tl.program_id(2).to(tl.int64) * T
     tile = (tl.program_id(2) * NT + tl.program_id(0)) * (W + 1) * E
     me = e < E
     mt = t < T
-    dy = tl.load(dy_ptr + (row + t)[:, None] * E + e[None, :], mask=mt[:, None] & me[None, :], other=0).to(acc_ty)
+    dy = tl.load(dy_ptr + (row + t)[:, None] * E + e[None, :], mask=mt[:, None] & me[None, :], other=0).to(ACC)
     tl.store(dwp_ptr + tile + W * E + e, tl.sum(dy, axis=0), mask=me)
-    dx = tl.zeros((BT, BE), acc_ty)
+    dx = tl.zeros((BT, BE), ACC)
     keep_f = mt    # x[t] reaches y[t+s]
     keep_b = mt    # y[t] reads x[t-s]
     for s in tl.static_range(W):
         if s > 0:
             keep_f = keep_f & (t + s < T) & _keep(pos_ptr + row, t + s, T, HAS_POS)
             keep_b = keep_b & (t - s >= 0) & _keep(pos_ptr + row, t - s + 1, T, HAS_POS)
-        w = tl.load(w_ptr + (W - 1 - s) * E + e, mask=me).to(acc_ty)
+        w = tl.load(w_ptr + (W - 1 - s) * E + e, mask=me).to(ACC)
         dys = tl.load(dy_ptr + (row + t + s)[:, None] * E + e[None, :], mask=keep_f[:, None] & me[None, :], other=0)
-        dx += dys.to(acc_ty) * w[None, :]
+        dx += dys.to(ACC) * w[None, :]
         x = tl.load(x_ptr + (row + t - s)[:, None] * E + e[None, :], mask=keep_b[:, None] & me[None, :], other=0)
-        tl.store(dwp_ptr + tile + (W - 1 - s) * E + e, tl.sum(dy * x.to(acc_ty), axis=0), mask=me)
+        tl.store(dwp_ptr + tile + (W - 1 - s) * E + e, tl.sum(dy * x.to(ACC), axis=0), mask=me)
     tl.store(dx_ptr + (row + t)[:, None] * E + e[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=mt[:, None] & me[None, :])
 
@@ -83,7 +81,7 @@ class _CausalConv1d(torch.autograd.Function):
         B, T, E = x.shape
         y = empty(x.shape, x.dtype, x.device)
         _conv_fwd[_grid(B, T, E)](x, w, b, x if pos is None else pos, y, T, E, w.shape[0], pos is not None,
-                                  x.dtype == torch.float64, BT, BE)
+                                  tl_acc(x.dtype), BT, BE)
         ctx.save_for_backward(x, w, pos)
         ctx.b_dtype = b.dtype
         return y
@@ -94,10 +92,9 @@ class _CausalConv1d(torch.autograd.Function):
         B, T, E = x.shape
         W, NT, dy = w.shape[0], cdiv(T, BT), dy.contiguous()
         dx = empty(x.shape, x.dtype, x.device)
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        dwp = empty((B * NT, W + 1, E), acc, x.device)
+        dwp = empty((B * NT, W + 1, E), acc_dtype(x.dtype), x.device)
         _conv_bwd[_grid(B, T, E)](x, w, x if pos is None else pos, dy, dx, dwp, T, E, NT, W, pos is not None,
-                                  x.dtype == torch.float64, BT, BE)
+                                  tl_acc(x.dtype), BT, BE)
         d = dwp.sum(0)
         return dx, d[:W].to(w.dtype), d[W].to(ctx.b_dtype), None
 

@@ -1,14 +1,10 @@
 """Fused gated GeLU and its backward, one launch each way:
     h = gelu_tanh(gate) * value,  dgate = dh * value * gelu_tanh'(gate),  dvalue = dh * gelu_tanh(gate),
-in FP32 from the stored inputs (16-bit or FP32), rounded where the PyTorch formula
-`gelu(gate) * value` in the inputs' dtype rounds: gelu(gate) and dh * value are rounded
-to that dtype before the product, each output once. So the model's MLP, the generation
-engine's decode kernels and the formula on the CPU round alike. `geglu(up)`:
-Hawk's MLP block (layers.MLPBlock), [gate | value] the two halves of up [..., 2E]; the
-backward writes both halves of dup in place, so no gradient of a half is copied into it.
-`gelu_mul(gate, value)`: the recurrent block's gelu(linear_y(x)) * mixer output.
-gelu_tanh is the one the decode kernels use (triton_utils: no libdevice call, so the
-kernels run on the CPU interpreter as on the GPU).
+in FP32 from the stored inputs, rounded where the PyTorch formula `gelu(gate) * value` in
+the inputs' dtype rounds (gelu(gate) and dh * value before the product), so the model,
+the decode kernels and the formula on the CPU agree. `geglu(up)`: Hawk's MLP block,
+[gate | value] the halves of up [..., 2E] (the backward writes both halves of dup in
+place, no copy); `gelu_mul(gate, value)`: the recurrent block's gelu(linear_y(x)) * mixer.
 """
 
 from __future__ import annotations

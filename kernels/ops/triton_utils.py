@@ -1,9 +1,8 @@
 """What every Triton kernel module shares: FP32 accumulation (float64 for float64),
-output allocation (NaN-filled inside `poisoned()` or with KERNELS_POISON=1, so an
-unwritten element fails any comparison), launch-parameter checks, the `launcher`
-that launches a compiled kernel without Triton's per-call binding, and BF16
-round-to-nearest-even by hand under the CPU interpreter (TRITON_INTERPRET=1), which
-truncates where the GPU rounds: kernels take RNE=INTERPRET and store through `out`.
+output allocation (NaN-filled inside `poisoned()` or with KERNELS_POISON=1), launch
+checks, the `launcher` (no per-call binding by Triton), and BF16 round-to-nearest-even
+by hand under the CPU interpreter, which truncates where the GPU rounds: kernels take
+RNE=INTERPRET and store through `out`.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import os
 
 import torch
@@ -53,12 +53,8 @@ def _layout(itemsize: int, shapes: tuple) -> tuple[int, tuple]:
     step = max(1, 256 // itemsize)
     n, views = 0, []
     for shape in shapes:
-        stride, size = [], 1
-        for e in reversed(shape):
-            stride.append(size)
-            size *= e
-        views.append((shape, tuple(reversed(stride)), n))
-        n += -(-size // step) * step
+        views.append((shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), n))
+        n += cdiv(math.prod(shape), step) * step
     return n, tuple(views)
 
 
@@ -78,7 +74,7 @@ def check_pow2(name: str, value, lo: int, hi: int) -> int:
 
 def opts_key(opts: dict) -> tuple:
     """Launcher options as a cache key that keeps each value's type (8.0 and True hash as
-    8 and 1, which the option checks reject); `opts_items(key)` gives them back."""
+    8 and 1); `opts_items(key)` gives them back."""
     return tuple(sorted((k, v.__class__, v) for k, v in opts.items()))
 
 
@@ -102,23 +98,19 @@ def cfg_of(spec: str) -> dict:
 
 
 def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1); plain ints (triton's helpers cost
-    microseconds per host call)."""
+    """The smallest power of two >= n (1 for n <= 1); triton's helper costs microseconds."""
     n = int(n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints (host side; see next_pow2)."""
     return -(-a // b)
 
 
 def _arg_key(v):
-    # Everything of a runtime argument other than a tensor that Triton's specialisation
-    # reads: an int's width class, ==1 and divisibility by 16; a value's type. With a
-    # tensor's dtype and 16-byte alignment (keyed in Launcher._launch, the per-launch hot
-    # path) and constexprs by value, finer than Triton's own key, so a hit always names
-    # the binary Triton would pick.
+    # What Triton's specialisation reads of a runtime argument other than a tensor (an
+    # int's width class, == 1, divisibility by 16; a value's type): with the tensors' keys
+    # (in Launcher._launch) and constexprs by value, finer than Triton's own key.
     if v.__class__ is int:
         return int, v == 1, v & 15 == 0, -0x80000000 <= v < 0x80000000, 0 <= v < 1 << 63
     if v.__class__ is float:
@@ -132,20 +124,16 @@ def _raw_stream():
 
 
 class Launcher:
-    """A Triton kernel launched as `k[grid](*args, **kwargs)` like the JIT function it
-    wraps, with the runtime arguments by position and constexprs and launch options by
-    keyword (as every launcher here calls them; a runtime argument by keyword takes
-    Triton's path every time). The first call of an argument signature goes through
-    Triton (compile, cache, launch, its checks of every pointer) and keeps the compiled
-    kernel under a key finer than Triton's own: the device, each positional argument's
-    (a tensor's dtype, whether it is on a GPU and its 16-byte alignment, `_arg_key` of
-    another value, a constexpr's value) and the keywords as given (values and types),
-    which also fix every later argument, kept beside the kernel. Later calls hand that
-    binary's C launcher the tensors' addresses as integers, which skips Triton's
-    per-call binding, specialisation and key hashing and the launcher's per-pointer
-    method call and driver query (tens of microseconds of host time per launch); a
-    CPU tensor never hits an entry (its key differs), so Triton rejects it as before.
-    Launch hooks (a profiler's) and unhashable arguments take Triton's path every time."""
+    """A JIT kernel launched as `k[grid](*args, **kwargs)`, runtime arguments by position,
+    constexprs and launch options by keyword. The first call of an argument signature
+    goes through Triton (compile, launch, its pointer checks) and keeps the compiled
+    kernel under a key finer than Triton's: the device, each positional argument's (a
+    tensor's dtype, whether on a GPU, 16-byte alignment; `_arg_key` of another value; a
+    constexpr's value) and the keywords (values and types), which fix the later
+    arguments kept beside it. Later calls hand the binary's C launcher the tensors'
+    addresses, skipping tens of microseconds of Triton's per-call binding. A CPU tensor
+    never hits an entry (Triton rejects it as before); runtime arguments by keyword,
+    launch hooks (a profiler's) and unhashable arguments take Triton's path every time."""
 
     __slots__ = ("fn", "names", "runtime_names", "const", "defaults", "cache")
 
@@ -206,9 +194,8 @@ def _hooked() -> bool:
 
 
 def launcher(fn):
-    """`@launcher` above `@triton.jit` on a kernel launched from the host (not on helpers
-    called inside kernels, nor on kernels that torch.compile traces, which must stay JIT
-    functions: the mixers launch theirs inside custom ops): a Launcher on a GPU, the
+    """`@launcher` above `@triton.jit` on a kernel launched from the host (not one that
+    torch.compile traces; the mixers launch theirs inside custom ops): a Launcher, or the
     JIT function itself under the CPU interpreter."""
     return fn if INTERPRET else Launcher(fn)
 
@@ -240,20 +227,18 @@ def out(v, ptr, RNE: tl.constexpr):
 
 def multiprocessors(device: torch.device):
     """The CUDA device's multiprocessor count (None elsewhere)."""
-    if device.type != "cuda":
-        return None
-    return _props(device).multi_processor_count
+    return _props(device, "multi_processor_count")
 
 
 def smem_limit(device: torch.device):
     """Shared memory one program may use on a CUDA device (None elsewhere: no limit)."""
+    return _props(device, "shared_memory_per_block_optin")
+
+
+def _props(device: torch.device, name: str):
     if device.type != "cuda":
         return None
-    return _props(device).shared_memory_per_block_optin
-
-
-def _props(device: torch.device):
-    return _props_of(device.index if device.index is not None else torch.cuda.current_device())
+    return getattr(_props_of(device.index if device.index is not None else torch.cuda.current_device()), name)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,19 +1,14 @@
 """Exact two-level chunked RG-LRU and affine scan (chunk sizes K = 8, 16, 32, 64).
 
-Forward, three launches:
-1. summary: each (sequence, chunk, channel block) composes its K maps into one,
-   h_out = P h_in + Q (P <- a_t P, Q <- a_t Q + b_t), from inputs formed in registers;
-2. prefix over the NC = ceil(T / K) chunk summaries, linear work: groups of G
-   summaries are composed locally (an associative scan inside the group gives every
-   chunk's exclusive prefix), an outer serial prefix carries the state from group to
-   group in order, and the local correction applies the carried state to the group's
-   exclusive prefixes; the result is the state entering every chunk, S [B, NC, D] FP32
-   (kept for backward: 4 / K bytes per element) and the final state;
-3. replay: every chunk recomputes its inputs and scans from its entering state.
-Backward, the same algebra on the adjoint (see common.py): summary of the maps
-(a_t, a_t dy_t) per chunk, a reverse prefix from dL/dh_T (its last carry is dL/dh0),
-a replay that recomputes the chunk's states from S and stores every gradient, and the
-deterministic reduction of the per-(sequence, chunk) a_param partials.
+Forward, three launches: (1) summary: each (sequence, chunk, channel block) composes its
+K maps into one, h_out = P h_in + Q; (2) prefix over the NC = ceil(T / K) summaries in
+linear work: an associative scan inside each group of G, an outer serial prefix carrying
+the state from group to group in order; it gives the state entering every chunk, S
+[B, NC, D] FP32 (kept for backward), and the final state; (3) replay: every chunk scans
+again from S. Backward, the same algebra on the adjoint (common.py): summaries of the
+maps (a_t, a_t dy_t), a reverse prefix from dL/dh_T (its last carry is dL/dh0), a replay
+storing every gradient, and the deterministic reduction of the per-chunk a_param partials.
+Options: chunk_size (K), block_d, num_warps, group (G).
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ import triton.language as tl
 from .. import accounting
 from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher, next_pow2, out,
                             scratch, tl_acc)
-from .common import (act_bytes, affine, excl_scan, first_row, last_row, load_a, load_tile, param_sp, tile_grads,
-                     tile_states)
+from .common import act_bytes, affine, excl_scan, load_tile, param_sp, row_of, tile_grads, tile_states
 
 
 @triton.jit
@@ -56,8 +50,8 @@ def chunk_fwd_kernel(
     if REPLAY:
         tl.store(P + off, out(A * hin[None, :] + Bs, P, RNE), mask=m)
     else:
-        tl.store(P + o, last_row(A, rows, K), mask=m_d)
-        tl.store(Q + o, last_row(Bs, rows, K), mask=m_d)
+        tl.store(P + o, row_of(A, rows[:, None], K - 1), mask=m_d)
+        tl.store(Q + o, row_of(Bs, rows[:, None], K - 1), mask=m_d)
 
 
 @launcher
@@ -95,9 +89,9 @@ def chunk_prefix_kernel(
         ea, eb, ia, ib = excl_scan(p, q, ACC, REVERSE)
         tl.store(S + off, ea * carry[None, :] + eb, mask=m)
         if REVERSE:
-            carry = first_row(ia * carry[None, :] + ib, rows)
+            carry = row_of(ia * carry[None, :] + ib, rows[:, None], 0)
         else:
-            carry = last_row(ia * carry[None, :] + ib, rows, G)
+            carry = row_of(ia * carry[None, :] + ib, rows[:, None], G - 1)
     if STORE_HN:
         tl.store(hN + i_b * D + o_d, carry, mask=m_d)
 
@@ -109,14 +103,25 @@ def chunk_bwd_summary_kernel(
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
     RNE: tl.constexpr,
 ):
-    # The chunk's adjoint map mu_first = P r + Q over (a_t, a_t dy_t), reverse order.
+    # The chunk's adjoint map mu_first = P r + Q over (a_t, a_t dy_t), reverse order; a_t
+    # formed alone, as load_tile forms it.
     i_c, i_b, o_d, m_d, rows, sp = chunk_start(ap, D, K, BD, IS_SCAN, ACC)
-    off, m, a = load_a(ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
+    t = i_c * K + rows
+    m_t = t < T
+    off = (i_b * T + t[:, None]) * D + o_d[None, :]
+    m = m_t[:, None] & m_d[None, :]
+    if IS_SCAN:
+        a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
+    else:
+        a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp[None, :])
+    if HAS_RESET:
+        a = tl.where((tl.load(pos + i_b * T + t, mask=m_t, other=1) != 0)[:, None], a, 0.0)
+    a = tl.where(m_t[:, None], a, 1.0)
     dyv = tl.load(dy + off, mask=m, other=0.0).to(ACC)
     A, Bs = tl.associative_scan((a, a * dyv), 0, affine, reverse=True)
     o = (i_b * NC + i_c) * D + o_d
-    tl.store(P + o, first_row(A, rows), mask=m_d)
-    tl.store(Q + o, first_row(Bs, rows), mask=m_d)
+    tl.store(P + o, row_of(A, rows[:, None], 0), mask=m_d)
+    tl.store(Q + o, row_of(Bs, rows[:, None], 0), mask=m_d)
 
 
 @launcher
@@ -179,7 +184,7 @@ def _setup(x, a_param, pos, is_scan, cfg):
             pos if pos is not None else x, kw)
 
 
-def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
     """Summary, prefix, replay (S is kept whatever `save`). Scan: x = b, ga = a.
     Returns (y, ht, S)."""
     B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
@@ -198,7 +203,7 @@ def chunk_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan
     return y, ht, S
 
 
-def chunk_backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
+def backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     """Returns (dx, dgx, dga, dh0, dsp_part)."""
     B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
     acc = acc_dtype(x.dtype)

@@ -41,22 +41,16 @@ def excl_scan(a, b, ACC: tl.constexpr, REVERSE: tl.constexpr = False):
 
 
 @triton.jit
-def channels(i_d, BD: tl.constexpr, VEC: tl.constexpr):
-    # VEC > 0 claims only VEC contiguous channels, so coalescing gives each thread VEC
-    # whole time columns (the time scan is an in-register loop); VEC = 0: Triton decides.
-    o_d = i_d * BD + tl.arange(0, BD)
-    if VEC > 0:
-        o_d = tl.max_contiguous(o_d, VEC)
-    return o_d
-
-
-@triton.jit
 def program_start(ap, init, D, BD: tl.constexpr, VEC: tl.constexpr, IS_SCAN: tl.constexpr,
                   HAS_INIT: tl.constexpr, ACC: tl.constexpr):
     """A serial program's (i_b, channels, mask, softplus(a_param), the [BD] carry it starts
     from: `init` [B, D] (h0 forward, dL/dh_T backward) or zeros)."""
     i_b = tl.program_id(1).to(tl.int64)
-    o_d = channels(tl.program_id(0), BD, VEC)
+    o_d = tl.program_id(0) * BD + tl.arange(0, BD)
+    if VEC > 0:
+        # only VEC contiguous channels, so coalescing gives each thread VEC whole time
+        # columns (the time scan is an in-register loop); VEC = 0: Triton decides
+        o_d = tl.max_contiguous(o_d, VEC)
     m_d = o_d < D
     sp = param_sp(ap, o_d, m_d, BD, IS_SCAN, ACC)
     if HAS_INIT:
@@ -76,15 +70,6 @@ def param_sp(ap, o_d, m_d, BD: tl.constexpr, IS_SCAN: tl.constexpr, ACC: tl.cons
 
 
 @triton.jit
-def program_end(dst, part, i_b, D, o_d, m_d, carry, dsp, STORE: tl.constexpr, HAS_PART: tl.constexpr):
-    # a serial program's last carry (ht forward, dL/dh0 backward) and a_param partial
-    if STORE:
-        tl.store(dst + i_b * D + o_d, carry, mask=m_d)
-    if HAS_PART:
-        tl.store(part + i_b * D + o_d, dsp, mask=m_d)
-
-
-@triton.jit
 def softplus(x):
     # max(x, 0) + log1p(exp(-|x|)); log1p(z) = log(u) * z / (u - 1) with u = 1 + z is
     # accurate for small z (a_param sits near -9 to -4, where log(1 + z) is not).
@@ -96,12 +81,10 @@ def softplus(x):
 
 @triton.jit
 def one_minus_sq(a, log_a):
-    # 1 - a^2 = -expm1(z) for a = exp(log_a) <= 1, z = 2 log_a (exact). Near a = 1 (long
-    # memory) 1 - a*a from the rounded a keeps few digits. FP32: for z > -1/2 the Taylor
-    # series of -expm1 through z^8 in Horner form (the rest is under 2^-26 relative: no
-    # log, no division: seven FMAs per element), else 1 - a*a (the
-    # rounding of a*a is amplified at most e^z / (1 - e^z) < 1.6 times). Float64: Kahan's
-    # expm1(z) = (e - 1) z / log(e) with e = a*a.
+    # 1 - a^2 = -expm1(z), z = 2 log_a: near a = 1 (long memory) 1 - a*a from the rounded
+    # a keeps few digits. FP32: for z > -1/2 the Taylor series of -expm1 through z^8 (the
+    # rest is under 2^-26 relative; seven FMAs), else 1 - a*a (its rounding amplified at
+    # most 1.6 times). Float64: Kahan's expm1(z) = (e - 1) z / log(e) with e = a*a.
     e = a * a
     z = 2.0 * log_a
     if a.dtype == tl.float64:
@@ -118,12 +101,6 @@ def one_minus_sq(a, log_a):
 
 
 @triton.jit
-def last_row(v, rows, BT: tl.constexpr):
-    # [BT, BD] -> [BD]: the row BT - 1 (a sum of one non-zero term, exact).
-    return tl.sum(tl.where(rows[:, None] == BT - 1, v, 0.0), axis=0)
-
-
-@triton.jit
 def row_of(v, idx, k):
     """v [N, ...] -> v[k] (a sum of one non-zero term, exact); idx = tl.arange(0, N)
     shaped to broadcast along axis 0."""
@@ -131,13 +108,8 @@ def row_of(v, idx, k):
 
 
 @triton.jit
-def first_row(v, rows):
-    return tl.sum(tl.where(rows[:, None] == 0, v, 0.0), axis=0)
-
-
-@triton.jit
 def tile_offsets(i_b, t0, T, D, o_d, m_d, rows):
-    """Element offsets (int64) and mask of the tile of rows t0 .. t0 + BT - 1."""
+    """Element offsets (int64) and mask of the rows t0 + rows."""
     t = t0 + rows
     off = (i_b * T + t[:, None]) * D + o_d[None, :]
     m = ((t >= 0) & (t < T))[:, None] & m_d[None, :]
@@ -145,16 +117,9 @@ def tile_offsets(i_b, t0, T, D, o_d, m_d, rows):
 
 
 @triton.jit
-def load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr):
-    """The tile's inputs as stored and its positions (load_inputs)."""
-    off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
-    return load_inputs(x, gx, ga, pos + i_b * T, off, m, t0 + rows, T, IS_SCAN, HAS_RESET)
-
-
-@triton.jit
 def load_inputs(x, gx, ga, pos, off, m, t, T, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr):
-    """Inputs at offsets `off` (mask m) as stored and the positions of steps t; rows
-    outside [0, T) read nothing. RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
+    """Inputs at offsets `off` (mask m) as stored and the positions of steps t (none read
+    outside [0, T)). RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
     if HAS_RESET:
         p = tl.load(pos + t, mask=(t >= 0) & (t < T), other=1)
     else:
@@ -171,19 +136,9 @@ def load_inputs(x, gx, ga, pos, off, m, t, T, IS_SCAN: tl.constexpr, HAS_RESET: 
 
 
 @triton.jit
-def coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
-    """(valid, keep, a, b, xv, sx, sa, mult, u) of a loaded tile; rows past T are identity
-    maps, `keep` is False at resets."""
-    valid = ((t0 + rows) < T)[:, None]
-    keep = (p != 0)[:, None]
-    a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN, ACC)
-    return valid, keep, a, b, xv, sx, sa, mult, u
-
-
-@triton.jit
-def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
-    """coeffs given the row masks `valid` and `keep` shaped to broadcast against the tile
-    (any rank): (a, b, xv, sx, sa, mult, u)."""
+def coeffs(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
+    """(a, b, xv, sx, sa, mult, u) of a loaded tile given its row masks (shaped to broadcast
+    against it): rows past T (not `valid`) are identity maps, `keep` is False at resets."""
     if IS_SCAN:
         a = r0.to(ACC)
         b = r1.to(ACC)
@@ -210,31 +165,13 @@ def coeffs_vk(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.con
 @triton.jit
 def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
               IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
-    """The tile of rows t0 .. t0 + BT - 1 (scan: x = b, ga = a) and its coefficients:
-    (off, m, valid, keep, a, b, xv, sx, sa, mult, u)."""
+    """(off, m, valid, keep, a, b, xv, sx, sa, mult, u) of the rows t0 + rows."""
     off, m = tile_offsets(i_b, t0, T, D, o_d, m_d, rows)
-    r0, r1, r2, p = load_raw(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET)
-    valid, keep, a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, p, t0, T, rows, ap_sp, IS_SCAN, ACC)
+    r0, r1, r2, p = load_inputs(x, gx, ga, pos + i_b * T, off, m, t0 + rows, T, IS_SCAN, HAS_RESET)
+    valid = ((t0 + rows) < T)[:, None]
+    keep = (p != 0)[:, None]
+    a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, valid, keep, ap_sp, IS_SCAN, ACC)
     return off, m, valid, keep, a, b, xv, sx, sa, mult, u
-
-
-@triton.jit
-def load_a(ga, sp, pos, i_b, t0, T, D, o_d, m_d, rows,
-           IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
-    """The transition a_t of a tile alone (as load_tile forms it): (off, m, a)."""
-    t = t0 + rows
-    m_t = t < T
-    off = (i_b * T + t[:, None]) * D + o_d[None, :]
-    m = m_t[:, None] & m_d[None, :]
-    if IS_SCAN:
-        a = tl.load(ga + off, mask=m, other=1.0).to(ACC)
-    else:
-        a = tl.exp(-8.0 * tl.sigmoid(tl.load(ga + off, mask=m, other=0.0).to(ACC)) * sp[None, :])
-    if HAS_RESET:
-        p = tl.load(pos + i_b * T + t, mask=m_t, other=1)
-        a = tl.where((p != 0)[:, None], a, 0.0)
-    a = tl.where(m_t[:, None], a, 1.0)
-    return off, m, a
 
 
 @triton.jit
@@ -251,50 +188,6 @@ def tile_states(a, b, hin, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
-               seg=None, W: tl.constexpr = 1):
-    """Adjoint of one tile given its states (tile_states) and r, mu after the tile [BD].
-    Stores the activation gradients; returns (mu at its first row, d softplus partial).
-    W > 1: a split tile (values in scan order [TT, W, BD], rows [TT, 1], off and m in
-    memory order, warp row w holding segment seg[w]); the partial is [W, BD]."""
-    dyv = dyv.to(ACC)
-    # per warp (split): the reverse adjoint maps from the segment's end (time in registers)
-    ea, eb, ia, ib = adjoint_scans(dyv, a, ACC, W > 1)
-    if W == 1:
-        return tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
-                                ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE)
-    else:
-        first = rows[:, :, None]
-        # [W, BD] across warps, from the tile's end: the carry entering segment w from
-        # after it (exclusive) and leaving segment w at its first row (inclusive)
-        xa, xb, ja, jb = excl_scan(row_of(ia, first, 0), row_of(ib, first, 0), ACC)
-        rw = xa * r[None, :] + xb
-        r_first, dsp = tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h,
-                                        hprev, rw, ea, eb, ia, ib, sp, rows, IS_SCAN, ACC, RNE, True)
-        # the carry leaving the tile at its first step: the first segment's
-        return row_of(ja * r[None, :] + jb, seg, 0), dsp
-
-
-@triton.jit
-def adjoint_scans(dyv, a, ACC: tl.constexpr, FLIP: tl.constexpr):
-    """The tile's reverse adjoint maps: lam_t = dy_t + ea_t r + eb_t for the carry r after
-    the tile; (ia, ib)'s first row maps r to mu at the first row. FLIP: flip, forward
-    scan, flip (same result; free where time lies inside each thread, where Triton's
-    reverse scan would add lane shuffles)."""
-    ad = a * dyv
-    if FLIP:
-        ea, eb, ia, ib = excl_scan(tl.flip(a, 0), tl.flip(ad, 0), ACC)
-        ea = tl.flip(ea, 0)
-        eb = tl.flip(eb, 0)
-        ia = tl.flip(ia, 0)
-        ib = tl.flip(ib, 0)
-    else:
-        ea, eb, ia, ib = excl_scan(a, ad, ACC, True)
-    return ea, eb, ia, ib
-
-
-@triton.jit
 def mem_order(v, SPLIT: tl.constexpr):
     """A split tile between scan order [TT, W, BD] and memory order [W, TT, BD] (the same
     registers relabelled); unchanged when not SPLIT."""
@@ -305,27 +198,52 @@ def mem_order(v, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def tile_grads_given(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u, h, hprev, r,
-                     ea, eb, ia, ib, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
-                     SPLIT: tl.constexpr = False):
-    """tile_grads given adjoint_scans. SPLIT: values in scan order, off and m in memory
-    order, r [W, BD]."""
-    lam = dyv + ea * r[None, :] + eb
-    r_new = first_row(ia * r[None, :] + ib, rows)
+def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
+               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+               seg=None, W: tl.constexpr = 1):
+    """Adjoint of one tile given its states (tile_states) and r, mu after the tile [BD].
+    Stores the activation gradients; returns (mu at its first row, d softplus partial).
+    W > 1: a split tile (values in scan order [TT, W, BD], rows [TT, 1], off and m in
+    memory order, warp row w holding segment seg[w]); the partial is [W, BD]."""
+    dyv = dyv.to(ACC)
+    ad = a * dyv
+    # The reverse adjoint maps: lam_t = dy_t + ea_t r + eb_t for the carry r after the
+    # tile (split: after the warp's segment); (ia, ib)'s first row maps r to mu there.
+    if W > 1:
+        # flip, scan, flip: Triton's reverse scan would add lane shuffles
+        ea, eb, ia, ib = excl_scan(tl.flip(a, 0), tl.flip(ad, 0), ACC)
+        ea = tl.flip(ea, 0)
+        eb = tl.flip(eb, 0)
+        ia = tl.flip(ia, 0)
+        ib = tl.flip(ib, 0)
+        first = rows[:, :, None]
+        # [W, BD] across warps, from the tile's end: the carry entering segment w from
+        # after it (exclusive) and leaving segment w at its first row (inclusive)
+        xa, xb, ja, jb = excl_scan(row_of(ia, first, 0), row_of(ib, first, 0), ACC)
+        rw = xa * r[None, :] + xb
+    else:
+        ea, eb, ia, ib = excl_scan(a, ad, ACC, True)
+        rw = r
+    lam = dyv + ea * rw[None, :] + eb
+    if W > 1:
+        # the carry leaving the tile at its first step: the first segment's
+        r_new = row_of(ja * r[None, :] + jb, seg, 0)
+    else:
+        r_new = row_of(ia * r[None, :] + ib, rows[:, None], 0)
     if IS_SCAN:
-        tl.store(dx + off, out(mem_order(lam, SPLIT), dx, RNE), mask=m)
+        tl.store(dx + off, out(mem_order(lam, W > 1), dx, RNE), mask=m)
         da = tl.where(keep, lam * hprev, 0.0)
-        tl.store(dga + off, out(mem_order(da, SPLIT), dga, RNE), mask=m)
-        dsp = tl.zeros(r.shape, ACC)
+        tl.store(dga + off, out(mem_order(da, W > 1), dga, RNE), mask=m)
+        dsp = tl.zeros(rw.shape, ACC)
     else:
         gxm = lam * mult
-        tl.store(dx + off, out(mem_order(gxm * sx, SPLIT), dx, RNE), mask=m)
-        tl.store(dgx + off, out(mem_order(gxm * xv * sx * (1.0 - sx), SPLIT), dgx, RNE), mask=m)
+        tl.store(dx + off, out(mem_order(gxm * sx, W > 1), dx, RNE), mask=m)
+        tl.store(dgx + off, out(mem_order(gxm * xv * sx * (1.0 - sx), W > 1), dgx, RNE), mask=m)
         # a h_{t-1} = h_t - b_t; d/dlog_a of a is a, of u = 1 - a^2 is -2 a^2; the
         # sqrt's derivative is clipped as in the official SqrtBoundDerivative.
         du = lam * xv * sx * tl.rsqrt(tl.maximum(4.0 * u, 1e-6))
         dlog = tl.where(keep & valid, lam * (h - b) - 2.0 * a * a * du, 0.0)
-        tl.store(dga + off, out(mem_order(dlog * (-8.0 * sp[None, :]) * sa * (1.0 - sa), SPLIT), dga, RNE), mask=m)
+        tl.store(dga + off, out(mem_order(dlog * (-8.0 * sp[None, :]) * sa * (1.0 - sa), W > 1), dga, RNE), mask=m)
         dsp = tl.sum(dlog * (-8.0 * sa), axis=0)
     return r_new, dsp
 
@@ -363,17 +281,8 @@ def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
     return dap
 
 
-def blocks_for(n_programs_per_block, D: int, lo: int = 16, hi: int = 64, target: int = 528) -> int:
-    """Channel block: the widest power of two in [lo, hi] that still gives at least
-    `target` programs (4 per multiprocessor on an H200), else lo."""
-    bd = hi
-    while bd > lo and n_programs_per_block * cdiv(D, bd) < target:
-        bd //= 2
-    return max(lo, min(bd, next_pow2(D)))
-
-
 def act_bytes(is_scan, x, pos):
-    """Bytes of a pass's activation inputs (accounting)."""
+    # bytes of a pass's activation inputs (accounting)
     n = x.numel() * x.element_size()
     return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
 

@@ -34,29 +34,22 @@ def _cached_config(backend, B, T, D, is_scan, grad, dev, opts):
     return _BACKENDS[backend].config(B, T, D, is_scan, *dev, grad=grad, **opts_items(opts))
 
 
-def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+def _contiguous(*ts):
     # the kernels index every tensor as contiguous
-    x, ga = x.contiguous(), ga.contiguous()
-    gx = x if gx is None else gx.contiguous()
-    a_param = None if a_param is None else a_param.contiguous()
-    pos = None if pos is None else pos.contiguous()
-    h0 = None if h0 is None else h0.contiguous()
-    fwd = _BACKENDS[cfg["backend"]]
-    launch = fwd.serial_forward if cfg["backend"] == "serial" else fwd.chunk_forward
-    return launch(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+def _forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+    x, gx, ga, a_param, pos, h0 = _contiguous(x, gx, ga, a_param, pos, h0)
+    return _BACKENDS[cfg["backend"]].forward(x, gx if gx is not None else x, ga, a_param, pos, h0, output_final_state,
+                                             save, is_scan, cfg)
 
 
 def _backward(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg):
     """(dx, dgx, dga, da_param, dh0); None where there is none."""
-    x, ga = x.contiguous(), ga.contiguous()
-    gx = x if gx is None else gx.contiguous()
-    a_param = None if a_param is None else a_param.contiguous()
-    pos = None if pos is None else pos.contiguous()
-    dy = dy.contiguous()
-    dht = None if dht is None else dht.contiguous()
-    fwd = _BACKENDS[cfg["backend"]]
-    launch = fwd.serial_backward if cfg["backend"] == "serial" else fwd.chunk_backward
-    dx, dgx, dga, dh0, part = launch(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg)
+    x, gx, ga, a_param, pos, dy, dht = _contiguous(x, gx, ga, a_param, pos, dy, dht)
+    dx, dgx, dga, dh0, part = _BACKENDS[cfg["backend"]].backward(
+        x, gx if gx is not None else x, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg)
     dap = None if is_scan or a_param is None else reduce_dap(part, a_param)
     return dx, dgx, dga, dap, dh0
 
@@ -161,13 +154,12 @@ def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg, grad):
     return y, (ht if output_final_state else None)
 
 
-def _run(backend, x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts):
-    B, T, D = x.shape
-    grad = _needs_grad(x, gate_x, gate_a, a_param, initial_state)
-    cfg = _config(backend, x, False, grad, opts)
-    if T == 0:
-        return empty_sequence(x, initial_state, output_final_state)
-    return apply(x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, cfg, grad)
+def _run(backend, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, opts):
+    grad = _needs_grad(x, gx, ga, a_param, h0)
+    cfg = _config(backend, x, is_scan, grad, opts)
+    if x.shape[1] == 0:
+        return empty_sequence(x, h0, output_final_state)
+    return apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg, grad)
 
 
 def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opts):
@@ -175,24 +167,20 @@ def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opt
         from .. import reference
 
         return reference.scan(a, b, segment_pos, initial_state, output_final_state)
-    grad = _needs_grad(a, b, initial_state)
-    cfg = _config(backend, b, True, grad, opts)
-    if b.shape[1] == 0:
-        return empty_sequence(b, initial_state, output_final_state)
     a = a.to(b.dtype) if a.dtype != b.dtype else a
-    return apply(b, None, a, None, segment_pos, initial_state, output_final_state, True, cfg, grad)
+    return _run(backend, b, None, a, None, segment_pos, initial_state, output_final_state, True, opts)
 
 
 def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,
                           output_final_state=False, **opts):
     """RG-LRU through the serial kernels (reference signature); fused_recurrent.OPTIONS."""
-    return _run("serial", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts)
+    return _run("serial", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, opts)
 
 
 def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
                 **opts):
     """RG-LRU through the chunked kernels; chunk.OPTIONS."""
-    return _run("chunk", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, opts)
+    return _run("chunk", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, opts)
 
 
 def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):

@@ -1,34 +1,23 @@
 """Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
 sequence and walks time in tiles, carrying the FP32 state in registers; the backward
-walks the tiles in reverse, recomputes their states from the saved ones and runs the
-adjoint (common.py). The a_param gradient is a per-program partial [B, D] reduced in a
-fixed order.
+walks the tiles in reverse from the saved states and runs the adjoint (common.py). The
+a_param gradient is a per-program partial [B, D] reduced in a fixed order.
 
-Split kernels (time_warps W > 1, the default): BD = 64 channels (2 per lane; block_d
-128 or 256: 4 or 8 per lane, a half or a quarter of the programs), tiles of W * TT steps
-(TT = chunk_size): warp w holds TT consecutive steps, each thread its channels' TT steps
-in registers. The tile is addressed in memory order [W, TT, BD] (so
-Triton's coalescing picks that layout) and relabelled [TT, W, BD] (common.mem_order)
-for the scans along axis 0. Offsets are int32 from one int64 base per tile; EVEN (T and
-D multiples of the tile) forms no element masks. Forward, per tile: each warp scans its
-TT steps from a zero state; the W segment maps are composed across warps by one small
-scan carrying the exclusive and inclusive compositions (common.affine_excl); the state
-entering segment w is its exclusive prefix applied to the carry, and is saved
-([B, T / TT, D] FP32), so the backward's warps recompute their states alone. There the
-warps hold the segments last first, so their reverse adjoint maps compose across warps
-by a forward scan. Why: one thread per channel column leaves B * D / 2 threads on
-serial chains, too few to cover memory latency; the split multiplies them by W while
-each element still costs one in-register scan step.
+Split kernels (time_warps W > 1, the default): tiles of W * TT steps (TT = chunk_size),
+warp w holding TT consecutive steps, each thread its channels' steps in registers (one
+thread per channel column leaves too few threads on serial chains to cover memory
+latency). Each warp scans its steps from a zero state, one small scan composes the W
+segment maps across warps (common.affine_excl), and the state entering every segment is
+saved ([B, T / TT, D] FP32), so the backward's warps recompute their states alone; there
+the warps hold the segments last first, so the adjoint composes across warps by a forward
+scan. The tile is addressed in memory order [W, TT, BD] (Triton's coalescing picks that
+layout) and relabelled [TT, W, BD] (common.mem_order) for the scans along axis 0.
+Tile kernels (W = 1; also the default for an RG-LRU forward without gradient): one
+associative scan per tile of TT steps; the state entering every tile is saved.
 
-Tile kernels (W = 1; also the default for an RG-LRU forward without gradient: faster
-there on the H200): per tile of TT steps, load [TT, BD] inputs, form a_t, b_t in
-registers, one associative scan, store y, carry the last row; the state entering every
-tile ([B, NT, D] FP32) is saved.
-
-Options: chunk_size (steps per warp segment with W > 1, default 8; the tile with W = 1,
-default 64 for the RG-LRU, 128 for the scan), time_warps, block_d (W = 1: any power of
-two in [8, 1024]; W > 1: 64 or 128) and num_stages (pipelined loads; 1 prefetches the
-next tile into registers).
+Options: chunk_size (TT; default 8 split, 64 RG-LRU and 128 scan tile), time_warps,
+block_d (W = 1: a power of two in [8, 1024]; W > 1: SPLIT_BLOCKS) and num_stages
+(pipelined loads; 1 prefetches the next tile into registers).
 """
 
 from __future__ import annotations
@@ -39,17 +28,9 @@ import triton.language as tl
 
 from .. import accounting
 from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher,
-                           multiprocessors, out, smem_limit, tl_acc)
-from .common import (act_bytes, affine, blocks_for, coeffs_vk, excl_scan, last_row, load_inputs, mem_order,
-                     program_end, program_start, row_of, tile_grads, tile_offsets, tile_states)
-
-
-def even(T: int, D: int, cfg: dict) -> bool:
-    """Whether T and D are multiples of a split tile, after checking its int32 offsets."""
-    if (cfg["BT"] + 1) * D >= 2 ** 31:
-        raise ValueError(f"expected (time_warps * chunk_size + 1) * D < 2**31 for the split kernels' int32 tile "
-                         f"offsets, got D = {D} with a tile of {cfg['BT']} steps")
-    return T % cfg["BT"] == 0 and D % cfg["BD"] == 0
+                           multiprocessors, next_pow2, out, smem_limit, tl_acc)
+from .common import (act_bytes, affine, coeffs, excl_scan, load_inputs, mem_order, program_start, row_of,
+                     tile_grads, tile_offsets, tile_states)
 
 
 @triton.jit
@@ -67,13 +48,11 @@ def axes(TT: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def tile_at(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
-    """The tile of steps from t0: (steps, base element, element offsets from it, mask).
-    W = 1: steps [TT], int64 offsets [TT, BD] (base 0). Split: warp row w holds segment
-    seg[w]; steps [W, TT], an int64 base, int32 offsets in memory order [W, TT, BD]
-    (lanes go along the contiguous last axis, warps along axis 0: Triton orders
-    equal-contiguity dims by position, so axis 1 stays in each thread's registers), and
-    with EVEN one uniform predicate for the whole tiles outside [0, T) that the prefetch
-    reaches."""
+    """The tile of steps from t0: (steps, base element, offsets from it, mask). W = 1:
+    steps [TT], int64 offsets [TT, BD], base 0. Split: warp row w holds segment seg[w];
+    steps [W, TT], an int64 base, int32 offsets in memory order [W, TT, BD] (Triton orders
+    equal-contiguity dims by position, so axis 1 stays in each thread's registers); EVEN:
+    one uniform predicate (for the whole tiles outside [0, T) that the prefetch reaches)."""
     if W == 1:
         rel, m = tile_offsets(i_b, t0, T, D, o_d, m_d, im)
         return t0 + im, 0, rel, m
@@ -104,7 +83,7 @@ def tile_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr
 
 @triton.jit
 def row_masks(t, p, T, W: tl.constexpr):
-    """(valid, keep) of a tile (common.coeffs_vk), shaped to broadcast against it."""
+    """(valid, keep) of a tile (common.coeffs), shaped to broadcast against it."""
     if W == 1:
         return (t < T)[:, None], (p != 0)[:, None]
     else:
@@ -169,7 +148,7 @@ def serial_fwd_kernel(
             r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, wcol, TT, W, IS_SCAN, HAS_RESET,
                                       EVEN)
         valid, keep = row_masks(t, p, T, W)
-        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
+        a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
         if W == 1:
             A, Bs = tl.associative_scan((a, b), 0, affine)
             hh = A * h[None, :] + Bs
@@ -179,10 +158,11 @@ def serial_fwd_kernel(
                 tl.store(hs + ((i_b * NT + i_t) * W + wcol) * D + o_d[None, :], hw, mask=m_d[None, :])
         tl.store(y + base + rel, out(mem_order(hh, W > 1), y, RNE), mask=m)
         if W == 1:
-            h = last_row(hh, im, BT)
+            h = row_of(hh, im[:, None], BT - 1)
         if PREFETCH:
             r0, r1, r2, p = n0, n1, n2, n_p
-    program_end(ht, ht, i_b, D, o_d, m_d, h, h, STORE_HT, False)
+    if STORE_HT:
+        tl.store(ht + i_b * D + o_d, h, mask=m_d)
 
 
 @launcher
@@ -231,7 +211,7 @@ def serial_bwd_kernel(
             dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), W > 1)
             hin = load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W, False)
         valid, keep = row_masks(t, p, T, W)
-        a, b, xv, sx, sa, mult, u = coeffs_vk(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
+        a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
         h, hprev = tile_states(a, b, hin, IS_SCAN, ACC)
         r, dsp_t = tile_grads(dyr, dx + base, dgx + base, dga + base, rel, m, valid, keep, a, b, xv, sx, sa, mult, u,
                               h, hprev, r, sp, ii, IS_SCAN, ACC, RNE, seg, W)
@@ -241,24 +221,20 @@ def serial_bwd_kernel(
             r0, r1, r2, p, dyr, hin = n0, n1, n2, n_p, n_dy, n_hin
     if W > 1:
         dsp = tl.sum(dsp, axis=0)
-    program_end(dh0, dsp_part, i_b, D, o_d, m_d, r, dsp, STORE_DH0, not IS_SCAN)
+    if STORE_DH0:
+        tl.store(dh0 + i_b * D + o_d, r, mask=m_d)
+    if not IS_SCAN:
+        tl.store(dsp_part + i_b * D + o_d, dsp, mask=m_d)
 
 
-# Defaults: the fastest exact configurations on an H200 (the tune stage re-selects per GPU):
-# split kernels W = 4, 8 steps per warp, 3 stages (RG-LRU fwd+bwd at B=4, T=2048, D=2560)
-# and W = 8, 4 stages (the bare scan at B=8, D=1024); tile kernels 64 x 16 (RG-LRU) and
-# 128 x 32 (scan) with 4 warps and register prefetch.
+# Defaults: the fastest exact configurations in the H200 tune records (the tune stage
+# re-selects per GPU); the tile kernels take 4 warps and register prefetch.
 SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_warps": 8, "num_stages": 4}}
-# Channels per split-kernel program: 64 by default; 128 halves the programs (B x D / 64
-# can exceed the multiprocessors by less than a wave: 160 programs on 132 at B x D = 10240)
-# and gives each lane more independent chains; 256 (8 channels, one 16-byte BF16 load per
-# lane and step) quarters them.
+# Channels per split program, 2, 4 or 8 per lane: 128 and 256 give a half and a quarter
+# of the programs (B x D / 64 can exceed the multiprocessors by less than a wave).
 SPLIT_BLOCKS = (64, 128, 256)
-# The scan forward without gradient where 64-channel blocks overfill one wave (B x D / 64
-# programs > multiprocessors): 128-channel blocks, 4 warps, 4 stages. In the pipeline's
-# H200 tune records (B=4 T=2048 D=2560: 160 programs of 64 channels on 132 SMs) this ran
-# 0.057 ms against 0.073 for the best 64-channel split; at B=8 D=1024 (128 programs, one
-# wave) the 64-channel default stayed faster (0.084 against 0.109).
+# The scan forward without gradient where B x D / 64 programs exceed the multiprocessors
+# (faster there in the H200 tune records; slower where 64-channel blocks fill one wave).
 SCAN_FWD_WIDE = {"time_warps": 4, "block_d": 128, "num_stages": 4}
 OPTIONS = ("chunk_size", "time_warps", "block_d", "num_stages")
 
@@ -277,9 +253,10 @@ def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, bloc
         check_chunk_size(chunk_size)
     if time_warps is None:
         tile = block_d is not None or (not is_scan and not grad)
-        time_warps = 1 if tile else SPLIT_DEFAULT["scan" if is_scan else "rglru"]["time_warps"]
+        default = SPLIT_DEFAULT["scan" if is_scan else "rglru"]
+        time_warps = 1 if tile else default["time_warps"]
         if not tile and num_stages is None:
-            num_stages = SPLIT_DEFAULT["scan" if is_scan else "rglru"]["num_stages"]
+            num_stages = default["num_stages"]
     tw = check_pow2("time_warps", time_warps, 1, 16)
     ns = 1 if num_stages is None else num_stages
     if not isinstance(ns, int) or isinstance(ns, bool) or not 1 <= ns <= 4:
@@ -289,15 +266,17 @@ def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, bloc
         if bd not in SPLIT_BLOCKS:
             raise ValueError(f"expected block_d in {list(SPLIT_BLOCKS)} with time_warps > 1 (channels of a split "
                              f"kernel's program, 2, 4 or 8 per lane), got block_d={block_d!r} with time_warps={tw}")
+        # TT >= 8: the saved states are at most 1/8 of an FP32 activation
         tt = 8 if chunk_size is None else chunk_size
-        # the forward saves the state entering every warp's segment ([B, T / TT, D] FP32,
-        # at most 1/8 of an FP32 activation: TT >= 8)
-        return {"backend": "serial", "BT": tt * tw, "TT": tt, "BD": bd, "num_warps": tw, "STAGES": ns,
-                "PREFETCH": ns == 1, "VEC": bd // 32, "TW": tw, "STAGES_SET": stages_set}
-    bt = (128 if is_scan else 64) if chunk_size is None else chunk_size
-    bd = blocks_for(B, D, lo=32 if is_scan else 16) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
-    return {"backend": "serial", "BT": bt, "TT": bt, "BD": bd, "num_warps": 4, "STAGES": ns, "PREFETCH": ns == 1,
-            "VEC": 0, "TW": 1}
+    else:
+        tt = (128 if is_scan else 64) if chunk_size is None else chunk_size
+        # default: the widest block in [lo, 64] that still gives 528 programs (4 per H200
+        # multiprocessor), else lo
+        lo, bd = (32 if is_scan else 16), 64
+        while bd > lo and B * cdiv(D, bd) < 528:
+            bd //= 2
+        bd = max(lo, min(bd, next_pow2(D))) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
+    return {"backend": "serial", "TT": tt, "TW": tw, "BD": bd, "STAGES": ns, "STAGES_SET": stages_set}
 
 
 def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> dict:
@@ -307,18 +286,17 @@ def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> d
     that does not fit is an error."""
     if cfg["TW"] == 1 or cfg["STAGES"] == 1 or limit is None:
         return cfg
-    tile = cfg["BT"] * cfg["BD"] * elsize * n_tiles + (cfg["BT"] * 8 if has_pos else 0)
+    BT = cfg["TT"] * cfg["TW"]
+    tile = BT * cfg["BD"] * elsize * n_tiles + (BT * 8 if has_pos else 0)
     scratch = 8 * cfg["TW"] * cfg["BD"] * 4 + 4096       # the cross-warp scans and layout changes
     stages = cfg["STAGES"]
     while stages > 1 and (stages - 1) * tile + scratch > limit:
         if cfg["STAGES_SET"]:
-            raise ValueError(f"expected num_stages with (num_stages - 1) x {tile} bytes of tiles within the "
-                             f"device's {limit} bytes of shared memory (time_warps {cfg['TW']}, chunk_size "
-                             f"{cfg['TT']}, {elsize}-byte elements), got {cfg['STAGES']}; lower num_stages or chunk_size")
+            raise ValueError(f"expected num_stages with (num_stages - 1) x {tile} bytes of tiles within the device's "
+                             f"{limit} bytes of shared memory (time_warps {cfg['TW']}, chunk_size {cfg['TT']}, "
+                             f"{elsize}-byte elements), got {cfg['STAGES']}; lower num_stages or chunk_size")
         stages -= 1
-    if stages == cfg["STAGES"]:
-        return cfg
-    return {**cfg, "STAGES": stages, "PREFETCH": stages == 1}
+    return cfg if stages == cfg["STAGES"] else {**cfg, "STAGES": stages}
 
 
 def _launch(kernel, x, pos, is_scan, cfg, n_tiles, args, **flags):
@@ -338,11 +316,14 @@ def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
     critical path)."""
     B, T, D = x.shape
     cfg = _fit_stages(cfg, x.element_size(), n_tiles, pos is not None, smem_limit(x.device))
-    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, BD=cfg["BD"], STAGES=cfg["STAGES"],
-              PREFETCH=cfg["PREFETCH"], ACC=tl_acc(x.dtype), RNE=INTERPRET, VEC=cfg["VEC"],
-              num_warps=cfg["num_warps"], **flags, TT=cfg["TT"], W=cfg["TW"],
-              EVEN=cfg["TW"] > 1 and even(T, D, cfg))
-    return (cdiv(D, cfg["BD"]), B), kw
+    BT, W, BD = cfg["TT"] * cfg["TW"], cfg["TW"], cfg["BD"]
+    if W > 1 and (BT + 1) * D >= 2 ** 31:
+        raise ValueError(f"expected (time_warps * chunk_size + 1) * D < 2**31 for the split kernels' int32 tile "
+                         f"offsets, got D = {D} with a tile of {BT} steps")
+    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, BD=BD, STAGES=cfg["STAGES"], PREFETCH=cfg["STAGES"] == 1,
+              ACC=tl_acc(x.dtype), RNE=INTERPRET, VEC=BD // 32 if W > 1 else 0, num_warps=W if W > 1 else 4, **flags,
+              TT=cfg["TT"], W=W, EVEN=W > 1 and T % BT == 0 and D % BD == 0)
+    return (cdiv(D, BD), B), kw
 
 
 # _launch's plans by kernel, configuration (kept in the value: its id names it only while
@@ -350,7 +331,7 @@ def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
 _PLANS: dict = {}
 
 
-def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
+def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
     """Scan mode: x = b, ga = a (gx, a_param unused). Returns (y, ht, hs)."""
     B, T, D = x.shape
     acc = acc_dtype(x.dtype)
@@ -368,7 +349,7 @@ def serial_forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_sca
     return y, ht, hs
 
 
-def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
+def backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
     """Returns (dx, dgx, dga, dh0, dsp_part); scan mode: dx = db, dga = da."""
     B, T, D = x.shape
     acc = acc_dtype(x.dtype)
@@ -392,4 +373,4 @@ def serial_backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg
 def saved_shape(cfg: dict, B: int, T: int, D: int) -> tuple:
     """What the forward keeps for backward: the FP32 state entering every tile (split:
     every warp segment) [B, NT, D]."""
-    return (B, cdiv(T, cfg["BT"]) * cfg["TW"], D)
+    return (B, cdiv(T, cfg["TT"] * cfg["TW"]) * cfg["TW"], D)

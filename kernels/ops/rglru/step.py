@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .. import accounting
 from ..checks import no_grad_inputs
@@ -94,27 +95,13 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     backward: an input requiring grad under grad mode raises ValueError."""
     no_grad_inputs("fused", x=x, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w, gate_a_b=gate_a_b,
                    a_param=a_param, state=state)
-    if torch.compiler.is_compiling():
-        return torch.ops.kernels.rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset,
-                                            block_b or 0, block_j, block_k, num_warps)
-    return _launch(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, block_b, block_j, block_k,
-                   num_warps)
+    step = torch.ops.kernels.rglru_step if torch.compiler.is_compiling() else _launch
+    return step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, block_b or 0, block_j, block_k,
+                num_warps)
 
 
-@torch.library.custom_op("kernels::rglru_step", mutates_args=("state",))
-def _step_op(x: torch.Tensor, wx: torch.Tensor, bx: torch.Tensor, wa: torch.Tensor, ba: torch.Tensor,
-             a_param: torch.Tensor, state: torch.Tensor, reset: Optional[torch.Tensor], block_b: int, block_j: int,
-             block_k: int, num_warps: int) -> torch.Tensor:
-    return _launch(x, wx, bx, wa, ba, a_param, state, reset, block_b or None, block_j, block_k, num_warps)
-
-
-@_step_op.register_fake
-def _(x, wx, bx, wa, ba, a_param, state, reset, block_b, block_j, block_k, num_warps):
-    return torch.empty_like(x)
-
-
-def _launch(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, block_b, block_j, block_k,
-            num_warps):
+def _launch(x: Tensor, gate_x_w: Tensor, gate_x_b: Tensor, gate_a_w: Tensor, gate_a_b: Tensor, a_param: Tensor,
+            state: Tensor, reset: Optional[Tensor], block_b: int, block_j: int, block_k: int, num_warps: int) -> Tensor:
     B, D = x.shape
     H, W, _ = gate_x_w.shape
     if not state.is_contiguous():
@@ -141,3 +128,8 @@ def _launch(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, bl
         accounting.record("rglru_step", accounting.nbytes(x, wx, bx, wa, ba, a_param, state, rst),
                           accounting.nbytes(state, y))
     return y
+
+
+# the launcher itself as the custom op (block_b 0: chosen from B)
+torch.library.custom_op("kernels::rglru_step", _launch, mutates_args=("state",)).register_fake(
+    lambda x, *args: torch.empty_like(x))
