@@ -227,9 +227,15 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
                      backend, chunk_size, cu_seqlens)
 
 
-def _check_reset(reset, B):
+def _step(op, args: dict, state, state_width, state_dt, reset, backend, **kw):
+    """The decode steps' common part after their own checks: the state [B, state_width] of
+    state_dt, reset [B] bool, devices, the step call on `args` (in order)."""
+    B = args["x"].shape[0]
+    check_tensor("state", state, shape=(B, state_width), dtypes=(state_dt,))
     if reset is not None:
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
+    check_same_device(**args, state=state, reset=reset, **kw)
+    return resolve_step(op, backend, args["x"])(*args.values(), state, reset, **kw)
 
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
@@ -238,8 +244,7 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     place; reset: [B] bool. Returns y [B, D]. The Triton step has no backward: an input
     requiring grad under grad mode raises ValueError."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    B, D = x.shape
-    check_tensor("state", state, shape=(B, D), dtypes=(state_dtype(x.dtype),))
+    D = x.shape[1]
     check_tensor("gate_x_w", gate_x_w, ndim=3, dtypes=FLOAT_DTYPES)
     H, W = gate_x_w.shape[:2]
     if H * W != D or gate_x_w.shape[2] != W:
@@ -248,10 +253,8 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     check_tensor("gate_x_b", gate_x_b, shape=(H, W), dtypes=FLOAT_DTYPES)
     check_tensor("gate_a_b", gate_a_b, shape=(H, W), dtypes=FLOAT_DTYPES)
     check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
-    _check_reset(reset, B)
-    check_same_device(x=x, state=state, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w,
-                      gate_a_b=gate_a_b, a_param=a_param, reset=reset)
-    return resolve_step("rglru", backend, x)(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset)
+    args = dict(x=x, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w, gate_a_b=gate_a_b, a_param=a_param)
+    return _step("rglru", args, state, D, state_dtype(x.dtype), reset, backend)
 
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto",
@@ -262,14 +265,11 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     instead of recomputing the per-mode constants in float64 (the reference ignores it).
     Returns y [B, D]. No backward in the Triton steps."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    B, D = x.shape
     args = _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log)
-    check_tensor("state", state, shape=(B, D // 2), dtypes=(state_dtype(x.dtype, complex_state=True),))
-    _check_reset(reset, B)
-    check_same_device(**args, state=state, reset=reset, modes=modes)
+    M = x.shape[1] // 2
     if modes is not None:
-        check_tensor("modes", modes, shape=(MODE_CONSTS, D // 2), dtypes=(state_dtype(x.dtype),))
-    return resolve_step("samu", backend, x)(*args.values(), state, reset, modes=modes)
+        check_tensor("modes", modes, shape=(MODE_CONSTS, M), dtypes=(state_dtype(x.dtype),))
+    return _step("samu", args, state, M, state_dtype(x.dtype, complex_state=True), reset, backend, modes=modes)
 
 
 def samu_mode_table(nu_log, theta_log, dtype):
