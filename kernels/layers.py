@@ -334,12 +334,10 @@ class SAMU(Mixer):
     OP = "samu"
     COMPLEX_STATE = True
 
-    def __init__(self, width: int, min_rad: float = 0.9, max_rad: float = 0.999,
-                 backend="auto", device=None, dtype=None):
+    def __init__(self, width: int, backend="auto", device=None, dtype=None):
         if width % 2:
             raise ValueError(f"expected an even width for SAMU (M = width / 2 complex modes), got {width}")
         super().__init__(width, width // 2, backend)
-        self.min_rad, self.max_rad = min_rad, max_rad
         self.nu_log = nn.Parameter(torch.empty(width // 2, device=device, dtype=dtype))
         self.theta_log = nn.Parameter(torch.empty(width // 2, device=device, dtype=dtype))
         self.phase_dir = nn.Parameter(torch.empty(width + 1, device=device, dtype=dtype))
@@ -350,9 +348,9 @@ class SAMU(Mixer):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            lo, hi = self.min_rad**2, self.max_rad**2
+            lo, hi = 0.9**2, 0.999**2
             u = torch.rand_like(self.nu_log)
-            # |a| = exp(-nu) at eta = 0, uniform by area on the ring [min_rad, max_rad].
+            # |a| = exp(-nu) at eta = 0, uniform by area on the ring [0.9, 0.999].
             self.nu_log.copy_(torch.log(-0.5 * torch.log(u * (hi - lo) + lo)))
             self.theta_log.copy_(torch.log(torch.rand_like(self.theta_log).clamp_min(1e-12) * math.pi / 10))
             for d in (self.phase_dir, self.radial_dir):

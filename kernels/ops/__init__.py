@@ -160,7 +160,7 @@ def _sequence(op, x, args: dict, state_width, state_dt, segment_pos, initial_sta
     """The sequence ops' common part after their own checks: devices, positions, the initial
     state [B, state_width] of state_dt, the backend call on `args` (in order)."""
     check_same_device(**args, segment_pos=segment_pos, cu_seqlens=cu_seqlens, initial_state=initial_state)
-    B, T = x.shape[:2]
+    B, T, _ = x.shape
     if cu_seqlens is not None:
         if segment_pos is not None:
             raise ValueError("expected at most one of segment_pos and cu_seqlens, got both")
@@ -235,7 +235,7 @@ def _step(op, args: dict, state, state_width, state_dt, reset, backend, **kw):
     if reset is not None:
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
     check_same_device(**args, state=state, reset=reset, **kw)
-    return resolve_step(op, backend, args["x"])(*args.values(), state, reset, **kw)
+    return _choose(f"{op}_step", backend, args["x"])[2](*args.values(), state, reset, **kw)
 
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):

@@ -37,14 +37,9 @@ def check_tensor(name: str, t, shape: tuple | None = None, dtypes=None, ndim: in
 
 
 def check_same_device(**tensors):
-    device = None
-    for t in tensors.values():
-        if isinstance(t, torch.Tensor):
-            if device is None:
-                device = t.device
-            elif t.device != device:
-                desc = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if isinstance(t, torch.Tensor))
-                raise ValueError(f"expected all tensors on one device, got {desc}")
+    if len({t.device for t in tensors.values() if isinstance(t, torch.Tensor)}) > 1:
+        desc = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if isinstance(t, torch.Tensor))
+        raise ValueError(f"expected all tensors on one device, got {desc}")
 
 
 def check_segment_pos(segment_pos, B: int, T: int) -> None:

@@ -1,11 +1,7 @@
 """Kernel choice as a value: `Backend` (a backend name and its launcher options) and
-`TuningTable` (what backend="auto" reads), e.g.
-    kernels.rglru(..., backend=Backend("auto", table=TuningTable.load("tuning.json")))
-    kernels.rglru(..., backend=Backend("chunk", chunk_size=16))
-
-"auto" consults the caller's table, else the one at $KERNELS_TUNING_TABLE (read once),
-else a fixed default per op. A table tuned on another GPU is not used (one warning per
-pair of names). Schema version 1:
+`TuningTable` (what backend="auto" reads: the caller's table, else the one at
+$KERNELS_TUNING_TABLE, read once; a table tuned on another GPU is not used, with one
+warning per pair of names). Schema version 1:
 
     {"schema": 1, "gpu": "<name>", "entries": [
         {"op": "rglru" | "samu" | "scan", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560,
@@ -23,6 +19,7 @@ batch's).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -127,11 +124,15 @@ def env_table() -> TuningTable | None:
     return TuningTable.load(path)
 
 
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, init=False)
 class Backend:
     """A backend name and its launcher options ("auto" may carry a `table`); immutable and
     hashable, so resolutions can be cached on it. A plain name equals its string."""
 
-    __slots__ = ("name", "options", "table", "_key")
+    name: str
+    options: dict
+    table: TuningTable | None
+    _key: object
 
     def __init__(self, name: str = "auto", table: TuningTable | None = None, **options):
         if not isinstance(name, str):
@@ -146,12 +147,6 @@ class Backend:
         key = name if not options and table is None else (name, tuple(sorted(options.items())), id(table))
         for k, v in (("name", name), ("options", dict(options)), ("table", table), ("_key", key)):
             object.__setattr__(self, k, v)
-
-    def __setattr__(self, key, value):
-        raise AttributeError("Backend is immutable")
-
-    def __reduce__(self):
-        return _backend, (self.name, self.table, tuple(self.options.items()))
 
     def __deepcopy__(self, memo):
         return self
@@ -177,10 +172,6 @@ class Backend:
         if not isinstance(value, str):
             raise ValueError(f"expected backend to be a name (str) or a kernels.Backend, got {type(value).__name__}")
         return _named(value)
-
-
-def _backend(name, table, options) -> Backend:
-    return Backend(name, table=table, **dict(options))
 
 
 _named = functools.lru_cache(maxsize=None)(Backend)
