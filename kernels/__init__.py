@@ -4,6 +4,8 @@ Layering (imports run one way): ops (Triton kernels + references) -> layers
 (nn.Modules) -> models (Hawk LM, presets, cache, generation).
 """
 
+import importlib
+
 from .ops import Backend, TuningTable, backends, reference, rglru, rglru_step, samu, samu_step, scan, step_backends
 
 __all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step_backends", "reference", "Backend",
@@ -11,19 +13,9 @@ __all__ = ["rglru", "samu", "scan", "rglru_step", "samu_step", "backends", "step
 
 
 def __getattr__(name):
-    # Layers, models and converters load on first use so that `import kernels`
-    # stays cheap for the ops alone.
-    lazy = {
-        "layers": "kernels.layers",
-        "models": "kernels.models",
-        "HawkLM": "kernels.models",
-        "HawkConfig": "kernels.models",
-        "from_recurrentgemma": "kernels.convert",
-        "to_recurrentgemma": "kernels.convert",
-    }
-    if name in lazy:
-        import importlib
-
-        mod = importlib.import_module(lazy[name])
-        return mod if lazy[name].endswith(name) else getattr(mod, name)
+    # layers, models and the converters load on first use: `import kernels` stays cheap for the ops alone
+    if name in ("layers", "models"):
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in ("from_recurrentgemma", "to_recurrentgemma"):
+        return getattr(importlib.import_module(f"{__name__}.convert"), name)
     raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -3,16 +3,15 @@ two recurrent mixers (RG-LRU, SAMU), assembled into recurrent, MLP and residual 
 
 Notation: B batch, T time, D model width, E recurrent width, M = E / 2 SAMU modes,
 H gate blocks, W = 4 convolution width. Semantics and parameter layout follow the
-official `recurrentgemma.torch`, so weights copy one to one (kernels.convert), with one
-deliberate difference: the convolution's decode cache drops inputs that precede a
-document start (segment_pos == 0), so decoding through a document boundary gives what
-the full-sequence forward gives (the official cache keeps them).
+official `recurrentgemma.torch` (weights copy one to one, kernels.convert), except that
+the convolution's decode cache drops inputs that precede a document start, so decoding
+through a document boundary gives what the full-sequence forward gives.
 
 A `RecurrentCache` holds conv_state [B, W - 1, E] (activation dtype, the last W - 1 conv
 inputs, oldest first) and rnn_state ([B, E] float32 for RG-LRU, [B, M] complex64 for
 SAMU; float64 / complex128 in a float64 model). `forward(..., cache)` returns a new
-cache; the one-token `step(...)` methods update the cache tensors in place (static
-buffers, so a decode step can be graph-captured).
+cache; the one-token `step(...)` methods update it in place (static buffers, so a
+decode step can be graph-captured).
 """
 
 from __future__ import annotations
@@ -96,14 +95,11 @@ def _autocast_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
 
 
 class _BlockDiagonalNarrow(torch.autograd.Function):
-    """Block-diagonal linears sharing their input x, in autocast's narrow dtype: per
-    (w, b) one batched GEMM over the H blocks that writes the [N, H, j] output in place
-    (the [H, N, j] view it is given has leading dimension H * j, which cuBLAS takes as
-    is), then b added in its wider dtype in place, the sum rounded once: the values of
-    `(einsum(x, w) + b).to(x.dtype)` in two contiguous passes. Backward: one dx for all
-    the linears (a GEMM, then accumulating GEMMs) written the same way into x's layout,
-    so that autograd's sum with x's other gradients is a plain add; dw per linear in the
-    narrow dtype; db the FP32 sum of the gradient."""
+    """Block-diagonal linears sharing their input x, in autocast's narrow dtype: the values
+    of `(einsum(x, w) + b).to(x.dtype)`, b added in its wider dtype and rounded once. Each
+    batched GEMM over the H blocks writes its [N, H, j] output in place through an [H, N, j]
+    view (cuBLAS takes its leading dimension H * j as is), so that no copy is made; the
+    backward writes one dx for all the linears the same way into x's layout."""
 
     @staticmethod
     def forward(ctx, x, *wb):
@@ -203,8 +199,8 @@ class Conv1D(nn.Module):
         _init_normal(self.w, self.b, self.w_init_variance_scale, self.temporal_width)
 
     def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
-        return torch.zeros(batch, self.temporal_width - 1, self.width,
-                           dtype=dtype or self.w.dtype, device=device or self.w.device)
+        return torch.zeros(batch, self.temporal_width - 1, self.width, dtype=dtype or self.w.dtype,
+                           device=device or self.w.device)
 
     def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -226,25 +222,21 @@ class Conv1D(nn.Module):
         not_start = keep if segment_pos is None else (segment_pos != 0).to(acc)    # [B, T]
         w = self.w.to(acc)
         y = xp[:, W - 1:] * w[W - 1]
-        windows, masks = [xp[:, W - 1:]], [keep]
+        # the cache: what output T-1 reads at each shift s < W-1, masked the same way, so
+        # that inputs before a document start never reach a later decode step
+        last = [xp[:, -1]]
         for s in range(1, W):
             # x[t-s] is kept iff no document starts at t-s+1 .. t.
-            shifted = F.pad(not_start[:, : max(T - s + 1, 0)], (s - 1, 0), value=1.0)[:, :T]
-            keep = keep * shifted
+            keep = keep * F.pad(not_start[:, : max(T - s + 1, 0)], (s - 1, 0), value=1.0)[:, :T]
             window = xp[:, W - 1 - s: W - 1 - s + T]
             # (window * w) * keep: autograd then keeps only views of xp and the small mask.
             y = y + (window * w[W - 1 - s]) * keep[..., None]
-            windows.append(window)
-            masks.append(keep)
+            if s < W - 1:
+                last.append(window[:, T - 1] * keep[:, T - 1, None])
         y = (y + self.b.to(acc)).to(x.dtype)
         if not return_cache:
             return y, None
-        # Cache entry for position T-1-s is what output T-1 reads at shift s, masked the
-        # same way, so inputs before a document start never reach a later decode step.
-        cdtype = x.dtype if cache is None else cache.dtype
-        new = torch.stack([windows[s][:, T - 1] * masks[s][:, T - 1, None]
-                           for s in range(W - 2, -1, -1)], dim=1)
-        return y, new.to(cdtype)
+        return y, torch.stack(last[W - 2::-1], dim=1).to(x.dtype if cache is None else cache.dtype)
 
     def step(self, x: torch.Tensor, conv_state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
         """One token. x: [B, E]; conv_state: [B, W-1, E], updated in place; reset: [B] bool.
@@ -272,17 +264,48 @@ def rnn_param_init(param: torch.Tensor, min_rad: float = 0.9, max_rad: float = 0
         return param.neg_().exp_().sub_(1.0).log_()
 
 
-class RGLRU(nn.Module):
+class Mixer(nn.Module):
+    """A recurrent mixer running the op `OP` (kernels.ops): `backend` picks the sequence
+    kernel, `step_backend` the decode kernel (see set_backend). Subclasses give the op's
+    arguments: `_inputs(x)` before segment_pos, `_params()` the step's after x."""
+
+    OP = ""
+    COMPLEX_STATE = False
+
+    def __init__(self, width: int, state_width: int, backend):
+        super().__init__()
+        self.width, self.state_width = width, state_width
+        set_backend(self, backend)
+
+    def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
+        """Zero recurrent state [B, state_width] (layouts: the module docstring)."""
+        p = next(self.parameters())
+        return torch.zeros(batch, self.state_width, dtype=state_dtype(dtype or p.dtype, self.COMPLEX_STATE),
+                           device=device or p.device)
+
+    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
+                return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, E]; segment_pos: [B, T]; cache: the state before x. Returns (y [B, T, E],
+        final state or None)."""
+        return getattr(ops, self.OP)(*self._inputs(x), segment_pos, cache, return_cache, backend=self.backend)
+
+    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None,
+             **kw) -> torch.Tensor:
+        """One token. x: [B, E]; state updated in place; reset: [B] bool; kw: what the op's
+        step takes besides (SAMU: modes, see decode_modes)."""
+        return getattr(ops, f"{self.OP}_step")(x, *self._params(), state, reset, backend=self.step_backend, **kw)
+
+
+class RGLRU(Mixer):
     """Real-Gated Linear Recurrent Unit (SPEC 1.1) with official parameter names:
-    a_param [E], input_gate / a_gate BlockDiagonalLinear with H blocks. `backend` picks
-    the sequence kernel, `step_backend` the decode kernel (see set_backend)."""
+    a_param [E], input_gate / a_gate BlockDiagonalLinear with H blocks."""
+
+    OP = "rglru"
 
     def __init__(self, width: int, num_heads: int, w_init_variance_scale: float = 1.0,
                  backend="auto", device=None, dtype=None):
-        super().__init__()
-        self.width, self.num_heads = width, num_heads
-        set_backend(self, backend)
-        self.w_init_variance_scale = w_init_variance_scale
+        super().__init__(width, width, backend)
+        self.num_heads, self.w_init_variance_scale = num_heads, w_init_variance_scale
         self.a_param = nn.Parameter(torch.empty(width, device=device, dtype=dtype))
         self.input_gate = BlockDiagonalLinear(width, num_heads, w_init_variance_scale, device, dtype)
         self.a_gate = BlockDiagonalLinear(width, num_heads, w_init_variance_scale, device, dtype)
@@ -293,43 +316,30 @@ class RGLRU(nn.Module):
         self.a_gate.reset_parameters()
         rnn_param_init(self.a_param)
 
-    def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
-        """Zero recurrent state [B, E]: float32 (float64 for a float64 model)."""
-        return torch.zeros(batch, self.width, dtype=state_dtype(dtype or self.a_param.dtype),
-                           device=device or self.a_param.device)
-
-    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
-                return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [B, T, E]; segment_pos: [B, T]; cache: [B, E] FP32 state before x.
-        Returns (y [B, T, E], final state [B, E] or None)."""
+    def _inputs(self, x):
         gate_x, gate_a = (g.to(x.dtype) for g in block_diagonal(x, self.input_gate, self.a_gate))
-        return ops.rglru(x, gate_x, gate_a, self.a_param, segment_pos, cache, return_cache,
-                         backend=self.backend)
+        return x, gate_x, gate_a, self.a_param
 
-    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
-        """One token. x: [B, E]; state: [B, E] FP32, updated in place; reset: [B] bool."""
-        return ops.rglru_step(x, self.input_gate.w, self.input_gate.b, self.a_gate.w, self.a_gate.b,
-                              self.a_param, state, reset, backend=self.step_backend)
+    def _params(self):
+        return self.input_gate.w, self.input_gate.b, self.a_gate.w, self.a_gate.b, self.a_param
 
 
-class SAMU(nn.Module):
+class SAMU(Mixer):
     """Shared-control complex diagonal recurrence (SPEC 1.2) of M = E / 2 modes.
 
     Parameters: nu_log, theta_log [M]; phase_dir, radial_dir [E + 1] (last entry a
     bias); phase_amp, radial_amp scalars. Initialisation as SPEC 1.2 states.
     """
 
-    def __init__(self, width: int, min_rad: float = 0.9, max_rad: float = 0.999,
-                 backend="auto", device=None, dtype=None):
-        super().__init__()
+    OP = "samu"
+    COMPLEX_STATE = True
+
+    def __init__(self, width: int, backend="auto", device=None, dtype=None):
         if width % 2:
             raise ValueError(f"expected an even width for SAMU (M = width / 2 complex modes), got {width}")
-        self.width, self.modes = width, width // 2
-        set_backend(self, backend)
-        self.min_rad, self.max_rad = min_rad, max_rad
-        M = self.modes
-        self.nu_log = nn.Parameter(torch.empty(M, device=device, dtype=dtype))
-        self.theta_log = nn.Parameter(torch.empty(M, device=device, dtype=dtype))
+        super().__init__(width, width // 2, backend)
+        self.nu_log = nn.Parameter(torch.empty(width // 2, device=device, dtype=dtype))
+        self.theta_log = nn.Parameter(torch.empty(width // 2, device=device, dtype=dtype))
         self.phase_dir = nn.Parameter(torch.empty(width + 1, device=device, dtype=dtype))
         self.radial_dir = nn.Parameter(torch.empty(width + 1, device=device, dtype=dtype))
         self.phase_amp = nn.Parameter(torch.empty((), device=device, dtype=dtype))
@@ -338,9 +348,9 @@ class SAMU(nn.Module):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            lo, hi = self.min_rad**2, self.max_rad**2
+            lo, hi = 0.9**2, 0.999**2
             u = torch.rand_like(self.nu_log)
-            # |a| = exp(-nu) at eta = 0, uniform by area on the ring [min_rad, max_rad].
+            # |a| = exp(-nu) at eta = 0, uniform by area on the ring [0.9, 0.999].
             self.nu_log.copy_(torch.log(-0.5 * torch.log(u * (hi - lo) + lo)))
             self.theta_log.copy_(torch.log(torch.rand_like(self.theta_log).clamp_min(1e-12) * math.pi / 10))
             for d in (self.phase_dir, self.radial_dir):
@@ -349,30 +359,16 @@ class SAMU(nn.Module):
             self.phase_amp.fill_(0.5)
             self.radial_amp.fill_(0.5)
 
+    def _inputs(self, x):
+        return x, *self._params()
+
     def _params(self):
-        return (self.phase_dir, self.radial_dir, self.phase_amp, self.radial_amp, self.nu_log, self.theta_log)
-
-    def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
-        """Zero recurrent state [B, M]: complex64 (complex128 for a float64 model)."""
-        return torch.zeros(batch, self.modes,
-                           dtype=state_dtype(dtype or self.nu_log.dtype, complex_state=True),
-                           device=device or self.nu_log.device)
-
-    def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
-                return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [B, T, E]; cache: [B, M] complex state before x. Returns (y [B, T, E], state or None)."""
-        return ops.samu(x, *self._params(), segment_pos, cache, return_cache, backend=self.backend)
-
-    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None,
-             modes: torch.Tensor | None = None) -> torch.Tensor:
-        """One token. x: [B, E]; state: [B, M] complex, updated in place; reset: [B] bool;
-        modes: this layer's `decode_modes(x.dtype)`, computed since its parameters last
-        changed, or None (the step recomputes the per-mode constants)."""
-        return ops.samu_step(x, *self._params(), state, reset, backend=self.step_backend, modes=modes)
+        return self.phase_dir, self.radial_dir, self.phase_amp, self.radial_amp, self.nu_log, self.theta_log
 
     def decode_modes(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mode table the Triton decode steps read (kernels.ops.samu_mode_table) for
-        inputs of `dtype`; None where this layer's steps run the PyTorch reference."""
+        """What `step(..., modes=)` takes for inputs of `dtype` until the parameters change:
+        the mode table the Triton decode steps read (kernels.ops.samu_mode_table), None
+        where this layer's steps run the PyTorch reference."""
         if ops.step_has_backward("samu", self.step_backend, self.nu_log.device):
             return None
         return ops.samu_mode_table(self.nu_log, self.theta_log, dtype)
@@ -380,27 +376,25 @@ class SAMU(nn.Module):
 
 def set_backend(module: nn.Module, backend, step_backend=None) -> nn.Module:
     """Select the kernels of every mixer in `module` (itself included): `backend` for
-    sequences (a kernels.backends name, "auto", or a kernels.Backend value such as
-    Backend("auto", table=TuningTable.load(path))), `step_backend` for one-token decode
-    (a kernels.step_backends name, "auto" or a Backend; by default "reference" when
-    backend is "reference", else "auto" with `backend`'s table, whose decode entries pick
-    the step kernel per batch size)."""
+    sequences (a kernels.backends name, "auto" or a kernels.Backend), `step_backend` for
+    one-token decode (a kernels.step_backends name, "auto" or a Backend; by default
+    "reference" when backend is "reference", else "auto" with `backend`'s table, whose
+    decode entries pick the step kernel per batch size)."""
     backend = ops.Backend.of(backend)
     if step_backend is None:
         step_backend = "reference" if backend.name == "reference" else ops.Backend("auto", table=backend.table)
     step_backend = ops.Backend.of(step_backend)
     for m in module.modules():
-        if isinstance(m, (RGLRU, SAMU)):
+        if isinstance(m, Mixer):
             m.backend, m.step_backend = backend, step_backend
     return module
 
 
-def make_mixer(mixer: str, width: int, num_heads: int, backend="auto", device=None, dtype=None):
-    if mixer == "rglru":
-        return RGLRU(width, num_heads, backend=backend, device=device, dtype=dtype)
-    if mixer == "samu":
-        return SAMU(width, backend=backend, device=device, dtype=dtype)
-    raise ValueError(f"expected mixer in {list(MIXERS)}, got {mixer!r}")
+def make_mixer(mixer: str, width: int, num_heads: int, backend="auto", device=None, dtype=None) -> Mixer:
+    if mixer not in MIXERS:
+        raise ValueError(f"expected mixer in {list(MIXERS)}, got {mixer!r}")
+    kw = dict(backend=backend, device=device, dtype=dtype)
+    return RGLRU(width, num_heads, **kw) if mixer == "rglru" else SAMU(width, **kw)
 
 
 class RecurrentBlock(nn.Module):
@@ -424,7 +418,7 @@ class RecurrentBlock(nn.Module):
         self.reset_parameters()
 
     @property
-    def mixer(self) -> RGLRU | SAMU:
+    def mixer(self) -> Mixer:
         return self.rg_lru if self.mixer_name == "rglru" else self.samu
 
     def reset_parameters(self) -> None:
@@ -464,9 +458,8 @@ class RecurrentBlock(nn.Module):
 
 class MLPBlock(nn.Module):
     """Gated GeLU MLP: ffw_down(gelu(up_gate(x)) * up_value(x)). `ffw_up` is one
-    Linear(D, 2 * expanded) whose first half is the gate and second half the value.
-    Where _fused_gelu, the gated GeLU runs fused (kernels.ops.geglu.geglu: one pass each
-    way, no strided halves, no gradient concatenation)."""
+    Linear(D, 2 * expanded) whose first half is the gate and second half the value; the
+    gated GeLU runs fused where _fused_gelu (kernels.ops.geglu.geglu)."""
 
     def __init__(self, width: int, expanded_width: int, final_w_init_variance_scale: float = 1.0,
                  device=None, dtype=None):
@@ -523,5 +516,5 @@ class ResidualBlock(nn.Module):
         return self.mlp_block(self.channel_pre_norm(residual)) + residual
 
 
-__all__ = ["RMSNorm", "BlockDiagonalLinear", "Conv1D", "RGLRU", "SAMU", "RecurrentBlock", "MLPBlock",
+__all__ = ["RMSNorm", "BlockDiagonalLinear", "Conv1D", "Mixer", "RGLRU", "SAMU", "RecurrentBlock", "MLPBlock",
            "ResidualBlock", "RecurrentCache", "gelu", "rnn_param_init", "make_mixer", "MIXERS"]

@@ -418,7 +418,7 @@ def test_throughput_grid_extends_until_tokens_per_s_stops_rising_or_memory_runs_
 
 
 @pytest.mark.parametrize("order", [1, -1])
-def test_decode_step_choice_takes_the_entry_nearest_in_log_batch(order):
+def test_decode_step_choice_takes_the_entry_nearest_in_log_batch(order, monkeypatch):
     """The step kernel per batch size (TuningTable.step_choice, what backend="auto" and the
     infer track run): the tuned entry nearest in log(B), the larger batch's on a tie
     whatever the table's order; other ops, dtypes and unknown backends never chosen; a
@@ -444,11 +444,16 @@ def test_decode_step_choice_takes_the_entry_nearest_in_log_batch(order):
     ops = kernels.ops
     b = kernels.Backend("auto", table=table)
     steps = kernels.step_backends("samu")
-    assert ops._resolve_step("samu", b, "cuda", table, "bfloat16", 16, "G") is steps["blocked"]
-    big = ops._resolve_step("samu", b, "cuda", table, "bfloat16", 1024, "G")
+    monkeypatch.setattr(ops, "_gpu_name", lambda device: "G")
+
+    def x(B, dtype=torch.bfloat16, device="cuda"):
+        return types.SimpleNamespace(device=torch.device(device), shape=(B, 8), dtype=dtype)
+
+    assert ops.resolve_step("samu", b, x(16)) is steps["blocked"]
+    big = ops.resolve_step("samu", b, x(1024))
     assert big.func is steps["row"] and big.keywords == {"block_m": 512}
-    assert ops._resolve_step("samu", b, "cuda", table, "float16", 16, "G") is steps["fused"]
-    assert ops._resolve_step("samu", b, "cpu") is steps["reference"]
+    assert ops.resolve_step("samu", b, x(16, torch.float16)) is steps["fused"]
+    assert ops.resolve_step("samu", b, x(16, device="cpu")) is steps["reference"]
     # a model given a tuned backend takes the table for its steps too
     m = kernels.layers.set_backend(kernels.layers.SAMU(8), b)
     assert m.step_backend.name == "auto" and m.step_backend.table is table

@@ -29,16 +29,12 @@ def on() -> bool:
 
 
 def record(kernel: str, bytes_read: int, bytes_written: int, launches: int = 1) -> None:
-    if not _active:
-        return
+    add = {"bytes_read": int(bytes_read), "bytes_written": int(bytes_written), "launches": launches}
     for c in _active:
-        c.bytes_read += int(bytes_read)
-        c.bytes_written += int(bytes_written)
-        c.launches += launches
-        k = c.by_kernel.setdefault(kernel, {"bytes_read": 0, "bytes_written": 0, "launches": 0})
-        k["bytes_read"] += int(bytes_read)
-        k["bytes_written"] += int(bytes_written)
-        k["launches"] += launches
+        # the totals (the counter's fields) and the kernel's own
+        for d in (vars(c), c.by_kernel.setdefault(kernel, dict.fromkeys(add, 0))):
+            for k, v in add.items():
+                d[k] += v
 
 
 def nbytes(*tensors) -> int:

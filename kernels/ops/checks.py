@@ -37,41 +37,32 @@ def check_tensor(name: str, t, shape: tuple | None = None, dtypes=None, ndim: in
 
 
 def check_same_device(**tensors):
-    device = None
-    for t in tensors.values():
-        if isinstance(t, torch.Tensor):
-            if device is None:
-                device = t.device
-            elif t.device != device:
-                desc = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if isinstance(t, torch.Tensor))
-                raise ValueError(f"expected all tensors on one device, got {desc}")
+    if len({t.device for t in tensors.values() if isinstance(t, torch.Tensor)}) > 1:
+        desc = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if isinstance(t, torch.Tensor))
+        raise ValueError(f"expected all tensors on one device, got {desc}")
 
 
-def check_segment_pos(segment_pos, B: int, T: int):
-    if segment_pos is None:
-        return None
-    check_tensor("segment_pos", segment_pos, shape=(B, T))
-    if not is_integer_dtype(segment_pos.dtype):
-        raise ValueError(f"expected segment_pos with an integer dtype, got {segment_pos.dtype}")
-    return segment_pos
+def check_segment_pos(segment_pos, B: int, T: int) -> None:
+    if segment_pos is not None:
+        check_tensor("segment_pos", segment_pos, shape=(B, T))
+        if not is_integer_dtype(segment_pos.dtype):
+            raise ValueError(f"expected segment_pos with an integer dtype, got {segment_pos.dtype}")
 
 
 def is_integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def check_scalar(name: str, v, dtypes=FLOAT_DTYPES):
-    """A python real number or a one-element tensor of a dtype in `dtypes`."""
+def check_scalar(name: str, v) -> None:
+    """A python real number or a one-element floating-point tensor."""
     if isinstance(v, torch.Tensor):
         if v.numel() != 1:
             raise ValueError(f"expected {name} to be a scalar (a float or a one-element tensor), "
                              f"got shape {shape_str(v)}")
-        if v.dtype not in dtypes:
-            raise ValueError(f"expected {name} with dtype in {[str(d) for d in dtypes]}, got {v.dtype}")
+        check_tensor(name, v, dtypes=FLOAT_DTYPES)
     elif isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"expected {name} to be a scalar (a float or a one-element tensor), "
                          f"got {type(v).__name__}")
-    return v
 
 
 def cu_seqlens_to_segment_pos(cu_seqlens: torch.Tensor, B: int, T: int, device=None) -> torch.Tensor:
@@ -101,8 +92,7 @@ def state_dtype(x_dtype: torch.dtype, complex_state: bool = False) -> torch.dtyp
 
 def no_double_backward():
     """Raise inside a backward run with create_graph=True: the Triton backwards are not
-    differentiable, so a second-order term would silently drop out (torch's
-    once_differentiable is pruned away by torch.autograd.grad(..., inputs))."""
+    differentiable (torch's once_differentiable is pruned away by autograd.grad(..., inputs))."""
     if torch.is_grad_enabled():
         raise ValueError("expected create_graph=False with the Triton backends (their backward is not "
                          "differentiable: higher-order gradients would silently lose terms; use "
@@ -121,7 +111,7 @@ def no_grad_inputs(step: str, **tensors):
 
 
 def check_chunk_size(chunk_size) -> int:
-    """chunk_size: an int in CHUNK_SIZES, the same range with and without gradients."""
+    """chunk_size: an int in CHUNK_SIZES (with and without gradients)."""
     if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
             or chunk_size not in CHUNK_SIZES):
         raise ValueError(f"expected chunk_size an int in {list(CHUNK_SIZES)}, got {chunk_size!r} "

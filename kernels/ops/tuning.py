@@ -1,32 +1,25 @@
 """Kernel choice as a value: `Backend` (a backend name and its launcher options) and
-`TuningTable` (what backend="auto" reads), e.g.
-    kernels.rglru(..., backend=Backend("auto", table=TuningTable.load("tuning.json")))
-    kernels.rglru(..., backend=Backend("chunk", chunk_size=16))
-
-"auto" consults the caller's table, else the one at $KERNELS_TUNING_TABLE (read once),
-else a fixed default per op. A table tuned on another GPU is not used (one warning per
-pair of names). Schema version 1:
+`TuningTable` (what backend="auto" reads: the caller's table, else the one at
+$KERNELS_TUNING_TABLE, read once; a table tuned on another GPU is not used, with one
+warning per pair of names). Schema version 1:
 
     {"schema": 1, "gpu": "<name>", "entries": [
         {"op": "rglru" | "samu" | "scan", "dtype": "bfloat16", "B": 4, "T": 2048, "D": 2560,
-         "backend": "chunk", "chunk_size": 32, "options": {...launcher keyword arguments...}}]}
+         "backend": "chunk", "chunk_size": 32, "options": {...launcher keyword arguments...}}],
+     "decode_linears": [{"role": "xy" | "out" | "up" | "down" | "logits", "dtype": "bfloat16",
+                         "rows": 16, "config": {...kernels.models.decode.CONFIG_KEYS...}}],
+     "decode": [{"op": "rglru_step" | "samu_step", "dtype": "bfloat16", "B": 16,
+                 "backend": "fused", "options": {...}}]}
 
-Lookup takes the entry of the same op and dtype nearest in log(B*T), log(D) and log(B)
-(cached). A table may also carry the tile options of the decode step's weight-streaming
-linears by role, tuned at a row block (`linear_configs`):
-
-    "decode_linears": [{"role": "xy" | "out" | "up" | "down" | "logits", "dtype": "bfloat16",
-                        "rows": 16, "config": {...kernels.models.decode.CONFIG_KEYS...}}]
-
-and the decode step kernel per batch size (`step_choice`: the entry of the op and dtype
-nearest in log(B); of two equally near, the larger batch's):
-
-    "decode": [{"op": "rglru_step" | "samu_step", "dtype": "bfloat16", "B": 16,
-                "backend": "fused", "options": {...}}]
+`lookup` takes the entry of the same op and dtype nearest in log(B*T), log(D) and log(B);
+`linear_configs` the decode step linears' tiles by role tuned at a row block;
+`step_choice` the decode step kernel nearest in log(B) (of two equally near, the larger
+batch's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -36,34 +29,27 @@ from pathlib import Path
 
 SCHEMA = 1
 ENV = "KERNELS_TUNING_TABLE"
-REQUIRED_KEYS = ("op", "dtype", "B", "T", "D", "backend")
-LINEAR_KEYS = ("role", "dtype", "rows", "config")
-STEP_KEYS = ("op", "dtype", "B", "backend")
+# per section: the keys every entry has, and the one that must be a dict if present
+SECTIONS = {"entries": (("op", "dtype", "B", "T", "D", "backend"), "options"),
+            "decode_linears": (("role", "dtype", "rows", "config"), "config"),
+            "decode": (("op", "dtype", "B", "backend"), "options")}
 
 
 def validate_table(table: dict) -> dict:
     if not isinstance(table, dict) or table.get("schema") != SCHEMA:
         raise ValueError(f"expected a tuning table with schema {SCHEMA}, got {str(table)[:80]}")
-    for i, e in enumerate(table.get("entries", [])):
-        missing = [k for k in REQUIRED_KEYS if k not in e]
-        if missing:
-            raise ValueError(f"expected every tuning table entry with keys {list(REQUIRED_KEYS)}, got entry {i} "
-                             f"lacking {missing}: {e}")
-    for i, e in enumerate(table.get("decode_linears", [])):
-        missing = [k for k in LINEAR_KEYS if k not in e]
-        if missing or not isinstance(e["config"], dict):
-            raise ValueError(f"expected every decode_linears entry with keys {list(LINEAR_KEYS)} and a dict config, "
-                             f"got entry {i}: {e}")
-    for i, e in enumerate(table.get("decode", [])):
-        missing = [k for k in STEP_KEYS if k not in e]
-        if missing or not isinstance(e.get("options", {}), dict):
-            raise ValueError(f"expected every decode entry with keys {list(STEP_KEYS)} (and options a dict), got "
-                             f"entry {i}: {e}")
+    for section, (keys, dict_key) in SECTIONS.items():
+        for i, e in enumerate(table.get(section, [])):
+            missing = [k for k in keys if k not in e]
+            if missing or not isinstance(e.get(dict_key, {}), dict):
+                raise ValueError(f"expected every {section} entry with keys {list(keys)} (and {dict_key} a dict), "
+                                 f"got entry {i} lacking {missing}: {e}")
     return table
 
 
 class TuningTable:
-    """The entries of a tuning table (schema above) and the GPU they were tuned on."""
+    """The entries of a tuning table (schema above) and the GPU they were tuned on. `gpu`
+    arguments: the caller's GPU name (None: not checked)."""
 
     def __init__(self, doc: dict, source: str = "given"):
         validate_table(doc)
@@ -86,57 +72,45 @@ class TuningTable:
     def __repr__(self) -> str:
         return f"TuningTable({self.source!r}, gpu={self.gpu!r}, {len(self.entries)} entries)"
 
+    def _other_gpu(self, gpu: str | None) -> bool:
+        if gpu and self.gpu and self.gpu != gpu:
+            _warn_other_gpu(self.gpu, gpu, self.source)
+            return True
+        return False
+
     def lookup(self, op: str, dtype: str, B: int, T: int, D: int, gpu: str | None = None) -> dict | None:
-        """The entry for a call, or None. `gpu`: the caller's GPU name (None: not checked)."""
+        """The entry for a call, or None (cached)."""
         key = (op, dtype, B, T, D, gpu)
         if key not in self._found:
-            self._found[key] = self._nearest(op, dtype, B, T, D, gpu)
+            cands = [] if self._other_gpu(gpu) else [e for e in self.entries if e["op"] == op and e["dtype"] == dtype]
+            # the tokens, the width, and the batch alone: the serial kernels' programs are
+            # B x D / block, so B1 T8192 and B4 T2048 (equal tokens) run differently
+            self._found[key] = min(cands, default=None, key=lambda e: sum(
+                abs(math.log(max(a, 1) / max(b, 1))) for a, b in ((e["B"] * e["T"], B * T), (e["D"], D), (e["B"], B))))
         return self._found[key]
 
     def linear_configs(self, dtype: str, rows: int, gpu: str | None = None) -> dict[str, dict]:
         """Tile options of the decode linears by role tuned for `rows` rows per launch
-        (the linear's row block, kernels.models.decode.rows_block), {} where none are (or,
-        given the caller's `gpu`, where the table was tuned on another GPU)."""
-        if gpu and self.gpu and self.gpu != gpu:
-            _warn_other_gpu(self.gpu, gpu, self.source)
+        (kernels.models.decode.rows_block), {} where none are."""
+        if self._other_gpu(gpu):
             return {}
         return {e["role"]: dict(e["config"]) for e in self.linears if e["dtype"] == dtype and e["rows"] == rows}
 
     def step_choice(self, op: str, dtype: str, B: int, gpu: str | None = None,
                     backends: tuple | None = None) -> dict | None:
         """The decode entry of `op` ("rglru_step", "samu_step") and dtype nearest in log(B)
-        (of two equally near, the larger batch's) among those naming one of `backends`
-        (None: any), or None (none, or tuned on another GPU than the caller's `gpu`)."""
-        if gpu and self.gpu and self.gpu != gpu:
-            _warn_other_gpu(self.gpu, gpu, self.source)
+        among those naming one of `backends` (None: any), or None."""
+        if self._other_gpu(gpu):
             return None
         cands = [e for e in self.steps if e["op"] == op and e["dtype"] == dtype
                  and (backends is None or e["backend"] in backends)]
-        if not cands:
-            return None
-        return min(cands, key=lambda e: (abs(math.log(max(e["B"], 1) / max(B, 1))), -e["B"]))
-
-    def _nearest(self, op, dtype, B, T, D, gpu):
-        if gpu and self.gpu and self.gpu != gpu:
-            _warn_other_gpu(self.gpu, gpu, self.source)
-            return None
-        cands = [e for e in self.entries if e["op"] == op and e["dtype"] == dtype]
-        if not cands:
-            return None
-
-        def dist(e):
-            # the tokens, the width, and the batch alone: the serial kernels' programs
-            # are B x D / block, so B1 T8192 and B4 T2048 (equal tokens) run differently
-            return sum(abs(math.log(max(a, 1) / max(b, 1)))
-                       for a, b in ((e["B"] * e["T"], B * T), (e["D"], D), (e["B"], B)))
-
-        return min(cands, key=dist)
+        return min(cands, default=None, key=lambda e: (abs(math.log(max(e["B"], 1) / max(B, 1))), -e["B"]))
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_other_gpu(tuned: str, gpu: str, source: str) -> None:
     warnings.warn(f"the tuning table {source} was tuned on {tuned!r}, not on this {gpu!r}: backend='auto' uses "
-                  f"its built-in defaults (tune on this GPU and pass that table)", RuntimeWarning, stacklevel=5)
+                  f"its built-in defaults (tune on this GPU and pass that table)", RuntimeWarning, stacklevel=6)
 
 
 @functools.cache
@@ -150,11 +124,15 @@ def env_table() -> TuningTable | None:
     return TuningTable.load(path)
 
 
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, init=False)
 class Backend:
     """A backend name and its launcher options ("auto" may carry a `table`); immutable and
-    hashable, so resolutions can be cached on it."""
+    hashable, so resolutions can be cached on it. A plain name equals its string."""
 
-    __slots__ = ("name", "options", "table", "_key")
+    name: str
+    options: dict
+    table: TuningTable | None
+    _key: object
 
     def __init__(self, name: str = "auto", table: TuningTable | None = None, **options):
         if not isinstance(name, str):
@@ -165,31 +143,21 @@ class Backend:
         if name == "auto" and options:
             raise ValueError(f"expected no launcher options with the backend 'auto' (the table chooses them), "
                              f"got {sorted(options)}")
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "options", dict(options))
-        object.__setattr__(self, "table", table)
-        object.__setattr__(self, "_key", (name, tuple(sorted(options.items())), id(table)))
-
-    def __setattr__(self, key, value):
-        raise AttributeError("Backend is immutable")
-
-    def __reduce__(self):
-        return _backend, (self.name, self.table, tuple(self.options.items()))
-
-    def __copy__(self):
-        return self
+        # a plain name keys (and hashes) as its string
+        key = name if not options and table is None else (name, tuple(sorted(options.items())), id(table))
+        for k, v in (("name", name), ("options", dict(options)), ("table", table), ("_key", key)):
+            object.__setattr__(self, k, v)
 
     def __deepcopy__(self, memo):
         return self
 
     def __eq__(self, other):
         if isinstance(other, str):
-            return not self.options and self.table is None and self.name == other
+            return self._key == other
         return isinstance(other, Backend) and self._key == other._key and self.table is other.table
 
     def __hash__(self):
-        # a plain name hashes as its string, so that Backend("chunk") == "chunk" in sets too
-        return hash(self.name) if not self.options and self.table is None else hash(self._key)
+        return hash(self._key)
 
     def __repr__(self):
         opts = "".join(f", {k}={v!r}" for k, v in sorted(self.options.items()))
@@ -206,13 +174,7 @@ class Backend:
         return _named(value)
 
 
-def _backend(name, table, options) -> Backend:
-    return Backend(name, table=table, **dict(options))
-
-
-@functools.lru_cache(maxsize=None)
-def _named(name) -> Backend:
-    return Backend(name)
+_named = functools.lru_cache(maxsize=None)(Backend)
 
 
 __all__ = ["Backend", "TuningTable", "env_table", "validate_table", "ENV", "SCHEMA"]
