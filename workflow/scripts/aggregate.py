@@ -60,6 +60,7 @@ def flatten(recs: list[dict]):
     """One row per record: identity, shapes.*, stats, eager median, gate, logical.*, memory, facts."""
     rows = []
     for r in recs:
+        gate, eager, clk = r.get("gate") or {}, r.get("eager") or {}, r.get("sm_clock") or {}
         row = {k: r[k] for k in ("stage", "profile", "config_id", "mixer", "backend", "order", "status", "error")}
         row.update({f"shape.{k}": v for k, v in r["shapes"].items()},
                    variant=r["variant"] if isinstance(r.get("variant"), str) else variant(r))
@@ -67,17 +68,15 @@ def flatten(recs: list[dict]):
                     if isinstance(r.get(k), (int, float, str, bool))})
         row.update({k: (r.get("stats") or {}).get(k) for k in records.STATS_KEYS}, n_samples=len(r["samples_ms"]))
         row.update({f"logical.{k}": (r.get("logical") or {}).get(k) for k in records.LOGICAL_KEYS})
-        gate = r.get("gate") or {}
-        row.update(peak_bytes=r.get("peak_bytes"), clock=r.get("clock"),
-                   eager_ms=(r.get("eager") or {}).get("median_ms"), host_ms=(r.get("eager") or {}).get("host_median_ms"),
-                   gate_dtype=gate.get("dtype"),
+        # the host's 1-minute load average over half its CPUs (this process counts one): other work competed
+        load, cpus = clk.get("host_load1_max"), clk.get("host_cpus")
+        row.update(peak_bytes=r.get("peak_bytes"), clock=r.get("clock"), eager_ms=eager.get("median_ms"),
+                   host_ms=eager.get("host_median_ms"), gate_dtype=gate.get("dtype"),
                    gate_err=max(gate["max_rel_err"].values()) if gate.get("max_rel_err") else None,
                    timed_dtype_err=max(gate["timed_dtype_rel_err"].values()) if gate.get("timed_dtype_rel_err") else None,
-                   throttled=(r.get("sm_clock") or {}).get("throttled"),
-                   shared_gpu=(r.get("sm_clock") or {}).get("shared_gpu"),
-                   host_busy=_host_busy(r.get("sm_clock") or {}),
-                   throughput_grid=json.dumps(r["throughput_grid"], sort_keys=True) if r.get("throughput_grid") else None,
-                   counters=json.dumps(r["counters"], sort_keys=True) if r.get("counters") else None,
+                   throttled=clk.get("throttled"), shared_gpu=clk.get("shared_gpu"),
+                   host_busy=None if load is None or not cpus else load > max(cpus / 2, 1.5),
+                   **{k: json.dumps(r[k], sort_keys=True) if r.get(k) else None for k in ("throughput_grid", "counters")},
                    gpu=(r.get("gpu") or {}).get("name", "CPU"), commit=r["commit"]["sha"][:12])
         rows.append(row)
     return pd.DataFrame(rows)
@@ -108,21 +107,6 @@ def add_floor(df, bandwidth: float | None):
 ORDER_TOL_PCT, ORDER_MIN_MS = 5.0, 0.05
 
 
-def _gaps_over_tolerance(paired, gap: str, median: str) -> tuple[int, list]:
-    """Of the configurations in `paired` (both orders) with `median` over ORDER_MIN_MS: how
-    many, and (key, rows) of those whose `gap` between the orders is over ORDER_TOL_PCT."""
-    both = paired.assign(key=order_key(paired)).groupby("key").filter(
-        lambda g: g[median].astype("float64").min() > ORDER_MIN_MS)
-    return both["key"].nunique(), [(k, g) for k, g in both.groupby("key", sort=True) if g[gap].iloc[0] > ORDER_TOL_PCT]
-
-
-def _host_busy(clk: dict) -> bool | None:
-    """The host's 1-minute load average was over half its CPUs (this process counts one)
-    around the record's timing: other work competed for the host."""
-    load, cpus = clk.get("host_load1_max"), clk.get("host_cpus")
-    return None if load is None or not cpus else load > max(cpus / 2, 1.5)
-
-
 def _neighbours(g) -> list[str]:
     """What the records say shared the machine while a configuration was timed."""
     why = []
@@ -133,20 +117,35 @@ def _neighbours(g) -> list[str]:
     return why
 
 
-def order_section(df) -> str:
-    """Whether the run orders agree (medians over ORDER_MIN_MS), and for each gap over
-    ORDER_TOL_PCT the reasons the records give."""
-    if df.empty or "ab_ba_pct" not in df:
-        return ""
-    n, over = _gaps_over_tolerance(df[df["ab_ba_pct"].notna()], "ab_ba_pct", "median_ms")
-    if not n:
+def _order_gaps(paired, col: str, gap: str, head: str, reasons) -> str:
+    """`head` filled with how many configurations of `paired` (both run orders, `col` over
+    ORDER_MIN_MS) agree within ORDER_TOL_PCT, then a row per other with `reasons(rows)`."""
+    both = paired.assign(key=order_key(paired)).groupby("key").filter(
+        lambda g: g[col].astype("float64").min() > ORDER_MIN_MS)
+    if both.empty:
         return ""
     rows = []
-    for k, g in over:
-        by = dict(zip(g["order"], g["median_ms"]))
-        why = []
-        if max(g["p10_ms"]) <= min(g["p95_ms"]):
-            why.append("the orders' P10-P95 ranges overlap")
+    for k, g in both.groupby("key", sort=True):
+        if g[gap].iloc[0] > ORDER_TOL_PCT:
+            by = dict(zip(g["order"], g[col].astype("float64")))
+            rows.append({"configuration": k, f"AB_{col}": by.get("AB"), f"BA_{col}": by.get("BA"),
+                         "gap_pct": g[gap].iloc[0], **reasons(g)})
+    n = both["key"].nunique()
+    text = head.format(agree=n - len(rows), n=n, min=ORDER_MIN_MS, tol=ORDER_TOL_PCT)
+    return text + (" The others, with what their records say:\n\n" + md_table(pd.DataFrame(rows), list(rows[0]))
+                   if rows else "\n")
+
+
+def order_section(df) -> str:
+    """Whether the run orders agree (medians over ORDER_MIN_MS), with the reasons the records
+    give for each gap over ORDER_TOL_PCT; then the same for the eager medians quoted beside a
+    device-clock headline: host time is inside their window, so the device clocks' gap says
+    whether the GPU work or the host moved between the orders."""
+    if df.empty or "ab_ba_pct" not in df:
+        return ""
+
+    def why_median(g):
+        why = ["the orders' P10-P95 ranges overlap"] if max(g["p10_ms"]) <= min(g["p95_ms"]) else []
         if min(g["n_samples"]) < 5:
             why.append(f"{min(g['n_samples'])} sample(s) per order")
         if g["throttled"].fillna(False).astype(bool).any():
@@ -154,37 +153,22 @@ def order_section(df) -> str:
         if not g["clock"].fillna("").str.startswith("device").all():
             why.append("eager clock (host work inside the window)")
         why += _neighbours(g)
-        rows.append({"configuration": k, "AB_ms": by.get("AB"), "BA_ms": by.get("BA"),
-                     "gap_pct": g["ab_ba_pct"].iloc[0], "n_samples": min(g["n_samples"]),
-                     "why": "; ".join(why) or "none in the records: the orders' sample ranges are apart"})
-    head = (f"{n - len(rows)} of {n} configurations timed in both orders with a median over {ORDER_MIN_MS} ms "
-            f"agree within {ORDER_TOL_PCT:g} %.")
-    others = " The others, with what their records say:\n\n" + md_table(
-        pd.DataFrame(rows), ["configuration", "AB_ms", "BA_ms", "gap_pct", "n_samples", "why"]) if rows else "\n"
-    return f"## Run orders\n\n{head}{others}" + eager_orders(df)
+        return {"n_samples": min(g["n_samples"]),
+                "why": "; ".join(why) or "none in the records: the orders' sample ranges are apart"}
 
+    def why_eager(g):
+        dev = g["ab_ba_pct"].iloc[0]
+        moved = (f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %" if dev <= ORDER_TOL_PCT
+                 else "the device clocks differ too (see above)")
+        return {"device_gap_pct": dev, "why": "; ".join([moved, *_neighbours(g)])}
 
-def eager_orders(df) -> str:
-    """The same check for the eager medians quoted beside a device-clock headline: host
-    time is inside their window, so the device clocks' gap says whether the GPU work or
-    the host moved between the orders."""
-    paired = df[df["clock"].fillna("").str.startswith("device") & df["eager_ab_ba_pct"].notna()]
-    n, over = _gaps_over_tolerance(paired, "eager_ab_ba_pct", "eager_ms")
-    if not n:
-        return ""
-    rows = []
-    for k, g in over:
-        by, dev = dict(zip(g["order"], g["eager_ms"].astype("float64"))), g["ab_ba_pct"].iloc[0]
-        rows.append({"configuration": k, "AB_eager_ms": by.get("AB"), "BA_eager_ms": by.get("BA"),
-                     "gap_pct": g["eager_ab_ba_pct"].iloc[0], "device_gap_pct": dev,
-                     "why": "; ".join([f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %"
-                                       if dev <= ORDER_TOL_PCT else "the device clocks differ too (see above)",
-                                       *_neighbours(g)])})
-    head = (f"\nEager medians beside a device-clock headline: {n - len(rows)} of {n} over {ORDER_MIN_MS} ms "
-            f"agree within {ORDER_TOL_PCT:g} % between the orders.")
-    return head + (" The others:\n\n" + md_table(
-        pd.DataFrame(rows), ["configuration", "AB_eager_ms", "BA_eager_ms", "gap_pct", "device_gap_pct", "why"])
-        if rows else "\n")
+    medians = _order_gaps(df[df["ab_ba_pct"].notna()], "median_ms", "ab_ba_pct", "## Run orders\n\n{agree} of {n} "
+                          "configurations timed in both orders with a median over {min} ms agree within {tol:g} %.",
+                          why_median)
+    device = df["clock"].fillna("").str.startswith("device") & df["eager_ab_ba_pct"].notna()
+    return medians and medians + _order_gaps(
+        df[device], "eager_ms", "eager_ab_ba_pct", "\nEager medians beside a device-clock headline: {agree} of {n} "
+        "over {min} ms agree within {tol:g} % between the orders.", why_eager)
 
 
 def ident_cols(df) -> list[str]:
