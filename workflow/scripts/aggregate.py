@@ -53,7 +53,9 @@ VIEWS = (
 def variant(rec: dict) -> str | None:
     """Backend with its launcher options, e.g. "chunk chunk_size=32"."""
     opts = rec.get("options") if isinstance(rec.get("options"), dict) else {}
-    return None if rec["backend"] is None else " ".join([rec["backend"], *(f"{k}={v}" for k, v in sorted(opts.items()))])
+    if rec["backend"] is None:
+        return None
+    return " ".join([rec["backend"], *(f"{k}={v}" for k, v in sorted(opts.items()))])
 
 
 def flatten(recs: list[dict]):
@@ -68,18 +70,18 @@ def flatten(recs: list[dict]):
                     if isinstance(r.get(k), (int, float, str, bool))})
         row.update({k: (r.get("stats") or {}).get(k) for k in records.STATS_KEYS}, n_samples=len(r["samples_ms"]))
         row.update({f"logical.{k}": (r.get("logical") or {}).get(k) for k in records.LOGICAL_KEYS})
-        # the host's 1-minute load average over half its CPUs (this process counts one): other work competed
         load, cpus = clk.get("host_load1_max"), clk.get("host_cpus")
+        # the 1-minute load average over half the host's CPUs (this process counts one): other work competed
+        busy = None if load is None or not cpus else load > max(cpus / 2, 1.5)
+        row.update({k: max(gate[e].values()) if gate.get(e) else None
+                    for k, e in (("gate_err", "max_rel_err"), ("timed_dtype_err", "timed_dtype_rel_err"))})
+        row.update({k: json.dumps(r[k], sort_keys=True) if r.get(k) else None for k in ("throughput_grid", "counters")})
         row.update(peak_bytes=r.get("peak_bytes"), clock=r.get("clock"), eager_ms=eager.get("median_ms"),
-                   host_ms=eager.get("host_median_ms"), gate_dtype=gate.get("dtype"),
-                   gate_err=max(gate["max_rel_err"].values()) if gate.get("max_rel_err") else None,
-                   timed_dtype_err=max(gate["timed_dtype_rel_err"].values()) if gate.get("timed_dtype_rel_err") else None,
-                   throttled=clk.get("throttled"), shared_gpu=clk.get("shared_gpu"),
-                   host_busy=None if load is None or not cpus else load > max(cpus / 2, 1.5),
-                   **{k: json.dumps(r[k], sort_keys=True) if r.get(k) else None for k in ("throughput_grid", "counters")},
+                   host_ms=eager.get("host_median_ms"), gate_dtype=gate.get("dtype"), throttled=clk.get("throttled"),
+                   shared_gpu=clk.get("shared_gpu"), host_busy=busy,
                    gpu=(r.get("gpu") or {}).get("name", "CPU"), commit=r["commit"]["sha"][:12])
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=None if rows else ["stage", "status", "mixer", "config_id"])
 
 
 def order_key(df):
@@ -179,9 +181,9 @@ def ident_cols(df) -> list[str]:
 def comparison(df):
     """SAMU / RG-LRU median ratios per stage, configuration and run order: for every backend
     variant both mixers ran, and for each mixer's fastest ("best")."""
-    ok = df[(df["status"] == "ok") & df["mixer"].isin(MIXERS)] if not df.empty else df
+    ok = df[(df["status"] == "ok") & df["mixer"].isin(MIXERS)]
     rows = []
-    for stage_name, sg in ok.groupby("stage", sort=True) if not ok.empty else []:
+    for stage_name, sg in ok.groupby("stage", sort=True):
         keys = [*ident_cols(sg), "order"]
         for key, g in sg.groupby(keys, dropna=False, sort=True):
             by = {m: g[g["mixer"] == m] for m in MIXERS}
@@ -228,10 +230,10 @@ def stage_tables(df) -> str:
     for name, g in df.groupby("stage", sort=True):
         ids = ident_cols(g)
         ok = g[g["status"] == "ok"].sort_values([*ids, *SERIES[2:]], na_position="first")
-        cols = [*ids, *SERIES, "n_samples", "clock", "p10_ms", "median_ms", "p95_ms", "eager_ms", "host_ms", "ab_ba_pct",
-                *FIGURES,
-                "floor_ms", "x_floor", "gate_dtype", "gate_err", "timed_dtype_err", "throttled", "logical.bytes_read",
-                "logical.bytes_written", "logical.launches", "logical.param_bytes", "logical.state_bytes", "peak_bytes"]
+        cols = [*ids, *SERIES, "n_samples", "clock", "p10_ms", "median_ms", "p95_ms", "eager_ms", "host_ms",
+                "ab_ba_pct", *FIGURES, "floor_ms", "x_floor", "gate_dtype", "gate_err", "timed_dtype_err", "throttled",
+                *(f"logical.{k}" for k in ("bytes_read", "bytes_written", "launches", "param_bytes", "state_bytes")),
+                "peak_bytes"]
         out.append(f"### {name}\n\n{len(ok)} configurations measured; bytes and launches are logical (from the "
                    f"launchers' accounting), not hardware counters.\n\n" + md_table(ok, cols))
         bad = g[g["status"] != "ok"]
@@ -293,15 +295,14 @@ def determined(g, x: str | None, cols) -> set[str]:
 
 def stage_plots(df, folder: Path) -> list[str]:
     """One plot per stage: median time per series against the shape that varies."""
-    ok = df[df["status"] == "ok"] if not df.empty else df
     made = []
-    for name, g in ok.groupby("stage", sort=True) if not ok.empty else []:
+    for name, g in df[df["status"] == "ok"].groupby("stage", sort=True):
         ids = ident_cols(g)
         varying = [c for c in ids if g[c].nunique(dropna=False) > 1]
         fixed = ", ".join(f"{c.removeprefix('shape.')}={_num(g[c].iloc[0])}" for c in ids if c not in varying)
         x = next((c for c in X_AXES if c in varying), None)
-        fixed_by_x = determined(g, x, varying)
-        series = [c for c in SERIES if c in g and g[c].notna().any()] + [c for c in varying if c not in (x, *fixed_by_x)]
+        by_x = determined(g, x, varying)
+        series = [*(c for c in SERIES if c in g and g[c].notna().any()), *(c for c in varying if c not in (x, *by_x))]
         made.append(plot(g, x, "median_ms", series, f"{name}{': ' + fixed if fixed else ''}", folder, name))
     return made
 
@@ -309,7 +310,7 @@ def stage_plots(df, folder: Path) -> list[str]:
 def views(df, folder: Path) -> tuple[str, list[str]]:
     """The summary: per VIEWS entry a table of the best variant per key and mixer, each
     figure "AB / BA", and its plot."""
-    ok = df[df["status"] == "ok"] if not df.empty else df
+    ok = df[df["status"] == "ok"]
     if ok.empty or "role" not in ok.columns:
         return "## Summary\n\nNo track produced records in this run.\n", []
     out, made = ["## Summary\n", "P10 / median / P95 of the raw samples of the headline clock (device time where a "
@@ -318,7 +319,8 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
                  "where a configuration ran in both orders the figures read `AB / BA` (SAMU first / RG-LRU first).\n",
                  ops_view(ok)], []
     for name, title, stage_name, role, keys, cols, x, y, ylabel in VIEWS:
-        g = ok[(ok["stage"] == stage_name) & ((ok["role"] == role) if role else ok.get("exact", True) != False)]  # noqa: E712
+        wanted = (ok["role"] == role) if role else ok.get("exact", True) != False  # noqa: E712 (NaN: exact)
+        g = ok[(ok["stage"] == stage_name) & wanted]
         if stage_name == "train":   # training records that predate the field ran eagerly
             g = g.assign(step_mode=g["step_mode"].fillna("eager") if "step_mode" in g else "eager")
         keys = [k for k in keys if k in g]
@@ -444,15 +446,17 @@ def probe_section(env: dict) -> str:
     lines += [f"- software: Python {sw.get('python')}, torch {sw.get('torch')} (CUDA {sw.get('cuda')}), "
               f"triton {sw.get('triton')}, nvcc {sw.get('nvcc')}",
               f"- CPU: {cpu.get('model')} ({cpu.get('logical_cores')} logical cores)",
-              f"- measured on {m.get('device')}: copy bandwidth {m.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s "
-              f"(bytes read + written), BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
+              f"- measured on {m.get('device')}: copy bandwidth "
+              f"{m.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s (bytes read + written), "
+              f"BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
               f"{m.get('matmul_bf16_flop_per_s', 0) / 1e12:.3g} TFLOP/s",
               *([f"- host time of the smallest launches (median, after 30 ms back to back): "
                  + ", ".join(f"{k} {v['host_median_us']:.1f} us" for k, v in m["host_launch"]["calls"].items())
                  + f" (TEARDOWN_CUPTI={m['host_launch'].get('teardown_cupti')}; the floor under an op's eager "
                  "host time: its launches times the first)"]
                 if m.get("host_launch") else []),
-              f"- hardware counters available: {env.get('counters_available')} ({env.get('counters', {}).get('reason')})",
+              f"- hardware counters available: {env.get('counters_available')} "
+              f"({env.get('counters', {}).get('reason')})",
               f"- container: runtime {ct['runtime']}, image {ct['image']}"
               + (" (stages ran inside it)" if ct.get("inside_pipeline_container") else ""), ""]
     return "\n".join(lines)
@@ -492,7 +496,8 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
     gate covered (checks inexact by design are reported, not gated)."""
     checks = gates["checks"]
     per_backend = [c for c in checks if c["check"].startswith("backends/") and c.get("op") and c.get("backend")]
-    gated = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") not in ("inexact-by-design", "yardstick")}
+    gated = {f"{c['op']}/{c['backend']}" for c in per_backend
+             if c.get("role") not in ("inexact-by-design", "yardstick")}
     inexact = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") == "inexact-by-design"}
     yardstick = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") == "yardstick"}
     timed = timed_implementations(recs, table)
@@ -545,9 +550,11 @@ def main(job):
     atomic.write_text(out.tables, f"<!-- {GENERATED} -->\n\n## Tracks\n\n{tables}\n## SAMU / RG-LRU\n\n{cmp_md}")
     summary, made = views(df, folder)
     made += stage_plots(df, folder)
-    counts = df.groupby(["stage", "status"]).size().to_dict() if not df.empty else {}
+    counts = df.groupby(["stage", "status"]).size().to_dict()
     lines = [
-        f"# SAMU and RG-LRU: study report ({job.profile})", "", f"<!-- {GENERATED} -->", "",
+        # the profile names the archive; the GPU may be another than the profile's (`--config profile=h200` on an H100)
+        f"# SAMU and RG-LRU: study report ({job.profile} profile, measured on "
+        f"{(env.get('torch_device') or {}).get('name') or 'the CPU'})", "", f"<!-- {GENERATED} -->", "",
         f"{len(recs)} records from {len(job.input.records)} tracks; "
         + (", ".join(f"{s} {st}: {n}" for (s, st), n in sorted(counts.items())) or "no measurements")
         + f". Tuning table: {len(table.get('entries', []))} entries." + linear_tiles(table), "",
