@@ -409,23 +409,22 @@ def decode_tune_section(tune_recs: list[dict], table: dict) -> str:
     as µs per layer step (the trajectory over its steps and the layers each step walks),
     the tuning table's choice in bold; a candidate that failed its gate reads "failed"."""
     chosen = {(e["op"], e["B"], e["backend"] + opt_tag(e.get("options") or {})) for e in table.get("decode", [])}
-    out = []
-    for op in sorted({r["op"] for r in tune_recs if str(r.get("op")).endswith("_step") and r.get("role") == "probe"}):
-        cells: dict[int, dict[str, str]] = {}
-        for r in tune_recs:
-            if r.get("op") != op or r.get("role") != "probe":
-                continue
+    cells = []
+    for r in tune_recs:
+        if str(r.get("op")).endswith("_step") and r.get("role") == "probe":
             B, name = r["shapes"]["B"], r["backend"] + opt_tag(r.get("options") or {})
-            if r.get("status") != "ok":
-                cells.setdefault(B, {})[name] = "failed"
-                continue
-            us = r["stats"]["median_ms"] * 1e3 / (r["steps_per_trajectory"] * r.get("layers_per_step", 1))
-            cells.setdefault(B, {})[name] = f"**{us:.3g}**" if (op, B, name) in chosen else f"{us:.3g}"
-        names = sorted({n for c in cells.values() for n in c})
-        rows = [{"B": B, **{n: c.get(n, MISSING) for n in names}} for B, c in sorted(cells.items())]
-        out.append(f"`{op}`:\n\n" + pd.DataFrame(rows).to_markdown(index=False) + "\n")
+            us = r["stats"]["median_ms"] * 1e3 / (r["steps_per_trajectory"] * r.get("layers_per_step", 1)) \
+                if r.get("status") == "ok" else None
+            cell = "failed" if us is None else f"**{us:.3g}**" if (r["op"], B, name) in chosen else f"{us:.3g}"
+            cells.append({"op": r["op"], "B": B, "name": name, "cell": cell})
+    if not cells:
+        return ""
+    out = []
+    for op, g in pd.DataFrame(cells).groupby("op"):
+        grid = g.drop_duplicates(["B", "name"], keep="last").pivot(index="B", columns="name", values="cell")
+        out.append(f"`{op}`:\n\n" + grid.fillna(MISSING).reset_index().to_markdown(index=False) + "\n")
     return ("**Decode step tuning** (µs per layer step, probe medians; the tuning table's choice in bold):\n\n"
-            + "\n".join(out) + "\n") if out else ""
+            + "\n".join(out) + "\n")
 
 
 def probe_section(env: dict) -> str:
