@@ -59,8 +59,8 @@ def main(job):
                 "command_line": os.environ.get(COMMAND_LINE),
                 "files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in sorted(entries.items())}}
     entries[MANIFEST] = (atomic.dumps(manifest) + "\n").encode()
-    prefix = artifact.name.removesuffix(".tar.gz")
-    atomic.write_bytes(artifact, build(entries, prefix, int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())))
+    mtime = int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())
+    atomic.write_bytes(artifact, build(entries, artifact.name.removesuffix(".tar.gz"), mtime))
     problems = verify(artifact)
     if problems:
         artifact.unlink()
