@@ -13,7 +13,6 @@ rule tune:
         **stage_resources("tune"),
     params:
         profile=PROFILE,
-        section="tune",
         settings=PROFILE_CONFIG["tune"],
         records_dir="results/tune/records.d",
     script:
