@@ -97,17 +97,10 @@ _WORLD = PROFILE_CONFIG["train"].get("world_size", 1)
 TRACKS = ("ops", "scan", "train", "infer") + (("train_fsdp",) if _WORLD > 1 else ())
 
 
-def log_path(rule):
-    return f"results/logs/{rule}.log"
-
-
-def benchmark_path(rule):
-    return f"results/benchmarks/{rule}.tsv"
-
-
 # Each stage's job: whole GPUs (`gpu`), host memory (`mem_mb`), wall minutes (`runtime`);
 # a SLURM job asks for them (workflow/profiles/slurm). On one node `gpu` counts against
-# `--resources gpu=N`, N = 1 unless given, so one GPU stage runs at a time.
+# `--resources gpu=N`, N = 1 unless given, so one GPU stage runs at a time. The CPU
+# profile's jobs are small and take no GPU.
 if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
 STAGE_RESOURCES = {
@@ -119,14 +112,10 @@ STAGE_RESOURCES = {
     "aggregate": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
     "archive": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
 }
-SMOKE_RESOURCES = {"gpu": 0, "mem_mb": 2000, "runtime": 30}
-
-
-def stage_resources(stage):
-    """The resources of a stage's job in the active profile (see STAGE_RESOURCES)."""
-    if PROFILE_CONFIG["audit"]["device"] == "cpu":
-        return SMOKE_RESOURCES
-    return STAGE_RESOURCES[stage]
+if PROFILE_CONFIG["audit"]["device"] == "cpu":
+    STAGE_RESOURCES = dict.fromkeys(
+        STAGE_RESOURCES, {"gpu": 0, "mem_mb": 2000, "runtime": 30}
+    )
 
 
 def reported(path, caption, category, **kwargs):

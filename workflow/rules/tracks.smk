@@ -27,11 +27,11 @@ for _track, _inputs in _INPUTS.items():
                 else f"results/tracks/{_track}/records.jsonl"
             ),
         log:
-            log_path(f"track_{_track}"),
+            f"results/logs/track_{_track}.log",
         benchmark:
-            benchmark_path(f"track_{_track}")
+            f"results/benchmarks/track_{_track}.tsv"
         resources:
-            **stage_resources("track_fsdp" if _track == "train_fsdp" else "track"),
+            **STAGE_RESOURCES["track_fsdp" if _track == "train_fsdp" else "track"],
         params:
             profile=PROFILE,
             section=_track,
