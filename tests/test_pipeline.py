@@ -316,6 +316,24 @@ def test_archive_holds_this_run_only(tmp_path):
     assert sorted(p.relative_to(root).as_posix() for p in got) == sorted(mine)
 
 
+def test_archive_manifest_names_the_gpu_the_probe_ran_on(tmp_path):
+    """The artifact is named by the profile; its manifest says which GPU ran it (here the
+    h200 profile forced on an H100)."""
+    import archive
+
+    env = tmp_path / "results" / "probe" / "environment.json"
+    env.parent.mkdir(parents=True)
+    env.write_text(json.dumps({"torch_device": {"name": "NVIDIA H100 80GB HBM3"}}))
+    out = tmp_path / "results" / "artifact-x-h200.tar.gz"
+    archive.main(stage.Job(rule="archive", script="archive.py", input=stage.Files([str(env)], {"environment": str(env)}),
+                           output=stage.Files([str(out)], {"artifact": str(out)}),
+                           params={"profile": "h200", "runtime": "none", "image": "img:1"}, config={"profile": "h200"}))
+    with tarfile.open(out) as tar:
+        manifest = json.loads(tar.extractfile("artifact-x-h200/MANIFEST.json").read())
+    assert manifest["profile"] == "h200" and manifest["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert "results/probe/environment.json" in manifest["files"]
+
+
 # ---- the report ---------------------------------------------------------------------
 
 

@@ -82,6 +82,7 @@ def test_outputs_records_and_report(smoke):
         n += len(recs)
     report = (repo / "results/report/report.md").read_text()
     assert "cpu-smoke" in report and "results/probe/environment.json" in report and "results/audit/audit.md" in report
+    assert report.startswith("# SAMU and RG-LRU: study report (cpu-smoke profile, measured on the CPU)")
     assert f"{n} records" in report
     plots = {p.name for p in (repo / "results/report/plots").glob("*.png")}
     # The study's headline figures exist beside the per-stage ones, and the report shows them.
@@ -120,6 +121,7 @@ def test_archive_verifies_and_tampering_is_caught(smoke, tmp_path):
     assert manifest["profile"] == "cpu-smoke" and manifest["commit"]["dirty"] is False
     assert manifest["command_line"].startswith("snakemake") and "profile=cpu-smoke" in manifest["command_line"]
     assert manifest["config"]["profile"] == "cpu-smoke" and manifest["probe"]["has_gpu"] is False
+    assert manifest["gpu"] is None
     assert manifest["container"]["runtime"] in ("none", "docker")
     assert {"results/probe/environment.json", "results/audit/gates.json", "results/report/report.md",
             "config/config.yaml"} <= set(manifest["files"])

@@ -18,11 +18,11 @@ rule aggregate:
             patterns=["{name}.png"],
         ),
     log:
-        log_path("aggregate"),
+        "results/logs/aggregate.log",
     benchmark:
-        benchmark_path("aggregate")
+        "results/benchmarks/aggregate.tsv"
     resources:
-        **stage_resources("aggregate"),
+        **STAGE_RESOURCES["aggregate"],
     params:
         profile=PROFILE,
     script:

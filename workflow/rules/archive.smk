@@ -8,11 +8,11 @@ rule archive:
     output:
         artifact=ARTIFACT,
     log:
-        log_path("archive"),
+        "results/logs/archive.log",
     benchmark:
-        benchmark_path("archive")
+        "results/benchmarks/archive.tsv"
     resources:
-        **stage_resources("archive"),
+        **STAGE_RESOURCES["archive"],
     params:
         profile=PROFILE,
         image=config["container"]["image"],

@@ -5,11 +5,11 @@ rule audit:
         gates=reported("results/audit/gates.json", "audit", "Correctness audit"),
         summary=reported("results/audit/audit.md", "audit", "Correctness audit"),
     log:
-        log_path("audit"),
+        "results/logs/audit.log",
     benchmark:
-        benchmark_path("audit")
+        "results/benchmarks/audit.tsv"
     resources:
-        **stage_resources("audit"),
+        **STAGE_RESOURCES["audit"],
     params:
         profile=PROFILE,
         settings=PROFILE_CONFIG["audit"],

@@ -3,7 +3,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from snakemake.utils import min_version, update_config, validate
+from snakemake.utils import min_version, update_config
 
 min_version("9.0")
 
@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow" / "scripts"))
 from common import config_check, cost, facts
 from common.recovery import executes, recover
 from common.profile import choice, gpu_names, resolve_profile
+from common.stage import COMMAND_LINE
 
 
 configfile: "config.yaml"
@@ -20,16 +21,11 @@ configfile: "config.yaml"
 update_config(
     config, config_check.typed_overrides(dict(workflow.config_settings.config or {}))
 )
-# One short line per problem (Snakemake's own message prints the whole config).
-_errors = config_check.schema_errors(
-    config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml"
-)
-if _errors:
-    raise WorkflowError("Error validating config file:\n  " + "\n  ".join(_errors))
-validate(config, "../schemas/config.schema.yaml")
-
 _GPUS = gpu_names()
 try:
+    config_check.validate(
+        config, Path(workflow.basedir) / "workflow/schemas/config.schema.yaml"
+    )
     PROFILE, PROFILE_CONFIG = resolve_profile(config, gpus=_GPUS)
 except ValueError as e:
     raise WorkflowError(str(e)) from None
@@ -88,35 +84,23 @@ _IMAGE = config["container"]["image"]
 CONTAINER = (
     _IMAGE if "://" in _IMAGE or _IMAGE.endswith(".sif") else f"docker://{_IMAGE}"
 )
-COMMIT = facts.commit()
+_COMMIT = facts.commit()
 # Named by what it holds (commit, tree state, profile), never by the date, so that
 # a resumed run finishes the same artifact.
-ARTIFACT = "results/artifact-{commit}{dirty}-{profile}.tar.gz".format(
-    commit=COMMIT["sha"][:12],
-    dirty="-dirty" if COMMIT["dirty"] else "",
-    profile=PROFILE,
-)
+_SOURCE = _COMMIT["sha"][:12] + ("-dirty" if _COMMIT["dirty"] else "")
+ARTIFACT = f"results/artifact-{_SOURCE}-{PROFILE}.tar.gz"
 # The archive's manifest records the command line; an environment variable rather
 # than a rule param, so that `-n` or `--cores 2` does not make the archive stale.
-COMMAND_LINE_ENV = "KERNELS_PIPELINE_COMMAND_LINE"
-os.environ[COMMAND_LINE_ENV] = shlex.join(["snakemake", *sys.argv[1:]])
+os.environ[COMMAND_LINE] = shlex.join(["snakemake", *sys.argv[1:]])
 # The FSDP2 training track joins the run when the profile asks for more than one GPU.
-TRACKS = ("ops", "scan", "train", "infer") + (
-    ("train_fsdp",) if PROFILE_CONFIG["train"].get("world_size", 1) > 1 else ()
-)
-
-
-def log_path(rule):
-    return f"results/logs/{rule}.log"
-
-
-def benchmark_path(rule):
-    return f"results/benchmarks/{rule}.tsv"
+_WORLD = PROFILE_CONFIG["train"].get("world_size", 1)
+TRACKS = ("ops", "scan", "train", "infer") + (("train_fsdp",) if _WORLD > 1 else ())
 
 
 # Each stage's job: whole GPUs (`gpu`), host memory (`mem_mb`), wall minutes (`runtime`);
 # a SLURM job asks for them (workflow/profiles/slurm). On one node `gpu` counts against
-# `--resources gpu=N`, N = 1 unless given, so one GPU stage runs at a time.
+# `--resources gpu=N`, N = 1 unless given, so one GPU stage runs at a time. The CPU
+# profile's jobs are small and take no GPU.
 if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
 STAGE_RESOURCES = {
@@ -124,22 +108,14 @@ STAGE_RESOURCES = {
     "audit": {"gpu": 1, "mem_mb": 32000, "runtime": 60},
     "tune": {"gpu": 1, "mem_mb": 32000, "runtime": 240},
     "track": {"gpu": 1, "mem_mb": 64000, "runtime": 480},
-    "track_fsdp": {
-        "gpu": PROFILE_CONFIG["train"].get("world_size", 1),
-        "mem_mb": 128000,
-        "runtime": 480,
-    },
+    "track_fsdp": {"gpu": _WORLD, "mem_mb": 128000, "runtime": 480},
     "aggregate": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
     "archive": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
 }
-SMOKE_RESOURCES = {"gpu": 0, "mem_mb": 2000, "runtime": 30}
-
-
-def stage_resources(stage):
-    """The resources of a stage's job in the active profile (see STAGE_RESOURCES)."""
-    if PROFILE_CONFIG["audit"]["device"] == "cpu":
-        return SMOKE_RESOURCES
-    return STAGE_RESOURCES[stage]
+if PROFILE_CONFIG["audit"]["device"] == "cpu":
+    STAGE_RESOURCES = dict.fromkeys(
+        STAGE_RESOURCES, {"gpu": 0, "mem_mb": 2000, "runtime": 30}
+    )
 
 
 def reported(path, caption, category, **kwargs):

@@ -2,11 +2,11 @@ rule probe:
     output:
         environment=reported("results/probe/environment.json", "probe", "Environment"),
     log:
-        log_path("probe"),
+        "results/logs/probe.log",
     benchmark:
-        benchmark_path("probe")
+        "results/benchmarks/probe.tsv"
     resources:
-        **stage_resources("probe"),
+        **STAGE_RESOURCES["probe"],
     params:
         profile=PROFILE,
         settings=PROFILE_CONFIG["probe"],

@@ -1,13 +1,24 @@
-# Every track reads the probe; all but the ops track also the audit and the tuning table.
+# Every track reads the probe; the others also the tuning table, the single-GPU ones the
+# audit's gates, the FSDP2 track the single-GPU training records (it runs after them).
 # `script:` is read after the loop has ended, so its path is formatted from params.
 _GATED = {"gates": rules.audit.output.gates, "table": rules.tune.output.table}
-for _track in ("ops", "scan", "train", "infer"):
+_INPUTS = {
+    "ops": {},
+    "scan": _GATED,
+    "train": _GATED,
+    "infer": _GATED,
+    "train_fsdp": {
+        "table": rules.tune.output.table,
+        "single": "results/tracks/train/records.jsonl",
+    },
+}
+for _track, _inputs in _INPUTS.items():
 
     rule:
         name:
             f"track_{_track}"
         input:
-            **({} if _track == "ops" else _GATED),
+            **_inputs,
             environment=rules.probe.output.environment,
         output:
             records=(
@@ -16,37 +27,15 @@ for _track in ("ops", "scan", "train", "infer"):
                 else f"results/tracks/{_track}/records.jsonl"
             ),
         log:
-            log_path(f"track_{_track}"),
+            f"results/logs/track_{_track}.log",
         benchmark:
-            benchmark_path(f"track_{_track}")
+            f"results/benchmarks/track_{_track}.tsv"
         resources:
-            **stage_resources("track"),
+            **STAGE_RESOURCES["track_fsdp" if _track == "train_fsdp" else "track"],
         params:
             profile=PROFILE,
             section=_track,
-            settings=PROFILE_CONFIG[_track],
+            settings=PROFILE_CONFIG[_track.removesuffix("_fsdp")],
             records_dir=f"results/tracks/{_track}/records.d",
         script:
             "../scripts/track_{params.section}.py"
-
-
-rule track_train_fsdp:
-    input:
-        environment=rules.probe.output.environment,
-        table=rules.tune.output.table,
-        single=rules.track_train.output.records,
-    output:
-        records="results/tracks/train_fsdp/records.jsonl",
-    log:
-        log_path("track_train_fsdp"),
-    benchmark:
-        benchmark_path("track_train_fsdp")
-    resources:
-        **stage_resources("track_fsdp"),
-    params:
-        profile=PROFILE,
-        section="train",
-        settings=PROFILE_CONFIG["train"],
-        records_dir="results/tracks/train_fsdp/records.d",
-    script:
-        "../scripts/track_train_fsdp.py"

@@ -6,14 +6,13 @@ rule tune:
         table=reported("results/tune/tuning.json", "tune", "Tuning"),
         records="results/tune/records.jsonl",
     log:
-        log_path("tune"),
+        "results/logs/tune.log",
     benchmark:
-        benchmark_path("tune")
+        "results/benchmarks/tune.tsv"
     resources:
-        **stage_resources("tune"),
+        **STAGE_RESOURCES["tune"],
     params:
         profile=PROFILE,
-        section="tune",
         settings=PROFILE_CONFIG["tune"],
         records_dir="results/tune/records.d",
     script:

@@ -53,13 +53,16 @@ VIEWS = (
 def variant(rec: dict) -> str | None:
     """Backend with its launcher options, e.g. "chunk chunk_size=32"."""
     opts = rec.get("options") if isinstance(rec.get("options"), dict) else {}
-    return None if rec["backend"] is None else " ".join([rec["backend"], *(f"{k}={v}" for k, v in sorted(opts.items()))])
+    if rec["backend"] is None:
+        return None
+    return " ".join([rec["backend"], *(f"{k}={v}" for k, v in sorted(opts.items()))])
 
 
 def flatten(recs: list[dict]):
     """One row per record: identity, shapes.*, stats, eager median, gate, logical.*, memory, facts."""
     rows = []
     for r in recs:
+        gate, eager, clk = r.get("gate") or {}, r.get("eager") or {}, r.get("sm_clock") or {}
         row = {k: r[k] for k in ("stage", "profile", "config_id", "mixer", "backend", "order", "status", "error")}
         row.update({f"shape.{k}": v for k, v in r["shapes"].items()},
                    variant=r["variant"] if isinstance(r.get("variant"), str) else variant(r))
@@ -67,20 +70,18 @@ def flatten(recs: list[dict]):
                     if isinstance(r.get(k), (int, float, str, bool))})
         row.update({k: (r.get("stats") or {}).get(k) for k in records.STATS_KEYS}, n_samples=len(r["samples_ms"]))
         row.update({f"logical.{k}": (r.get("logical") or {}).get(k) for k in records.LOGICAL_KEYS})
-        gate = r.get("gate") or {}
-        row.update(peak_bytes=r.get("peak_bytes"), clock=r.get("clock"),
-                   eager_ms=(r.get("eager") or {}).get("median_ms"), host_ms=(r.get("eager") or {}).get("host_median_ms"),
-                   gate_dtype=gate.get("dtype"),
-                   gate_err=max(gate["max_rel_err"].values()) if gate.get("max_rel_err") else None,
-                   timed_dtype_err=max(gate["timed_dtype_rel_err"].values()) if gate.get("timed_dtype_rel_err") else None,
-                   throttled=(r.get("sm_clock") or {}).get("throttled"),
-                   shared_gpu=(r.get("sm_clock") or {}).get("shared_gpu"),
-                   host_busy=_host_busy(r.get("sm_clock") or {}),
-                   throughput_grid=json.dumps(r["throughput_grid"], sort_keys=True) if r.get("throughput_grid") else None,
-                   counters=json.dumps(r["counters"], sort_keys=True) if r.get("counters") else None,
+        load, cpus = clk.get("host_load1_max"), clk.get("host_cpus")
+        # the 1-minute load average over half the host's CPUs (this process counts one): other work competed
+        busy = None if load is None or not cpus else load > max(cpus / 2, 1.5)
+        row.update({k: max(gate[e].values()) if gate.get(e) else None
+                    for k, e in (("gate_err", "max_rel_err"), ("timed_dtype_err", "timed_dtype_rel_err"))})
+        row.update({k: json.dumps(r[k], sort_keys=True) if r.get(k) else None for k in ("throughput_grid", "counters")})
+        row.update(peak_bytes=r.get("peak_bytes"), clock=r.get("clock"), eager_ms=eager.get("median_ms"),
+                   host_ms=eager.get("host_median_ms"), gate_dtype=gate.get("dtype"), throttled=clk.get("throttled"),
+                   shared_gpu=clk.get("shared_gpu"), host_busy=busy,
                    gpu=(r.get("gpu") or {}).get("name", "CPU"), commit=r["commit"]["sha"][:12])
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=None if rows else ["stage", "status", "mixer", "config_id"])
 
 
 def order_key(df):
@@ -108,21 +109,6 @@ def add_floor(df, bandwidth: float | None):
 ORDER_TOL_PCT, ORDER_MIN_MS = 5.0, 0.05
 
 
-def _gaps_over_tolerance(paired, gap: str, median: str) -> tuple[int, list]:
-    """Of the configurations in `paired` (both orders) with `median` over ORDER_MIN_MS: how
-    many, and (key, rows) of those whose `gap` between the orders is over ORDER_TOL_PCT."""
-    both = paired.assign(key=order_key(paired)).groupby("key").filter(
-        lambda g: g[median].astype("float64").min() > ORDER_MIN_MS)
-    return both["key"].nunique(), [(k, g) for k, g in both.groupby("key", sort=True) if g[gap].iloc[0] > ORDER_TOL_PCT]
-
-
-def _host_busy(clk: dict) -> bool | None:
-    """The host's 1-minute load average was over half its CPUs (this process counts one)
-    around the record's timing: other work competed for the host."""
-    load, cpus = clk.get("host_load1_max"), clk.get("host_cpus")
-    return None if load is None or not cpus else load > max(cpus / 2, 1.5)
-
-
 def _neighbours(g) -> list[str]:
     """What the records say shared the machine while a configuration was timed."""
     why = []
@@ -133,20 +119,35 @@ def _neighbours(g) -> list[str]:
     return why
 
 
-def order_section(df) -> str:
-    """Whether the run orders agree (medians over ORDER_MIN_MS), and for each gap over
-    ORDER_TOL_PCT the reasons the records give."""
-    if df.empty or "ab_ba_pct" not in df:
-        return ""
-    n, over = _gaps_over_tolerance(df[df["ab_ba_pct"].notna()], "ab_ba_pct", "median_ms")
-    if not n:
+def _order_gaps(paired, col: str, gap: str, head: str, reasons) -> str:
+    """`head` filled with how many configurations of `paired` (both run orders, `col` over
+    ORDER_MIN_MS) agree within ORDER_TOL_PCT, then a row per other with `reasons(rows)`."""
+    both = paired.assign(key=order_key(paired)).groupby("key").filter(
+        lambda g: g[col].astype("float64").min() > ORDER_MIN_MS)
+    if both.empty:
         return ""
     rows = []
-    for k, g in over:
-        by = dict(zip(g["order"], g["median_ms"]))
-        why = []
-        if max(g["p10_ms"]) <= min(g["p95_ms"]):
-            why.append("the orders' P10-P95 ranges overlap")
+    for k, g in both.groupby("key", sort=True):
+        if g[gap].iloc[0] > ORDER_TOL_PCT:
+            by = dict(zip(g["order"], g[col].astype("float64")))
+            rows.append({"configuration": k, f"AB_{col}": by.get("AB"), f"BA_{col}": by.get("BA"),
+                         "gap_pct": g[gap].iloc[0], **reasons(g)})
+    n = both["key"].nunique()
+    text = head.format(agree=n - len(rows), n=n, min=ORDER_MIN_MS, tol=ORDER_TOL_PCT)
+    return text + (" The others, with what their records say:\n\n" + md_table(pd.DataFrame(rows), list(rows[0]))
+                   if rows else "\n")
+
+
+def order_section(df) -> str:
+    """Whether the run orders agree (medians over ORDER_MIN_MS), with the reasons the records
+    give for each gap over ORDER_TOL_PCT; then the same for the eager medians quoted beside a
+    device-clock headline: host time is inside their window, so the device clocks' gap says
+    whether the GPU work or the host moved between the orders."""
+    if df.empty or "ab_ba_pct" not in df:
+        return ""
+
+    def why_median(g):
+        why = ["the orders' P10-P95 ranges overlap"] if max(g["p10_ms"]) <= min(g["p95_ms"]) else []
         if min(g["n_samples"]) < 5:
             why.append(f"{min(g['n_samples'])} sample(s) per order")
         if g["throttled"].fillna(False).astype(bool).any():
@@ -154,37 +155,22 @@ def order_section(df) -> str:
         if not g["clock"].fillna("").str.startswith("device").all():
             why.append("eager clock (host work inside the window)")
         why += _neighbours(g)
-        rows.append({"configuration": k, "AB_ms": by.get("AB"), "BA_ms": by.get("BA"),
-                     "gap_pct": g["ab_ba_pct"].iloc[0], "n_samples": min(g["n_samples"]),
-                     "why": "; ".join(why) or "none in the records: the orders' sample ranges are apart"})
-    head = (f"{n - len(rows)} of {n} configurations timed in both orders with a median over {ORDER_MIN_MS} ms "
-            f"agree within {ORDER_TOL_PCT:g} %.")
-    others = " The others, with what their records say:\n\n" + md_table(
-        pd.DataFrame(rows), ["configuration", "AB_ms", "BA_ms", "gap_pct", "n_samples", "why"]) if rows else "\n"
-    return f"## Run orders\n\n{head}{others}" + eager_orders(df)
+        return {"n_samples": min(g["n_samples"]),
+                "why": "; ".join(why) or "none in the records: the orders' sample ranges are apart"}
 
+    def why_eager(g):
+        dev = g["ab_ba_pct"].iloc[0]
+        moved = (f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %" if dev <= ORDER_TOL_PCT
+                 else "the device clocks differ too (see above)")
+        return {"device_gap_pct": dev, "why": "; ".join([moved, *_neighbours(g)])}
 
-def eager_orders(df) -> str:
-    """The same check for the eager medians quoted beside a device-clock headline: host
-    time is inside their window, so the device clocks' gap says whether the GPU work or
-    the host moved between the orders."""
-    paired = df[df["clock"].fillna("").str.startswith("device") & df["eager_ab_ba_pct"].notna()]
-    n, over = _gaps_over_tolerance(paired, "eager_ab_ba_pct", "eager_ms")
-    if not n:
-        return ""
-    rows = []
-    for k, g in over:
-        by, dev = dict(zip(g["order"], g["eager_ms"].astype("float64"))), g["ab_ba_pct"].iloc[0]
-        rows.append({"configuration": k, "AB_eager_ms": by.get("AB"), "BA_eager_ms": by.get("BA"),
-                     "gap_pct": g["eager_ab_ba_pct"].iloc[0], "device_gap_pct": dev,
-                     "why": "; ".join([f"host time: the device clocks agree within {ORDER_TOL_PCT:g} %"
-                                       if dev <= ORDER_TOL_PCT else "the device clocks differ too (see above)",
-                                       *_neighbours(g)])})
-    head = (f"\nEager medians beside a device-clock headline: {n - len(rows)} of {n} over {ORDER_MIN_MS} ms "
-            f"agree within {ORDER_TOL_PCT:g} % between the orders.")
-    return head + (" The others:\n\n" + md_table(
-        pd.DataFrame(rows), ["configuration", "AB_eager_ms", "BA_eager_ms", "gap_pct", "device_gap_pct", "why"])
-        if rows else "\n")
+    medians = _order_gaps(df[df["ab_ba_pct"].notna()], "median_ms", "ab_ba_pct", "## Run orders\n\n{agree} of {n} "
+                          "configurations timed in both orders with a median over {min} ms agree within {tol:g} %.",
+                          why_median)
+    device = df["clock"].fillna("").str.startswith("device") & df["eager_ab_ba_pct"].notna()
+    return medians and medians + _order_gaps(
+        df[device], "eager_ms", "eager_ab_ba_pct", "\nEager medians beside a device-clock headline: {agree} of {n} "
+        "over {min} ms agree within {tol:g} % between the orders.", why_eager)
 
 
 def ident_cols(df) -> list[str]:
@@ -195,9 +181,9 @@ def ident_cols(df) -> list[str]:
 def comparison(df):
     """SAMU / RG-LRU median ratios per stage, configuration and run order: for every backend
     variant both mixers ran, and for each mixer's fastest ("best")."""
-    ok = df[(df["status"] == "ok") & df["mixer"].isin(MIXERS)] if not df.empty else df
+    ok = df[(df["status"] == "ok") & df["mixer"].isin(MIXERS)]
     rows = []
-    for stage_name, sg in ok.groupby("stage", sort=True) if not ok.empty else []:
+    for stage_name, sg in ok.groupby("stage", sort=True):
         keys = [*ident_cols(sg), "order"]
         for key, g in sg.groupby(keys, dropna=False, sort=True):
             by = {m: g[g["mixer"] == m] for m in MIXERS}
@@ -244,10 +230,10 @@ def stage_tables(df) -> str:
     for name, g in df.groupby("stage", sort=True):
         ids = ident_cols(g)
         ok = g[g["status"] == "ok"].sort_values([*ids, *SERIES[2:]], na_position="first")
-        cols = [*ids, *SERIES, "n_samples", "clock", "p10_ms", "median_ms", "p95_ms", "eager_ms", "host_ms", "ab_ba_pct",
-                *FIGURES,
-                "floor_ms", "x_floor", "gate_dtype", "gate_err", "timed_dtype_err", "throttled", "logical.bytes_read",
-                "logical.bytes_written", "logical.launches", "logical.param_bytes", "logical.state_bytes", "peak_bytes"]
+        cols = [*ids, *SERIES, "n_samples", "clock", "p10_ms", "median_ms", "p95_ms", "eager_ms", "host_ms",
+                "ab_ba_pct", *FIGURES, "floor_ms", "x_floor", "gate_dtype", "gate_err", "timed_dtype_err", "throttled",
+                *(f"logical.{k}" for k in ("bytes_read", "bytes_written", "launches", "param_bytes", "state_bytes")),
+                "peak_bytes"]
         out.append(f"### {name}\n\n{len(ok)} configurations measured; bytes and launches are logical (from the "
                    f"launchers' accounting), not hardware counters.\n\n" + md_table(ok, cols))
         bad = g[g["status"] != "ok"]
@@ -309,15 +295,14 @@ def determined(g, x: str | None, cols) -> set[str]:
 
 def stage_plots(df, folder: Path) -> list[str]:
     """One plot per stage: median time per series against the shape that varies."""
-    ok = df[df["status"] == "ok"] if not df.empty else df
     made = []
-    for name, g in ok.groupby("stage", sort=True) if not ok.empty else []:
+    for name, g in df[df["status"] == "ok"].groupby("stage", sort=True):
         ids = ident_cols(g)
         varying = [c for c in ids if g[c].nunique(dropna=False) > 1]
         fixed = ", ".join(f"{c.removeprefix('shape.')}={_num(g[c].iloc[0])}" for c in ids if c not in varying)
         x = next((c for c in X_AXES if c in varying), None)
-        fixed_by_x = determined(g, x, varying)
-        series = [c for c in SERIES if c in g and g[c].notna().any()] + [c for c in varying if c not in (x, *fixed_by_x)]
+        by_x = determined(g, x, varying)
+        series = [*(c for c in SERIES if c in g and g[c].notna().any()), *(c for c in varying if c not in (x, *by_x))]
         made.append(plot(g, x, "median_ms", series, f"{name}{': ' + fixed if fixed else ''}", folder, name))
     return made
 
@@ -325,7 +310,7 @@ def stage_plots(df, folder: Path) -> list[str]:
 def views(df, folder: Path) -> tuple[str, list[str]]:
     """The summary: per VIEWS entry a table of the best variant per key and mixer, each
     figure "AB / BA", and its plot."""
-    ok = df[df["status"] == "ok"] if not df.empty else df
+    ok = df[df["status"] == "ok"]
     if ok.empty or "role" not in ok.columns:
         return "## Summary\n\nNo track produced records in this run.\n", []
     out, made = ["## Summary\n", "P10 / median / P95 of the raw samples of the headline clock (device time where a "
@@ -334,7 +319,8 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
                  "where a configuration ran in both orders the figures read `AB / BA` (SAMU first / RG-LRU first).\n",
                  ops_view(ok)], []
     for name, title, stage_name, role, keys, cols, x, y, ylabel in VIEWS:
-        g = ok[(ok["stage"] == stage_name) & ((ok["role"] == role) if role else ok.get("exact", True) != False)]  # noqa: E712
+        wanted = (ok["role"] == role) if role else ok.get("exact", True) != False  # noqa: E712 (NaN: exact)
+        g = ok[(ok["stage"] == stage_name) & wanted]
         if stage_name == "train":   # training records that predate the field ran eagerly
             g = g.assign(step_mode=g["step_mode"].fillna("eager") if "step_mode" in g else "eager")
         keys = [k for k in keys if k in g]
@@ -423,23 +409,22 @@ def decode_tune_section(tune_recs: list[dict], table: dict) -> str:
     as µs per layer step (the trajectory over its steps and the layers each step walks),
     the tuning table's choice in bold; a candidate that failed its gate reads "failed"."""
     chosen = {(e["op"], e["B"], e["backend"] + opt_tag(e.get("options") or {})) for e in table.get("decode", [])}
-    out = []
-    for op in sorted({r["op"] for r in tune_recs if str(r.get("op")).endswith("_step") and r.get("role") == "probe"}):
-        cells: dict[int, dict[str, str]] = {}
-        for r in tune_recs:
-            if r.get("op") != op or r.get("role") != "probe":
-                continue
+    cells = []
+    for r in tune_recs:
+        if str(r.get("op")).endswith("_step") and r.get("role") == "probe":
             B, name = r["shapes"]["B"], r["backend"] + opt_tag(r.get("options") or {})
-            if r.get("status") != "ok":
-                cells.setdefault(B, {})[name] = "failed"
-                continue
-            us = r["stats"]["median_ms"] * 1e3 / (r["steps_per_trajectory"] * r.get("layers_per_step", 1))
-            cells.setdefault(B, {})[name] = f"**{us:.3g}**" if (op, B, name) in chosen else f"{us:.3g}"
-        names = sorted({n for c in cells.values() for n in c})
-        rows = [{"B": B, **{n: c.get(n, MISSING) for n in names}} for B, c in sorted(cells.items())]
-        out.append(f"`{op}`:\n\n" + pd.DataFrame(rows).to_markdown(index=False) + "\n")
+            us = r["stats"]["median_ms"] * 1e3 / (r["steps_per_trajectory"] * r.get("layers_per_step", 1)) \
+                if r.get("status") == "ok" else None
+            cell = "failed" if us is None else f"**{us:.3g}**" if (r["op"], B, name) in chosen else f"{us:.3g}"
+            cells.append({"op": r["op"], "B": B, "name": name, "cell": cell})
+    if not cells:
+        return ""
+    out = []
+    for op, g in pd.DataFrame(cells).groupby("op"):
+        grid = g.drop_duplicates(["B", "name"], keep="last").pivot(index="B", columns="name", values="cell")
+        out.append(f"`{op}`:\n\n" + grid.fillna(MISSING).reset_index().to_markdown(index=False) + "\n")
     return ("**Decode step tuning** (µs per layer step, probe medians; the tuning table's choice in bold):\n\n"
-            + "\n".join(out) + "\n") if out else ""
+            + "\n".join(out) + "\n")
 
 
 def probe_section(env: dict) -> str:
@@ -460,15 +445,17 @@ def probe_section(env: dict) -> str:
     lines += [f"- software: Python {sw.get('python')}, torch {sw.get('torch')} (CUDA {sw.get('cuda')}), "
               f"triton {sw.get('triton')}, nvcc {sw.get('nvcc')}",
               f"- CPU: {cpu.get('model')} ({cpu.get('logical_cores')} logical cores)",
-              f"- measured on {m.get('device')}: copy bandwidth {m.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s "
-              f"(bytes read + written), BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
+              f"- measured on {m.get('device')}: copy bandwidth "
+              f"{m.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s (bytes read + written), "
+              f"BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
               f"{m.get('matmul_bf16_flop_per_s', 0) / 1e12:.3g} TFLOP/s",
               *([f"- host time of the smallest launches (median, after 30 ms back to back): "
                  + ", ".join(f"{k} {v['host_median_us']:.1f} us" for k, v in m["host_launch"]["calls"].items())
                  + f" (TEARDOWN_CUPTI={m['host_launch'].get('teardown_cupti')}; the floor under an op's eager "
                  "host time: its launches times the first)"]
                 if m.get("host_launch") else []),
-              f"- hardware counters available: {env.get('counters_available')} ({env.get('counters', {}).get('reason')})",
+              f"- hardware counters available: {env.get('counters_available')} "
+              f"({env.get('counters', {}).get('reason')})",
               f"- container: runtime {ct['runtime']}, image {ct['image']}"
               + (" (stages ran inside it)" if ct.get("inside_pipeline_container") else ""), ""]
     return "\n".join(lines)
@@ -508,7 +495,8 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
     gate covered (checks inexact by design are reported, not gated)."""
     checks = gates["checks"]
     per_backend = [c for c in checks if c["check"].startswith("backends/") and c.get("op") and c.get("backend")]
-    gated = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") not in ("inexact-by-design", "yardstick")}
+    gated = {f"{c['op']}/{c['backend']}" for c in per_backend
+             if c.get("role") not in ("inexact-by-design", "yardstick")}
     inexact = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") == "inexact-by-design"}
     yardstick = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") == "yardstick"}
     timed = timed_implementations(recs, table)
@@ -561,9 +549,11 @@ def main(job):
     atomic.write_text(out.tables, f"<!-- {GENERATED} -->\n\n## Tracks\n\n{tables}\n## SAMU / RG-LRU\n\n{cmp_md}")
     summary, made = views(df, folder)
     made += stage_plots(df, folder)
-    counts = df.groupby(["stage", "status"]).size().to_dict() if not df.empty else {}
+    counts = df.groupby(["stage", "status"]).size().to_dict()
     lines = [
-        f"# SAMU and RG-LRU: study report ({job.profile})", "", f"<!-- {GENERATED} -->", "",
+        # the profile names the archive; the GPU may be another than the profile's (`--config profile=h200` on an H100)
+        f"# SAMU and RG-LRU: study report ({job.profile} profile, measured on "
+        f"{(env.get('torch_device') or {}).get('name') or 'the CPU'})", "", f"<!-- {GENERATED} -->", "",
         f"{len(recs)} records from {len(job.input.records)} tracks; "
         + (", ".join(f"{s} {st}: {n}" for (s, st), n in sorted(counts.items())) or "no measurements")
         + f". Tuning table: {len(table.get('entries', []))} entries." + linear_tiles(table), "",

@@ -1,6 +1,8 @@
 """Archive -> results/artifact-<commit>[-dirty]-<profile>.tar.gz: MANIFEST.json, this run's
 results, config.yaml and any uncommitted diff. Sorted entries, normalised metadata and a
-nameless gzip header make the same results give the same bytes; the stage verifies it."""
+nameless gzip header make the same results give the same bytes; the stage verifies it.
+The name says the profile; the manifest's `gpu` says which GPU the probe ran on (another
+than the profile's with `--config profile=h200` on an H100, say; null on the CPU)."""
 
 import gzip
 import io
@@ -48,17 +50,17 @@ def main(job):
     entries["config/config.resolved.json"] = (atomic.dumps(job.config) + "\n").encode()
     commit = facts.commit()
     if commit["dirty"]:
-        diff = subprocess.run(["git", "diff", "HEAD", "--", ".", ":(exclude)results"],
-                              cwd=facts.REPO_ROOT, capture_output=True, check=False).stdout
-        entries["source/uncommitted.diff"] = diff
+        entries["source/uncommitted.diff"] = subprocess.run(["git", "diff", "HEAD", "--", ".", ":(exclude)results"],
+                                                            cwd=facts.REPO_ROOT, capture_output=True).stdout
+    probe = job.load("environment")
     manifest = {"schema": 1, "artifact": artifact.name, "profile": job.profile, "commit": commit, "config": job.config,
+                "gpu": (probe.get("torch_device") or {}).get("name"), "probe": probe,
                 "container": {"runtime": job.params["runtime"], "image": job.params["image"]},
                 "command_line": os.environ.get(COMMAND_LINE),
-                "probe": job.load("environment"),
                 "files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in sorted(entries.items())}}
     entries[MANIFEST] = (atomic.dumps(manifest) + "\n").encode()
-    prefix = artifact.name.removesuffix(".tar.gz")
-    atomic.write_bytes(artifact, build(entries, prefix, int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())))
+    mtime = int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())
+    atomic.write_bytes(artifact, build(entries, artifact.name.removesuffix(".tar.gz"), mtime))
     problems = verify(artifact)
     if problems:
         artifact.unlink()

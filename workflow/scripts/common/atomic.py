@@ -22,8 +22,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise
     return path
 
@@ -52,5 +51,5 @@ def dumps(obj, indent: int | None = 2) -> str:
     return json.dumps(jsonable(obj), indent=indent, sort_keys=True, allow_nan=False)
 
 
-def write_json(path: str | os.PathLike, obj, indent: int | None = 2) -> Path:
-    return write_text(path, dumps(obj, indent) + "\n")
+def write_json(path: str | os.PathLike, obj) -> Path:
+    return write_text(path, dumps(obj) + "\n")

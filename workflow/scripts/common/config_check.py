@@ -30,8 +30,10 @@ def typed_overrides(overrides: dict) -> dict:
     return {k: _typed(v) if isinstance(v, (dict, list)) else v for k, v in overrides.items()}
 
 
-def schema_errors(config: dict, schema_path: str | Path) -> list[str]:
-    """One line per schema violation (`profiles.cpu-smoke.probe.reps: 'many' is not of type 'integer'`)."""
+def validate(config: dict, schema_path: str | Path) -> None:
+    """Raise ValueError with one line per schema violation
+    (`profiles.cpu-smoke.probe.reps: 'many' is not of type 'integer'`): Snakemake's own
+    message prints the whole config."""
     from jsonschema import Draft202012Validator
     from referencing import Registry, Resource
 
@@ -40,11 +42,11 @@ def schema_errors(config: dict, schema_path: str | Path) -> list[str]:
     schema["$id"] = path.as_uri()
     registry = Registry().with_resource(path.as_uri(), Resource.from_contents(schema))
     validator = Draft202012Validator(schema, registry=registry)
-    out = []
-    for err in sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path]):
-        where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-        out.append(f"{where}: {err.message[:MAX_MESSAGE]}{' ...' if len(err.message) > MAX_MESSAGE else ''}")
-    return out
+    errors = [f"{'.'.join(map(str, e.absolute_path)) or '(top level)'}: {e.message[:MAX_MESSAGE]}"
+              f"{' ...' if len(e.message) > MAX_MESSAGE else ''}"
+              for e in sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])]
+    if errors:
+        raise ValueError("Error validating config file:\n  " + "\n  ".join(errors))
 
 
 def require_device(name: str, profile: dict, gpus: list[str]) -> None:

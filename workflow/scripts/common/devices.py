@@ -19,28 +19,27 @@ def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list
         return None
     lock_dir = Path(lock_dir)
     lock_dir.mkdir(parents=True, exist_ok=True)
-    taken = []
+    taken = {}
     for index in range(n_gpus):
         if len(taken) == count:
             break
         f = open(lock_dir / f"{index}.lock", "a")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken[index] = f
         except BlockingIOError:
             f.close()
-            continue
-        taken.append((index, f))
     if len(taken) < count:
-        for _, f in taken:
+        for f in taken.values():
             f.close()
         raise RuntimeError(
             f"{count} GPU(s) wanted, {len(taken)} of {n_gpus} free: the others are held by other stages of "
             f"this results directory ({lock_dir}); run with --resources gpu=N where N is at most the number of GPUs"
         )
-    for _, f in taken:
+    for f in taken.values():
         os.set_inheritable(f.fileno(), True)
-    _held.extend(f for _, f in taken)
-    return [i for i, _ in taken]
+    _held.extend(taken.values())
+    return list(taken)
 
 
 def visible_env(indices: list[int]) -> dict[str, str]:

@@ -14,12 +14,10 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=True
-        )
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip()
 
 
 SOURCE = ("Snakefile", "config.yaml", "pyproject.toml", "envs", "kernels", "workflow")
@@ -29,10 +27,10 @@ def source_digest(root: Path = REPO_ROOT) -> str:
     """sha256 over the paths and bytes of SOURCE: it names the code where git metadata is
     stale or missing (a copied tree); `python workflow/scripts/common/facts.py DIR` prints it."""
     h = hashlib.sha256()
-    files = [p for name in SOURCE for p in ([root / name] if (root / name).is_file() else sorted((root / name).rglob("*")))]
-    for p in files:
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
-            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    for name in SOURCE:
+        for p in [root / name] if (root / name).is_file() else sorted((root / name).rglob("*")):
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
+                h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
 

@@ -44,11 +44,9 @@ def profile_for_gpu(names: list[str], known: list[str]) -> str:
 def resolve_profile(config: dict, gpus: list[str] | None = None) -> tuple[str, dict]:
     """(profile name, profile dict) for a validated config."""
     profiles = config.get("profiles") or {}
-    wanted = config.get("profile", "auto")
-    if wanted == "auto":
+    name = config.get("profile", "auto")
+    if name == "auto":
         name = profile_for_gpu(gpu_names() if gpus is None else gpus, list(profiles))
-    else:
-        name = wanted
     if name not in profiles:
         raise ValueError(f"expected profile in {['auto', *sorted(profiles)]}, got {name!r} (config key 'profile')")
     return name, profiles[name]

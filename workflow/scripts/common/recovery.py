@@ -15,18 +15,15 @@ from pathlib import Path
 
 def is_snakemake(cmdline: list[str]) -> bool:
     head = cmdline[:3]
-    if any(os.path.basename(a) == "snakemake" for a in head):
-        return True
-    return any(a == "-m" and b == "snakemake" for a, b in zip(head, head[1:]))
+    return any(os.path.basename(a) == "snakemake" or (a, b) == ("-m", "snakemake")
+               for a, b in zip(head, [*head[1:], ""]))
 
 
 def job_mode(argv: list[str]) -> bool:
     """Whether a snakemake command line is one job of a controller (`--mode remote` / `subprocess`)."""
-    for a, b in zip(argv, [*argv[1:], ""]):
-        mode = a.split("=", 1)[1] if a.startswith("--mode=") else b if a == "--mode" else None
-        if mode is not None and mode != "default":
-            return True
-    return False
+    modes = [b if a == "--mode" else a.removeprefix("--mode=") for a, b in zip(argv, [*argv[1:], ""])
+             if a == "--mode" or a.startswith("--mode=")]
+    return any(m != "default" for m in modes)
 
 
 def other_runs(workdir: Path) -> list[int]:
@@ -64,14 +61,11 @@ def executes(argv: list[str]) -> bool:
 def incomplete_outputs(workdir: Path) -> dict[Path, Path]:
     """Marker file -> output path of Snakemake's incomplete markers (base64 of the path)."""
     out = {}
-    for marker in sorted((workdir / ".snakemake" / "incomplete").glob("*")):
-        if not marker.is_file():
-            continue
+    for marker in sorted(p for p in (workdir / ".snakemake" / "incomplete").glob("*") if p.is_file()):
         try:
-            path = base64.urlsafe_b64decode(marker.name.encode()).decode()
+            out[marker] = workdir / base64.urlsafe_b64decode(marker.name.encode()).decode()
         except (binascii.Error, UnicodeDecodeError, ValueError):
-            continue
-        out[marker] = workdir / path
+            pass
     return out
 
 
@@ -81,15 +75,9 @@ def slurm_jobs(workdir: Path) -> list[str]:
         return []
     out = subprocess.run(["squeue", "--me", "--noheader", "--format=%i|%Z|%k"],
                          capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        return []
-    jobs = []
-    for line in out.stdout.splitlines():
-        job_id, _, rest = line.strip().partition("|")
-        job_dir, _, comment = rest.partition("|")
-        if comment.startswith("rule_") and job_dir and Path(job_dir).resolve() == workdir.resolve():
-            jobs.append(job_id)
-    return jobs
+    rows = [line.strip().split("|", 2) for line in out.stdout.splitlines()] if out.returncode == 0 else []
+    return [job for job, folder, comment in (r for r in rows if len(r) == 3)
+            if comment.startswith("rule_") and folder and Path(folder).resolve() == workdir.resolve()]
 
 
 def cancel_slurm_jobs(workdir: Path, timeout_s: float = 120) -> list[str]:
@@ -101,7 +89,8 @@ def cancel_slurm_jobs(workdir: Path, timeout_s: float = 120) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while set(jobs) & set(slurm_jobs(workdir)):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"SLURM jobs {jobs} of a killed run are still in the queue {timeout_s:.0f} s after scancel")
+            raise RuntimeError(f"SLURM jobs {jobs} of a killed run are still in the queue {timeout_s:.0f} s "
+                               "after scancel")
         time.sleep(1)
     return jobs
 

@@ -44,15 +44,14 @@ class Setup:
         self.pos = torch.arange(T, device=device).expand(B, T).contiguous()
         self.T, self.B, self.device = T, B, device
         self.clip = settings.get("grad_clip", 1.0)
-        self.autocast = settings.get("autocast")
+        self.dtype = getattr(torch, settings["autocast"]) if settings.get("autocast") else None
         self.params = sum(p.numel() for p in model.parameters())
-        dtype = getattr(torch, self.autocast) if self.autocast else None
         self.graph, self.capture_peak = None, None
         if graph:
             # a replay allocates nothing: the step's memory is the peak of its warm-up and
             # capture (the graph's pool keeps it), with the model and optimizer state alive
             torch.cuda.reset_peak_memory_stats(device)
-            self.graph = CapturedTrainStep(model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype,
+            self.graph = CapturedTrainStep(model, self.opt, self.inp, self.tgt, self.pos, self.clip, self.dtype,
                                            settings.get("warmup", 2) or 1)
             self.capture_peak = torch.cuda.max_memory_allocated(device)
 
@@ -64,10 +63,9 @@ class Setup:
     def eager_step(self):
         """One step as train_step runs it (for a captured step: what its graph replays,
         launch by launch, which is what the launch and byte counts read)."""
-        dtype = getattr(torch, self.autocast) if self.autocast else None
         if not self.official:
-            return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, dtype)
-        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, self.dtype)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             logits, _ = self.model(self.inp, self.pos, return_logits=True, return_cache=False)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.tgt.reshape(-1))
         loss.backward()
