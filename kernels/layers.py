@@ -267,7 +267,7 @@ def rnn_param_init(param: torch.Tensor, min_rad: float = 0.9, max_rad: float = 0
 class Mixer(nn.Module):
     """A recurrent mixer running the op `OP` (kernels.ops): `backend` picks the sequence
     kernel, `step_backend` the decode kernel (see set_backend). Subclasses give the op's
-    arguments: `_inputs(x)` before segment_pos, `_params()` the step's after x."""
+    arguments: `_inputs(x)` before segment_pos, `step_params()` the step's after x."""
 
     OP = ""
     COMPLEX_STATE = False
@@ -293,7 +293,7 @@ class Mixer(nn.Module):
              **kw) -> torch.Tensor:
         """One token. x: [B, E]; state updated in place; reset: [B] bool; kw: what the op's
         step takes besides (SAMU: modes, see decode_modes)."""
-        return getattr(ops, f"{self.OP}_step")(x, *self._params(), state, reset, backend=self.step_backend, **kw)
+        return getattr(ops, f"{self.OP}_step")(x, *self.step_params(), state, reset, backend=self.step_backend, **kw)
 
 
 class RGLRU(Mixer):
@@ -320,7 +320,7 @@ class RGLRU(Mixer):
         gate_x, gate_a = (g.to(x.dtype) for g in block_diagonal(x, self.input_gate, self.a_gate))
         return x, gate_x, gate_a, self.a_param
 
-    def _params(self):
+    def step_params(self):
         return self.input_gate.w, self.input_gate.b, self.a_gate.w, self.a_gate.b, self.a_param
 
 
@@ -360,9 +360,9 @@ class SAMU(Mixer):
             self.radial_amp.fill_(0.5)
 
     def _inputs(self, x):
-        return x, *self._params()
+        return x, *self.step_params()
 
-    def _params(self):
+    def step_params(self):
         return self.phase_dir, self.radial_dir, self.phase_amp, self.radial_amp, self.nu_log, self.theta_log
 
     def decode_modes(self, dtype: torch.dtype) -> torch.Tensor | None:

@@ -337,7 +337,7 @@ def _inputs(op, B, T, D, dtype, device, seed):
         with torch.no_grad():
             m.phase_dir[-1], m.radial_dir[-1] = 0.3, -0.2
         x = torch.randn(B, T, D, **kw)
-        return [x] + [p.detach() for p in m._params()], torch.randn(B, D // 2, dtype=torch.complex128, device=device)
+        return [x] + [p.detach() for p in m.step_params()], torch.randn(B, D // 2, dtype=torch.complex128, device=device)
     if op == "rglru":
         args = [torch.randn(B, T, D, **kw) for _ in range(3)] + [layers.rnn_param_init(torch.empty(D, **kw))]
     else:
@@ -447,7 +447,7 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
         state0 = 0.5 * torch.randn(B, D, device=device, dtype=torch.float64)
     else:
         m = layers.SAMU(D, device=device)
-        params = [p.detach() for p in m._params()]
+        params = [p.detach() for p in m.step_params()]
         state0 = 0.5 * torch.randn(B, D // 2, device=device, dtype=torch.complex128)
     xs = [torch.randn(B, D, device=device, dtype=torch.float64).to(dtype) for _ in range(steps)]
     resets = [None, torch.arange(B, device=device) == 0, torch.ones(B, dtype=torch.bool, device=device)]

@@ -29,7 +29,7 @@ def model():
 
 def _samu_params(D):
     m = layers.SAMU(D + (D % 2))
-    p = list(m._params())
+    p = list(m.step_params())
     if D % 2:
         p[0], p[1] = torch.zeros(D + 1), torch.zeros(D + 1)
     return p
@@ -176,7 +176,7 @@ def test_strided_a_param_and_reset_in_rglru_step():
 def test_strided_samu_parameters_match_contiguous():
     torch.manual_seed(3)
     D, M = 8, 4
-    p = [t.detach() for t in layers.SAMU(D)._params()]
+    p = [t.detach() for t in layers.SAMU(D).step_params()]
     ps = [_strided(t) if t.dim() == 1 else t for t in p]
     x = torch.randn(1, 6, D)
     for backend in ("serial", "chunk"):
@@ -198,7 +198,7 @@ def test_strided_inputs_with_gradients_match_contiguous(op, backend):
     torch.manual_seed(4)
     B, T, D = 2, 9, 8
     if op == "samu":
-        args = [torch.randn(B, T, D), *[t.detach() for t in layers.SAMU(D)._params()]]
+        args = [torch.randn(B, T, D), *[t.detach() for t in layers.SAMU(D).step_params()]]
     elif op == "rglru":
         args = [*_rglru_small(B=B, T=T, D=D)[:4]]
     else:
@@ -244,7 +244,7 @@ def test_samu_step_and_samu_parameters():
     B, D, M = 2, 8, 4
     x, state = torch.randn(B, D), torch.zeros(B, M, dtype=torch.complex64)
     names = ["phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log"]
-    good = dict(zip(names, [t.detach() for t in layers.SAMU(D)._params()]))
+    good = dict(zip(names, [t.detach() for t in layers.SAMU(D).step_params()]))
 
     def step(**kw):
         return lambda: kernels.samu_step(x, **{**good, **kw}, state=state, backend="reference")
@@ -374,7 +374,7 @@ def test_double_backward_raises_instead_of_dropping_terms(op, backend):
     elif op == "scan":
         y, _ = kernels.scan(torch.rand(1, 4, 4), x, backend=backend)
     else:
-        y, _ = kernels.samu(x, *[t.detach() for t in layers.SAMU(4)._params()], backend=backend)
+        y, _ = kernels.samu(x, *[t.detach() for t in layers.SAMU(4).step_params()], backend=backend)
     _raises(lambda: torch.autograd.grad((y ** 2).sum(), x, create_graph=True), "create_graph", "reference")
     _raises(lambda: (y ** 2).sum().backward(create_graph=True), "create_graph")
     (g,) = torch.autograd.grad((y ** 2).sum(), x)                     # first order: unchanged
@@ -399,7 +399,7 @@ def test_zero_width(backend):
 
 def test_conjugate_complex_states_for_samu():
     torch.manual_seed(5)
-    p = [t.detach() for t in layers.SAMU(4)._params()]
+    p = [t.detach() for t in layers.SAMU(4).step_params()]
     x = torch.randn(2, 3, 4)
     h0 = torch.randn(2, 2, dtype=torch.complex64)
     assert h0.conj().is_conj()
@@ -417,7 +417,7 @@ def test_python_float_amplitudes_keep_float64():
     """A python float amplitude is taken in the computation's precision: in float64 the
     result equals that of the same amplitude as a float64 tensor (0.3 is not a float32)."""
     torch.manual_seed(6)
-    pd, rd, _, _, nu, th = [t.detach().double() for t in layers.SAMU(6)._params()]
+    pd, rd, _, _, nu, th = [t.detach().double() for t in layers.SAMU(6).step_params()]
     x = torch.randn(2, 5, 6, dtype=torch.float64)
     amp, amp_t = 0.3, torch.tensor(0.3, dtype=torch.float64)
     for backend in ("reference", "serial", "chunk"):
@@ -444,7 +444,7 @@ def _step_inputs(op, B=3, D=8, H=2):
                     gate_a_b=torch.randn(H, W), a_param=layers.rnn_param_init(torch.empty(D)),
                     state=torch.randn(B, D))
     names = ["phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log"]
-    p = dict(zip(names, [t.detach() for t in layers.SAMU(D)._params()]))
+    p = dict(zip(names, [t.detach() for t in layers.SAMU(D).step_params()]))
     return dict(x=x, **p, state=torch.randn(B, D // 2, dtype=torch.complex64))
 
 
@@ -532,7 +532,7 @@ def check_long_memory_precision(a_param, device):
 @pytest.mark.parametrize("backend", ["reference", "serial", "chunk"])
 def test_samu_gradient_through_the_conjugate_final_state(backend):
     torch.manual_seed(10)
-    p = [t.detach() for t in layers.SAMU(4)._params()]
+    p = [t.detach() for t in layers.SAMU(4).step_params()]
     x = torch.randn(2, 5, 4, requires_grad=True)
     w = torch.randn(2, 2, dtype=torch.complex64)
     h0 = torch.randn(2, 2, dtype=torch.complex64, requires_grad=True)

@@ -219,7 +219,7 @@ def test_mixer_modules_call_the_ops(mixer):
     if mixer == "rglru":
         want, hw = reference.rglru(x, mod.input_gate(x), mod.a_gate(x), mod.a_param, pos, None, True)
     else:
-        want, hw = reference.samu(x, *mod._params(), pos, None, True)
+        want, hw = reference.samu(x, *mod.step_params(), pos, None, True)
     torch.testing.assert_close(y, want, rtol=0, atol=0)
     torch.testing.assert_close(h, hw, rtol=0, atol=0)
 

@@ -37,6 +37,13 @@ def record(kernel: str, bytes_read: int, bytes_written: int, launches: int = 1) 
                 d[k] += v
 
 
+def account(kernel: str, reads, writes) -> None:
+    """`record` of the bytes of the tensors in `reads` and `writes`, sized only inside a
+    `counting()` block."""
+    if _active:
+        record(kernel, nbytes(*reads), nbytes(*writes))
+
+
 def nbytes(*tensors) -> int:
     """Bytes of the given tensors (None ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -21,8 +21,9 @@ import math
 import triton
 import triton.language as tl
 
+from ..accounting import account
 from ..triton_utils import cdiv, launcher, scratch
-from .common import (account, alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2,
+from .common import (alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2,
                      step_in, store_pair, store_param_partials, tl_dtype)
 from .fused_recurrent import BM, BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
 

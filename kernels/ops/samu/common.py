@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import accounting
+from ..accounting import account
 from ..checks import MODE_CONSTS
 from ..triton_utils import cdiv, launcher, next_pow2, scratch
 from ..triton_utils import empty as alloc
@@ -40,12 +40,6 @@ def scalar_param(v, device, dtype) -> torch.Tensor:
         if type(t) is torch.Tensor and v == v:
             _CONSTANTS[key] = t
     return t
-
-
-def account(kernel, reads, writes):
-    """accounting.record of the tensors' bytes, sized only inside a counting() block."""
-    if accounting.on():
-        accounting.record(kernel, accounting.nbytes(*reads), accounting.nbytes(*writes))
 
 
 # kept for the process's life: a CUDA graph captured reading one must never see it freed

@@ -13,9 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..accounting import account
 from .. import accounting
 from ..triton_utils import cdiv, launcher, scratch
-from .common import (account, alloc, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, store_pair,
+from .common import (alloc, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, store_pair,
                      store_param_partials, tl_dtype)
 
 # Steps unrolled inside the time loops (the rest stays a loop; see common.fwd_steps).

@@ -17,10 +17,11 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
+from ..accounting import account
 from ..checks import check_tensor, no_grad_inputs
 from ..triton_utils import acc_dtype, cdiv, check_pow2, empty, launcher, multiprocessors, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
-from .common import account, controller, dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair
+from .common import controller, dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair
 
 ROW_MIN_BATCH = 64
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table

@@ -42,7 +42,7 @@ def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, req
         return [act(), act(), act(), a_param, pos, None, False]
     if op == "samu":
         m = layers.SAMU(D, device=device)
-        return [act(), *[p.detach().clone().requires_grad_(requires_grad) for p in m._params()], pos, None, False]
+        return [act(), *[p.detach().clone().requires_grad_(requires_grad) for p in m.step_params()], pos, None, False]
     if op == "scan":
         a = (torch.rand(B, T, D, generator=g) * 0.099 + 0.9).to(device=device, dtype=dtype)
         return [a.requires_grad_(requires_grad), act(), pos, None, False]
@@ -58,7 +58,7 @@ def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 
         args = [x, m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param]
     elif op == "samu":
         m = layers.SAMU(D, device=device, dtype=dtype)
-        args = [x, *m._params()]
+        args = [x, *m.step_params()]
     else:
         raise ValueError(f"expected op in {list(STEP_OPS)}, got {op!r}")
     return [a.detach() for a in args], m.init_cache(B, dtype, device)
