@@ -34,7 +34,7 @@ def _samu_args(d=D):
         m.phase_dir[-1], m.radial_dir[-1] = 0.3, -0.2
     x = torch.randn(B, T, d, dtype=torch.float64)
     h0 = torch.randn(B, d // 2, dtype=torch.complex128)
-    return [t.detach().clone().requires_grad_() for t in (x, *m._params(), h0)]
+    return [t.detach().clone().requires_grad_() for t in (x, *m.step_params(), h0)]
 
 
 @pytest.mark.parametrize("resets", [True, False])
