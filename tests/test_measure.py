@@ -53,6 +53,15 @@ def test_eager_clock_keeps_the_host_time_inside_each_call():
     assert t["eager"]["host_median_ms"] == statistics.median(t["eager"]["host_samples_ms"]) > 1.5
 
 
+def test_the_device_clock_graph_size_does_not_depend_on_the_host():
+    """Calls per replayed graph: a power of two from the pilot's device ms per call, so that
+    calls of 4.6 and 5.2 us (one kernel on two hosts) replay the same graph."""
+    assert measure.graph_calls(0.0046) == measure.graph_calls(0.0052) == 256
+    assert measure.graph_calls(0.012) == 128 and measure.graph_calls(0.3) == 4
+    assert measure.graph_calls(measure.DEVICE_WINDOW_MS) == measure.graph_calls(5 * measure.DEVICE_WINDOW_MS) == 1
+    assert measure.graph_calls(1e-6) == measure.graph_calls(0.0) == measure.MAX_GRAPH_CALLS == 256
+
+
 def test_time_trajectory_reads_every_checkpoint_from_one_run():
     seen = []
     out = measure.time_trajectory(lambda i: seen.append(i), [5, 2, 5], device="cpu", before=lambda: seen.append("p"))

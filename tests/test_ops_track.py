@@ -71,6 +71,7 @@ def test_short_work_gets_the_device_clock_by_graph_replay_or_back_to_back_launch
     x = torch.randn(1 << 20, device="cuda")
     f = measure.measure(lambda: x.mul_(1.0), reps=20, warmup=3, device="cuda")
     assert f["clock"] == "device:cuda_graph" and f["device"]["calls_per_sample"] > 1
+    assert f["device"]["calls_per_sample"] == measure.graph_calls(f["device"]["pilot_ms"])   # sized by the pilot
     assert f["device"]["median_ms"] < f["eager"]["median_ms"] and f["sm_clock"] is not None
 
     def synced():                                       # a host sync cannot be captured

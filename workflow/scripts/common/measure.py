@@ -35,6 +35,8 @@ POISONED_EXIT = 75  # exit status of a stage worker whose failure left the CUDA 
 SHORT_MS = 2.0  # device time under this per call is the headline
 DEVICE_CLOCK_MAX_MS = 50.0  # the device clock is taken for work whose eager median is under this
 DEVICE_WINDOW_MS = 1.0  # a device-clock sample covers about this much work
+MAX_GRAPH_CALLS = 256  # calls in one replayed graph at most
+PILOT_CALLS = 4  # calls in the pilot graph that sizes the device clock's graph
 # Calls run back to back for at least this long before the eager clock: the host path of a
 # short call reaches its steady speed (CPU clocks, caches) only after tens of milliseconds,
 # most of all after the profiler's counting pass; a user's loop calls it in that state.
@@ -170,6 +172,13 @@ def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) ->
     del g, window
     return {"samples_ms": samples, **summarize(samples), "method": "back_to_back" if why else "cuda_graph",
             "calls_per_sample": calls, "graph_error": why}
+
+
+def graph_calls(ms_per_call: float) -> int:
+    """Calls per replayed graph: the power of two that makes a sample about DEVICE_WINDOW_MS
+    of device time, in [1, MAX_GRAPH_CALLS]."""
+    n = math.ceil(math.log2(DEVICE_WINDOW_MS / max(ms_per_call, 1e-9)))
+    return min(MAX_GRAPH_CALLS, 2 ** max(n, 0))
 
 
 def copy_timing(n_bytes: int, reps: int, device=None) -> tuple[dict, float]:
@@ -355,8 +364,10 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     eager = time_fn(fn, reps, 0, dev, budget_s=budget_s, min_reps=min(3, reps))
     dtime = None
     if dev.type == "cuda" and eager["median_ms"] < DEVICE_CLOCK_MAX_MS:
-        calls = max(1, min(200, math.ceil(DEVICE_WINDOW_MS / max(eager["min_ms"], 1e-3))))
-        dtime = device_time(fn, eager["n"], calls, dev)
+        # The graph is sized by a pilot on the device clock, not by the eager clock: the calls
+        # per sample, and with them a short call's figure, must not depend on the host's speed.
+        pilot = device_time(fn, 3, PILOT_CALLS, dev)["min_ms"]
+        dtime = {**device_time(fn, eager["n"], graph_calls(pilot), dev), "pilot_ms": pilot}
     head = dtime if dtime is not None and dtime["median_ms"] < SHORT_MS else eager
     clock = f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}"
     stats = {**{k: head[k] for k in ("n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
