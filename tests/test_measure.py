@@ -277,11 +277,9 @@ NCU_CSV = '''==PROF== Connected to process 1
 
 
 def test_ncu_csv_is_split_per_configuration():
-    rows = measure.parse_ncu_csv(NCU_CSV)
-    assert len(rows) == 6
-    groups = measure.split_by_marker(rows)
-    assert [len(g) for g in groups] == [2, 1, 0]
-    a, b = (measure.summarize_counters(g) for g in groups[:2])
+    groups = measure.ncu_groups(NCU_CSV)
+    assert [g["kernels"] for g in groups] == [2, 1, 0]
+    a, b = groups[:2]
     assert (a["dram_bytes_read"], a["dram_bytes_written"], a["l2_bytes"]) == (2000.0, 1000.0, 4000.0)
     assert a["achieved_occupancy_pct_mean"] == pytest.approx(60.0) and a["source"] == "ncu"
     assert b["dram_bytes_written"] is None and b["kernels"] == 1

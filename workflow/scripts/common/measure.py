@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import cProfile
 import csv
+import functools
 import gc
 import math
 import os
@@ -32,6 +33,7 @@ from .facts import REPO_ROOT
 
 STATUS_OK, STATUS_OOM, STATUS_FAILED = "ok", "oom", "failed"
 POISONED_EXIT = 75  # exit status of a stage worker whose failure left the CUDA context unusable
+RESTARTS_ENV = "KERNELS_STAGE_RESTARTS"
 SHORT_MS = 2.0  # device time under this per call is the headline
 DEVICE_CLOCK_MAX_MS = 50.0  # the device clock is taken for work whose eager median is under this
 DEVICE_WINDOW_MS = 1.0  # a device-clock sample covers about this much work
@@ -70,7 +72,6 @@ def _open_window(dev) -> int | None:
 
 
 def _stamp(cuda: bool):
-    """A point in time: a recorded CUDA event on a GPU, else perf_counter."""
     if not cuda:
         return time.perf_counter()
     e = torch.cuda.Event(enable_timing=True)
@@ -86,10 +87,7 @@ def percentile(samples: list[float], q: float) -> float:
     """Linear-interpolated percentile, q in [0, 100]."""
     if not samples:
         raise ValueError("expected at least one sample, got none")
-    s = sorted(samples)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+    return torch.tensor(samples, dtype=torch.float64).quantile(q / 100.0).item()
 
 
 def summarize(samples: list[float]) -> dict:
@@ -109,18 +107,16 @@ def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=No
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         fn()
-    base, marks, host, stopped, t_start = _open_window(dev), [], [], False, time.perf_counter()
+    base, marks, host, t_start = _open_window(dev), [], [], time.perf_counter()
     for i in range(reps):
-        start = _stamp(cuda)
-        h = time.perf_counter()
+        start, h = _stamp(cuda), time.perf_counter()
         fn()
         host.append((time.perf_counter() - h) * 1e3)
         marks.append((start, _stamp(cuda)))
         # Waiting for the sample two behind keeps the queue non-empty while wall time tracks it.
         if cuda and budget_s is not None and i >= 2:
             marks[i - 2][1].synchronize()
-        if budget_s is not None and min_reps <= i + 1 < reps and time.perf_counter() - t_start > budget_s:
-            stopped = True
+        if stopped := budget_s is not None and min_reps <= i + 1 < reps and time.perf_counter() - t_start > budget_s:
             break
     _sync(dev)
     samples = [_ms(s, e) for s, e in marks]
@@ -146,7 +142,7 @@ def cuda_graph(warm: Callable[[], object], body: Callable[[], object], dev) -> t
 def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) -> dict:
     """The device clock: `reps` replays of a CUDA graph of `calls` calls (back-to-back
     launches where capture fails), per call."""
-    dev, g, why = device_of(device), None, None
+    dev, why = device_of(device), None
 
     def calls_of_fn():
         for _ in range(calls):
@@ -166,9 +162,8 @@ def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) ->
         x = torch.zeros(1, device=dev)
         cuda_graph(lambda: None, lambda: x.add_(1), dev)
         torch.cuda.synchronize(dev)
-
     window = calls_of_fn if g is None else g.replay
-    samples = [s / calls for s in time_fn(window, reps, 0 if g is not None else 1, dev)["samples_ms"]]
+    samples = [s / calls for s in time_fn(window, reps, int(g is None), dev)["samples_ms"]]
     del g, window
     return {"samples_ms": samples, **summarize(samples), "method": "back_to_back" if why else "cuda_graph",
             "calls_per_sample": calls, "graph_error": why}
@@ -198,16 +193,14 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
         raise ValueError(f"expected checkpoints to be positive step counts, got {list(checkpoints)}")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
         raise ValueError(f"expected warmup to be a non-negative integer, got {warmup!r}")
-    dev = device_of(device)
+    dev, before = device_of(device), before or (lambda: None)
     cuda = dev.type == "cuda"
     if warmup:
-        if before is not None:
-            before()
+        before()
         for i in range(warmup):
             step(i)
         _sync(dev)
-    if before is not None:
-        before()
+    before()
     base = _open_window(dev)
     start, marks = _stamp(cuda), []
     for i in range(cps[-1]):
@@ -264,10 +257,8 @@ class Clocks:
         if self.handle is None:
             return {"locked": False, "mhz": None, "reason": self.reason}
         n = self.nvml
-        try:
-            mhz = n.nvmlDeviceGetDefaultApplicationsClock(self.handle, n.NVML_CLOCK_SM)
-        except n.NVMLError:
-            mhz = n.nvmlDeviceGetMaxClockInfo(self.handle, n.NVML_CLOCK_SM)
+        mhz = (self._query(n.nvmlDeviceGetDefaultApplicationsClock, n.NVML_CLOCK_SM)
+               or n.nvmlDeviceGetMaxClockInfo(self.handle, n.NVML_CLOCK_SM))
         try:
             n.nvmlDeviceSetGpuLockedClocks(self.handle, mhz, mhz)
         except n.NVMLError as exc:
@@ -286,7 +277,7 @@ class Clocks:
         """The record's `sm_clock`: before / after, and whether it throttled."""
         if before is None or after is None:
             return None if self.reason is None else {"reason": self.reason}
-        slow = any(s["reasons"] is not None and s["reasons"] & self.SLOWDOWN for s in (before, after))
+        slow = any((s["reasons"] or 0) & self.SLOWDOWN for s in (before, after))
         procs = [s.get("gpu_processes") for s in (before, after) if s.get("gpu_processes") is not None]
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         return {"before_mhz": before["sm_mhz"], "after_mhz": after["sm_mhz"], "reasons_after": after["reasons"],
@@ -298,21 +289,22 @@ class Clocks:
                 "host_load1_max": max(before.get("load1") or 0.0, after.get("load1") or 0.0), "host_cpus": cpus}
 
 
-_CLOCKS: dict[str, Clocks] = {}
-
-
-def clocks(device=None) -> Clocks:
-    dev = device_of(device)
-    return _CLOCKS.setdefault(str(dev), Clocks(dev))
+@functools.cache
+def clocks(dev: torch.device) -> Clocks:
+    """One Clocks per device in this process, which holds any clock lock it took."""
+    return Clocks(dev)
 
 
 def run_for(fn: Callable[[], object], dev, ms: float) -> float:
-    """Calls fn, each waited for, for `ms` milliseconds; the milliseconds spent."""
+    """Calls fn, each waited for, until `ms` milliseconds have passed (once at least, after
+    waiting for queued work); the milliseconds spent."""
+    _sync(dev)
     t0 = time.perf_counter()
-    while (spent := (time.perf_counter() - t0) * 1e3) < ms:
+    while True:
         fn()
         _sync(dev)
-    return spent
+        if (spent := (time.perf_counter() - t0) * 1e3) >= ms:
+            return spent
 
 
 def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 12) -> list[dict]:
@@ -337,27 +329,19 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
             profile_calls: int = 0) -> dict:
     """A record's timing fields. The headline is the device clock where its median is under
     SHORT_MS, else the eager clock, which host work inflates. `logical`: counts lent by the
-    other run order's record, else (with `count`) those of one call. Before the eager clock,
-    a call shorter than `warm_ms` (one plain call after the warm-up decides) runs back to
-    back for that long (0 where processes must make the same calls: FSDP's ranks). With
-    `profile_calls`, a call under SHORT_MS eager is then profiled on the host over that many
-    calls (`eager.host_profile`, host_profile's rows)."""
+    other run order's record, else (with `count`) those of one call. A call shorter than
+    `warm_ms` runs back to back for that long before the eager clock (0 where processes must
+    make the same calls: FSDP's ranks). With `profile_calls`, a call under SHORT_MS eager is
+    then profiled on the host over that many calls (`eager.host_profile`)."""
     dev = device_of(device)
     for _ in range(max(warmup - 1, 0)):
         fn()
     counted = count and logical is None
     if counted:
         logical = logical_counts(fn, dev)
-    warmed = 0.0
-    if warm_ms > 0:
-        # One plain call (the profiled one is slower) decides whether the call is short.
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        if (time.perf_counter() - t0) * 1e3 < warm_ms:
-            warmed = run_for(fn, dev, warm_ms)
-    elif not counted:
+    # One plain call (the profiled one is slower) decides whether the call is short.
+    warmed = run_for(fn, dev, warm_ms) if warm_ms > 0 and run_for(fn, dev, 0) < warm_ms else 0.0
+    if warm_ms <= 0 and not counted:
         fn()
     clk = clocks(dev)
     before = clk.sample()
@@ -370,8 +354,8 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
         dtime = {**device_time(fn, eager["n"], graph_calls(pilot), dev), "pilot_ms": pilot}
     head = dtime if dtime is not None and dtime["median_ms"] < SHORT_MS else eager
     clock = f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}"
-    stats = {**{k: head[k] for k in ("n", "p10_ms", "median_ms", "p95_ms", "mean_ms", "min_ms")},
-             "reps_requested": reps, "warmup": max(warmup, 1), "stopped_early": eager["stopped_early"], "clock": clock}
+    stats = {**summarize(head["samples_ms"]), "reps_requested": reps, "warmup": max(warmup, 1),
+             "stopped_early": eager["stopped_early"], "clock": clock}
     host = {"host_samples_ms": eager["host_ms"], "host_median_ms": statistics.median(eager["host_ms"]),
             "warm_ms": warmed}
     if profile_calls and eager["median_ms"] < SHORT_MS:
@@ -403,15 +387,14 @@ def orders(names: Sequence, keep: Sequence = ("AB", "BA")) -> list[tuple[str, li
 def count_kernels(events) -> dict:
     """Kernels, copies and fills among the GPU's profiler events; calls and us per kernel."""
     out = {"kernels": 0, "memcpy": 0, "memset": 0, "by_name": {}, "us_by_name": {}, "device_us": 0.0}
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kind = "memcpy" if e.name.startswith("Memcpy") else "memset" if e.name.startswith("Memset") else "kernels"
-            out[kind] += 1
-            us = float(e.time_range.elapsed_us())
-            out["device_us"] += us
-            if kind == "kernels":
-                out["by_name"][e.name] = out["by_name"].get(e.name, 0) + 1
-                out["us_by_name"][e.name] = out["us_by_name"].get(e.name, 0.0) + us
+    for e in (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA):
+        kind = "memcpy" if e.name.startswith("Memcpy") else "memset" if e.name.startswith("Memset") else "kernels"
+        us = float(e.time_range.elapsed_us())
+        out[kind] += 1
+        out["device_us"] += us
+        if kind == "kernels":
+            out["by_name"][e.name] = out["by_name"].get(e.name, 0) + 1
+            out["us_by_name"][e.name] = out["us_by_name"].get(e.name, 0.0) + us
     return out
 
 
@@ -429,8 +412,7 @@ def logical_counts(fn: Callable[[], object], device=None) -> dict:
     with accounting.counting() as c:
         try:
             fn()
-            if prof is not None:
-                torch.cuda.synchronize(dev)
+            _sync(dev)
         finally:
             try:
                 if prof is not None:
@@ -439,16 +421,16 @@ def logical_counts(fn: Callable[[], object], device=None) -> dict:
             except Exception as exc:  # noqa: BLE001
                 lc["error"] = f"{type(exc).__name__}: {exc}"
     profiled = "kernels" in lc
+    by_time = sorted(lc.get("us_by_name", {}).items(), key=lambda kv: -kv[1])[:25]
     return {"basis": LOGICAL_BASIS, "bytes_read": c.bytes_read, "bytes_written": c.bytes_written,
             "param_bytes": None, "state_bytes": None, "launches": lc["kernels"] if profiled else c.launches,
             "launches_method": "torch.profiler" if profiled else "launcher accounting",
             "accounted_launches": c.launches, "by_kernel": dict(c.by_kernel), "memcpy": lc.get("memcpy"),
-            "memset": lc.get("memset"),
+            "memset": lc.get("memset"), "device_us": lc.get("device_us"),
             "top_kernels": dict(sorted(lc.get("by_name", {}).items(), key=lambda kv: -kv[1])[:40]),
-            "device_us": lc.get("device_us"),
             "top_kernels_by_time": [{"name": n, "us": round(us, 2), "calls": lc["by_name"][n],
                                      "share": round(us / lc["device_us"], 4) if lc["device_us"] else None}
-                                    for n, us in sorted(lc.get("us_by_name", {}).items(), key=lambda kv: -kv[1])[:25]],
+                                    for n, us in by_time],
             "profiler_error": lc.get("error")}
 
 
@@ -478,17 +460,6 @@ def mark_boundary() -> None:
     torch.cuda._sleep(1)
 
 
-def parse_ncu_csv(text: str) -> list[dict]:
-    """Per-kernel rows of `ncu --csv --page raw`: name and our metric columns."""
-    out = []
-    for r in csv.DictReader(ln for ln in text.splitlines() if ln.startswith('"')):
-        name = r.get("Kernel Name") or r.get("Function Name") or ""
-        if not name or name.startswith("nvtx") or r.get("ID", "").strip() == "":
-            continue
-        out.append({"name": name, **{key: number(r.get(metric)) for key, metric in NCU_METRICS.items()}})
-    return out
-
-
 def number(text: str | None) -> float | None:
     """A number as Nsight Compute prints it (thousands separated by commas), or None."""
     try:
@@ -497,24 +468,25 @@ def number(text: str | None) -> float | None:
         return None
 
 
-def split_by_marker(rows: list[dict]) -> list[list[dict]]:
-    """Groups of kernel rows between marker kernels."""
-    groups, cur, seen = [], [], False
-    for r in rows:
-        if MARKER_KERNEL in r["name"]:
-            if seen:
-                groups.append(cur)
-            cur, seen = [], True
-        elif seen:
-            cur.append(r)
-    return groups + [cur] if seen else groups
-
-
-def summarize_counters(rows: list[dict]) -> dict:
-    vals = {k: [r[k] for r in rows if r.get(k) is not None] for k in NCU_METRICS}
-    occ = vals.pop("achieved_occupancy_pct")
-    return {"source": "ncu", "kernels": len(rows), **{k: sum(v) if v else None for k, v in vals.items()},
-            "achieved_occupancy_pct_mean": sum(occ) / len(occ) if occ else None}
+def ncu_groups(text: str) -> list[dict]:
+    """One counter summary per marker kernel in `ncu --csv --page raw` output: of the kernels
+    after it, up to the next marker."""
+    groups = []
+    for r in csv.DictReader(ln for ln in text.splitlines() if ln.startswith('"')):
+        name = r.get("Kernel Name") or r.get("Function Name")
+        if not name or name.startswith("nvtx") or not r.get("ID", "").strip():
+            continue
+        if MARKER_KERNEL in name:
+            groups.append([])
+        elif groups:
+            groups[-1].append({key: number(r.get(metric)) for key, metric in NCU_METRICS.items()})
+    out = []
+    for g in groups:
+        vals = {k: [r[k] for r in g if r[k] is not None] for k in NCU_METRICS}
+        occ = vals.pop("achieved_occupancy_pct")
+        out.append({"source": "ncu", "kernels": len(g), **{k: sum(v) if v else None for k, v in vals.items()},
+                    "achieved_occupancy_pct_mean": sum(occ) / len(occ) if occ else None})
+    return out
 
 
 def ncu_path(ncu: str = "ncu") -> str | None:
@@ -530,8 +502,8 @@ def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, nc
     except (OSError, subprocess.SubprocessError):
         return None
     # Groups after each marker alternate: a call, then the next configuration's set-up.
-    calls = split_by_marker(parse_ncu_csv(proc.stdout))[0::2] if proc.returncode == 0 else []
-    return [summarize_counters(g) for g in calls[:n_configs]] if len(calls) >= n_configs else None
+    calls = ncu_groups(proc.stdout)[0::2] if proc.returncode == 0 else []
+    return calls[:n_configs] if len(calls) >= n_configs else None
 
 
 def find_key(doc, key: str):
@@ -546,18 +518,14 @@ def find_key(doc, key: str):
     return None
 
 
-def _positive(env: dict, key: str) -> float | None:
+def probe_figure(env: dict, key: str) -> float | None:
+    """A positive figure the probe measured, wherever in `env` it put it, else None."""
     v = find_key(env, key)
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
-def copy_bandwidth(env: dict) -> float | None:
-    """Device copy bandwidth (bytes read + written per second) measured by the probe."""
-    return _positive(env, "copy_bandwidth_bytes_per_s")
-
-
-def matmul_rate(env: dict) -> float | None:
-    return _positive(env, "matmul_bf16_flop_per_s")
+copy_bandwidth = functools.partial(probe_figure, key="copy_bandwidth_bytes_per_s")  # bytes read + written per s
+matmul_rate = functools.partial(probe_figure, key="matmul_bf16_flop_per_s")
 
 
 def counters_available(env: dict) -> tuple[bool, str]:
@@ -614,18 +582,12 @@ def capture(fn: Callable[[], object], device=None) -> Outcome:
 
 
 def context_usable(device=None) -> bool:
+    """Whether the GPU still runs work after a failure (a sticky CUDA error poisons the context)."""
     dev = device_of(device)
-    if dev.type != "cuda":
-        return True
     try:
-        x = torch.ones(8, device=dev)
-        torch.cuda.synchronize(dev)
-        return float((x + 1).sum().item()) == 16.0
-    except Exception:  # noqa: BLE001
+        return dev.type != "cuda" or float((torch.ones(8, device=dev) + 1).sum().item()) == 16.0
+    except Exception:  # noqa: BLE001 - any error here means the context is unusable
         return False
-
-
-RESTARTS_ENV = "KERNELS_STAGE_RESTARTS"
 
 
 def reexec(job, max_restarts: int = 8) -> None:
@@ -653,10 +615,8 @@ class Runner:
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
                  restart: Callable[[], None] | None = None, lock_clocks: bool = False):
         self.stage, self.profile, self.dir, self.device = stage, profile, Path(records_dir), device_of(device)
-        self.exhausted, self.restart = deadline(budget_s), restart
-        self.done = records.done_ids(self.dir, profile)
-        self.planned, self.skipped = [], []
-        self.clocks = clocks(self.device)
+        self.exhausted, self.restart, self.clocks = deadline(budget_s), restart, clocks(self.device)
+        self.done, self.planned, self.skipped = records.done_ids(self.dir, profile), [], []
         self.clock_lock = self.clocks.lock() if lock_clocks else {
             "locked": False, "reason": "not requested (profile key probe.lock_clocks)"}
 
@@ -701,11 +661,10 @@ class Runner:
                 self.planned = self.planned[:-len(config_ids)]
                 self.say(f"{config_ids[0]}: not applicable ({why})")
                 return {}
+            failure = None if outcome.ok else {"status": outcome.status, "error": error_text(outcome.error),
+                                               "error_detail": outcome.error, "samples_ms": [], "stats": None}
             for c in config_ids:
-                extra = outcome.value.get(c) if outcome.ok else {
-                    "status": outcome.status, "error": error_text(outcome.error), "error_detail": outcome.error,
-                    "samples_ms": [], "stats": None}
-                if extra is None:
+                if (extra := failure or outcome.value.get(c)) is None:
                     raise RuntimeError(f"measurement of {config_ids} returned nothing for {c}")
                 extra = {**fields[c], **extra, "clock_lock": self.clock_lock, "wall_s": time.perf_counter() - t0}
                 records.write_record(self.dir, rec := records.new_record(self.stage, self.profile, c, **extra))
@@ -713,8 +672,8 @@ class Runner:
             med = (rec.get("stats") or {}).get("median_ms") if len(config_ids) == 1 else None
             self.say(f"{config_ids[0]}{f' .. ({len(config_ids)} records)' if len(config_ids) > 1 else ''}: "
                      f"{outcome.status}" + (f" median {med:.4g} ms" if med is not None else "")
-                     + ("" if outcome.ok else f" ({error_text(outcome.error)[:200]})"))
-            if not outcome.ok and (outcome.error["sticky"] or not context_usable(self.device)):
+                     + ("" if failure is None else f" ({failure['error'][:200]})"))
+            if failure and (outcome.error["sticky"] or not context_usable(self.device)):
                 self.say("the CUDA context is unusable after this failure; restarting the stage process")
                 if self.restart is None:
                     raise RuntimeError(f"CUDA context poisoned by {config_ids[0]} and no restart available")
