@@ -116,7 +116,9 @@ def rank_main(rank: int, world: int, port: int, out: str, variants: dict) -> Non
                 return s
 
             r = reference_step(setup)
-            r["loss"] = torch.tensor(fsdp.gather(r["loss"].item()))
+            losses = [None] * world
+            torch.distributed.all_gather_object(losses, r["loss"].item())
+            r["loss"] = torch.tensor(losses)
             r["dtypes"] = seen
             del r["opt"]
             result[variant, mixer] = r

@@ -19,8 +19,8 @@ LINEAR_COUNTS = ("launches", "accounted_launches", "bytes_read", "bytes_written"
 def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
     """Counts of one step of a per-step PyTorch loop at length T, extrapolated from two short
     lengths (they are affine in T): profiling the full loop costs about 20 of its steps."""
-    (t1, t2), got = lengths, []
-    for t in (t1, t2):
+    got = []
+    for t in lengths:
         s = setup_at(t)
         try:
             s.step()
@@ -28,29 +28,26 @@ def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
         finally:
             del s
             measure.release(device)
-    a, b = got
+    (t1, t2), (a, b) = lengths, got
     out = {k: v for k, v in b.items() if k not in ("top_kernels", "top_kernels_by_time", "by_kernel", "device_us")}
-    for k in LINEAR_COUNTS:
-        if isinstance(a.get(k), (int, float)) and isinstance(b.get(k), (int, float)):
-            out[k] = round(a[k] + (b[k] - a[k]) * (T - t1) / (t2 - t1))
+    out.update({k: round(a[k] + (b[k] - a[k]) * (T - t1) / (t2 - t1)) for k in LINEAR_COUNTS
+                if all(isinstance(c.get(k), (int, float)) for c in got)})
     out["launches_method"] = (f"{b['launches_method']} at T = {t1} and {t2}, extrapolated linearly to T = {T} "
                               f"(a per-step loop)")
-    out["counted_at_T"] = {str(t1): {k: a.get(k) for k in LINEAR_COUNTS}, str(t2): {k: b.get(k) for k in LINEAR_COUNTS}}
+    out["counted_at_T"] = {str(t): {k: c.get(k) for k in LINEAR_COUNTS} for t, c in zip(lengths, got)}
     return out
 
 
 def main(job):
-    settings = job.params["settings"]
-    device = measure.device_of()
+    settings, device = job.params["settings"], measure.device_of()
     gates, inexact = job.load("gates"), settings.get("inexact", [])
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     matmul_rate, peak_rate = measure.matmul_rate(job.load("environment")), settings.get("peak_flop_per_s")
     runner = measure.Runner.for_job(job, "train", settings, device)
-    mixers = settings["mixers"]
-    shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
-    diag = settings.get("diagnostics", "all")
-    diag_shapes = shapes if diag == "all" else [(d["preset"], d["T"], d["B"]) for d in diag]
+    mixers, diag = settings["mixers"], settings.get("diagnostics", "all")
     diag_orders = settings.get("diagnostic_orders", ["AB", "BA"])
+    shapes = [(p, s["T"], s["B"]) for p in settings["presets"] for s in settings["shapes"]]
+    diag_shapes = shapes if diag == "all" else [(d["preset"], d["T"], d["B"]) for d in diag]
     ref_lim, off = settings.get("reference", {}), settings.get("official", {})
 
     def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, order=None, graph=False, **fields):

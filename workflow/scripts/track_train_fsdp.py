@@ -11,10 +11,8 @@ from pathlib import Path
 
 import torch
 
-from common import atomic, fsdp, measure, records, stage
+from common import atomic, fsdp, measure, records, stage, training
 from common.cases import opt_tag
-from common import training
-from common.training import Setup
 
 import kernels
 
@@ -31,52 +29,41 @@ def fsdp_settings(settings: dict) -> dict:
 
 
 def plan(settings: dict, single: list[dict]) -> list[dict]:
-    """Every configuration in run order: preset, shape, order, mixer and the backend of
-    track_train's successful fresh records (`single`) at that preset, shape and mixer."""
-    world, fs = settings["world_size"], fsdp_settings(settings)
-    out = []
+    """Every configuration in run order (preset, shape, order, mixer) with the backend of
+    track_train's successful fresh records (`single`) at that preset, shape and mixer, and
+    the `fields` that name it in its record."""
+    world, fs, out = settings["world_size"], fsdp_settings(settings), []
     for preset in fs["presets"]:
-        for shape in fs["shapes"]:
-            T, B = shape["T"], shape["B"]
+        for T, B in ((shape["T"], shape["B"]) for shape in fs["shapes"]):
             for order, seq, mixer in measure.orders(settings["mixers"]):
                 base = [r for r in single if r.get("stage") == "train" and r.get("role") == "fresh"
                         and r["status"] == "ok" and r["mixer"] == mixer and training.shape_of(r) == (preset, T, B)]
                 backend, opts = (base[0]["backend"], base[0].get("options") or {}) if base else ("auto", {})
                 out.append({
                     "config_id": f"train-fsdp{world}-{preset}-T{T}-B{B}-{mixer}-{backend}{opt_tag(opts)}-{order}",
-                    "preset": preset, "T": T, "B": B, "order": order, "sequence": list(seq), "mixer": mixer,
-                    "backend": backend, "options": opts, "single": base})
+                    "preset": preset, "T": T, "B": B, "mixer": mixer, "backend": backend, "options": opts,
+                    "single": base, "fields": {
+                        **training.identity(preset, T, B, mixer, settings), "backend": backend, "options": opts,
+                        "order": order, "role": "fsdp", "exact": True, "sequence": list(seq), "world_size": world,
+                        "selected_from": sorted(r["config_id"] for r in base),
+                        "selected_by": "the single-GPU architecture comparison's backend" if base
+                        else "tuning table (no single-GPU record at this preset and shape)"}})
     return out
-
-
-def identity(item: dict, settings: dict) -> dict:
-    """The fields that name a configuration in its record."""
-    return {**training.identity(item["preset"], item["T"], item["B"], item["mixer"], settings),
-            "backend": item["backend"], "options": item["options"], "order": item["order"], "role": "fsdp",
-            "exact": True, "sequence": item["sequence"], "world_size": settings["world_size"],
-            "selected_from": sorted(r["config_id"] for r in item["single"]),
-            "selected_by": "the single-GPU architecture comparison's backend" if item["single"]
-            else "tuning table (no single-GPU record at this preset and shape)"}
 
 
 def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_rate: float | None) -> dict:
     """Record fields from every rank's timing: a step takes as long as its slowest rank."""
-    world, T, B = len(per_rank), item["T"], item["B"]
-    first = per_rank[0]
+    world, T, B, first, single = len(per_rank), item["T"], item["B"], per_rank[0], item["single"]
     samples = [max(step) for step in zip(*(r["timing"]["samples_ms"] for r in per_rank))]
     stats = {**first["timing"]["stats"], **measure.summarize(samples)}
-    step_s = stats["median_ms"] * 1e-3
-    params, tokens = first["parameters"], world * B * T
-    flops = 6 * params * tokens
-    logical = first["timing"]["logical"]
+    step_s, params, tokens = stats["median_ms"] * 1e-3, first["parameters"], world * B * T
+    flops, logical = 6 * params * tokens, first["timing"]["logical"]
     if logical is not None:
         logical = {**logical, "counted_on": "rank 0 (its B documents)", "param_bytes": 4 * params // world,
                    "grad_bytes": 4 * params // world, "optimizer_state_bytes": 8 * params // world,
                    "state_bytes": B * first["num_layers"] * first["lru_width"] * 4, "model_flops_per_step": flops}
     peaks = [r["timing"]["peak_bytes"] for r in per_rank]
-    single = item["single"]
-    one = sum(r["tokens_per_s"] for r in single) / len(single) if single else None
-    per_gpu = B * T / step_s
+    one, per_gpu = sum(r["tokens_per_s"] for r in single) / len(single) if single else None, B * T / step_s
     return {"samples_ms": samples, "samples_basis": "per step, the slowest rank's time (each rank times its own steps)",
             "stats": stats, "rank_median_ms": [r["timing"]["stats"]["median_ms"] for r in per_rank],
             "peak_bytes": max(peaks) if None not in peaks else None, "peak_bytes_per_rank": peaks,
@@ -117,42 +104,42 @@ def worker(job_file: str) -> None:
 
     def timed_rank(item, count: bool) -> dict:
         backend = tuned if item["backend"] == "auto" else kernels.Backend(item["backend"], **item["options"])
-        s = fsdp.distribute(Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings, device,
-                                  backend=backend), rank, world, param_dtype)
+        s = fsdp.distribute(training.Setup(item["preset"], item["mixer"], item["T"], world * item["B"], settings,
+                                           device, backend=backend), rank, world, param_dtype)
         try:
             # No time budget or timed warm-up inside a configuration: every rank must take the same steps.
             return {"timing": measure.measure(s.step, fs["reps"], fs["warmup"], device, count=count, warm_ms=0),
-                    "parameters": s.params,
-                    "non_embedding_parameters": s.cfg.non_embedding_parameters(), "num_layers": s.cfg.num_layers,
-                    "lru_width": s.cfg.lru_width, "process_group": torch.distributed.get_backend(),
-                    "param_dtype": autocast or "float32"}
+                    "parameters": s.params, "non_embedding_parameters": s.cfg.non_embedding_parameters(),
+                    "num_layers": s.cfg.num_layers, "lru_width": s.cfg.lru_width,
+                    "process_group": torch.distributed.get_backend(), "param_dtype": autocast or "float32"}
         finally:
             del s
             measure.release(device)
 
     def body(item) -> dict:
         local = measure.capture(lambda: timed_rank(item, count=rank == 0), device)
-        everyone = fsdp.gather((local.status, local.value, local.error))
-        failed = [(r, s, e) for r, (s, _, e) in enumerate(everyone) if s != measure.STATUS_OK]
-        if failed:
-            raise RuntimeError("; ".join(f"rank {r}: {e['type']}: {e['message'][:800]}" for r, _, e in failed))
-        return figures([v for _, v, _ in everyone], item, matmul_rate, peak_rate)
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, local)
+        if failed := [f"rank {r}: {o.error['type']}: {o.error['message'][:800]}"
+                      for r, o in enumerate(everyone) if not o.ok]:
+            raise RuntimeError("; ".join(failed))
+        return figures([o.value for o in everyone], item, matmul_rate, peak_rate)
 
-    skipped = []
-    marker = work / "current.json"
+    skipped, marker = [], work / "current.json"
     for item in items:
         cid = item["config_id"]
-        go = fsdp.broadcast(cid not in runner.done and not exhausted() if rank == 0 else None)
-        if rank == 0 and not go and cid not in runner.done:
+        go = [cid not in runner.done and not exhausted() if rank == 0 else None]
+        torch.distributed.broadcast_object_list(go, src=0)  # rank 0 decides for every rank
+        if rank == 0 and not go[0] and cid not in runner.done:
             skipped.append(cid)
-        if not go:
+        if not go[0]:
             continue
         if rank == 0:
-            atomic.write_json(marker, {"config_id": cid, "fields": identity(item, settings)})
-            runner.run(cid, lambda item=item: body(item), **identity(item, settings))
+            atomic.write_json(marker, {"config_id": cid, "fields": item["fields"]})
+            runner.run(cid, lambda: body(item), **item["fields"])
             marker.unlink()
         else:
-            measure.capture(lambda item=item: body(item), device)
+            measure.capture(lambda: body(item), device)
             if not measure.context_usable(device):
                 sys.exit(measure.POISONED_EXIT)
     if skipped:
@@ -168,14 +155,12 @@ def main(job):
     world = settings.get("world_size", 1)
     if not isinstance(world, int) or world < 2:
         raise ValueError(f"expected train.world_size an int >= 2 for the FSDP track, got {world!r}")
-    records_dir = Path(job.params["records_dir"])
-    items = plan(settings, records.read_jsonl(job.input.single))
+    records_dir, items = Path(job.params["records_dir"]), plan(settings, records.read_jsonl(job.input.single))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(Path(__file__).resolve()), "--worker"]
     with tempfile.TemporaryDirectory(prefix="train-fsdp-") as work:
-        job_file = Path(work) / "job.json"
+        job_file, marker = Path(work) / "job.json", Path(work) / "current.json"
         atomic.write_json(job_file, job.to_json())
-        marker = Path(work) / "current.json"
         for launch in range(MAX_LAUNCHES):
             if all(i["config_id"] in records.done_ids(records_dir, job.profile) for i in items):
                 break

@@ -17,17 +17,15 @@ import torch.distributed as dist
 def init_process_group(timeout_s: float = 900) -> tuple[int, int, torch.device]:
     """Join torchrun's process group (NCCL, one GPU per rank; gloo on the CPU); a collective
     waiting over `timeout_s` raises instead of hanging. Returns (rank, world size, device)."""
+    cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            if var not in os.environ:
-                raise RuntimeError(f"expected {var} in the environment (start the worker with torchrun), got none")
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=timeout_s))
-        else:
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if missing := [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v not in os.environ]:
+            raise RuntimeError(f"expected {missing[0]} in the environment (start the worker with torchrun), got none")
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else None)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -91,16 +89,3 @@ def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = N
     setup.B = b
     return setup
 
-
-def gather(obj) -> list:
-    """`obj` of every rank, in rank order, on every rank."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast(obj, src: int = 0):
-    """Rank `src`'s `obj` on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

@@ -42,8 +42,7 @@ class Setup:
         toks = torch.randint(0, settings["vocab"], (B, T + 1), generator=g).to(device)
         self.inp, self.tgt = toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
         self.pos = torch.arange(T, device=device).expand(B, T).contiguous()
-        self.T, self.B, self.device = T, B, device
-        self.clip = settings.get("grad_clip", 1.0)
+        self.T, self.B, self.device, self.clip = T, B, device, settings.get("grad_clip", 1.0)
         self.dtype = getattr(torch, settings["autocast"]) if settings.get("autocast") else None
         self.params = sum(p.numel() for p in model.parameters())
         self.graph, self.capture_peak = None, None
@@ -56,9 +55,7 @@ class Setup:
             self.capture_peak = torch.cuda.max_memory_allocated(device)
 
     def step(self):
-        if self.graph is not None:
-            return self.graph(self.inp, self.tgt, self.pos)
-        return self.eager_step()
+        return self.eager_step() if self.graph is None else self.graph(self.inp, self.tgt, self.pos)
 
     def eager_step(self):
         """One step as train_step runs it (for a captured step: what its graph replays,
@@ -75,10 +72,8 @@ class Setup:
         return loss
 
     def figures(self, fields: dict, matmul_rate: float | None, peak_rate: float | None) -> dict:
-        med_s = fields["stats"]["median_ms"] * 1e-3
-        tokens = self.T * self.B
-        flops = 6 * self.params * tokens
-        lg = fields["logical"]
+        med_s, tokens = fields["stats"]["median_ms"] * 1e-3, self.T * self.B
+        flops, lg = 6 * self.params * tokens, fields["logical"]
         if lg is not None:
             lg.update(param_bytes=4 * self.params, grad_bytes=4 * self.params, optimizer_state_bytes=8 * self.params,
                       state_bytes=self.B * self.cfg.num_layers * self.cfg.lru_width * 4, model_flops_per_step=flops)
