@@ -59,8 +59,7 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.T
     its floor (`floor.basis`)."""
     B, P = pre["batch"], pre["prompt"]
     engine = engine_for(model, B, table, settings, device)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(1, settings["vocab"], (B, P), generator=g).to(device)
+    tokens = torch.randint(1, settings["vocab"], (B, P), generator=torch.Generator().manual_seed(0)).to(device)
     try:
         fields = measure.measure(lambda: (engine.start(tokens), engine.step()), pre.get("reps", 3), 1, device)
     finally:
@@ -72,17 +71,17 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.T
     floors = {"flops_ms": flops / rate * 1e3 if rate else None, "bytes_ms": weight_bytes / bw * 1e3 if bw else None}
     floor_ms = max((v for v in floors.values() if v is not None), default=None)
     return {**fields, "prompt_tokens": B * P, "ttft_ms": fields["stats"]["median_ms"], "floor_ms": floor_ms,
-            "floor": {"model_flops": flops, "weight_bytes": weight_bytes, **floors, "ms": floor_ms,
-                      "basis": "max(2 x non-embedding parameters x B x P / probe BF16 rate, weights / probe copy bandwidth)"}}
+            "floor": {"model_flops": flops, "weight_bytes": weight_bytes, **floors, "ms": floor_ms, "basis":
+                      "max(2 x non-embedding parameters x B x P / probe BF16 rate, weights / probe copy bandwidth)"}}
 
 
 def extend_grid(probe_at, thr: dict) -> dict:
     """Probe the profile's batch sizes, then double B while tokens/s rises by more than
     `plateau_rise` up to `max_batch`; stop at the first failure; say why it ended."""
     batches, rise, cap = sorted(thr["batches"]), thr.get("plateau_rise", 0.02), thr.get("max_batch", 8192)
-    done, i, why = [], 0, None
-    while i < len(batches):
-        B, rec = batches[i], probe_at(batches[i])
+    done, why = [], None
+    for i, B in enumerate(batches):     # batches grows while tokens/s rises
+        rec = probe_at(B)
         if rec is None:
             why = f"not probed from B={B} on (the stage's time budget)"
             break
@@ -99,15 +98,12 @@ def extend_grid(probe_at, thr: dict) -> dict:
                 why = f"max_batch {cap} reached, tokens/s still rising at B={B}"
             else:
                 batches.append(2 * B)
-        i += 1
     return {"records": done, "plateau": why, "batches": [r["shapes"]["B"] for r in done]}
 
 
 def main(job):
-    settings = job.params["settings"]
-    device = measure.device_of()
-    table = job.load("table")
-    auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(table))
+    settings, device = job.params["settings"], measure.device_of()
+    auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(job.load("table")))
     runner = measure.Runner.for_job(job, "infer", settings, device)
     preset, mixers = settings["preset"], settings["mixers"]
     models: dict = {}
@@ -127,9 +123,8 @@ def main(job):
         return {"shapes": {"preset": preset, "B": B, "prompt": prompt, "vocab": settings["vocab"]},
                 "mixer": mixer, "backend": "auto", "dtype": settings["dtype"]}
 
-    def group(prefix, mixer, B, prompt, lengths, reps, order, extra):
+    def group(prefix, mixer, B, prompt, lengths, reps, order, seq, role, **extra):
         ids = [f"{prefix}-N{n}" for n in lengths]
-        reuse = runner.twin(ids[0])
 
         def body():
             m = model(mixer)
@@ -140,8 +135,9 @@ def main(job):
             g = torch.Generator(device="cpu").manual_seed(0)
             tokens = torch.randint(1, settings["vocab"], (B, prompt), generator=g).to(device) if prompt else None
             try:
-                per = trajectory_fields(engine, B, tokens, lengths, reps, device, sum(p.numel() for p in m.parameters()),
-                                        reuse, warmup=settings.get("warmup_steps", 2))
+                per = trajectory_fields(engine, B, tokens, lengths, reps, device,
+                                        sum(p.numel() for p in m.parameters()), runner.twin(ids[0]),
+                                        warmup=settings.get("warmup_steps", 2))
                 for v in per.values():
                     v.update(resolved=resolved_backends(engine, B, prompt), decode_table_entry=choice)
             finally:
@@ -149,15 +145,15 @@ def main(job):
                 measure.release(device)
             return {f"{prefix}-N{n}": per[n] for n in lengths}
 
-        fields = {f"{prefix}-N{n}": {**base(mixer, B, prompt), "order": order, "generated_tokens": n, **extra}
-                  for n in lengths}
-        return runner.run_group(ids, body, fields)
+        return runner.run_group(ids, body, {f"{prefix}-N{n}": {**base(mixer, B, prompt), "order": order,
+                                                               "generated_tokens": n, "role": role,
+                                                               "sequence": list(seq), **extra} for n in lengths})
 
     lat = settings["latency"]
     for prompt in lat["prompts"]:
         for order, seq, mixer in measure.orders(mixers):
             group(f"infer-latency-{preset}-P{prompt}-B{lat['batch']}-{mixer}-{order}", mixer, lat["batch"],
-                  prompt, sorted(lat["lengths"]), lat.get("reps", 1), order, {"role": "latency", "sequence": list(seq)})
+                  prompt, sorted(lat["lengths"]), lat.get("reps", 1), order, seq, "latency")
 
     pre = settings.get("prefill")
     if pre:
@@ -173,7 +169,7 @@ def main(job):
         for order, seq, mixer in measure.orders(mixers):
             def probe_at(B, mixer=mixer, order=order, seq=seq):
                 got = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [thr["probe_steps"]], 1,
-                            order, {"role": "probe", "sequence": list(seq)})
+                            order, seq, "probe")
                 return next(iter(got.values()), None)
 
             grid[(mixer, order)] = extend_grid(probe_at, thr)
@@ -190,9 +186,8 @@ def main(job):
             for B in best.get(mixer, []):
                 sel = sorted(r["config_id"] for r in probe[mixer][B])
                 group(f"infer-throughput-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, sorted(thr["lengths"]),
-                      thr.get("reps", 1), order,
-                      {"role": "fresh", "sequence": list(seq), "selected_from": sel,
-                       "selected_by": "highest probe tokens/s", "throughput_grid": plateau})
+                      thr.get("reps", 1), order, seq, "fresh", selected_from=sel,
+                      selected_by="highest probe tokens/s", throughput_grid=plateau)
     runner.finish(job.output.records)
 
 

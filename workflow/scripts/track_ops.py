@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from common import cases, measure, stage
+from common.cases import rel_err
 from common.facts import REPO_ROOT
 
 import kernels
@@ -42,11 +43,28 @@ def cast(args: list, dtype, grad: bool = False) -> list:
             else a for a in args]
 
 
+def grad_errors(forward, y_ref, backward, g_ref, names=None) -> dict:
+    """{check: max relative error}: forward() against y_ref, then (where g_ref is given)
+    backward()'s gradients, named `names` (default grad0, grad1, ...), against g_ref."""
+    names = names or [f"grad{i}" for i in range(len(g_ref))]
+    return {"output": rel_err(forward(), y_ref),
+            **{n: rel_err(got, want) for n, got, want in zip(names, backward() if g_ref else (), g_ref)}}
+
+
+@torch.no_grad()
+def step_errors(step, state0, y_ref, ref_state) -> dict:
+    """Errors of the output and the state after 4 steps from state0: step(state) -> (y, state)."""
+    state = state0.clone()
+    for _ in range(4):
+        y, state = step(state)
+    # the official layer's output is [B, 1, D]
+    return {"output": rel_err(y.reshape(y_ref.shape), y_ref), "state": rel_err(state, ref_state)}
+
+
 def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype) -> Case:
     """kernels.<op> (and for scan its peers) against the float64 reference."""
-    grad = mode == "fwd_bwd"
-    B, T = s["B"], s["T"]
-    args = cases.op_inputs(op, B, T, D, dtype, device, requires_grad=grad, resets=s.get("resets", True))
+    grad, B, T, resets = mode == "fwd_bwd", s["B"], s["T"], s.get("resets", True)
+    args = cases.op_inputs(op, B, T, D, dtype, device, requires_grad=grad, resets=resets)
     fn = getattr(kernels, op)
     ref = cast(args, torch.float64, grad)
     y_ref = fn(*ref, backend="reference")[0]
@@ -62,72 +80,45 @@ def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype) -> 
     def ours(dt):
         a, go = inputs(dt)
         call = cases.make_call(fn, a, {}, mode, go)
-
-        def errors():
-            errs = {"output": cases.rel_err(cases.make_call(fn, a, {}, "fwd")(), y_ref)}
-            errs.update({f"grad{i}": cases.rel_err(got, want) for i, (got, want) in
-                         enumerate(zip(call() if grad else (), g_ref))})
-            return errs
-        return call, errors
+        return call, partial(grad_errors, cases.make_call(fn, a, {}, "fwd"), y_ref, call, g_ref)
 
     def peer(name, dt):
         a, go = inputs(dt)
         p = cases.Peer(name, a[0], a[1], a[2], grad)
         if grad:
             p.set_grad_out(go)
-
-        def errors():
-            errs = {"output": cases.rel_err(p.output(), y_ref)}
-            if grad:
-                ga, gb = p.grads()
-                errs["grad_a"] = cases.rel_err(ga, g_ref[0].masked_fill((args[2] == 0)[..., None], 0))
-                errs["grad_b"] = cases.rel_err(gb, g_ref[1])
-            return errs
-        return p.call, errors
+        want = (g_ref[0].masked_fill((args[2] == 0)[..., None], 0), g_ref[1]) if grad else ()
+        return p.call, partial(grad_errors, p.output, y_ref, p.grads, want, ["grad_a", "grad_b"])
 
     variants = {"ours": ours}
     if op == "scan":
         variants.update({f"peer:{p}": partial(peer, p) for p in s.get("scan_peers", [])})
-    shapes = {"preset": preset, "B": B, "T": T, "D": D, "resets": s.get("resets", True)}
-    return Case(op, shapes, mode, variants, cases.floor_bytes(args[:2] if op == "scan" else args, y_ref.to(dtype), mode))
+    floor = cases.floor_bytes(args[:2] if op == "scan" else args, y_ref.to(dtype), mode)
+    return Case(op, {"preset": preset, "B": B, "T": T, "D": D, "resets": resets}, mode, variants, floor)
 
 
 def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dtype) -> Case:
     """Our RG-LRU layer and the official one (same weights) against our float64 layer."""
-    grad = mode == "fwd_bwd"
-    B, T = s["B"], s["T"]
+    grad, B, T, resets = mode == "fwd_bwd", s["B"], s["T"], s.get("resets", True)
     official, ref = cases.official_rglru(D, blocks, dtype, device)
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(B, T, D, generator=g).to(device=device, dtype=dtype)
-    pos = cases.positions(B, T, device, s.get("resets", True))
+    pos = cases.positions(B, T, device, resets)
     grad_out = torch.randn(B, T, D, generator=g).to(device=device, dtype=dtype) if grad else None
     x64 = x.double().requires_grad_(grad)
     y_ref = ref(x64, pos)[0]
     g_ref = torch.autograd.grad(y_ref, [x64, *ref.parameters()], grad_out.double()) if grad else ()
-    ours = kernels.from_recurrentgemma(official)
 
     def variant(module, dt):
         m, xd = copy.deepcopy(module).to(dt), x.to(dt).requires_grad_(grad)
-        targets, go = [xd, *m.parameters()], grad_out.to(dt) if grad else None
+        call = cases.make_call(m, [xd, pos], {}, mode, grad_out.to(dt) if grad else None, [xd, *m.parameters()])
+        names = [f"grad_{n}" for n in ["x", *(n for n, _ in m.named_parameters())]]
+        return call, partial(grad_errors, cases.make_call(m, [xd, pos], {}, "fwd"), y_ref, call, g_ref, names)
 
-        def call():
-            if not grad:
-                with torch.no_grad():
-                    return m(xd, pos)[0]
-            return torch.autograd.grad(m(xd, pos)[0], targets, go)
-
-        def errors():
-            with torch.no_grad():
-                errs = {"output": cases.rel_err(m(xd, pos)[0], y_ref)}
-            names = ["x", *(n for n, _ in m.named_parameters())]
-            errs.update({f"grad_{n}": cases.rel_err(got, want) for n, got, want in
-                         zip(names, call() if grad else (), g_ref)})
-            return errs
-        return call, errors
-
-    shapes = {"preset": preset, "B": B, "T": T, "D": D, "blocks": blocks, "resets": s.get("resets", True)}
+    shapes = {"preset": preset, "B": B, "T": T, "D": D, "blocks": blocks, "resets": resets}
     floor = cases.floor_bytes([x, *(p.to(dtype) for p in official.parameters())], y_ref.to(dtype), mode)
-    variants = {"ours": partial(variant, ours), "peer:recurrentgemma": partial(variant, official)}
+    variants = {"ours": partial(variant, kernels.from_recurrentgemma(official)),
+                "peer:recurrentgemma": partial(variant, official)}
     return Case("rglru_layer", shapes, mode, variants, floor)
 
 
@@ -136,7 +127,8 @@ def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> C
     calls it; the official RG-LRU layer at T = 1): 4 steps against float64."""
     fn = getattr(kernels, f"{op}_step")
     args, state0 = cases.step_inputs(op, B, D, blocks, dtype, device)
-    ref_args, ref_state = cast(args, torch.float64), state0.to(torch.complex128 if state0.is_complex() else torch.float64)
+    ref_args = cast(args, torch.float64)
+    ref_state = state0.to(torch.complex128 if state0.is_complex() else torch.float64)
     for _ in range(4):
         y_ref = fn(*ref_args, ref_state, None, backend="reference")
 
@@ -144,13 +136,8 @@ def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> C
         a, state = cast(args, dt), state0.clone()
         # the generation engine's call: the mode table computed once, outside the window
         kw = {"modes": kernels.ops.samu_mode_table(a[5], a[6], dt)} if table else {}
-
-        def errors():
-            st = state0.clone()
-            for _ in range(4):
-                y = fn(*a, st, None, **kw)
-            return {"output": cases.rel_err(y, y_ref), "state": cases.rel_err(st, ref_state)}
-        return (lambda: fn(*a, state, None, **kw)), errors
+        return (lambda: fn(*a, state, None, **kw)), partial(
+            step_errors, lambda st: (fn(*a, st, None, **kw), st), state0, y_ref, ref_state)
 
     def official(dt):
         m, _ = cases.official_rglru(D, blocks, dt, device)
@@ -163,14 +150,7 @@ def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> C
         def call():
             with torch.no_grad():
                 return m(x, pos, state0.clone())[0]
-
-        def errors():
-            h = state0.clone()
-            with torch.no_grad():
-                for _ in range(4):
-                    y, h = m(x, pos, h)
-            return {"output": cases.rel_err(y[:, 0], y_ref), "state": cases.rel_err(h, ref_state)}
-        return call, errors
+        return call, partial(step_errors, lambda h: m(x, pos, h), state0, y_ref, ref_state)
 
     variants = {"ours": ours}
     if op == "samu":
@@ -217,28 +197,12 @@ def gated(case: Case, name: str, s: dict):
     return call, {**gate, "max_rel_err": cases.checked(errors(), s["check_tolerance"])}
 
 
-def run_case(runner: measure.Runner, case: Case, s: dict, bandwidth: float | None, device) -> None:
-    for order, seq, name in measure.orders(list(case.variants)):
-        cid = f"{case.tag()}-{name.replace(':', '-')}-{order}"
-        ours, reuse = name.startswith("ours"), runner.twin(cid)
-
-        def body(name=name, reuse=reuse):
-            call, gate = gated(case, name, s)
-            f = measure.measure(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse,
-                                profile_calls=HOST_PROFILE_CALLS)
-            return {**measure.floor_fields(f, case.floor, bandwidth), "gate": gate}
-
-        # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.
-        runner.run(cid, body, shapes=case.shapes, op=case.name, mixer=None, backend="auto" if ours else name,
-                   variant=name, peer=not ours, mode=case.mode, order=order, sequence=seq, dtype=s["dtype"])
-
-
 def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float | None, restart=None,
           lock_clocks: bool = False) -> list:
-    device = measure.device_of()
-    runner = measure.Runner("ops", profile, records_dir, settings.get("budget_s"), device, restart=restart,
+    s, device = settings, measure.device_of()
+    runner = measure.Runner("ops", profile, records_dir, s.get("budget_s"), device, restart=restart,
                             lock_clocks=lock_clocks)
-    for build in plan(settings, device):
+    for build in plan(s, device):
         try:
             outcome = measure.capture(build, device)
         except measure.Skip as why:
@@ -247,8 +211,21 @@ def track(settings: dict, profile: str, records_dir, out_jsonl, bandwidth: float
         if not outcome.ok:
             runner.say(f"a case could not be set up: {measure.error_text(outcome.error)[:300]}")
             continue
-        run_case(runner, outcome.value, settings, bandwidth, device)
-        del outcome
+        case = outcome.value
+        for order, seq, name in measure.orders(list(case.variants)):
+            cid = f"{case.tag()}-{name.replace(':', '-')}-{order}"
+
+            def body(name=name, reuse=runner.twin(cid)):
+                call, gate = gated(case, name, s)
+                f = measure.measure(call, s["reps"], s["warmup"], device, s.get("budget_s_per_config"), reuse,
+                                    profile_calls=HOST_PROFILE_CALLS)
+                return {**measure.floor_fields(f, case.floor, bandwidth), "gate": gate}
+
+            ours = name.startswith("ours")
+            # mixer stays null: the report's SAMU / RG-LRU ratios are the ops section's own.
+            runner.run(cid, body, shapes=case.shapes, op=case.name, mixer=None, backend="auto" if ours else name,
+                       variant=name, peer=not ours, mode=case.mode, order=order, sequence=seq, dtype=s["dtype"])
+        del outcome, case
         measure.release(device)
     return runner.finish(out_jsonl)
 
@@ -266,16 +243,14 @@ def standalone(argv) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--standalone", action="store_true", required=True)
     ap.add_argument("--profile", required=True, help="a profile of config.yaml (h200, h800, cpu-smoke)")
-    ap.add_argument("--out", required=True, help="folder for records.d/ and records.jsonl")
+    ap.add_argument("--out", required=True, type=Path, help="folder for records.d/ and records.jsonl")
     args = ap.parse_args(argv)
     prof = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())["profiles"][args.profile]
     stage.prepare_process()
     bandwidth = measure.copy_timing(prof["probe"]["copy_bytes"], prof["probe"]["reps"])[1]
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (bytes read + written)", flush=True)
-    out = Path(args.out)
-    for r in track(prof["ops"], args.profile, out / "records.d", out / "records.jsonl", bandwidth):
-        st = r.get("stats") or {}
-        print(f"{r['config_id']:<72} {r['status']:<6} {st.get('median_ms', float('nan')):9.4f} ms ({r.get('clock')})"
+    for r in track(prof["ops"], args.profile, args.out / "records.d", args.out / "records.jsonl", bandwidth):
+        print(f"{r['config_id']:<72} {r['status']:<6} {r['stats']['median_ms']:9.4f} ms ({r.get('clock')})"
               if r["status"] == "ok" else f"{r['config_id']:<72} {r['status']}: {r['error'][:150]}")
 
 

@@ -2,6 +2,7 @@
 every backend of every op in both orders, with the memory floor and hardware counters
 from one Nsight Compute pass where readable."""
 
+import itertools
 import json
 import os
 import sys
@@ -22,17 +23,13 @@ COUNTERS_SKIP = ("reference", "assoc", "assoc_bf16")
 
 def plan(settings: dict, gates: dict | None) -> list[dict]:
     """Every (op, backend, options, T) of the track in listed order, per T."""
-    out = []
-    for T in settings["T"]:
-        for op in settings["ops"]:
-            fns = kernels.backends(op)
-            names, exact = cases.diagnostic_backend_names(op, fns, gates)
-            for name in names:
-                if (settings.get("backends") and name not in settings["backends"]) or \
-                        (name == "reference" and T > settings.get("reference_max_T", 0)):
-                    continue
-                for opts in chunk_variants(name, fns[name], settings["chunk_sizes"]):
-                    out.append({"T": T, "op": op, "backend": name, "options": opts, "exact": name in exact})
+    out, wanted = [], settings.get("backends")
+    for T, op in itertools.product(settings["T"], settings["ops"]):
+        fns = kernels.backends(op)
+        names, exact = cases.diagnostic_backend_names(op, fns, gates)
+        out += [{"T": T, "op": op, "backend": n, "options": opts, "exact": n in exact} for n in names
+                if (not wanted or n in wanted) and (n != "reference" or T <= settings.get("reference_max_T", 0))
+                for opts in chunk_variants(n, fns[n], settings["chunk_sizes"])]
     return out
 
 
@@ -41,31 +38,29 @@ def config_id(item: dict, settings: dict, order: str) -> str:
             f"-D{settings['D']}-{settings['dtype']}-{order}")
 
 
-class Inputs:
-    """Inputs for one (op, T) at a time, built on first use."""
+def inputs(s: dict, device):
+    """call(item) -> (the timed no-grad forward call of `item`, its arguments), holding the
+    inputs of one (op, T) at a time, built on first use."""
+    held = {}
 
-    def __init__(self, settings, device):
-        self.settings, self.device, self.key, self.args = settings, device, None, None
-
-    def call(self, item: dict):
-        """(the timed no-grad forward call of `item`, its arguments)."""
-        if self.key != (item["op"], item["T"]):
-            self.args = None
-            measure.release(self.device)
-            s = self.settings
-            self.args = op_inputs(item["op"], s["B"], item["T"], s["D"], getattr(torch, s["dtype"]), self.device)
-            self.key = (item["op"], item["T"])
+    def call(item: dict):
+        key = (item["op"], item["T"])
+        if key not in held:
+            held.clear()
+            measure.release(device)
+            held[key] = op_inputs(item["op"], s["B"], item["T"], s["D"], getattr(torch, s["dtype"]), device)
         fn = kernels.backends(item["op"])[item["backend"]]
-        return cases.make_call(fn, self.args, item["options"], "fwd"), self.args
+        return cases.make_call(fn, held[key], item["options"], "fwd"), held[key]
+    return call
 
 
 def counters_pass(items: list[dict], settings: dict, device) -> None:
     """Run every item once between boundary markers: [set-up] M [call] M [set-up] M ..."""
-    inputs = Inputs(settings, device)
+    call_of = inputs(settings, device)
     for item in items:
         call = None
         try:
-            call = inputs.call(item)[0]
+            call = call_of(item)[0]
             torch.cuda.synchronize()
             measure.mark_boundary()
             call()
@@ -98,39 +93,30 @@ def collect_counters(job, items: list[dict], env: dict, settings: dict) -> dict:
 
 
 def main(job):
-    settings = job.params["settings"]
-    device = measure.device_of()
-    env = job.load("environment")
-    items = plan(settings, job.load("gates"))
+    s, device, env = job.params["settings"], measure.device_of(), job.load("environment")
+    items = plan(s, job.load("gates"))
     profiled = [i for i in items if i["backend"] not in COUNTERS_SKIP]
     if os.environ.get(COUNTERS_PASS):
-        counters_pass(profiled, settings, device)
-        return
-    bandwidth = measure.copy_bandwidth(env)
-    counters = collect_counters(job, profiled, env, settings)
-    runner = measure.Runner.for_job(job, "scan", settings, device)
-    inputs = Inputs(settings, device)
-    for T in settings["T"]:
-        for order, seq, item in measure.orders([i for i in items if i["T"] == T],
-                                               settings.get("orders", ["AB", "BA"])):
-            slow = settings.get("slow", {}).get(item["backend"], {})
-            reuse = runner.twin(config_id(item, settings, order))
+        return counters_pass(profiled, s, device)
+    bandwidth, counters = measure.copy_bandwidth(env), collect_counters(job, profiled, env, s)
+    runner, call_of = measure.Runner.for_job(job, "scan", s, device), inputs(s, device)
+    for T in s["T"]:
+        for order, seq, item in measure.orders([i for i in items if i["T"] == T], s.get("orders", ["AB", "BA"])):
+            slow, cid, op = s.get("slow", {}).get(item["backend"], {}), config_id(item, s, order), item["op"]
 
-            def body(item=item, slow=slow, reuse=reuse):
-                call, args = inputs.call(item)
-                f = measure.measure(call, slow.get("reps", settings["reps"]), slow.get("warmup", settings["warmup"]),
-                                    device, settings.get("budget_s_per_config"), reuse)
-                f["logical"] = {**f["logical"], "state_bytes": settings["B"] * settings["D"] * 4}
-                fb = floor_bytes(args, args[1] if item["op"] == "scan" else args[0])
-                return measure.floor_fields(f, fb, bandwidth)
+            def body(item=item, slow=slow, reuse=runner.twin(cid)):
+                call, args = call_of(item)
+                f = measure.measure(call, slow.get("reps", s["reps"]), slow.get("warmup", s["warmup"]), device,
+                                    s.get("budget_s_per_config"), reuse)
+                f["logical"] = {**f["logical"], "state_bytes": s["B"] * s["D"] * 4}
+                return measure.floor_fields(f, floor_bytes(args, args[1] if item["op"] == "scan" else args[0]),
+                                            bandwidth)
 
-            counter = counters.get(config_id(item, settings, "AB"))
-            runner.run(config_id(item, settings, order), body, shapes={"B": settings["B"], "T": T, "D": settings["D"]},
-                       mixer=item["op"] if item["op"] != "scan" else None, backend=item["backend"], op=item["op"],
-                       options=item["options"], peer=False, exact=item["exact"], order=order,
-                       sequence=[i["backend"] + opt_tag(i["options"]) + "/" + i["op"] for i in seq],
-                       dtype=settings["dtype"], counters=counter,
-                       counters_reason=None if counter else counters.get("_reason"))
+            counter = counters.get(config_id(item, s, "AB"))
+            runner.run(cid, body, shapes={"B": s["B"], "T": T, "D": s["D"]}, mixer=op if op != "scan" else None,
+                       backend=item["backend"], op=op, options=item["options"], peer=False, exact=item["exact"],
+                       order=order, sequence=[i["backend"] + opt_tag(i["options"]) + "/" + i["op"] for i in seq],
+                       dtype=s["dtype"], counters=counter, counters_reason=None if counter else counters.get("_reason"))
     runner.finish(job.output.records)
 
 

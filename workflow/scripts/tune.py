@@ -4,7 +4,6 @@ fastest re-measured on fresh runs; decode steps likewise per batch size, as traj
 the decode step's weight-streaming linears role by role, as trajectories of whole steps."""
 
 import fnmatch
-import json
 import statistics
 
 import torch
@@ -18,6 +17,7 @@ from kernels.models import decode as dk
 from kernels.models.generation import LINEAR_ROLES, Engine
 from kernels.ops import tuning
 
+
 def candidates(op: str, fns: dict, settings: dict, device, names=None, fixed=frozenset()) -> list[tuple[str, dict]]:
     """(backend, options) pairs to try among `names` (default every backend in `fns`)."""
     names = [n for n in (fns if names is None else names)
@@ -30,41 +30,39 @@ def candidates(op: str, fns: dict, settings: dict, device, names=None, fixed=fro
 def select(runner: measure.Runner, tag: str, cands, probe, fresh, fields: dict) -> dict | None:
     """Probe every candidate, re-measure the fastest by median on fresh runs; the table
     entry's common part, or None when no candidate finished."""
-    probes = {}
+    probes = []
     for name, opts in cands:
         rec = runner.run(f"tune-{tag}-{name}{opt_tag(opts)}-probe", lambda n=name, o=opts: probe(n, o), **fields,
                          backend=name, options=opts, role="probe")
         if rec is not None and rec["status"] == "ok":
-            probes[(name, json.dumps(opts, sort_keys=True))] = rec
+            probes.append((name, opts, rec))
     if not probes:
         runner.say(f"{tag}: no candidate finished; no table entry")
         return None
-    (name, opts_s), best = min(probes.items(), key=lambda kv: kv[1]["stats"]["median_ms"])
-    opts = json.loads(opts_s)
+    name, opts, best = min(probes, key=lambda p: p[2]["stats"]["median_ms"])
     fid = f"tune-{tag}-{name}{opt_tag(opts)}-fresh"
     rec = runner.run(fid, lambda: fresh(name, opts), **fields, backend=name, options=opts, role="fresh",
-                     selected_from=sorted(r["config_id"] for r in probes.values()))
+                     selected_from=sorted(r["config_id"] for *_, r in probes))
     runner.say(f"{tag}: {name}{opt_tag(opts)} (probe median {best['stats']['median_ms']:.4g} ms)")
     return {"backend": name, "options": opts, "best": best, "fresh_config_id": fid, "candidates": len(probes),
             "fresh": rec["stats"] if rec is not None and rec["status"] == "ok" else None}
 
 
 def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device) -> list[dict]:
-    dtype = getattr(torch, settings["dtype"])
-    tol = settings["check_tolerance"][settings["dtype"]]
+    dt_name = settings["dtype"]
+    dtype, tol = getattr(torch, dt_name), settings["check_tolerance"][dt_name]
     entries = []
     for op in OPS:
         mode = settings.get("modes", {}).get(op, "fwd_bwd")
-        fns = kernels.backends(op)
+        grad, fns = mode == "fwd_bwd", kernels.backends(op)
         names = cases.exact_backend_names(op, list(fns), gates, settings.get("inexact", []))
         for shape in settings.get("shapes", {}).get(op, []):
             B, T, D = shape["B"], shape["T"], shape["D"]
-            args = op_inputs(op, B, T, D, dtype, device, requires_grad=(mode == "fwd_bwd"))
-            grad_out = torch.randn(B, T, D, device=device, dtype=dtype) if mode == "fwd_bwd" else None
-            kinks = None
-            if op == "samu" and mode == "fwd_bwd":
-                # The audit's rule (cases.samu_kinks); the same cotangent is timed.
-                kinks = cases.samu_kinks(args)
+            args = op_inputs(op, B, T, D, dtype, device, requires_grad=grad)
+            grad_out = torch.randn(B, T, D, device=device, dtype=dtype) if grad else None
+            # The audit's rule (cases.samu_kinks); the same cotangent is timed.
+            kinks = cases.samu_kinks(args) if op == "samu" and grad else None
+            if kinks is not None:
                 grad_out = grad_out.masked_fill(kinks, 0)
             ref = {}
 
@@ -75,10 +73,10 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device)
             def probe(name, opts):
                 if not ref:
                     ref["y"] = fns["reference"](*args)[0].detach()
-                    ref["g"] = make_call(fns["reference"], args, {}, mode, grad_out)() if grad_out is not None else ()
+                    ref["g"] = make_call(fns["reference"], args, {}, mode, grad_out)() if grad else ()
                 y = fns[name](*args, **opts)[0]
                 checked({"output": rel_err(y.detach(), ref["y"])}, tol)
-                if grad_out is not None:
+                if grad:
                     grads = make_call(fns[name], args, opts, mode, grad_out)()
                     checked({f"gradient {i}": rel_err(g, w) for i, (g, w) in enumerate(zip(grads, ref["g"]))}, tol)
                 f = timed(name, opts, settings["reps"])
@@ -87,24 +85,24 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device)
                     f["relu_kinks_masked"] = int(kinks.sum())
                 return f
 
-            tag = f"{op}-{settings['dtype']}-B{B}-T{T}-D{D}-{mode}"
-            got = select(runner, tag, candidates(op, fns, settings, device, names)[: settings.get("max_candidates")],
+            got = select(runner, f"{op}-{dt_name}-B{B}-T{T}-D{D}-{mode}",
+                         candidates(op, fns, settings, device, names)[: settings.get("max_candidates")],
                          probe, lambda n, o: timed(n, o, settings["fresh_reps"]),
                          {"shapes": shape, "mixer": op if op != "scan" else None, "op": op, "mode": mode,
-                          "dtype": settings["dtype"]})
+                          "dtype": dt_name})
             if got is not None:
                 opts = got.pop("options")
-                entries.append({"op": op, "dtype": settings["dtype"], "B": B, "T": T, "D": D,
+                entries.append({"op": op, "dtype": dt_name, "B": B, "T": T, "D": D,
                                 "chunk_size": opts.get("chunk_size"),
                                 "options": {k: v for k, v in opts.items() if k != "chunk_size"}, "mode": mode,
                                 "probe_median_ms": got.pop("best")["stats"]["median_ms"], **got})
     return entries
 
 
-def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool = False) -> list[float]:
+def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool) -> list[float]:
     """Milliseconds of `count` trajectories of n_steps fed-back decode steps; with `graph`
     on a GPU each is one replay of the captured steps, as in the inference engine."""
-    if graph and device.type == "cuda":
+    if graph:
         xin = x0.clone()
 
         def steps():
@@ -134,8 +132,7 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
         return []
     dt_name = dec.get("dtype", "bfloat16")
     dtype, tol = getattr(torch, dt_name), settings["check_tolerance"][dt_name]
-    D, heads, n_steps, n_traj = dec["D"], dec["heads"], dec["steps"], dec["trajectories"]
-    L = dec.get("layers", 1)
+    D, heads, n_steps, n_traj, L = dec["D"], dec["heads"], dec["steps"], dec["trajectories"], dec.get("layers", 1)
     graph = dec.get("cuda_graphs", True) and device.type == "cuda"
     entries = []
     for op in STEP_OPS:
@@ -173,11 +170,10 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
                 checked({"decode output after 4 steps": rel_err(xg, xr)}, tol)
                 f, one = trajectories(name, opts), make_step(name, opts, 1)
                 logical = measure.logical_counts(lambda: one(x0), device)
-                state = layers[0][1]
-                return {**f, "logical": {**logical, "state_bytes": state.numel() * state.element_size()}}
+                return {**f, "logical": {**logical, "state_bytes": measure.tensor_bytes(layers[0][1])}}
 
-            tag = f"decode-{op}-{dt_name}-B{B}-D{D}"
-            got = select(runner, tag, candidates(op, fns, dec, device, fixed=cases.STEP_FIXED[op]), probe, trajectories,
+            got = select(runner, f"decode-{op}-{dt_name}-B{B}-D{D}",
+                         candidates(op, fns, dec, device, fixed=cases.STEP_FIXED[op]), probe, trajectories,
                          {"shapes": {"B": B, "D": D, "heads": heads, "layers": L}, "mixer": op, "op": f"{op}_step",
                           "dtype": dt_name})
             if got is not None:
@@ -187,12 +183,10 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
 
 
 def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
-    """Tile options of the weight-streaming linears, one role at a time (the roles before
-    it at their choices): every combination of the grid beside the default, then (with
-    `refine`) the winner beside the winner with each combination of the refine grid
-    (K slice, pipeline depth, warps), each gated on the first step from BOS (tokens equal
-    to the default's, every state within the tolerance) and timed as trajectories of
-    whole engine steps (CUDA graphs on a GPU)."""
+    """Tile options of the weight-streaming linears, one role at a time (the roles before it
+    at their choices): the grid's combinations beside the default, then (with `refine`) the
+    winner with each refine combination; each gated on the first step from BOS (the default
+    tiles' tokens, states within the tolerance), timed as trajectories of whole engine steps."""
     lin = settings.get("linears") or {}
     if not lin:
         return []
@@ -214,9 +208,9 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
         return tokens, [t.clone() for c in eng.cache.layers for t in (c.conv_state, c.rnn_state)]
 
     def trajectories(eng):
-        runs = [measure.time_trajectory(lambda i: eng.step(), [steps], device, before=lambda: eng.start(batch_size=B),
-                                        warmup=lin.get("warmup", 2) if k == 0 else 0) for k in range(n_traj)]
-        traj = [r["cumulative_ms"][-1] for r in runs]
+        traj = [measure.time_trajectory(lambda i: eng.step(), [steps], device, before=lambda: eng.start(batch_size=B),
+                                        warmup=lin.get("warmup", 2) if k == 0 else 0)["cumulative_ms"][-1]
+                for k in range(n_traj)]
         return {"samples_ms": traj, "stats": measure.summarize(traj), "steps_per_trajectory": steps,
                 "cuda_graph": graph}
 
@@ -237,18 +231,17 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
             checked({f"state {i}": rel_err(g, w) for i, (g, w) in enumerate(zip(states, want[1]))}, tol)
             return {**trajectories(eng), "logical": cases.step_counts(eng, B, device), "linear_configs": configs}
 
-        tag = f"linear-{role}-{lin['preset']}-{dt_name}-B{B}"
-        fields = {"shapes": {"preset": lin["preset"], "B": B, "rows": rows}, "op": f"decode_linear_{role}",
-                  "dtype": dt_name}
-        got = select(runner, tag, [("gemm", o) for o in options], probe,
-                     lambda n, o: trajectories(engine(with_role(o))), fields)
-        if got is None:
+        def pick(suffix, tiles):
+            return select(runner, f"linear-{role}-{lin['preset']}-{dt_name}-B{B}{suffix}",
+                          [("gemm", o) for o in tiles], probe, lambda n, o: trajectories(engine(with_role(o))),
+                          {"shapes": {"preset": lin["preset"], "B": B, "rows": rows}, "op": f"decode_linear_{role}",
+                           "dtype": dt_name})
+
+        if (got := pick("", options)) is None:
             continue
         if refine:      # the pipeline's depth around the winner: its tiles with each refine combination
             n_first = got["candidates"]
-            around = [got["options"]] + [{**got["options"], **r} for r in refine]
-            got = select(runner, f"{tag}-refine", [("gemm", o) for o in around], probe,
-                         lambda n, o: trajectories(engine(with_role(o))), fields) or got
+            got = pick("-refine", [got["options"]] + [{**got["options"], **r} for r in refine]) or got
             got["candidates"] += n_first
         if got["options"]:
             chosen[role] = got["options"]
@@ -259,8 +252,7 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
 
 
 def main(job):
-    settings = job.params["settings"]
-    device = measure.device_of()
+    settings, device = job.params["settings"], measure.device_of()
     runner = measure.Runner.for_job(job, "tune", settings, device)
     entries = tune_ops(runner, settings, job.load("gates"), device)
     decode = tune_decode(runner, settings, device)

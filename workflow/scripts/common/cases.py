@@ -21,22 +21,20 @@ SCAN_PEERS = ("fla_fused_recurrent_hgrn", "accelerated_scan_triton", "accelerate
 
 def positions(B: int, T: int, device, resets: bool = False):
     """segment_pos [B, T]: one document per row, or with `resets` the audit's mix of resets."""
-    if not resets:
-        return torch.arange(T, device=device).expand(B, T).contiguous()
-    return parity.make_segment_pos(B, T, resets=True, seed=0, device=device)
+    return (parity.make_segment_pos(B, T, resets=True, seed=0, device=device) if resets
+            else torch.arange(T, device=device).expand(B, T).contiguous())
 
 
-def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, requires_grad: bool = False,
-              resets: bool = False) -> list:
+def op_inputs(op: str, B: int, T: int, D: int, dtype, device, requires_grad=False, resets=False) -> list:
     """Positional arguments of `op`: activations [B, T, D] in `dtype`, FP32 parameters at
     the layers' initialisation, segment_pos, no initial or final state."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(0)
 
     def act():
         return torch.randn(B, T, D, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
 
     pos = positions(B, T, device, resets)
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     if op == "rglru":
         a_param = layers.rnn_param_init(torch.empty(D, device=device)).requires_grad_(requires_grad)
         return [act(), act(), act(), a_param, pos, None, False]
@@ -51,17 +49,13 @@ def op_inputs(op: str, B: int, T: int, D: int, dtype, device, seed: int = 0, req
 
 def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 0) -> tuple[list, object]:
     """(arguments without the state, zero state) of a decode step at `dtype` weights."""
+    if op not in STEP_OPS:
+        raise ValueError(f"expected op in {list(STEP_OPS)}, got {op!r}")
     torch.manual_seed(seed)
     x = torch.randn(B, D, device=device, dtype=dtype)
-    if op == "rglru":
-        m = layers.RGLRU(D, heads, device=device, dtype=dtype)
-        args = [x, m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param]
-    elif op == "samu":
-        m = layers.SAMU(D, device=device, dtype=dtype)
-        args = [x, *m.step_params()]
-    else:
-        raise ValueError(f"expected op in {list(STEP_OPS)}, got {op!r}")
-    return [a.detach() for a in args], m.init_cache(B, dtype, device)
+    kw = {"device": device, "dtype": dtype}
+    m = layers.RGLRU(D, heads, **kw) if op == "rglru" else layers.SAMU(D, **kw)
+    return [a.detach() for a in (x, *m.step_params())], m.init_cache(B, dtype, device)
 
 
 def step_counts(engine: Engine, B: int, device) -> dict:
@@ -89,22 +83,12 @@ def nbytes(tensors) -> int:
 def floor_bytes(args: list, out, mode: str = "fwd") -> int:
     """The memory floor's bytes: inputs read and the output written once; for "fwd_bwd"
     also the output's gradient read, the inputs read again and their gradients written."""
-    fwd = nbytes(args) + nbytes([out])
-    return fwd if mode == "fwd" else fwd + nbytes([out]) + 2 * nbytes(args)
+    return nbytes(args) * (1 if mode == "fwd" else 3) + nbytes([out]) * (1 if mode == "fwd" else 2)
 
 
 def chunk_variants(name: str, fn, chunk_sizes) -> list[dict]:
     """One option set per chunk size for a chunked backend taking chunk_size, else [{}]."""
     return option_grid(fn, name, {name: {"chunk_size": chunk_sizes}}) if "chunk" in name else [{}]
-
-
-def signature(fn) -> tuple[set[str], bool]:
-    """(named parameters, whether it takes **kwargs) of a launcher."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return set(), False
-    return set(params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 # Arguments of the decode steps that are not launcher options.
@@ -119,7 +103,11 @@ def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: s
     for "op/name", else "name", else "*"; a list of grids (options that only make sense
     together) is their union without repeats."""
     found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
-    params, var_kw = signature(fn)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     out = []
     for grid in found if isinstance(found, list) else [found]:
         space = {k: v for k, v in grid.items() if (k in params and k not in fixed) or (var_kw and k not in params)}
@@ -152,8 +140,7 @@ def opt_tag(opts: dict) -> str:
 
 def rel_err(got, want) -> float:
     g, w = (torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double() for t in (got, want))
-    scale = w.abs().max().item() if w.numel() else 0.0
-    err = (g - w).abs().max().item() if w.numel() else 0.0
+    scale, err = (w.abs().max().item(), (g - w).abs().max().item()) if w.numel() else (0.0, 0.0)
     return err / scale if scale > 0 else err
 
 
@@ -170,19 +157,16 @@ def grad_targets(args: list) -> list:
     return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
-def make_call(fn, args: list, opts: dict, mode: str, grad_out=None):
+def make_call(fn, args: list, opts: dict, mode: str, grad_out=None, targets=None):
     """A no-argument call: the forward without autograd ("fwd"), or with the backward to
-    every input that takes a gradient ("fwd_bwd")."""
+    `targets` (default: every input that takes a gradient) ("fwd_bwd")."""
     if mode == "fwd":
-        def call():
+        def call():     # the timed path: no decorator frame around it
             with torch.no_grad():
                 return fn(*args, **opts)[0]
         return call
-    targets = grad_targets(args)
-
-    def call():
-        return torch.autograd.grad(fn(*args, **opts)[0], targets, grad_out)
-    return call
+    targets = grad_targets(args) if targets is None else targets
+    return lambda: torch.autograd.grad(fn(*args, **opts)[0], targets, grad_out)
 
 
 def samu_kinks(args: list):
@@ -194,8 +178,7 @@ def samu_kinks(args: list):
 def gated_backends(gates: dict) -> dict[str, set[str]] | None:
     """{op: backends with a check and no failed check} from gates.json, or None when
     its checks name no backend."""
-    passed: dict[str, set[str]] = {}
-    failed: dict[str, set[str]] = {}
+    passed, failed = {}, {}
     for c in gates.get("checks") or []:
         if c.get("backend") is not None:
             # A backend inexact by design is recorded by the audit but never exact.
@@ -220,10 +203,10 @@ def diagnostic_backend_names(op: str, names, gates: dict | None) -> tuple[list[s
 
 
 class Peer:
-    """A peer of the bare scan h_t = a_t h_{t-1} + b_t in its own layout, prepared
-    outside the timed window: `call()` runs it (with `grad` the backward too);
-    `output()` / `grads()` give y and the gradients of a, b in [B, T, D] (a's zero at
-    resets). Resets become a zero gate (accelerated-scan) or cu_seqlens bounds (fla)."""
+    """A peer of the bare scan h_t = a_t h_{t-1} + b_t in its own layout, prepared outside the
+    timed window: `call()` runs it (with `grad` the backward too); `output()` / `grads()` give
+    y and the gradients of a, b in [B, T, D] (a's zero at resets). Resets become a zero gate
+    (accelerated-scan) or cu_seqlens bounds (fla)."""
 
     CPU_SKIP = {"accelerated_scan_triton": "its Triton scan takes 2048-wide blocks (minutes a call in the "
                                            "interpreter)", "accelerated_scan_warp": "a CUDA extension",
@@ -234,34 +217,31 @@ class Peer:
             raise ValueError(f"expected a peer in {list(SCAN_PEERS)}, got {name!r}")
         if b.device.type != "cuda" and name in self.CPU_SKIP and not allow_cpu:
             raise Skip(f"peer {name} not run on the CPU: {self.CPU_SKIP[name]}")
-        self.grad, self.reset = grad, segment_pos == 0
+        self.grad, self.reset, self.grad_out = grad, segment_pos == 0, None
+        self.log_gates = name == "fla_fused_recurrent_hgrn"
         B, T, D = b.shape
         try:
-            if name == "fla_fused_recurrent_hgrn":
+            if self.log_gates:
                 from fla.ops.hgrn import fused_recurrent_hgrn
-
-                starts = self.reset.reshape(-1).clone()
-                starts[:: T] = True
-                cu = torch.cat([starts.nonzero()[:, 0], torch.tensor([B * T], device=b.device)])
-                # log-gates kept in FP32; one flattened row split into documents
-                self.inputs = [torch.log(a.detach().float()).reshape(1, B * T, D), b.detach().reshape(1, B * T, D)]
-                self.fn = lambda g_, x_: fused_recurrent_hgrn(x_, g_, cu_seqlens=cu)[0]
-                self.to_btd, self.from_btd = (lambda t: t.reshape(B, T, D)), (lambda t: t.reshape(1, B * T, D))
-                self.grad_a = lambda gg, inputs: gg / inputs[0].exp()
+            elif name.endswith("triton"):
+                from accelerated_scan.scalar import scan
             else:
-                if name.endswith("triton"):
-                    from accelerated_scan.scalar import scan
-                else:
-                    from accelerated_scan.warp import scan
-                a_in = a.detach().masked_fill(self.reset[..., None], 0)
-                self.inputs = [a_in.to(b.dtype).transpose(1, 2).contiguous(), b.detach().transpose(1, 2).contiguous()]
-                self.fn = scan
-                self.to_btd = self.from_btd = lambda t: t.transpose(1, 2)
-                self.grad_a = lambda ga, inputs: ga
+                from accelerated_scan.warp import scan
         except ImportError as e:
             raise Skip(f"peer {name} not available ({e})") from None
-        self.inputs = [t.requires_grad_(grad) for t in self.inputs]
-        self.grad_out = None
+        if self.log_gates:
+            starts = self.reset.reshape(-1).clone()
+            starts[:: T] = True
+            cu = torch.cat([starts.nonzero()[:, 0], torch.tensor([B * T], device=b.device)])
+            # log-gates kept in FP32; one flattened row split into documents
+            inputs = [torch.log(a.detach().float()), b.detach()]
+            self.fn = lambda g_, x_: fused_recurrent_hgrn(x_, g_, cu_seqlens=cu)[0]
+            self.to_btd, self.from_btd = (lambda t: t.reshape(B, T, D)), (lambda t: t.reshape(1, B * T, D))
+        else:
+            inputs = [a.detach().masked_fill(self.reset[..., None], 0).to(b.dtype), b.detach()]
+            self.fn = scan
+            self.to_btd = self.from_btd = lambda t: t.transpose(1, 2)
+        self.inputs = [self.from_btd(t).contiguous().requires_grad_(grad) for t in inputs]
 
     def set_grad_out(self, grad_out):
         """The output cotangent, given in [B, T, D]."""
@@ -273,14 +253,14 @@ class Peer:
                 return self.fn(*self.inputs)
         return torch.autograd.grad(self.fn(*self.inputs), self.inputs, self.grad_out)
 
+    @torch.no_grad()
     def output(self):
-        with torch.no_grad():
-            return self.to_btd(self.fn(*[t.detach() for t in self.inputs]))
+        return self.to_btd(self.fn(*self.inputs))
 
     def grads(self) -> tuple:
         ga, gb = self.call()
-        ga = self.to_btd(self.grad_a(ga.float(), [t.detach() for t in self.inputs]))
-        return ga.masked_fill(self.reset[..., None], 0), self.to_btd(gb)
+        ga = ga.float() / self.inputs[0].detach().exp() if self.log_gates else ga.float()
+        return self.to_btd(ga).masked_fill(self.reset[..., None], 0), self.to_btd(gb)
 
 
 def load_official():
@@ -291,11 +271,11 @@ def load_official():
         raise Skip(f"recurrentgemma not available ({e})") from None
 
 
-def official_rglru(D: int, blocks: int, dtype, device, seed: int = 0):
+def official_rglru(D: int, blocks: int, dtype, device):
     """(the official RG-LRU layer in FP32 with weights rounded to `dtype`, our float64
     reference layer with the same weights); measure.Skip without recurrentgemma."""
     rg = load_official()
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     official = rg.RGLRU(D, blocks, device=device)
     with torch.no_grad():
         for p in official.parameters():
