@@ -118,10 +118,8 @@ def main(argv=None) -> dict:
         table = tuning.env_table()
     except ValueError as e:
         p.error(str(e))
-    linear_configs = None
-    if table is not None and device.type == "cuda":
-        linear_configs = table.linear_configs(str(dtype).removeprefix("torch."), dk.rows_block(a.batch),
-                                              gpu=torch.cuda.get_device_name(device))
+    linear_configs = None if table is None or device.type != "cuda" else table.linear_configs(
+        str(dtype).removeprefix("torch."), dk.rows_block(a.batch), gpu=torch.cuda.get_device_name(device))
     try:
         engine = Engine(model, kernels=a.kernels, graphs=False if a.no_graphs else None,
                         pdl={"auto": None, "on": True, "off": False}[a.pdl], linear_configs=linear_configs)

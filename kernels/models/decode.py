@@ -40,41 +40,28 @@ def _rnd(v, TY: tl.constexpr, RNE: tl.constexpr):
         return v.to(TY).to(tl.float32)
 
 
-@triton.jit
-def _rmsnorm_store(v, scale, xn, row, o, mk, D, eps, RNE: tl.constexpr):
-    """xn[row] = round(v / rms(v) * (1 + scale)) for the FP32 row v."""
-    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
-    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
-    TY: tl.constexpr = xn.dtype.element_ty
-    tl.store(xn + row + o, _rnd(v * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
-
-
 @launcher
 @triton.jit
-def embed_rmsnorm_kernel(tokens, table, scale, x, xn, D, eps, BD: tl.constexpr, RNE: tl.constexpr):
-    m = tl.program_id(0)
-    o = tl.arange(0, BD)
-    mk = o < D
-    tok = tl.load(tokens + m).to(tl.int64)
-    v = tl.load(table + tok * D + o, mask=mk, other=0.0)
-    row = m.to(tl.int64) * D
-    tl.store(x + row + o, v, mask=mk)
-    _rmsnorm_store(v.to(tl.float32), scale, xn, row, o, mk, D, eps, RNE)
-
-
-@launcher
-@triton.jit
-def add_rmsnorm_kernel(h, x, scale, xn, D, eps, BD: tl.constexpr, RNE: tl.constexpr):
+def rmsnorm_rows_kernel(src, tokens, x, scale, xn, D, eps, BD: tl.constexpr, EMBED: tl.constexpr,
+                        RNE: tl.constexpr):
+    """Row m: x[m] = src[tokens[m]] (EMBED) or x[m] <- round(src[m] + x[m]); then
+    xn[m] = round(x[m] / rms(x[m]) * (1 + scale))."""
     m = tl.program_id(0)
     o = tl.arange(0, BD)
     mk = o < D
     row = m.to(tl.int64) * D
     TY: tl.constexpr = x.dtype.element_ty
-    hv = tl.load(h + row + o, mask=mk, other=0.0).to(tl.float32)
-    xv = tl.load(x + row + o, mask=mk, other=0.0).to(tl.float32)
-    v = _rnd(hv + xv, TY, RNE)
-    tl.store(x + row + o, v.to(TY), mask=mk)
-    _rmsnorm_store(v, scale, xn, row, o, mk, D, eps, RNE)
+    if EMBED:
+        v = tl.load(src + tl.load(tokens + m).to(tl.int64) * D + o, mask=mk, other=0.0)
+        tl.store(x + row + o, v, mask=mk)
+        v = v.to(tl.float32)
+    else:
+        hv = tl.load(src + row + o, mask=mk, other=0.0).to(tl.float32)
+        v = _rnd(hv + tl.load(x + row + o, mask=mk, other=0.0).to(tl.float32), TY, RNE)
+        tl.store(x + row + o, v.to(TY), mask=mk)
+    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+    s = tl.load(scale + o, mask=mk, other=0.0).to(tl.float32)
+    tl.store(xn + row + o, _rnd(v * r * (s + 1.0), TY, RNE).to(TY), mask=mk)
 
 
 @triton.jit
@@ -154,21 +141,15 @@ EPI_BIAS, EPI_RESIDUAL, EPI_XY, EPI_GATED = 0, 1, 2, 3
 
 
 @triton.jit
-def _dot(acc, x, y, DOT: tl.constexpr):
+def _mma(acc, at, wt, DOT: tl.constexpr, SWAP: tl.constexpr):
+    """acc += at @ wt.T for at [BM, BK], wt [BN, BK]; acc is [BM, BN], or [BN, BM]
+    with SWAP (the weight tile as the dot's M operand: M = BN >= 64 suits wgmma).
+    DOT 1: exact products in FP32."""
+    x, y = (wt, tl.trans(at)) if SWAP else (at, tl.trans(wt))
     if DOT == 0:
         return tl.dot(x, y, acc)
     else:
         return tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision="ieee")
-
-
-@triton.jit
-def _mma(acc, at, wt, DOT: tl.constexpr, SWAP: tl.constexpr):
-    """acc += at @ wt.T for at [BM, BK], wt [BN, BK]; acc is [BM, BN], or [BN, BM]
-    with SWAP (the weight tile as the dot's M operand: M = BN >= 64 suits wgmma)."""
-    if SWAP:
-        return _dot(acc, wt, tl.trans(at), DOT)
-    else:
-        return _dot(acc, at, tl.trans(wt), DOT)
 
 
 @triton.jit
@@ -254,20 +235,13 @@ def linear_kernel(
     second = pid_n >= NB  # only EPI_XY has programs past NB
     o_n = (pid_n % NB) * BN + tl.arange(0, BN)
     m_n = o_n < N
-    wp = w
-    bp = bias
-    if EPI == 2:
-        if second:
-            wp = w2
-            bp = bias2
+    wp, bp = w, bias
+    if EPI == 2 and second:
+        wp, bp = w2, bias2
     k_lo = pid_s * KS
     k_hi = tl.minimum(k_lo + KS, K)
-    if SWAP:
-        acc = tl.zeros([BN, BM], tl.float32)
-        acc2 = tl.zeros([BN, BM], tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], tl.float32)
-        acc2 = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], tl.float32)
+    acc2 = tl.zeros_like(acc)
     sq = tl.zeros([BM, BK], tl.float32)
     if PDL:
         gdc_wait()
@@ -283,10 +257,7 @@ def linear_kernel(
     if SWAP:
         acc = tl.trans(acc)
         acc2 = tl.trans(acc2)
-    if PRO == 1:
-        ss = tl.sum(sq, axis=1)
-    else:
-        ss = tl.zeros([BM], tl.float32)
+    ss = tl.sum(sq, axis=1) if PRO == 1 else tl.zeros([BM], tl.float32)
     if SPLIT == 1:
         _epilogue(acc, acc2, ss, bp, out, out2, res, cstate, cw, cb, reset, o_m, m_m, o_n, m_n, second, N, K, eps,
                   PRO, EPI, HAS_BIAS, HAS_RESET, CW, TY, RNE)
@@ -306,7 +277,7 @@ def linear_kernel(
         arrived = tl.atomic_add(counts + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             acc = tl.zeros([BM, BN], tl.float32)
-            acc2 = tl.zeros([BM, BN], tl.float32)
+            acc2 = tl.zeros_like(acc)
             ss = tl.zeros([BM], tl.float32)
             first = pid_n.to(tl.int64) * SPLIT
             # RG partials per load (independent loads in flight), summed in a fixed order
@@ -352,22 +323,14 @@ def _arg(name, t, shape, dtypes, device, layout="rows"):
     return t
 
 
-def _overlap(a, b) -> bool:
-    """Whether the byte ranges that tensors a and b may touch intersect."""
-    if a is None or b is None or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-
-    def span(t):
-        lo = t.data_ptr()
-        return lo, lo + (sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+def _span(t) -> tuple[int, int]:
+    """The byte range that tensor t may touch."""
+    lo = t.data_ptr()
+    return lo, lo + (sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def _same_view(a, b) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
+    return a.data_ptr() == b.data_ptr() and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
 
 
 def _apart(name, t, strict=(), same=()):
@@ -376,7 +339,10 @@ def _apart(name, t, strict=(), same=()):
     may be t itself."""
     for may_be_it, pairs in ((False, strict), (True, same)):
         for other, u in pairs:
-            if _overlap(t, u) and not (may_be_it and _same_view(t, u)):
+            if u is None or not t.numel() or not u.numel() or t.device != u.device:
+                continue
+            (t0, t1), (u0, u1) = _span(t), _span(u)
+            if t0 < u1 and u0 < t1 and not (may_be_it and _same_view(t, u)):
                 raise ValueError(f"expected {name} not to overlap {other} in memory"
                                  f"{' unless it is ' + other + ' itself' if may_be_it else ''} ({other} is read "
                                  f"while {name} is written); pass a separate buffer")
@@ -416,9 +382,8 @@ def embed_rmsnorm(tokens, table, scale, eps, x=None, xn=None):
     scale = _arg("scale", scale, (D,), FLOAT_DTYPES, dev, "copy")
     x = _out("x", x, M, D, dt, dev, strict=(("table", table),))
     xn = _out("xn", xn, M, D, dt, dev, strict=(("x", x), ("table", table)))
-    embed_rmsnorm_kernel[(M,)](tokens, table, scale, x, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
-    if accounting.on():
-        accounting.record("embed_rmsnorm", accounting.nbytes(tokens, x, scale), accounting.nbytes(x, xn))
+    rmsnorm_rows_kernel[(M,)](table, tokens, x, scale, xn, D, eps, BD=next_pow2(D), EMBED=True, RNE=INTERPRET)
+    accounting.account("embed_rmsnorm", (tokens, x, scale), (x, xn))
     return x, xn
 
 
@@ -430,9 +395,8 @@ def add_rmsnorm(h, x, scale, eps, xn=None):
     scale = _arg("scale", scale, (D,), FLOAT_DTYPES, x.device, "copy")
     _apart("x", x, same=(("h", h),))
     xn = _out("xn", xn, M, D, x.dtype, x.device, strict=(("x", x),), same=(("h", h),))
-    add_rmsnorm_kernel[(M,)](h, x, scale, xn, D, eps, BD=next_pow2(D), RNE=INTERPRET)
-    if accounting.on():
-        accounting.record("add_rmsnorm", accounting.nbytes(h, x, scale), accounting.nbytes(x, xn))
+    rmsnorm_rows_kernel[(M,)](h, h, x, scale, xn, D, eps, BD=next_pow2(D), EMBED=False, RNE=INTERPRET)
+    accounting.account("add_rmsnorm", (h, x, scale), (x, xn))
     return xn
 
 
@@ -449,9 +413,7 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     conv_step_kernel[(cdiv(E, BC), cdiv(M, BM))](
         x, x.stride(0), conv_state, conv_w, conv_b, rst if rst is not None else conv_state, y, M, E,
         HAS_RESET=rst is not None, CW=CW, BM=BM, BC=BC, RNE=INTERPRET)
-    if accounting.on():
-        accounting.record("conv_step", accounting.nbytes(x, conv_state, conv_w, conv_b, rst),
-                          accounting.nbytes(y, conv_state))
+    accounting.account("conv_step", (x, conv_state, conv_w, conv_b, rst), (y, conv_state))
     return y
 
 
@@ -463,8 +425,7 @@ def gelu_mul(a, b, y=None):
     y = _out("y", y, M, F, a.dtype, a.device, same=(("a", a), ("b", b)))
     BM, BF = 16, 512
     gelu_mul_kernel[(cdiv(F, BF), cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F, BM=BM, BF=BF, RNE=INTERPRET)
-    if accounting.on():
-        accounting.record("gelu_mul", 2 * accounting.nbytes(y), accounting.nbytes(y))
+    accounting.account("gelu_mul", (y, y), (y,))
     return y
 
 
@@ -487,9 +448,7 @@ def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     BM = 128
     advance_kernel[(cdiv(M, BM),)](nxt, tokens, pos, reset.view(torch.int8), done.view(torch.int8),
                                    stops, pad_id, M, S=stops.shape[0], BM=BM)
-    if accounting.on():
-        accounting.record("advance", accounting.nbytes(nxt, done, pos, stops),
-                          accounting.nbytes(tokens, done, pos, reset))
+    accounting.account("advance", (nxt, done, pos, stops), (tokens, done, pos, reset))
 
 
 # Fastest tiles of an H200 tile sweep for the five linears of preset 1.3b, keyed by
@@ -568,15 +527,6 @@ class Workspace:
         return self.partials, self.counts
 
 
-def _dot_mode(dtype):
-    # The interpreter's BF16 dot is wrong (Triton 3.6); exact products in FP32 instead.
-    if dtype in (torch.bfloat16, torch.float16):
-        return 1 if INTERPRET else 0
-    if dtype == torch.float32:
-        return 1
-    raise ValueError(f"expected a bf16, fp16 or fp32 model for the fused linear, got {dtype}")
-
-
 def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, norm_scale=None, eps=1e-6,
            residual=None, w2=None, bias2=None, conv=None, reset=None, out=None, out2=None, config=None,
            pdl=False, workspace=None):
@@ -590,10 +540,10 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     EPI_GATED -> round(gelu(y_gate)) * y_value [M, N] from w's two halves.
     config: tile options overriding `default_config`; workspace: a `Workspace` for the
     split-K partials (default: fresh scratch per call); pdl: programmatic dependent launch
-    (Hopper: scheduled while the previous kernel finishes, waiting before its first read). Weights, biases and a2 are in
-    a's dtype on its device (the dot reads a and w in one precision, as F.linear does);
-    strided vectors are copied; out, out2, residual and conv_state must not share memory
-    with a, a2 or each other (ValueError otherwise).
+    (Hopper: scheduled while the previous kernel finishes, waiting before its first read).
+    Weights, biases and a2 are in a's dtype on its device (the dot reads a and w in one
+    precision, as F.linear does); strided vectors are copied; out, out2, residual and
+    conv_state must not share memory with a, a2 or each other (ValueError otherwise).
     """
     a = _arg("a", a, (None, None), None, None)
     (M, K), dt, dev = a.shape, a.dtype, a.device
@@ -602,6 +552,8 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     unknown = set(config or {}) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"expected config keys among {list(CONFIG_KEYS)}, got {sorted(unknown)}")
+    if dt not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"expected a bf16, fp16 or fp32 model for the fused linear, got {dt}")
     gated, xy = epilogue == EPI_GATED, epilogue == EPI_XY
     w = _arg("w", w, (None, K), (dt,), dev, "dense")
     if gated and w.shape[0] % 2:
@@ -653,6 +605,7 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     def arg(t):     # a pointer the kernel does not read under this launch's flags
         return out if t is None else t
 
+    pdl = bool(pdl) and not INTERPRET
     linear_kernel[(n_blocks, split)](
         a, a.stride(0), a if a2 is None else a2, 0 if a2 is None else a2.stride(0), arg(norm_scale),
         w, arg(bias), w2 if w2 is not None else w, arg(bias2), out, arg(out2), arg(residual), arg(cstate), arg(cw),
@@ -661,13 +614,12 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         BM=BM, BN=cfg["BN"], BK=cfg["BK"], SPLIT=split, KS=KS,
         # partial tiles loaded at once by the reducing program: <= 8192 floats in registers
         RG=max(1, min(next_pow2(split), 8192 // (BM * cfg["BN"]))),
-        SWAP=int(bool(cfg["SWAP"])), DOT=_dot_mode(dt), RNE=INTERPRET, PDL=bool(pdl) and not INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"launch_pdl": True} if pdl and not INTERPRET else {}),
+        # DOT 1: exact products in FP32 (FP32 models; the interpreter's BF16 dot is wrong in Triton 3.6)
+        SWAP=int(bool(cfg["SWAP"])), DOT=int(dt == torch.float32 or INTERPRET), RNE=INTERPRET, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
-    if accounting.on():
-        accounting.record("linear", accounting.nbytes(w, bias, w2, bias2) + accounting.nbytes(a, a2, residual, cstate)
-                          * (2 if xy else 1), accounting.nbytes(out, out2, cstate))
+    accounting.account("linear", (w, bias, w2, bias2, *(a, a2, residual, cstate) * (2 if xy else 1)),
+                       (out, out2, cstate))
     return (out, out2) if xy else out
 
 

@@ -5,12 +5,11 @@ captured in a CUDA graph per batch size, sampling, stop tokens and a streaming i
     out = engine.generate(prompts, 128, temperature=0.8, top_k=50, stop_tokens=[1])
     for tokens in engine.stream(prompts, 128): ...              # tokens [B] per step
 
-Each batch size B has one `_Slot` of static decoding state. A step (embedding, blocks,
-final norm, logits, next-token choice written back into the slot's `tokens`) is fixed
-device work with no host synchronisation, captured once per (B, greedy or sampled,
-top_k, generator) on CUDA and replayed. A graph keeps the parameter storage it captured:
-build a new engine after replacing parameters (SAMU's mode tables are recomputed in
-place at every `start`, so parameters updated in place are seen).
+Each batch size B has one `_Slot` of static decoding state. A step (logits, then the
+next-token choice written into the slot's `tokens`) has no host synchronisation; on CUDA it
+is captured once per (B, greedy or sampled, top_k, generator) and replayed. A graph keeps
+the parameter storage it captured: build a new engine after replacing parameters (SAMU's
+mode tables are recomputed in place at every `start`, so in-place updates are seen).
 
 Prompts are left-padded to a common length P; as in recurrentgemma's sampler, positions
 are t - (P - length) clipped at -1, so each row's first real token is a document start
@@ -111,12 +110,11 @@ def _ids(v, name: str, scalar: bool = False) -> torch.Tensor:
 
 
 class Engine:
-    """Generation for one HawkLM. `kernels`: see the module docstring; `graphs`:
-    capture and replay the step (default: on CUDA); `pdl`: programmatic dependent
-    launch between the weight-streaming linears (None: on compute capability >= 9);
-    `linear_configs`: tile options of those linears by role ("xy", "out", "up",
-    "down", "logits"; see kernels.models.decode.default_config). The mixer kernels are
-    the model's (HawkLM.set_backend)."""
+    """Generation for one HawkLM. `kernels`: see the module docstring; `graphs`: capture
+    and replay the step (default: on CUDA); `pdl`: programmatic dependent launch between
+    the weight-streaming linears (None: on compute capability >= 9); `linear_configs`:
+    their tile options by role (LINEAR_ROLES; see decode.default_config). The mixer
+    kernels are the model's (HawkLM.set_backend)."""
 
     def __init__(self, model: HawkLM, *, kernels: str = "auto", graphs: bool | None = None, pdl: bool | None = None,
                  prefill_chunk: int = 1024, bos_id: int = BOS_ID, pad_id: int = 0,
@@ -135,15 +133,15 @@ class Engine:
         self.device = model.device
         self.dtype = model.embed.weight.dtype
         cuda = self.device.type == "cuda"
-        if graphs is None:
-            graphs = cuda
+        graphs = cuda if graphs is None else graphs
         if graphs and not cuda:
             raise ValueError(f"expected graphs=False on {self.device} (CUDA graphs need a CUDA model)")
-        if kernels == "auto" and not (cuda and self.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        fusable = self.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        if kernels == "auto" and not (cuda and fusable):
             kernels = "model"
         elif kernels == "auto" and self.dtype == torch.float32:
             kernels = "fused"
-        if kernels != "model" and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        elif kernels != "model" and not fusable:
             raise ValueError(f"expected a bf16, fp16 or fp32 model for kernels={kernels!r}, got {self.dtype} "
                              f"(use kernels='model')")
         if pdl is None:
@@ -167,17 +165,14 @@ class Engine:
     def _slot(self, B: int) -> _Slot:
         s = self._slots.get(B)
         if s is None:
-            dev = self.device
-            kernels = self._kernels_for(B)
-            s = _Slot(B=B, kernels=kernels, cache=self.model.init_cache(B),
-                      tokens=torch.zeros(B, dtype=torch.int64, device=dev),
-                      pos=torch.zeros(B, dtype=torch.int64, device=dev),
-                      reset=torch.zeros(B, dtype=torch.bool, device=dev),
-                      done=torch.zeros(B, dtype=torch.bool, device=dev),
-                      stops=torch.full((dk.MAX_STOP_TOKENS,), -1, dtype=torch.int64, device=dev),
-                      temperature=torch.ones((), dtype=torch.float32, device=dev),
-                      workspace=dk.Workspace(dev) if kernels == "gemm" else None)
-            self._slots[B] = s
+            dev, kernels = self.device, self._kernels_for(B)
+            tokens, pos, reset, done = (torch.zeros(B, dtype=t, device=dev)
+                                        for t in (torch.int64, torch.int64, torch.bool, torch.bool))
+            s = self._slots[B] = _Slot(
+                B=B, kernels=kernels, cache=self.model.init_cache(B), tokens=tokens, pos=pos, reset=reset, done=done,
+                stops=torch.full((dk.MAX_STOP_TOKENS,), -1, dtype=torch.int64, device=dev),
+                temperature=torch.ones((), dtype=torch.float32, device=dev),
+                workspace=dk.Workspace(dev) if kernels == "gemm" else None)
         return s
 
     @property
@@ -254,13 +249,12 @@ class Engine:
         pos = (torch.arange(P, device=self.device)[None, :] - (P - lengths)[:, None]).clamp_(min=-1)
         if P > 1:
             m = self.model
-            body, bpos = tokens[:, :-1], pos[:, :-1]
             caches = [None] * len(m.blocks)
             for c0 in range(0, P - 1, self.prefill_chunk):
-                sl = slice(c0, c0 + self.prefill_chunk)
-                x = m.embed(body[:, sl])
+                sl = slice(c0, min(c0 + self.prefill_chunk, P - 1))
+                x = m.embed(tokens[:, sl])
                 for i, block in enumerate(m.blocks):
-                    x, caches[i] = block(x, bpos[:, sl], caches[i], True)
+                    x, caches[i] = block(x, pos[:, sl], caches[i], True)
             del x
             for dst, src in zip(s.cache.layers, caches):
                 dst.conv_state.copy_(src.conv_state)
