@@ -111,21 +111,6 @@ def _neighbours(g) -> list[str]:
                                  ("host_busy", "host load average over half its CPUs")) if _flagged(g, col)]
 
 
-def _order_gaps(paired, col: str, gap: str, head: str, reasons) -> str:
-    """`head` filled with how many configurations of `paired` (both run orders, `col` over
-    ORDER_MIN_MS) agree within ORDER_TOL_PCT, then a row per other with `reasons(rows)`."""
-    both = paired.assign(key=order_key(paired)).groupby("key").filter(
-        lambda g: g[col].astype("float64").min() > ORDER_MIN_MS)
-    if both.empty:
-        return ""
-    rows = [{"configuration": k, **{f"{o}_{col}": dict(zip(g["order"], g[col].astype("float64"))).get(o)
-                                    for o in ("AB", "BA")}, "gap_pct": g[gap].iloc[0], **reasons(g)}
-            for k, g in both.groupby("key", sort=True) if g[gap].iloc[0] > ORDER_TOL_PCT]
-    n = both["key"].nunique()
-    text = head.format(agree=n - len(rows), n=n, min=ORDER_MIN_MS, tol=ORDER_TOL_PCT)
-    return text + (" The others, with what their records say:\n\n" + md_table(pd.DataFrame(rows)) if rows else "\n")
-
-
 def order_section(df) -> str:
     """Whether the run orders agree (medians over ORDER_MIN_MS), with the reasons the records
     give for each gap over ORDER_TOL_PCT; then the same for the eager medians quoted beside a
@@ -150,18 +135,29 @@ def order_section(df) -> str:
                  else "the device clocks differ too (see above)")
         return {"device_gap_pct": dev, "why": "; ".join([moved, *_neighbours(g)])}
 
-    medians = _order_gaps(df[df["ab_ba_pct"].notna()], "median_ms", "ab_ba_pct", "## Run orders\n\n{agree} of {n} "
-                          "configurations timed in both orders with a median over {min} ms agree within {tol:g} %.",
-                          why_median)
-    device = df["clock"].fillna("").str.startswith("device") & df["eager_ab_ba_pct"].notna()
-    return medians and medians + _order_gaps(
-        df[device], "eager_ms", "eager_ab_ba_pct", "\nEager medians beside a device-clock headline: {agree} of {n} "
-        "over {min} ms agree within {tol:g} % between the orders.", why_eager)
+    out, device = [], df["clock"].fillna("").str.startswith("device")
+    for col, gap, paired, head, reasons in (
+            ("median_ms", "ab_ba_pct", df["ab_ba_pct"].notna(), "## Run orders\n\n{agree} of {n} configurations timed "
+             "in both orders with a median over {min} ms agree within {tol:g} %.", why_median),
+            ("eager_ms", "eager_ab_ba_pct", device & df["eager_ab_ba_pct"].notna(), "\nEager medians beside a "
+             "device-clock headline: {agree} of {n} over {min} ms agree within {tol:g} % between the orders.",
+             why_eager)):
+        both = df[paired].assign(key=order_key(df[paired])).groupby("key").filter(
+            lambda g: g[col].astype("float64").min() > ORDER_MIN_MS)
+        if both.empty:     # no eager check without a median check
+            break
+        rows = [{"configuration": k, **{f"{o}_{col}": dict(zip(g["order"], g[col].astype("float64"))).get(o)
+                                        for o in ("AB", "BA")}, "gap_pct": g[gap].iloc[0], **reasons(g)}
+                for k, g in both.groupby("key", sort=True) if g[gap].iloc[0] > ORDER_TOL_PCT]
+        n = both["key"].nunique()
+        out.append(head.format(agree=n - len(rows), n=n, min=ORDER_MIN_MS, tol=ORDER_TOL_PCT) + (
+            " The others, with what their records say:\n\n" + md_table(pd.DataFrame(rows)) if rows else "\n"))
+    return "".join(out)
 
 
 def ident_cols(df) -> list[str]:
-    shapes = [c for c in df.columns if c.startswith("shape.") and df[c].notna().any()]
-    return [*shapes, *[c for c in IDENTITY if c in df.columns and df[c].notna().any()]]
+    cols = [*(c for c in df.columns if c.startswith("shape.")), *IDENTITY]
+    return [c for c in cols if c in df and df[c].notna().any()]
 
 
 def comparison(df):
@@ -380,18 +376,15 @@ def decode_tune_section(tune_recs: list[dict], table: dict) -> str:
     cells = []
     for r in tune_recs:
         if str(r.get("op")).endswith("_step") and r.get("role") == "probe":
-            B, name = r["shapes"]["B"], r["backend"] + opt_tag(r.get("options") or {})
+            key = (r["op"], r["shapes"]["B"], r["backend"] + opt_tag(r.get("options") or {}))
             us = r["stats"]["median_ms"] * 1e3 / (r["steps_per_trajectory"] * r.get("layers_per_step", 1)) \
                 if r.get("status") == "ok" else None
-            cell = "failed" if us is None else f"**{us:.3g}**" if (r["op"], B, name) in chosen else f"{us:.3g}"
-            cells.append({"op": r["op"], "B": B, "name": name, "cell": cell})
-    if not cells:
-        return ""
+            cells.append([*key, "failed" if us is None else f"**{us:.3g}**" if key in chosen else f"{us:.3g}"])
     out = [f"`{op}`:\n\n" + md_table(g.drop_duplicates(["B", "name"], keep="last").pivot(
         index="B", columns="name", values="cell").fillna(MISSING).reset_index())
-        for op, g in pd.DataFrame(cells).groupby("op")]
+        for op, g in pd.DataFrame(cells, columns=["op", "B", "name", "cell"]).groupby("op")]
     return ("**Decode step tuning** (µs per layer step, probe medians; the tuning table's choice in bold):\n\n"
-            + "\n".join(out) + "\n")
+            + "\n".join(out) + "\n") if out else ""
 
 
 def probe_section(env: dict) -> str:
@@ -433,12 +426,10 @@ def timed_implementations(recs: list[dict], table: dict) -> dict[str, set[int | 
     table's entries), with the batch sizes where the tuning table sends decode steps."""
     out: dict[str, set] = {}
     for r in recs:
-        op = r.get("op") or r["mixer"] or ("scan" if r["stage"] == "scan" else None)
-        backend = r["backend"]
-        if op is None or backend is None or backend == "auto" or backend.startswith("peer:") \
-                or op.startswith("decode_linear_"):       # tiles of the engine's linears (linear_tiles)
-            continue
-        out.setdefault(f"{op}/{backend}", set()).add(None)
+        op, backend = r.get("op") or r["mixer"] or ("scan" if r["stage"] == "scan" else None), r["backend"]
+        if None not in (op, backend) and backend != "auto" and not backend.startswith("peer:") \
+                and not op.startswith("decode_linear_"):       # tiles of the engine's linears (linear_tiles)
+            out.setdefault(f"{op}/{backend}", set()).add(None)
     for e in [*table.get("entries", []), *table.get("decode", [])]:
         out.setdefault(f"{e['op']}/{e['backend']}", set()).add(e.get("B") if e["op"].endswith("_step") else None)
     return out
@@ -462,32 +453,26 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
     gate covered (checks inexact by design are reported, not gated)."""
     checks = gates["checks"]
     per_backend = [c for c in checks if c["check"].startswith("backends/") and c.get("op") and c.get("backend")]
-    gated = {f"{c['op']}/{c['backend']}" for c in per_backend
-             if c.get("role") not in ("inexact-by-design", "yardstick")}
-    inexact = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") == "inexact-by-design"}
-    yardstick = {f"{c['op']}/{c['backend']}" for c in per_backend if c.get("role") == "yardstick"}
+    roles: dict[str, set] = {}
+    for c in per_backend:
+        roles.setdefault(f"{c['op']}/{c['backend']}", set()).add(c.get("role"))
     timed = timed_implementations(recs, table)
+    gated = sorted(n for n in timed if roles.get(n, set()) - {"inexact-by-design", "yardstick"})
+    yardstick = sorted(n for n in timed if "yardstick" in roles.get(n, ()))
     ungated = []
-    for name in sorted(set(timed) - gated - yardstick):
+    for name in sorted(set(timed) - set(gated) - set(yardstick)):
         batches = sorted(b for b in timed[name] if b is not None)
         where = f" (the tuning table uses it at B = {', '.join(map(str, batches))})" if batches else ""
         why = ("inexact by design: its error is recorded in the audit, it is never selected"
-               if name in inexact else "no gate compares it with the reference")
-        ungated.append(f"`{name}`{where}: {why}")
-    lines = [
-        "## Correctness audit (results/audit/audit.md)\n",
-        f"{sum(c['passed'] for c in checks)} of {len(checks)} checks passed "
-        f"({', '.join(sorted({c.get('dtype', '') for c in checks}))}).",
-        "Timed and gated before any timing stage ran: "
-        + (", ".join(f"`{n}`" for n in sorted(set(timed) & gated)) or "none") + ".",
-    ]
-    if set(timed) & yardstick:
-        lines.append("The PyTorch references (" + ", ".join(f"`{n}`" for n in sorted(set(timed) & yardstick))
-                     + ") are the yardstick the gates compare against.")
-    if ungated:
-        lines += ["", "Timed without a gate of their own:", "", *[f"- {u}" for u in ungated]]
-    else:
-        lines.append("Every timed implementation passed its gate.")
+               if "inexact-by-design" in roles.get(name, ()) else "no gate compares it with the reference")
+        ungated.append(f"- `{name}`{where}: {why}")
+    lines = ["## Correctness audit (results/audit/audit.md)\n", f"{sum(c['passed'] for c in checks)} of {len(checks)} "
+             f"checks passed ({', '.join(sorted({c.get('dtype', '') for c in checks}))}).",
+             "Timed and gated before any timing stage ran: " + (", ".join(f"`{n}`" for n in gated) or "none") + ".",
+             *([f"The PyTorch references ({', '.join(f'`{n}`' for n in yardstick)}) are the yardstick the gates "
+                "compare against."] if yardstick else []),
+             *(["", "Timed without a gate of their own:", "", *ungated] if ungated
+               else ["Every timed implementation passed its gate."])]
     # a decode entry's launcher options: gated only where a step gate ran with that very set
     ran = {(c["op"], c["backend"].removesuffix("+table"), json.dumps(c["options"], sort_keys=True))
            for c in per_backend if c.get("options")}
