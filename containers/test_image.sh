@@ -38,7 +38,7 @@ for rule in probe audit tune track_ops track_scan track_train track_infer aggreg
         || { echo "FAIL $rule did not run in the image (results/logs/$rule.log)" >&2; exit 1; }
 done
 echo "ok   every stage ran in $IMAGE"
-"$PYTHON" workflow/scripts/verify_archive.py results/artifact-*.tar.gz
+"$PYTHON" workflow/scripts/common/artifact.py results/artifact-*.tar.gz
 "$PYTHON" - <<'PY'
 import glob, json, tarfile
 (path,) = glob.glob("results/artifact-*.tar.gz")

@@ -295,7 +295,7 @@ def test_archive_bytes_are_reproducible_and_tamper_is_caught(tmp_path):
     fewer = {k: v for k, v in entries.items() if k != "results/b.txt"}
     path.write_bytes(archive.build(fewer, "artifact-x", 1_700_000_000))
     assert artifact.verify(path) == ["missing: results/b.txt"]
-    cli = subprocess.run([sys.executable, str(REPO / "workflow/scripts/verify_archive.py"), str(path)],
+    cli = subprocess.run([sys.executable, str(REPO / "workflow/scripts/common/artifact.py"), str(path)],
                          capture_output=True, text=True)
     assert cli.returncode == 1 and "FAIL missing: results/b.txt" in cli.stdout
 

@@ -109,7 +109,7 @@ def test_archive_verifies_and_tampering_is_caught(smoke, tmp_path):
     (artifact,) = (repo / "results").glob("artifact-*.tar.gz")
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     assert artifact.name == f"artifact-{sha[:12]}-cpu-smoke.tar.gz"
-    verify = [sys.executable, str(repo / "workflow/scripts/verify_archive.py")]
+    verify = [sys.executable, str(repo / "workflow/scripts/common/artifact.py")]
     ok = subprocess.run([*verify, str(artifact)], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.strip().endswith("OK"), ok.stdout
     with tarfile.open(artifact) as tar:

@@ -99,6 +99,6 @@ def test_no_record_lost_or_duplicated(cluster_run):
         assert len(ids) == len(set(ids)) > 0, (rdir, ids)
         assert set(ids) == {p.stem for p in (repo / rdir).glob("*.json")}, rdir
     (artifact,) = (repo / "results").glob("artifact-*.tar.gz")
-    verify = subprocess.run([sys.executable, str(repo / "workflow/scripts/verify_archive.py"), str(artifact)],
+    verify = subprocess.run([sys.executable, str(repo / "workflow/scripts/common/artifact.py"), str(artifact)],
                             capture_output=True, text=True)
     assert verify.returncode == 0 and verify.stdout.strip().endswith("OK"), verify.stdout

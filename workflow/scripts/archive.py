@@ -13,7 +13,6 @@ from pathlib import Path
 
 from common import atomic, facts, stage
 from common.artifact import MANIFEST, sha256, verify
-from common.stage import COMMAND_LINE
 
 SKIP_PARTS = {".tmp", "records.d"}
 # The folders of results/ that this run's rules write (stage outputs, logs, benchmarks).
@@ -27,17 +26,14 @@ def result_files(root: Path, exclude: set[Path]) -> list[Path]:
 
 
 def build(entries: dict[str, bytes], prefix: str, mtime: int) -> bytes:
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for name in sorted(entries):
-            data = entries[name]
+    out = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=9) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in sorted(entries.items()):
             info = tarfile.TarInfo(f"{prefix}/{name}")
             info.size, info.mtime, info.mode = len(data), mtime, 0o644
             info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
             tar.addfile(info, io.BytesIO(data))
-    out = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=9) as gz:
-        gz.write(raw.getvalue())
     return out.getvalue()
 
 
@@ -56,7 +52,7 @@ def main(job):
     manifest = {"schema": 1, "artifact": artifact.name, "profile": job.profile, "commit": commit, "config": job.config,
                 "gpu": (probe.get("torch_device") or {}).get("name"), "probe": probe,
                 "container": {"runtime": job.params["runtime"], "image": job.params["image"]},
-                "command_line": os.environ.get(COMMAND_LINE),
+                "command_line": os.environ.get(stage.COMMAND_LINE),
                 "files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in sorted(entries.items())}}
     entries[MANIFEST] = (atomic.dumps(manifest) + "\n").encode()
     mtime = int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())

@@ -1,10 +1,13 @@
 """A study artifact's manifest check: `verify(path)` lists every file missing, altered or
-not listed in MANIFEST.json of a .tar.gz artifact or an extracted folder."""
+not listed in MANIFEST.json of a .tar.gz artifact or an extracted folder;
+`python workflow/scripts/common/artifact.py ARTIFACT` prints one line per problem and exits 1 if any."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import sys
 import tarfile
 from pathlib import Path, PurePosixPath
 
@@ -50,3 +53,17 @@ def verify(path: str | Path) -> list[str]:
         elif len(data) != listed[name]["bytes"] or sha256(data) != listed[name]["sha256"]:
             problems.append(f"content differs from the manifest: {name}")
     return problems + [f"not in the manifest: {name}" for name in sorted(set(present) - set(listed))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Verify a study artifact against its MANIFEST.json.")
+    ap.add_argument("artifact", help="artifact .tar.gz or an extracted artifact folder")
+    path = ap.parse_args(argv).artifact
+    problems = verify(path)
+    print(*(f"FAIL {p}" for p in problems), f"{path}: {len(problems)} problem(s)" if problems else f"{path}: OK",
+          sep="\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -90,8 +90,7 @@ def record_path(directory: str | Path, config_id: str) -> Path:
 
 def write_record(directory: str | Path, rec: dict) -> Path:
     """Validate and atomically write one record; returns its path."""
-    rec = json.loads(atomic.dumps(rec))
-    validate(rec)
+    rec = validate(json.loads(atomic.dumps(rec)))
     return atomic.write_text(record_path(directory, rec["config_id"]), atomic.dumps(rec) + "\n")
 
 
@@ -107,8 +106,7 @@ def read_record(path: str | Path) -> dict | None:
 
 
 def _files(directory: str | Path) -> list[Path]:
-    d = Path(directory)
-    return sorted(d.glob("*.json")) if d.is_dir() else []
+    return sorted(Path(directory).glob("*.json"))     # none where the folder is missing
 
 
 def done_ids(directory: str | Path, profile: str | None = None) -> set[str]:
@@ -122,21 +120,15 @@ def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = 
     """Concatenate the records (of `profile`, of `ids`) into `out_jsonl` by config_id;
     an invalid one is an error, as the stage should have redone it."""
     wanted = None if ids is None else set(ids)
-    recs, bad = [], []
-    for path in _files(directory):
-        if wanted is not None and path.stem not in wanted:
-            continue
-        rec = read_record(path)
-        if rec is None:
-            bad.append(str(path))
-        elif profile is None or rec["profile"] == profile:
-            recs.append(rec)
+    paths = [p for p in _files(directory) if wanted is None or p.stem in wanted]
+    recs = [read_record(p) for p in paths]
+    bad = [str(p) for p, rec in zip(paths, recs) if rec is None]
     if bad:
         raise ValueError(f"invalid or truncated records (rerun the stage to redo them): {bad}")
-    if wanted is not None:
-        missing = sorted(wanted - {r["config_id"] for r in recs})
-        if missing:
-            raise ValueError(f"no record for configurations {missing} in {directory}")
+    recs = [rec for rec in recs if profile in (None, rec["profile"])]
+    missing = sorted((wanted or set()) - {r["config_id"] for r in recs})
+    if missing:
+        raise ValueError(f"no record for configurations {missing} in {directory}")
     atomic.write_text(out_jsonl, "".join(atomic.dumps(r, indent=None) + "\n" for r in recs))
     return recs
 
@@ -144,11 +136,10 @@ def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Every record of a records.jsonl file, each validated."""
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(validate(json.loads(line)))
-                except ValueError as e:
-                    raise ValueError(f"{path}:{n}: {e}") from None
+    for n, line in enumerate(Path(path).read_text().split("\n"), 1):
+        if line.strip():
+            try:
+                out.append(validate(json.loads(line)))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
     return out
