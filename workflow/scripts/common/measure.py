@@ -38,7 +38,10 @@ SHORT_MS = 2.0  # device time under this per call is the headline
 DEVICE_CLOCK_MAX_MS = 50.0  # the device clock is taken for work whose eager median is under this
 DEVICE_WINDOW_MS = 1.0  # a device-clock sample covers about this much work
 MAX_GRAPH_CALLS = 256  # calls in one replayed graph at most
-PILOT_CALLS = 4  # calls in the pilot graph that sizes the device clock's graph
+# Calls in the pilot graph that sizes the device clock's graph: enough for calls under
+# 0.1 ms that the host queues replays faster than the device runs them (a pilot sample
+# then holds no idle gap), few for longer calls, whose pilot would otherwise cost seconds.
+PILOT_CALLS, PILOT_SHORT_CALLS, PILOT_SHORT_MS = 2, 16, 0.1
 # Calls run back to back for at least this long before the eager clock: the host path of a
 # short call reaches its steady speed (CPU clocks, caches) only after tens of milliseconds,
 # most of all after the profiler's counting pass; a user's loop calls it in that state.
@@ -350,7 +353,8 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     if dev.type == "cuda" and eager["median_ms"] < DEVICE_CLOCK_MAX_MS:
         # The graph is sized by a pilot on the device clock, not by the eager clock: the calls
         # per sample, and with them a short call's figure, must not depend on the host's speed.
-        pilot = device_time(fn, 3, PILOT_CALLS, dev)["min_ms"]
+        n = PILOT_SHORT_CALLS if eager["min_ms"] < PILOT_SHORT_MS else PILOT_CALLS
+        pilot = device_time(fn, 3, n, dev)["min_ms"]
         dtime = {**device_time(fn, eager["n"], graph_calls(pilot), dev), "pilot_ms": pilot}
     head = dtime if dtime is not None and dtime["median_ms"] < SHORT_MS else eager
     clock = f"device:{dtime['method']}" if head is dtime else f"eager:{eager['clock']}"
