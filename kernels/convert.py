@@ -8,6 +8,8 @@ Official modules are recognised by class name, however the caller loaded the pac
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -16,9 +18,12 @@ from . import layers
 _OFFICIAL_KINDS = ("RGLRU", "Conv1D", "RecurrentBlock", "ResidualBlock", "Griffin")
 
 
-def _factory(module) -> dict:
-    p = next(module.parameters())
-    return {"device": p.device, "dtype": p.dtype}
+def _build(cls, src: nn.Module, **kw) -> nn.Module:
+    """cls on src's device and dtype, every other constructor argument taken from kw or else
+    from src's attribute of that name (ours and the official modules name them alike)."""
+    p = next(src.parameters())
+    kw.update(device=p.device, dtype=p.dtype)
+    return cls(**{n: kw[n] if n in kw else getattr(src, n) for n in inspect.signature(cls).parameters})
 
 
 def _official_to_ours(state: dict) -> dict:
@@ -57,20 +62,10 @@ def from_recurrentgemma(module: nn.Module, backend="auto") -> nn.Module:
     if kind not in _OFFICIAL_KINDS:
         raise ValueError(f"expected an official recurrentgemma.torch module of type {list(_OFFICIAL_KINDS)}, "
                          f"got {cls.__module__}.{cls.__name__}")
-    f = _factory(module)
-    if kind == "RGLRU":
-        ours = layers.RGLRU(module.width, module.num_heads, module.w_init_variance_scale, backend=backend, **f)
-    elif kind == "Conv1D":
-        ours = layers.Conv1D(module.width, module.temporal_width, module.w_init_variance_scale, **f)
-    elif kind == "RecurrentBlock":
-        ours = layers.RecurrentBlock(module.width, module.num_heads, module.lru_width, "rglru",
-                                     module.conv1d_temporal_width, module.final_w_init_variance_scale,
-                                     backend=backend, **f)
-    elif kind == "ResidualBlock":
-        _recurrent_type(module, "a residual block")
-        ours = layers.ResidualBlock(module.width, module.mlp_expanded_width, module.num_heads,
-                                    module.lru_width, "rglru", module.conv1d_temporal_width,
-                                    module.final_w_init_variance_scale, backend=backend, **f)
+    if kind != "Griffin":
+        if kind == "ResidualBlock":
+            _recurrent_type(module, "a residual block")
+        ours = _build(getattr(layers, kind), module, backend=backend, mixer="rglru")
     else:
         from .models import HawkConfig, HawkLM
 
@@ -85,7 +80,7 @@ def from_recurrentgemma(module: nn.Module, backend="auto") -> nn.Module:
         cfg = HawkConfig(width=c.width, num_layers=c.num_layers, lru_width=c.lru_width or c.width,
                          mlp_expanded_width=c.mlp_expanded_width, num_heads=c.num_heads,
                          gate_blocks=c.num_heads, vocab_size=c.vocab_size, mixer="rglru")
-        ours = HawkLM(cfg, backend=backend, **f)
+        ours = _build(HawkLM, module, config=cfg, backend=backend)
     ours.load_state_dict(_official_to_ours(module.state_dict()), strict=True)
     return ours
 
@@ -99,19 +94,12 @@ def to_recurrentgemma(module: nn.Module) -> nn.Module:
         raise ValueError("expected a module with the RG-LRU mixer (the official code has no SAMU), "
                          "got mixer 'samu'")
     rg = load_official()
-    f = _factory(module)
-    if isinstance(module, layers.RGLRU):
-        theirs = rg.RGLRU(module.width, module.num_heads, module.w_init_variance_scale, **f)
-    elif isinstance(module, layers.Conv1D):
-        theirs = rg.Conv1D(module.width, module.temporal_width, module.w_init_variance_scale, **f)
-    elif isinstance(module, layers.RecurrentBlock):
-        theirs = rg.RecurrentBlock(module.width, module.num_heads, module.lru_width,
-                                   module.conv_1d.temporal_width, module.final_w_init_variance_scale, **f)
+    if isinstance(module, (layers.RGLRU, layers.Conv1D, layers.RecurrentBlock)):
+        theirs = _build(getattr(rg, type(module).__name__), module)
     elif isinstance(module, layers.ResidualBlock):
-        rb = module.recurrent_block
-        theirs = rg.ResidualBlock(module.width, module.mlp_block.expanded_width, rb.num_heads, 2048,
-                                  rg.TemporalBlockType.RECURRENT, rb.lru_width, rb.conv_1d.temporal_width,
-                                  rb.final_w_init_variance_scale, **f)
+        # the window only sizes attention blocks, which Hawk has none of
+        theirs = _build(rg.ResidualBlock, module.recurrent_block, mlp_expanded_width=module.mlp_block.expanded_width,
+                        attention_window_size=2048, temporal_block_type=rg.TemporalBlockType.RECURRENT)
     elif isinstance(module, HawkLM):
         c = module.config
         if c.conv1d_temporal_width != 4:
@@ -121,7 +109,7 @@ def to_recurrentgemma(module: nn.Module) -> nn.Module:
                               num_heads=c.gate_blocks, block_types=(rg.TemporalBlockType.RECURRENT,) * c.num_layers,
                               embeddings_scale_by_sqrt_dim=False, attention_window_size=2048,
                               logits_soft_cap=0.0, lru_width=c.lru_width)
-        theirs = rg.Griffin(gc, gradient_checkpointing=False, **f)
+        theirs = _build(rg.Griffin, module, config=gc, gradient_checkpointing=False)
     else:
         raise ValueError(f"expected a kernels RGLRU, Conv1D, RecurrentBlock, ResidualBlock or HawkLM, "
                          f"got {type(module).__name__}")

@@ -6,12 +6,6 @@ H gate blocks, W = 4 convolution width. Semantics and parameter layout follow th
 official `recurrentgemma.torch` (weights copy one to one, kernels.convert), except that
 the convolution's decode cache drops inputs that precede a document start, so decoding
 through a document boundary gives what the full-sequence forward gives.
-
-A `RecurrentCache` holds conv_state [B, W - 1, E] (activation dtype, the last W - 1 conv
-inputs, oldest first) and rnn_state ([B, E] float32 for RG-LRU, [B, M] complex64 for
-SAMU; float64 / complex128 in a float64 model). `forward(..., cache)` returns a new
-cache; the one-token `step(...)` methods update it in place (static buffers, so a
-decode step can be graph-captured).
 """
 
 from __future__ import annotations
@@ -61,7 +55,10 @@ def _init_normal(w: torch.Tensor, b: torch.Tensor, variance_scale: float, fan_in
 
 @dataclass
 class RecurrentCache:
-    """Decode cache of one recurrent block (see the module docstring for layouts)."""
+    """Decode cache of one recurrent block: conv_state [B, W - 1, E] (activation dtype, the
+    last W - 1 conv inputs, oldest first), rnn_state [B, E] float32 (RG-LRU) or [B, M]
+    complex64 (SAMU), float64 / complex128 in a float64 model. `forward(..., cache)`
+    returns a new cache; `step(...)` updates it in place (so a decode step can be captured)."""
 
     conv_state: torch.Tensor
     rnn_state: torch.Tensor
@@ -145,24 +142,20 @@ def block_diagonal(x: torch.Tensor, *linears: "BlockDiagonalLinear") -> tuple[to
     dt = _autocast_dtype(x, linears[0].w)
     if dt is None:
         return tuple(m(x) for m in linears)
-    wb = [t for m in linears for t in (m.w.to(dt), m.b)]
-    return _BlockDiagonalNarrow.apply(x.to(dt), *wb)
+    return _BlockDiagonalNarrow.apply(x.to(dt), *[t for m in linears for t in (m.w.to(dt), m.b)])
 
 
 class BlockDiagonalLinear(nn.Module):
     """H independent W x W linear maps on the H blocks of the last axis (E = H * W).
     Official layout: w [H, W, W] (input index first), b [H, W]."""
 
-    def __init__(self, width: int, num_blocks: int, w_init_variance_scale: float = 1.0,
-                 device=None, dtype=None):
+    def __init__(self, width: int, num_blocks: int, w_init_variance_scale: float = 1.0, device=None, dtype=None):
         super().__init__()
         if num_blocks < 1 or width % num_blocks:
             raise ValueError(f"expected num_blocks dividing width = {width}, got {num_blocks}")
-        self.width, self.num_blocks = width, num_blocks
-        self.block_width = width // num_blocks
+        self.num_blocks, self.block_width = num_blocks, width // num_blocks
         self.w_init_variance_scale = w_init_variance_scale
-        self.w = nn.Parameter(torch.empty(num_blocks, self.block_width, self.block_width,
-                                          device=device, dtype=dtype))
+        self.w = nn.Parameter(torch.empty(num_blocks, self.block_width, self.block_width, device=device, dtype=dtype))
         self.b = nn.Parameter(torch.empty(num_blocks, self.block_width, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -241,8 +234,7 @@ class Conv1D(nn.Module):
     def step(self, x: torch.Tensor, conv_state: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
         """One token. x: [B, E]; conv_state: [B, W-1, E], updated in place; reset: [B] bool.
         Returns y [B, E]."""
-        B = x.shape[0]
-        check_tensor("conv_state", conv_state, shape=(B, self.temporal_width - 1, self.width))
+        check_tensor("conv_state", conv_state, shape=(x.shape[0], self.temporal_width - 1, self.width))
         acc = torch.promote_types(x.dtype, torch.float32)
         window = torch.cat([conv_state.to(acc), x.to(acc)[:, None]], dim=1)   # [B, W, E]
         if reset is not None:
@@ -278,7 +270,7 @@ class Mixer(nn.Module):
         set_backend(self, backend)
 
     def init_cache(self, batch: int, dtype=None, device=None) -> torch.Tensor:
-        """Zero recurrent state [B, state_width] (layouts: the module docstring)."""
+        """Zero recurrent state [B, state_width] (layouts: RecurrentCache)."""
         p = next(self.parameters())
         return torch.zeros(batch, self.state_width, dtype=state_dtype(dtype or p.dtype, self.COMPLEX_STATE),
                            device=device or p.device)
@@ -289,8 +281,7 @@ class Mixer(nn.Module):
         final state or None)."""
         return getattr(ops, self.OP)(*self._inputs(x), segment_pos, cache, return_cache, backend=self.backend)
 
-    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None,
-             **kw) -> torch.Tensor:
+    def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None, **kw) -> torch.Tensor:
         """One token. x: [B, E]; state updated in place; reset: [B] bool; kw: what the op's
         step takes besides (SAMU: modes, see decode_modes)."""
         return getattr(ops, f"{self.OP}_step")(x, *self.step_params(), state, reset, backend=self.step_backend, **kw)
@@ -325,11 +316,8 @@ class RGLRU(Mixer):
 
 
 class SAMU(Mixer):
-    """Shared-control complex diagonal recurrence (SPEC 1.2) of M = E / 2 modes.
-
-    Parameters: nu_log, theta_log [M]; phase_dir, radial_dir [E + 1] (last entry a
-    bias); phase_amp, radial_amp scalars. Initialisation as SPEC 1.2 states.
-    """
+    """Shared-control complex diagonal recurrence (SPEC 1.2) of M = E / 2 modes; the last
+    entry of phase_dir and radial_dir is a bias. Initialisation as SPEC 1.2 states."""
 
     OP = "samu"
     COMPLEX_STATE = True
@@ -338,12 +326,10 @@ class SAMU(Mixer):
         if width % 2:
             raise ValueError(f"expected an even width for SAMU (M = width / 2 complex modes), got {width}")
         super().__init__(width, width // 2, backend)
-        self.nu_log = nn.Parameter(torch.empty(width // 2, device=device, dtype=dtype))
-        self.theta_log = nn.Parameter(torch.empty(width // 2, device=device, dtype=dtype))
-        self.phase_dir = nn.Parameter(torch.empty(width + 1, device=device, dtype=dtype))
-        self.radial_dir = nn.Parameter(torch.empty(width + 1, device=device, dtype=dtype))
-        self.phase_amp = nn.Parameter(torch.empty((), device=device, dtype=dtype))
-        self.radial_amp = nn.Parameter(torch.empty((), device=device, dtype=dtype))
+        shapes = {"nu_log": width // 2, "theta_log": width // 2, "phase_dir": width + 1, "radial_dir": width + 1,
+                  "phase_amp": (), "radial_amp": ()}
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -353,11 +339,10 @@ class SAMU(Mixer):
             # |a| = exp(-nu) at eta = 0, uniform by area on the ring [0.9, 0.999].
             self.nu_log.copy_(torch.log(-0.5 * torch.log(u * (hi - lo) + lo)))
             self.theta_log.copy_(torch.log(torch.rand_like(self.theta_log).clamp_min(1e-12) * math.pi / 10))
-            for d in (self.phase_dir, self.radial_dir):
+            for d, amp in ((self.phase_dir, self.phase_amp), (self.radial_dir, self.radial_amp)):
                 nn.init.normal_(d, std=1.0 / math.sqrt(self.width))
                 d[-1] = 0.0
-            self.phase_amp.fill_(0.5)
-            self.radial_amp.fill_(0.5)
+                amp.fill_(0.5)
 
     def _inputs(self, x):
         return x, *self.step_params()
@@ -406,15 +391,14 @@ class RecurrentBlock(nn.Module):
                  backend="auto", device=None, dtype=None):
         super().__init__()
         self.width, self.num_heads, self.mixer_name = width, num_heads, mixer
-        self.lru_width = lru_width or width
+        self.lru_width = E = lru_width or width
+        self.conv1d_temporal_width = conv1d_temporal_width
         self.final_w_init_variance_scale = final_w_init_variance_scale
-        E = self.lru_width
         self.linear_y = nn.Linear(width, E, device=device, dtype=dtype)
         self.linear_x = nn.Linear(width, E, device=device, dtype=dtype)
         self.linear_out = nn.Linear(E, width, device=device, dtype=dtype)
         self.conv_1d = Conv1D(E, conv1d_temporal_width, device=device, dtype=dtype)
-        setattr(self, "rg_lru" if mixer == "rglru" else "samu",
-                make_mixer(mixer, E, num_heads, backend, device, dtype))
+        setattr(self, "rg_lru" if mixer == "rglru" else "samu", make_mixer(mixer, E, num_heads, backend, device, dtype))
         self.reset_parameters()
 
     @property
@@ -449,7 +433,7 @@ class RecurrentBlock(nn.Module):
         ValueError before any cache tensor changes."""
         step = self.mixer.step_backend
         if torch.is_grad_enabled() and not ops.step_has_backward(self.mixer_name, step, x.device):
-            no_grad_inputs(ops.Backend.of(step).name, x=x, **dict(self.named_parameters()))
+            no_grad_inputs(step.name, x=x, **dict(self.named_parameters()))
         y = self.linear_y(x)
         xb = self.conv_1d.step(self.linear_x(x), cache.conv_state, reset)
         xb = self.mixer.step(xb, cache.rnn_state, reset, **mixer_kw)
@@ -491,15 +475,11 @@ class ResidualBlock(nn.Module):
                  mixer: str = "rglru", conv1d_temporal_width: int = 4, final_w_init_variance_scale: float = 1.0,
                  backend="auto", device=None, dtype=None):
         super().__init__()
-        self.width = width
         self.temporal_pre_norm = RMSNorm(width, device=device, dtype=dtype)
         self.recurrent_block = RecurrentBlock(width, num_heads, lru_width, mixer, conv1d_temporal_width,
                                               final_w_init_variance_scale, backend, device, dtype)
         self.channel_pre_norm = RMSNorm(width, device=device, dtype=dtype)
         self.mlp_block = MLPBlock(width, mlp_expanded_width, final_w_init_variance_scale, device, dtype)
-
-    def init_cache(self, batch: int, dtype=None, device=None) -> RecurrentCache:
-        return self.recurrent_block.init_cache(batch, dtype, device)
 
     def forward(self, x: torch.Tensor, segment_pos: torch.Tensor, cache: RecurrentCache | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, RecurrentCache | None]:

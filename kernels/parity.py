@@ -40,8 +40,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
         return 0.0
     g = got.detach().to("cpu", torch.complex128 if got.is_complex() or want.is_complex() else torch.float64)
     w = want.detach().to("cpu", g.dtype)
-    scale = w.abs().max().item()
-    diff = (g - w).abs().max().item()
+    scale, diff = w.abs().max().item(), (g - w).abs().max().item()
     return diff / scale if scale > 0 else diff
 
 
@@ -162,8 +161,7 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
 
     def run(m, dt):
         xs = x[:, :T].to(dt, copy=True)
-        out = {}
-        out["sequence"], out["final_state"] = m(xs, pos)
+        out = dict(zip(("sequence", "final_state"), m(xs, pos)))
         with torch.enable_grad():
             # Backward through the cached call: x, the initial state and every parameter.
             xg, hg = xs.clone().requires_grad_(), h0.clone().requires_grad_()
@@ -204,16 +202,10 @@ def check_conv1d_official(B=2, T=37, D=24, temporal_width=4, device="cpu", dtype
     return _official_rows("conv1d_official", run, official, ours, dtype, ctx)
 
 
-_BLOCK_STAGES = {
-    "norm": "temporal_pre_norm",
-    "linear_x": "recurrent_block.linear_x",
-    "linear_y": "recurrent_block.linear_y",
-    "conv1d": "recurrent_block.conv_1d",
-    "rglru_sequence": "recurrent_block.rg_lru",
-    "temporal_block": "recurrent_block",
-    "channel_norm": "channel_pre_norm",
-    "mlp": "mlp_block",
-}
+_BLOCK_STAGES = {   # stage: its module's path, the same in ours and the official block
+    "norm": "temporal_pre_norm", "linear_x": "recurrent_block.linear_x", "linear_y": "recurrent_block.linear_y",
+    "conv1d": "recurrent_block.conv_1d", "rglru_sequence": "recurrent_block.rg_lru",
+    "temporal_block": "recurrent_block", "channel_norm": "channel_pre_norm", "mlp": "mlp_block"}
 
 
 def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, mlp_expanded_width=96,
@@ -317,8 +309,8 @@ def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True):
     for tag, h in (("empty", None), ("cached", h0)):
         cplx, real = (_run_op(fn, args, h, pos, {}, seed, None, INPUT_NAMES["samu"])
                       for fn in (reference.samu, reference.samu_real))
-        rows += [_row(f"samu_reference/{k}_{tag}", rel_err(real[k], cplx[k]), BACKEND_TOL[torch.float64], **ctx)
-                 for k in real]
+        rows += [_row(f"samu_reference/{k}_{tag}", rel_err(real[k], cplx[k]), BACKEND_TOL[torch.float64],
+                      **ctx) for k in real]
     return rows
 
 
@@ -336,8 +328,8 @@ def _inputs(op, B, T, D, dtype, device, seed):
         m = layers.SAMU(D, **kw)
         with torch.no_grad():
             m.phase_dir[-1], m.radial_dir[-1] = 0.3, -0.2
-        x = torch.randn(B, T, D, **kw)
-        return [x] + [p.detach() for p in m.step_params()], torch.randn(B, D // 2, dtype=torch.complex128, device=device)
+        args = [torch.randn(B, T, D, **kw)] + [p.detach() for p in m.step_params()]
+        return args, torch.randn(B, D // 2, dtype=torch.complex128, device=device)
     if op == "rglru":
         args = [torch.randn(B, T, D, **kw) for _ in range(3)] + [layers.rnn_param_init(torch.empty(D, **kw))]
     else:
@@ -401,8 +393,7 @@ def samu_relu_kinks(args64, h064, pos):
         return h.abs() <= KINK_REL * h.abs().max()
 
 
-def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0,
-                   resets=True):
+def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0, resets=True):
     """Every backend of `op` ("rglru", "samu", "scan") in kernels.backends(op) against the
     float64 reference: output, final state and the gradient of every input (initial
     state included), with resets and a non-zero initial state; the "chunk" backend once
@@ -441,18 +432,14 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
     if op not in ("rglru", "samu"):
         raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
     torch.manual_seed(seed)
-    if op == "rglru":
-        m = layers.RGLRU(D, heads, device=device, dtype=dtype)
-        params = [p.detach() for p in (m.input_gate.w, m.input_gate.b, m.a_gate.w, m.a_gate.b, m.a_param)]
-        state0 = 0.5 * torch.randn(B, D, device=device, dtype=torch.float64)
-    else:
-        m = layers.SAMU(D, device=device)
-        params = [p.detach() for p in m.step_params()]
-        state0 = 0.5 * torch.randn(B, D // 2, device=device, dtype=torch.complex128)
+    m = layers.RGLRU(D, heads, device=device, dtype=dtype) if op == "rglru" else layers.SAMU(D, device=device)
+    params = [p.detach() for p in m.step_params()]
+    exact = torch.complex128 if m.COMPLEX_STATE else torch.float64
+    state0 = 0.5 * torch.randn(B, m.state_width, device=device, dtype=exact)
     xs = [torch.randn(B, D, device=device, dtype=torch.float64).to(dtype) for _ in range(steps)]
     resets = [None, torch.arange(B, device=device) == 0, torch.ones(B, dtype=torch.bool, device=device)]
     resets += [None] * (steps - len(resets))
-    exact, sdt = state0.dtype, state_dtype(dtype, state0.is_complex())
+    sdt = state_dtype(dtype, m.COMPLEX_STATE)
     state0 = state0.to(sdt)
 
     def run(fn, cast, st_dtype):
@@ -509,16 +496,16 @@ def check_captured_train_step(preset="tiny", B=2, T=64, vocab_size=256, steps=3,
             first = (toks[0, :, :-1], toks[0, :, 1:], pos)
             if captured:
                 step = CapturedTrainStep(m, opt, *first, autocast=autocast, warmup=1)
-                losses = [step(t[:, :-1], t[:, 1:], pos).clone() for t in toks[1:]]
             else:
                 train_step(m, opt, *first, autocast=autocast)
-                losses = [train_step(m, opt, t[:, :-1], t[:, 1:], pos, autocast=autocast) for t in toks[1:]]
+                step = functools.partial(train_step, m, opt, autocast=autocast)
+            losses = [step(t[:, :-1], t[:, 1:], pos).clone() for t in toks[1:]]    # the captured loss is overwritten
             runs.append((torch.stack(losses), dict(m.named_parameters())))
         (want_loss, want_p), (got_loss, got_p) = runs
         ctx = dict(preset=preset, mixer=mixer, shape=[B, T], steps=steps, dtype=dtype, device=device, backend=backend)
-        rows.append(_row("train/captured_step/loss", rel_err(got_loss, want_loss), tol, **ctx))
-        rows.append(_row("train/captured_step/parameters", max(rel_err(got_p[k], w) for k, w in want_p.items()),
-                         tol, **ctx))
+        rows += [_row("train/captured_step/loss", rel_err(got_loss, want_loss), tol, **ctx),
+                 _row("train/captured_step/parameters", max(rel_err(got_p[k], w) for k, w in want_p.items()), tol,
+                      **ctx)]
     return rows
 
 

@@ -3,10 +3,8 @@
     tokens [B, T] -> embedding [B, T, D] -> num_layers x ResidualBlock -> RMSNorm
     -> logits [B, T, V] = x @ embedding^T (the embedding is shared with the output)
 
-The cache is a `HawkCache`: one `RecurrentCache(conv_state, rnn_state)` per layer
-(kernels.layers), conv_state [B, W-1, E] in the activation dtype and rnn_state [B, E]
-float32 (RG-LRU) or [B, E/2] complex64 (SAMU). `forward` returns a new cache;
-`step` advances one token and updates the cache tensors in place.
+The cache is a `HawkCache`, one kernels.layers.RecurrentCache per layer: `forward`
+returns a new one, `step` advances one token and updates its tensors in place.
 """
 
 from __future__ import annotations
@@ -40,27 +38,6 @@ class HawkCache:
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
-def _check_tokens(t, shape, vocab_size):
-    """Token ids, int64 or int32, of `shape`, in [0, vocab_size). The range check reads two
-    numbers back to the host: skipped while torch.compile traces and under CUDA-graph
-    capture, where no value can be read, and in a CUDA training pass, where the read would
-    stall the launch queue every step and the embedding's device-side bounds check still
-    stops an out-of-range id."""
-    check_tensor("tokens", t, shape=shape)
-    if t.dtype not in TOKEN_DTYPES:
-        kind = "an integer dtype the embedding does not take" if is_integer_dtype(t.dtype) else "not integer"
-        raise ValueError(f"expected tokens with dtype in {[str(d) for d in TOKEN_DTYPES]}, got {t.dtype} ({kind})")
-    if len(shape) == 2 and t.shape[1] < 1:
-        raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(t)}")
-    if torch.compiler.is_compiling() or (t.is_cuda and (torch.cuda.is_current_stream_capturing()
-                                                       or torch.is_grad_enabled())):
-        return
-    if t.numel():
-        lo, hi = (int(v) for v in t.aminmax())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"expected tokens (token ids) in [0, {vocab_size}), got values in [{lo}, {hi}]")
-
-
 class HawkLM(nn.Module):
     """Hawk LM. `backend` selects the mixer kernels: a name ("auto", "reference", a Triton
     backend) or a kernels.Backend value (e.g. Backend("auto", table=TuningTable.load(p)))."""
@@ -69,20 +46,17 @@ class HawkLM(nn.Module):
         super().__init__()
         if not isinstance(config, HawkConfig):
             raise ValueError(f"expected config to be a HawkConfig, got {type(config).__name__}")
-        self.config = config
-        c = config
+        self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.width, device=device, dtype=dtype)
         self.blocks = nn.ModuleList(
             layers.ResidualBlock(c.width, c.mlp_expanded_width, c.gate_blocks, c.lru_width, c.mixer,
                                  c.conv1d_temporal_width, 2.0 / c.num_layers, backend, device, dtype)
-            for _ in range(c.num_layers)
-        )
+            for _ in range(c.num_layers))
         self.final_norm = layers.RMSNorm(c.width, device=device, dtype=dtype)
         nn.init.normal_(self.embed.weight, std=math.sqrt(1.0 / c.width))
 
     def set_backend(self, backend, step_backend=None) -> "HawkLM":
-        """Use `backend` (sequences) and `step_backend` (decode) in every mixer; plugs
-        kernels in without touching model code (see kernels.layers.set_backend)."""
+        """Use `backend` (sequences) and `step_backend` (decode) in every mixer (kernels.layers.set_backend)."""
         return layers.set_backend(self, backend, step_backend)
 
     @property
@@ -94,17 +68,33 @@ class HawkLM(nn.Module):
         parameter dtype), recurrent states in FP32 / complex64."""
         if not isinstance(batch, int) or batch < 1:
             raise ValueError(f"expected batch a positive int, got {batch!r}")
-        return HawkCache([b.init_cache(batch, dtype, self.device) for b in self.blocks])
+        return HawkCache([b.recurrent_block.init_cache(batch, dtype, self.device) for b in self.blocks])
 
     def _check_inputs(self, tokens, segment_pos, cache, shape):
-        """tokens and segment_pos of `shape` ([B, T] with T >= 1, or [B] for a step), on
-        the model's device, ids in range; the cache (None: none) for batch size B."""
+        """tokens and segment_pos of `shape` ([B, T] with T >= 1, or [B] for a step), on the
+        model's device, tokens int64 or int32 in [0, vocab_size); the cache (None: none) for
+        batch size B. The id range check reads two numbers back to the host: skipped while
+        torch.compile traces and under CUDA-graph capture, where no value can be read, and in
+        a CUDA training pass, where the read would stall the launch queue every step and the
+        embedding's device-side bounds check still stops an out-of-range id."""
         check_tensor("tokens", tokens, shape=shape)
         check_tensor("segment_pos", segment_pos, shape=tuple(tokens.shape))
         B, T = tokens.shape[0], (tokens.shape[1] if len(shape) == 2 else 1)
         check_segment_pos(segment_pos.view(B, T), B, T)
         self._check_device(tokens=tokens, segment_pos=segment_pos)
-        _check_tokens(tokens, shape, self.config.vocab_size)
+        if tokens.dtype not in TOKEN_DTYPES:
+            kind = "an integer dtype the embedding does not take" if is_integer_dtype(tokens.dtype) else "not integer"
+            raise ValueError(f"expected tokens with dtype in {[str(d) for d in TOKEN_DTYPES]}, got {tokens.dtype} "
+                             f"({kind})")
+        if T < 1:
+            raise ValueError(f"expected tokens of shape [B, T] with T >= 1, got {shape_str(tokens)}")
+        skip_range = torch.compiler.is_compiling() or (
+            tokens.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled()))
+        if not skip_range and tokens.numel():
+            lo, hi = (int(v) for v in tokens.aminmax())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"expected tokens (token ids) in [0, {self.config.vocab_size}), got values in "
+                                 f"[{lo}, {hi}]")
         if cache is not None or len(shape) == 1:
             self._check_cache(cache, B)
 
@@ -131,10 +121,9 @@ class HawkLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
-        """tokens, segment_pos: [B, T] integer (segment_pos = position in the document,
-        0 at each document start), T >= 1, tokens int64/int32 in [0, vocab_size); cache:
-        state before these tokens (None = empty). Returns (logits [B, T, V], cache after
-        the tokens or None)."""
+        """tokens, segment_pos: [B, T] (segment_pos = position in the document, 0 at each
+        document start); cache: state before these tokens (None = empty). Returns (logits
+        [B, T, V], cache after the tokens or None)."""
         x, new = self.hidden(tokens, segment_pos, cache, return_cache)
         return self.logits(x), new
 

@@ -1,13 +1,13 @@
 """The training step of a HawkLM, applied from outside the model (torchtitan style):
 forward through `HawkLM.loss` (a chunked fused output projection + cross-entropy that
 never holds the [B*T, V] logits), backward, gradient clipping and the optimizer, under
-autocast over the model's FP32 master weights.
+autocast over the model's FP32 master weights. On CUDA the same step can run as one
+CUDA graph (`CapturedTrainStep`): one launch per step instead of about a thousand.
 
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)   # fused on CUDA
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=True)
     loss = train_step(model, opt, tokens, targets, segment_pos, autocast=torch.bfloat16)
-
-On CUDA the same step can run as one CUDA graph (`CapturedTrainStep`): the host then
-launches one graph per step instead of about a thousand kernels.
+    step = CapturedTrainStep(model, opt, tokens, targets, segment_pos, autocast=torch.bfloat16)
+    loss = step(tokens, targets, segment_pos)
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
         raise ValueError(f"expected h [N, D] and weight [V, D], got h {list(h.shape)} and weight {list(weight.shape)}")
     if targets.shape != h.shape[:1] or targets.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"expected targets [N] = [{h.shape[0]}] int64/int32, got {list(targets.shape)} {targets.dtype}")
+        raise ValueError(f"expected targets [N] = [{h.shape[0]}] int64/int32, got {list(targets.shape)} "
+                         f"{targets.dtype}")
     chunk = max(1, LOGITS_PER_CHUNK // weight.shape[0]) if chunk_size is None else chunk_size
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"expected chunk_size a positive int, got {chunk_size!r}")
@@ -106,11 +107,6 @@ class CapturedTrainStep:
     """`train_step` captured once in a CUDA graph and replayed: each call copies the batch
     into the graph's static inputs, replays the whole step (forward, backward, clipping,
     optimizer) and returns the loss (a static tensor the next call overwrites).
-
-        opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
-        step = CapturedTrainStep(model, opt, tokens, targets, segment_pos, autocast=torch.bfloat16)
-        loss = step(tokens, targets, segment_pos)
-
     Construction runs `warmup` eager steps on a side stream (real optimizer steps: they
     compile and tune the kernels and create the optimizer state outside the capture),
     then captures one step. Batches keep the shapes and dtypes of the first; the model's
