@@ -8,7 +8,7 @@ from snakemake.utils import min_version, update_config
 min_version("9.0")
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow" / "scripts"))
-from common import config_check, cost, facts
+from common import config_check, facts
 from common.recovery import executes, recover
 from common.profile import choice, gpu_names, resolve_profile
 from common.stage import COMMAND_LINE
@@ -31,9 +31,8 @@ except ValueError as e:
     raise WorkflowError(str(e)) from None
 # A stage's settings go in its rule's params: a change reruns the stage.
 print(choice(config["profile"], PROFILE, _GPUS), file=sys.stderr)
-print(cost.summary(PROFILE, PROFILE_CONFIG), file=sys.stderr)
 # A CUDA profile on a machine without a GPU stops here, not after the probe; a dry
-# run only warns, so that the plan and the estimate can be read anywhere.
+# run only warns, so that the plan can be read anywhere.
 try:
     config_check.require_device(PROFILE, PROFILE_CONFIG, _GPUS)
 except ValueError as e:
