@@ -44,26 +44,17 @@ except ValueError as e:
 
 
 if executes(sys.argv):
-    _recovered = recover(Path.cwd())
-    if any(_recovered.values()):
-        print(
-            f"Resuming a killed run: released locks {_recovered['locks']}, "
-            f"cancelled SLURM jobs {_recovered['jobs']}, "
-            f"removed incomplete outputs {_recovered['outputs']}.",
-            file=sys.stderr,
-        )
+    recover(Path.cwd())
 
 
 def container_runtime(container):
     """`auto`: docker when an engine answers and holds the image, else none."""
-    runtime = container["runtime"]
-    if runtime != "auto":
-        return runtime
+    if container["runtime"] != "auto":
+        return container["runtime"]
     try:
         import docker
 
-        client = docker.from_env(timeout=5)
-        client.images.get(container["image"])
+        docker.from_env(timeout=5).images.get(container["image"])
     except Exception:
         return "none"
     return "docker"
