@@ -97,12 +97,12 @@ def _tool_version(cmd: list[str]) -> str | None:
 
 
 def software_facts() -> dict:
-    out = {**facts.versions(), "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-           "nvcc": _tool_version(["nvcc", "--version"]), "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
-           "triton_interpret": os.environ.get("TRITON_INTERPRET")}
-    out.update({name: importlib.metadata.version(name) if importlib.util.find_spec(name) else None
-                for name in ("numpy", "pandas", "snakemake", "matplotlib")})
-    return {**out, "executable": sys.executable}
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {**facts.versions(), "cudnn": cudnn, "nvcc": _tool_version(["nvcc", "--version"]),
+            "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET"), "executable": sys.executable,
+            **{name: importlib.metadata.version(name) if importlib.util.find_spec(name) else None
+               for name in ("numpy", "pandas", "snakemake", "matplotlib")}}
 
 
 def measure(device: str, settings: dict) -> dict:

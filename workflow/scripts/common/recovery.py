@@ -38,11 +38,9 @@ def other_runs(workdir: Path) -> list[int]:
             and not job_mode(i["cmdline"]) and i["cwd"] and Path(i["cwd"]).resolve() == workdir.resolve()]
 
 
-NON_EXECUTING = (
-    "--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--report",
-    "--summary", "--detailed-summary", "--unlock", "--cleanup-metadata", "--containerize", "--print-compilation",
-    "--archive",
-)  # and every --list* option
+NON_EXECUTING = ("--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--report",
+                 "--summary", "--detailed-summary", "--unlock", "--cleanup-metadata", "--containerize",
+                 "--print-compilation", "--archive")  # and every --list* option
 
 
 def executes(argv: list[str]) -> bool:
