@@ -18,9 +18,8 @@ configfile: "config.yaml"
 
 
 # Scalars inside a nested --config value arrive as strings; type them as YAML would.
-update_config(
-    config, config_check.typed_overrides(dict(workflow.config_settings.config or {}))
-)
+_OVERRIDES = dict(workflow.config_settings.config or {})
+update_config(config, config_check.typed_overrides(_OVERRIDES))
 _GPUS = gpu_names()
 try:
     config_check.validate(
@@ -102,10 +101,9 @@ STAGE_RESOURCES = {
     "aggregate": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
     "archive": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
 }
+_CPU_JOB = {"gpu": 0, "mem_mb": 2000, "runtime": 30}
 if PROFILE_CONFIG["audit"]["device"] == "cpu":
-    STAGE_RESOURCES = dict.fromkeys(
-        STAGE_RESOURCES, {"gpu": 0, "mem_mb": 2000, "runtime": 30}
-    )
+    STAGE_RESOURCES = dict.fromkeys(STAGE_RESOURCES, _CPU_JOB)
 
 
 def reported(path, caption, category, **kwargs):
