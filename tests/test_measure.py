@@ -11,7 +11,7 @@ import torch
 
 from pipeline_util import SCRIPTS  # noqa: F401  (puts workflow/scripts on sys.path)
 
-from common import cases, cost, measure, records  # noqa: E402
+from common import cases, measure, records  # noqa: E402
 from kernels.ops import accounting  # noqa: E402
 
 
@@ -342,7 +342,6 @@ def test_a_short_call_runs_back_to_back_before_the_eager_clock():
         n[0] = 0
         t = measure.measure(call(sleep), reps=3, warmup=2, device="cpu", count=False, warm_ms=warm_ms)
         assert n[0] == 2 + 3 and t["eager"]["warm_ms"] == 0.0
-    assert measure.EAGER_WARM_MS == cost.EAGER_WARM_MS and measure.DEVICE_CLOCK_MAX_MS == cost.TWO_CLOCKS_BELOW_MS
 
 
 def test_the_probe_records_the_host_cost_of_the_smallest_launches_on_a_gpu_only():

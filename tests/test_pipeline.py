@@ -98,7 +98,6 @@ def test_nested_numeric_override_is_typed_and_auto_profile_is_named(repo):
     out = snakemake(repo, "-n", "--cores", "1", "all", "--config", "profiles={cpu-smoke: {probe: {reps: 5}}}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "profile: auto -> cpu-smoke (no GPU visible)" in out.stderr, out.stderr[-3000:]
-    assert "predicted GPU time (cpu-smoke): none" in out.stderr
 
 
 def test_cuda_profile_refused_at_parse_time_without_a_gpu(repo):
@@ -109,10 +108,9 @@ def test_cuda_profile_refused_at_parse_time_without_a_gpu(repo):
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "profile 'h800' runs on CUDA" in text and "profile=cpu-smoke" in text, text[-3000:]
     assert time.monotonic() - t0 < 60 and not (repo / "results" / "probe").exists()
-    # a dry run still shows the plan and the estimate, with a warning
+    # a dry run still shows the plan, with a warning
     dry = snakemake(repo, "-n", "--cores", "1", "all", "--config", "profile=h800")
     assert dry.returncode == 0 and "warning: profile 'h800' runs on CUDA" in dry.stderr, dry.stderr[-3000:]
-    assert re.search(r"predicted GPU time \(h800, .*audit [\d.]+ min.*total [\d.]+ min", dry.stderr), dry.stderr[-3000:]
 
 
 def test_lint_and_format_clean(repo):
@@ -451,41 +449,6 @@ def test_report_checks_the_eager_medians_between_run_orders_too():
     lines = {ln.split("|")[1].strip().split("/")[1]: ln for ln in tail.splitlines() if ln.startswith("| scan/")}
     assert set(lines) == {"host", "both"}
     assert "host time" in lines["host"] and "differ too" in lines["both"]
-
-
-# ---- the cost model --------------------------------------------------------------
-
-
-def test_cost_model_is_calibrated_on_a_committed_run():
-    """Run 6 (the whole DAG at one commit, h200 profile from its manifest): the model may
-    overestimate (it assumes one model built per configuration) but never underestimates
-    a stage that ran within one device call by more than 10 % (not infer, which a call's
-    limit split), and the total stays within 35 % of those stages' sum."""
-    from common import cost
-
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
-    line = cost.summary("h800", cfg["profiles"]["h800"])
-    assert all(f" {s} " in line for s in ("probe", "audit", "tune", "ops", "scan", "train", "infer")) and "total" in line
-    run6 = REPO / "results" / "runs" / "h200-20261202-run6"
-    est6 = cost.estimate(json.loads((run6 / "MANIFEST.json").read_text())["config"]["profiles"]["h200"])
-    actual = {}
-    for k in est6:
-        if k != "infer":
-            tsv = run6 / "benchmarks" / f"{'track_' if k in ('ops', 'scan', 'train') else ''}{k}.tsv"
-            actual[k] = float(tsv.read_text().splitlines()[1].split("\t")[0])
-            assert est6[k] >= 0.9 * actual[k], (k, est6[k], actual[k])
-    assert sum(est6[k] for k in actual) <= 1.35 * sum(actual.values()), (est6, actual)
-    # Run 7 (the h800 profile, forced on the H200, over three device calls): the stages
-    # that ran within one call, among them the ops track's official-layer peer unbudgeted.
-    run7 = REPO / "results" / "runs" / "h200-20261202-run7-h800"
-    est7 = cost.estimate(json.loads((run7 / "MANIFEST.json").read_text())["config"]["profiles"]["h800"])
-    for k in ("probe", "audit", "tune", "ops", "aggregate", "archive"):
-        tsv = run7 / "benchmarks" / f"{'track_' if k == 'ops' else ''}{k}.tsv"
-        assert est7[k] >= 0.9 * float(tsv.read_text().splitlines()[1].split("\t")[0]), (k, est7[k])
-    # The ops track against run 5 (the h200 ops section at 50 repetitions then).
-    run5 = REPO / "results" / "runs" / "h200-20261202-run5-partial" / "benchmarks" / "track_ops.tsv"
-    ops_s = float(run5.read_text().splitlines()[1].split("\t")[0])
-    assert 0.9 * ops_s <= cost.ops({**cfg["profiles"]["h200"]["ops"], "reps": 50, "warmup": 5}) <= 1.35 * ops_s
 
 
 # ---- docker dispatch --------------------------------------------------------------

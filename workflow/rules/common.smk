@@ -8,7 +8,7 @@ from snakemake.utils import min_version, update_config
 min_version("9.0")
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow" / "scripts"))
-from common import config_check, cost, facts
+from common import config_check, facts
 from common.recovery import executes, recover
 from common.profile import choice, gpu_names, resolve_profile
 from common.stage import COMMAND_LINE
@@ -18,9 +18,8 @@ configfile: "config.yaml"
 
 
 # Scalars inside a nested --config value arrive as strings; type them as YAML would.
-update_config(
-    config, config_check.typed_overrides(dict(workflow.config_settings.config or {}))
-)
+_OVERRIDES = dict(workflow.config_settings.config or {})
+update_config(config, config_check.typed_overrides(_OVERRIDES))
 _GPUS = gpu_names()
 try:
     config_check.validate(
@@ -31,9 +30,8 @@ except ValueError as e:
     raise WorkflowError(str(e)) from None
 # A stage's settings go in its rule's params: a change reruns the stage.
 print(choice(config["profile"], PROFILE, _GPUS), file=sys.stderr)
-print(cost.summary(PROFILE, PROFILE_CONFIG), file=sys.stderr)
 # A CUDA profile on a machine without a GPU stops here, not after the probe; a dry
-# run only warns, so that the plan and the estimate can be read anywhere.
+# run only warns, so that the plan can be read anywhere.
 try:
     config_check.require_device(PROFILE, PROFILE_CONFIG, _GPUS)
 except ValueError as e:
@@ -45,26 +43,17 @@ except ValueError as e:
 
 
 if executes(sys.argv):
-    _recovered = recover(Path.cwd())
-    if any(_recovered.values()):
-        print(
-            f"Resuming a killed run: released locks {_recovered['locks']}, "
-            f"cancelled SLURM jobs {_recovered['jobs']}, "
-            f"removed incomplete outputs {_recovered['outputs']}.",
-            file=sys.stderr,
-        )
+    recover(Path.cwd())
 
 
 def container_runtime(container):
     """`auto`: docker when an engine answers and holds the image, else none."""
-    runtime = container["runtime"]
-    if runtime != "auto":
-        return runtime
+    if container["runtime"] != "auto":
+        return container["runtime"]
     try:
         import docker
 
-        client = docker.from_env(timeout=5)
-        client.images.get(container["image"])
+        docker.from_env(timeout=5).images.get(container["image"])
     except Exception:
         return "none"
     return "docker"
@@ -112,10 +101,9 @@ STAGE_RESOURCES = {
     "aggregate": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
     "archive": {"gpu": 0, "mem_mb": 8000, "runtime": 30},
 }
+_CPU_JOB = {"gpu": 0, "mem_mb": 2000, "runtime": 30}
 if PROFILE_CONFIG["audit"]["device"] == "cpu":
-    STAGE_RESOURCES = dict.fromkeys(
-        STAGE_RESOURCES, {"gpu": 0, "mem_mb": 2000, "runtime": 30}
-    )
+    STAGE_RESOURCES = dict.fromkeys(STAGE_RESOURCES, _CPU_JOB)
 
 
 def reported(path, caption, category, **kwargs):

@@ -2,16 +2,9 @@
 # audit's gates, the FSDP2 track the single-GPU training records (it runs after them).
 # `script:` is read after the loop has ended, so its path is formatted from params.
 _GATED = {"gates": rules.audit.output.gates, "table": rules.tune.output.table}
-_INPUTS = {
-    "ops": {},
-    "scan": _GATED,
-    "train": _GATED,
-    "infer": _GATED,
-    "train_fsdp": {
-        "table": rules.tune.output.table,
-        "single": "results/tracks/train/records.jsonl",
-    },
-}
+_TRAIN_RECORDS = "results/tracks/train/records.jsonl"
+_INPUTS = {"ops": {}, "scan": _GATED, "train": _GATED, "infer": _GATED}
+_INPUTS["train_fsdp"] = {"table": rules.tune.output.table, "single": _TRAIN_RECORDS}
 for _track, _inputs in _INPUTS.items():
 
     rule:

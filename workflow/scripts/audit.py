@@ -60,11 +60,8 @@ def markdown(doc: dict) -> str:
         "| check | dtype | error | tolerance | passed | context |",
         "|---|---|---|---|---|---|",
     ]
-    for c in checks:
-        lines.append(
-            f"| {c['check']} | {c.get('dtype', '')} | {_fmt(c.get('error'))} | {_fmt(c.get('tolerance'))} | "
-            f"{'yes' if c['passed'] else '**NO**'} | {context(c)} |"
-        )
+    lines += [f"| {c['check']} | {c.get('dtype', '')} | {_fmt(c.get('error'))} | {_fmt(c.get('tolerance'))} | "
+              f"{'yes' if c['passed'] else '**NO**'} | {context(c)} |" for c in checks]
     return "\n".join(lines) + "\n"
 
 

@@ -28,11 +28,11 @@ def nvml_facts() -> dict:
     """Every GPU NVML reports; fields a device does not support are null."""
     try:
         import pynvml
+
+        pynvml.nvmlInit()
     except ImportError as e:
         return {"available": False, "reason": f"nvidia-ml-py not installed ({e})", "devices": []}
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
+    except pynvml.NVMLError as e:  # pynvml imported: only nvmlInit raises this
         return {"available": False, "reason": f"NVML: {e}", "devices": []}
 
     def q(fn, *args, then=lambda v: v):
@@ -97,12 +97,12 @@ def _tool_version(cmd: list[str]) -> str | None:
 
 
 def software_facts() -> dict:
-    out = {**facts.versions(), "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-           "nvcc": _tool_version(["nvcc", "--version"]), "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
-           "triton_interpret": os.environ.get("TRITON_INTERPRET")}
-    out.update({name: importlib.metadata.version(name) if importlib.util.find_spec(name) else None
-                for name in ("numpy", "pandas", "snakemake", "matplotlib")})
-    return {**out, "executable": sys.executable}
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {**facts.versions(), "cudnn": cudnn, "nvcc": _tool_version(["nvcc", "--version"]),
+            "ncu": _tool_version([ncu_path() or "ncu", "--version"]),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET"), "executable": sys.executable,
+            **{name: importlib.metadata.version(name) if importlib.util.find_spec(name) else None
+               for name in ("numpy", "pandas", "snakemake", "matplotlib")}}
 
 
 def measure(device: str, settings: dict) -> dict:
@@ -126,12 +126,10 @@ def _touch(x):
 
 def host_launch(device: str, reps: int) -> dict | None:
     """Host time per call (median, microseconds) of the smallest launches, each after
-    EAGER_WARM_MS of back-to-back calls as the eager clock takes them: a Triton kernel
-    through the launchers' fast path (kernels.ops.triton_utils.Launcher), the same kernel
-    through Triton's own per-call binding, one PyTorch op, and the first again after one
-    torch.profiler session (what the stages' counted calls leave behind; CUPTI's teardown
-    at the session's end is TEARDOWN_CUPTI's, recorded). Every op's eager host time on
-    this machine sits above its launches' count times the first. None off CUDA."""
+    EAGER_WARM_MS of back-to-back calls as the eager clock takes them: a Triton kernel through
+    the launchers' fast path (kernels.ops.triton_utils.Launcher) and through Triton's own
+    binding, one PyTorch op, and the first again after one torch.profiler session (what the
+    stages' counted calls leave behind; TEARDOWN_CUPTI recorded beside it). None off CUDA."""
     if device != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -182,13 +180,9 @@ def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
 
 def ncu_metric_values(output: str) -> dict:
     """Metric name -> value (as printed) from `ncu --csv` output; non-numbers (n/a) left out."""
-    rows = list(csv.reader(ln for ln in output.splitlines() if ln.startswith('"')))
-    header = next((r for r in rows if "Metric Name" in r and "Metric Value" in r), None)
-    if header is None:
-        return {}
-    name, value = header.index("Metric Name"), header.index("Metric Value")
-    return {r[name]: r[value].replace(",", "") for r in rows
-            if r is not header and len(r) > max(name, value) and number(r[value]) is not None}
+    rows = csv.DictReader(ln for ln in output.splitlines() if ln.startswith('"'))
+    return {r["Metric Name"]: r["Metric Value"].replace(",", "") for r in rows
+            if r.get("Metric Name") and number(r.get("Metric Value")) is not None}
 
 
 def counter_check(has_gpu: bool) -> dict:

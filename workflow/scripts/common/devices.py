@@ -26,6 +26,7 @@ def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list
         f = open(lock_dir / f"{index}.lock", "a")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.set_inheritable(f.fileno(), True)
             taken[index] = f
         except BlockingIOError:
             f.close()
@@ -36,8 +37,6 @@ def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list
             f"{count} GPU(s) wanted, {len(taken)} of {n_gpus} free: the others are held by other stages of "
             f"this results directory ({lock_dir}); run with --resources gpu=N where N is at most the number of GPUs"
         )
-    for f in taken.values():
-        os.set_inheritable(f.fileno(), True)
     _held.extend(taken.values())
     return list(taken)
 

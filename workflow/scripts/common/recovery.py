@@ -5,10 +5,10 @@ locks released and its incomplete outputs removed. Jobs of a cluster run clear n
 from __future__ import annotations
 
 import base64
-import binascii
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,11 +38,9 @@ def other_runs(workdir: Path) -> list[int]:
             and not job_mode(i["cmdline"]) and i["cwd"] and Path(i["cwd"]).resolve() == workdir.resolve()]
 
 
-NON_EXECUTING = (
-    "--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--report",
-    "--summary", "--detailed-summary", "--unlock", "--cleanup-metadata", "--containerize", "--print-compilation",
-    "--archive",
-)  # and every --list* option
+NON_EXECUTING = ("--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--report",
+                 "--summary", "--detailed-summary", "--unlock", "--cleanup-metadata", "--containerize",
+                 "--print-compilation", "--archive")  # and every --list* option
 
 
 def executes(argv: list[str]) -> bool:
@@ -64,7 +62,7 @@ def incomplete_outputs(workdir: Path) -> dict[Path, Path]:
     for marker in sorted(p for p in (workdir / ".snakemake" / "incomplete").glob("*") if p.is_file()):
         try:
             out[marker] = workdir / base64.urlsafe_b64decode(marker.name.encode()).decode()
-        except (binascii.Error, UnicodeDecodeError, ValueError):
+        except ValueError:  # binascii.Error and UnicodeDecodeError among them: not a marker
             pass
     return out
 
@@ -96,7 +94,8 @@ def cancel_slurm_jobs(workdir: Path, timeout_s: float = 120) -> list[str]:
 
 
 def recover(workdir: str | os.PathLike) -> dict[str, list[str]]:
-    """Clear a killed run's leftovers in `workdir` (see the module docstring); what was done."""
+    """Clear a killed run's leftovers in `workdir` (see the module docstring); what was done,
+    also said on stderr."""
     workdir = Path(workdir)
     locks = sorted((workdir / ".snakemake" / "locks").glob("*.lock"))
     incomplete = incomplete_outputs(workdir)
@@ -112,4 +111,8 @@ def recover(workdir: str | os.PathLike) -> dict[str, list[str]]:
             output.unlink()
             removed.append(os.path.relpath(output, workdir))
         marker.unlink(missing_ok=True)
-    return {"locks": [p.name for p in locks], "outputs": removed, "jobs": jobs}
+    done = {"locks": [p.name for p in locks], "outputs": removed, "jobs": jobs}
+    if any(done.values()):
+        print(f"Resuming a killed run: released locks {done['locks']}, cancelled SLURM jobs {jobs}, "
+              f"removed incomplete outputs {removed}.", file=sys.stderr)
+    return done

@@ -43,7 +43,8 @@ class Files(list):
         try:
             return self.__dict__["names"][name]
         except KeyError:
-            raise AttributeError(f"no file named {name!r}; named files: {sorted(self.__dict__.get('names', {}))}") from None
+            named = sorted(self.__dict__.get("names", {}))
+            raise AttributeError(f"no file named {name!r}; named files: {named}") from None
 
 
 @dataclass
@@ -199,7 +200,7 @@ def _run_in_docker(job: Job) -> None:
 def run(main, snakemake=None) -> None:
     """Run a stage's `main(job)`; see the module docstring."""
     if snakemake is None:
-        ap = argparse.ArgumentParser(description="Run one pipeline stage from a job file (written by the docker runtime).")
+        ap = argparse.ArgumentParser(description="Run one stage from a job file (written by the docker runtime).")
         ap.add_argument("--job", required=True, help="JSON job file")
         job = Job.from_json(json.loads(Path(ap.parse_args().job).read_text()))
         prepare_process()
