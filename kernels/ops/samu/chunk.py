@@ -35,11 +35,10 @@ PREFIX_UNROLL = 4
 @triton.jit(do_not_specialize=["N", "NG", "M"])
 def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
                   REVERSE: tl.constexpr, FILL: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
-    """Walks group g's GS chunk maps in order (REVERSE: the adjoint's conjugate maps, right
-    to left). FILL False: composes them into one map (AG, BG [B, NG, M, 2]); True: from the
-    state entering the group (init composed with the maps of the groups walked before it,
-    a short serial prefix each program repeats instead of a launch of its own) writes the
-    state entering every chunk to S [B, N, M, 2], and the last group the final state."""
+    """Walks group g's GS chunk maps in order (REVERSE: the adjoint's conjugate maps, right to left). FILL False:
+    composes them into one map (AG, BG [B, NG, M, 2]); True: from the state entering the group (init composed with the
+    maps of the groups walked before it, a short serial prefix each program repeats instead of a launch of its own)
+    writes the state entering every chunk to S [B, N, M, 2], and the last group the final state."""
     pid_m, b, offs_m, mask_m = block_ids(M, BM, 2)
     g = tl.program_id(1)
     w = NG - 1 - g if REVERSE else g        # the group's place in the walk
@@ -180,9 +179,8 @@ plan = functools.lru_cache(maxsize=256)(_Plan)
 
 
 def _prefix(p: _Plan, A, Bv, init, S, work):
-    """Grouped prefix over the chunk maps A, Bv [B, N, M, 2] in two launches: writes the
-    state entering every chunk to S (linear work) and returns the final one [B, M, 2];
-    work: the plan's group maps (AG, BG)."""
+    """Grouped prefix over the chunk maps A, Bv [B, N, M, 2] in two launches: writes the state entering every chunk to
+    S (linear work) and returns the final one [B, M, 2]; work: the plan's group maps (AG, BG)."""
     AG, BG = work
     final = alloc((A.shape[0], A.shape[2], 2), A.dtype, A.device)
     args = (A, Bv, init if init is not None else final, S, AG, BG, final, *p.group_args)
