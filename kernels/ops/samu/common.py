@@ -43,8 +43,8 @@ def scalar_param(v, device, dtype) -> torch.Tensor:
 
 @triton.jit
 def relu(h):
-    # NaN propagates as in torch.relu (tl.maximum's default drops it on the GPU); the
-    # backwards pass dy where not h <= 0, as torch's threshold_backward does.
+    # NaN propagates as in torch.relu (tl.maximum's default drops it on the GPU); the backwards pass dy where not
+    # h <= 0, as torch's threshold_backward does.
     return tl.maximum(h, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -62,10 +62,8 @@ def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
     per step (a drift over the ~1/(1-|a|) steps a mode remembers)."""
     nu = tl.exp(tl.load(nu_log + offs_m, mask=mask_m, other=0.0).to(tl.float64))
     th = tl.exp(tl.load(theta_log + offs_m, mask=mask_m, other=0.0).to(tl.float64))
-    ct = tl.cos(th).to(ACC)
-    st = tl.sin(th).to(ACC)
-    ct64 = ct.to(tl.float64)
-    st64 = st.to(tl.float64)
+    ct, st = tl.cos(th).to(ACC), tl.sin(th).to(ACC)
+    ct64, st64 = ct.to(tl.float64), st.to(tl.float64)
     lnr = 0.5 * tl.log(ct64 * ct64 + st64 * st64)
     e2 = tl.exp(-2.0 * nu)
     u = 1.0 - e2
@@ -77,14 +75,6 @@ def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
 def mode_table(nu_log, theta_log, acc):
     """[MODE_CONSTS, M]: mode_consts64's constants, one row each (one coalesced load per block of modes)."""
     return controls_fwd(None, None, None, None, None, None, nu_log, theta_log, acc)[2]
-
-
-@triton.jit
-def block_ids(M, BM: tl.constexpr, B_AXIS: tl.constexpr):
-    """A program's (mode block pid_m, sequence b = program_id(B_AXIS), offs_m, mask_m)."""
-    pid_m = tl.program_id(0)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    return pid_m, tl.program_id(B_AXIS).to(tl.int64), offs_m, offs_m < M
 
 
 @triton.jit
@@ -100,10 +90,12 @@ def load_modes(modes, M, offs_m, mask_m):
 
 @triton.jit
 def mode_block(modes, M, BM: tl.constexpr, B_AXIS: tl.constexpr):
-    """block_ids and the modes' constants from the table (load_modes)."""
-    pid_m, b, offs_m, mask_m = block_ids(M, BM, B_AXIS)
+    """A program's (mode block pid_m, sequence b = program_id(B_AXIS), offs_m, mask_m, the modes' constants)."""
+    pid_m = tl.program_id(0)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
     nu, ct, st, gam, lnr = load_modes(modes, M, offs_m, mask_m)
-    return pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr
+    return pid_m, tl.program_id(B_AXIS).to(tl.int64), offs_m, mask_m, nu, ct, st, gam, lnr
 
 
 @triton.jit
@@ -112,11 +104,9 @@ def step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC: tl.co
     device-function call inside: each costs the interpreter milliseconds, once per step."""
     valid = t < T
     E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
-    ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
-    sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
+    ck, sk = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0), tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
     mag = tl.exp(-(nu * E + lnr))
-    ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
-    ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
+    ar, ai = tl.where(valid, mag * (ct * ck - st * sk), 1.0), tl.where(valid, mag * (st * ck + ct * sk), 0.0)
     lm = mask_m & valid
     row = t.to(tl.int64) * D
     xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
@@ -179,8 +169,7 @@ def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpa
             # G = lam conj(h_{t-1}); dL/dlog|a| = Re(G conj a), dL/darg a = Im(G conj a)
             gr = lr * hs_r[U - 1 - jj] + li * hs_i[U - 1 - jj]
             gi = li * hs_r[U - 1 - jj] - lr * hs_i[U - 1 - jj]
-            dl = tl.where(valid, gr * ar + gi * ai, 0.0)
-            dph = tl.where(valid, gi * ar - gr * ai, 0.0)
+            dl, dph = tl.where(valid, gr * ar + gi * ai, 0.0), tl.where(valid, gi * ar - gr * ai, 0.0)
             tok = ((tok0 + t).to(tl.int64) * NMB + pid_m) * 2
             tl.store(dpart + tok, -E * tl.sum(nu * dl, axis=0), mask=valid)
             tl.store(dpart + tok + 1, tl.sum(dph, axis=0), mask=valid)
@@ -204,9 +193,7 @@ def store_param_partials(ppart, row, modes, offs_m, mask_m, M, acc_nu, acc_th, a
 
 @triton.jit
 def load_pair(ptr, idx, mask, other_re, other_im):
-    re = tl.load(ptr + idx * 2, mask=mask, other=other_re)
-    im = tl.load(ptr + idx * 2 + 1, mask=mask, other=other_im)
-    return re, im
+    return tl.load(ptr + idx * 2, mask=mask, other=other_re), tl.load(ptr + idx * 2 + 1, mask=mask, other=other_im)
 
 
 @triton.jit
@@ -267,14 +254,13 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, t
     if pid < NTB:
         tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = tok < NTOK
-        # [BLOCK_T, BLOCK_D] accumulators reduced once after the loop (a reduction inside it
-        # costs shuffles and shared-memory round trips per element)
+        # [BLOCK_T, BLOCK_D] accumulators reduced after the loop (a reduction inside it: shuffles and shared-memory
+        # round trips per element)
         zp2, zr2 = tl.zeros([BLOCK_T, BLOCK_D], ACC), tl.zeros([BLOCK_T, BLOCK_D], ACC)
         wpp, wrr = tl.zeros([BLOCK_D], ACC), tl.zeros([BLOCK_D], ACC)
         for d0 in range(0, D, BLOCK_D):
             cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BLOCK_D, ACC)
-            xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :],
-                         other=0.0).to(ACC)
+            xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :], other=0.0).to(ACC)
             zp2, zr2 = zp2 + xt * wp[None, :], zr2 + xt * wr[None, :]
             wpp, wrr = wpp + wp * wp, wrr + wr * wr
         vp, vr, eta, delta = controller(tl.sum(zp2, axis=1), tl.sum(zr2, axis=1), tl.sum(wpp, axis=0),
@@ -311,8 +297,8 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, n
     tensors = (x, phase_dir, radial_dir, phase_amp, radial_amp) if ntok else (tab,) * 5
     _controls_fwd_kernel[(ntb + cdiv(M, BM),)](
         *tensors, seg, ctrl, aux, nu_log, theta_log, tab, ntok, ntb, D, M, 1.0 / math.sqrt(M),
-        HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=min(256, next_pow2(D)), BM=BM,
-        ACC=tl_dtype(acc), num_warps=4)
+        HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=min(256, next_pow2(D)), BM=BM, ACC=tl_dtype(acc),
+        num_warps=4)
     account("samu_controls_fwd", (x, phase_dir, radial_dir, segment_pos, nu_log, theta_log), (ctrl, aux, tab))
     return ctrl, aux, tab
 

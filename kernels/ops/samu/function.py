@@ -64,19 +64,16 @@ def _grads(ctx, dy, dh, bwd):
 
 
 class SamuFunction(torch.autograd.Function):
-    """SAMU through the launchers `spec` names; pa, ra: [1] amplitude tensors in the
-    accumulation dtype; h0: the initial state as [B, M, 2] or None."""
+    """SAMU through the launchers `spec` names, applied where an input requires grad; pa, ra: [1] amplitude tensors
+    in the accumulation dtype; h0: the initial state as [B, M, 2] or None."""
 
     @staticmethod
     def forward(ctx, x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, spec):
         # an unused output's gradient arrives as None, not as a zero tensor filled per call
         ctx.set_materialize_grads(False)
-        save = any(ctx.needs_input_grad)
-        y, h, ctrl, aux, modes, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0,
-                                                  save, spec)
-        if save:
-            ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states)
-            ctx.spec, ctx.has_h0 = spec, h0 is not None
+        y, h, *saved = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, True, spec)
+        ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, *saved)
+        ctx.spec, ctx.has_h0 = spec, h0 is not None
         return y, h
 
     @staticmethod

@@ -26,16 +26,14 @@ ROW_MIN_BATCH = 64
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
 ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
 ROW_DEFAULT_BLOCK_M = 256     # the fastest of 256, 512, 2048 at every batch of the H200 decode tune (B 16 to 256)
-# The controller reduction's width: the whole row (4096 at D = 2560) takes ~120 registers a
-# thread at 8 warps (two programs per multiprocessor), half of it ~64 (four): the half beyond
-# two rows per multiprocessor, so that one wave holds every row.
+# The controller reduction's width: the whole row (4096 at D = 2560) takes ~120 registers a thread at 8 warps (two
+# programs per multiprocessor), half of it ~64 (four): the half beyond two rows per multiprocessor (one wave).
 ROW_BLOCK_D = 4096
 ROW_MANY_ROWS_BLOCK_D = 2048
 
 
 @triton.jit
-def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC: tl.constexpr,
-                TABLE: tl.constexpr):
+def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC: tl.constexpr, TABLE: tl.constexpr):
     """Modes m0 .. m0 + BM - 1: their constants, state and input (nothing of the controls)."""
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < M
@@ -52,48 +50,40 @@ def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC
 @triton.jit
 def _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi):
     mag = tl.exp(-(nu * E + lnr))
-    ar = mag * (ct * ck - st * sk)
-    ai = mag * (st * ck + ct * sk)
+    ar, ai = mag * (ct * ck - st * sk), mag * (st * ck + ct * sk)
     hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
     store_pair(s_b, offs_m, hr, hi, mask_m)
     tl.store(y_b + offs_m, relu(hr).to(y_b.dtype.element_ty), mask=mask_m)
     tl.store(y_b + M + offs_m, relu(hi).to(y_b.dtype.element_ty), mask=mask_m)
 
 
-# D and M specialised (Triton keys ints on divisibility by 16): a row's offsets b * D and
-# M are then known 16-element aligned, and the loads are vectorised.
+# D and M specialised (Triton keys ints on divisibility by 16): a row's offsets b * D and M are then known 16-element
+# aligned, and the loads are vectorised.
 @launcher
 @triton.jit
-def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D, M, scale,
-                 HAS_RESET: tl.constexpr, ROW: tl.constexpr, TABLE: tl.constexpr, BD: tl.constexpr,
-                 BM: tl.constexpr, ACC: tl.constexpr):
+def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D, M, scale, HAS_RESET: tl.constexpr,
+                 ROW: tl.constexpr, TABLE: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
     b = tl.program_id(0 if ROW else 1).to(tl.int64)
     x_b, y_b, s_b = x + b * D, y + b * D, state + b * M * 2
     keep = 1.0
     if HAS_RESET:
         keep = tl.where(tl.load(reset + b) != 0, 0.0, 1.0)
-    # The (first) block's loads go out before the row's reduction, whose latency they
-    # overlap (the state comes from DRAM in a model: one layer's state per step); the
-    # row step then walks its remaining blocks.
+    # The (first) block's loads go out before the row's reduction, whose latency they overlap (the state comes from
+    # DRAM in a model: one layer's state per step); the row step then walks its remaining blocks.
     m0 = 0 if ROW else tl.program_id(0) * BM
     offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M,
                                                                       BM, ACC, TABLE)
-    zp = tl.zeros([BD], ACC)
-    zr = tl.zeros([BD], ACC)
-    wpp = tl.zeros([BD], ACC)
-    wrr = tl.zeros([BD], ACC)
+    zp, zr = tl.zeros([BD], ACC), tl.zeros([BD], ACC)
+    wpp, wrr = tl.zeros([BD], ACC), tl.zeros([BD], ACC)
     for d0 in range(0, D, BD):
         cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BD, ACC)
         xv = tl.load(x_b + cols, mask=cm, other=0.0).to(ACC)
-        zp += xv * wp
-        zr += xv * wr
-        wpp += wp * wp
-        wrr += wr * wr
+        zp, zr = zp + xv * wp, zr + xv * wr
+        wpp, wrr = wpp + wp * wp, wrr + wr * wr
     _, _, eta, d = controller(tl.sum(zp, axis=0), tl.sum(zr, axis=0), tl.sum(wpp, axis=0), tl.sum(wrr, axis=0),
                             pd, rd, pa, ra, D, scale, ACC)
     E = tl.exp(eta).to(ACC)
-    ck = tl.cos(d) * keep
-    sk = tl.sin(d) * keep
+    ck, sk = tl.cos(d) * keep, tl.sin(d) * keep
     _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
     if ROW:
         for m1 in range(BM, M, BM):
