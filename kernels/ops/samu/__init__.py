@@ -1,6 +1,5 @@
-"""Fused Triton SAMU: the "serial" (fused_recurrent.py) and "chunk" (chunk.py) training
-backends over the shared controller, its backward and the parameter reductions
-(common.py), and the one-launch decode steps (step.py: "row", "blocked", "fused").
+"""Fused Triton SAMU: the "serial" (fused_recurrent.py) and "chunk" (chunk.py) training backends over the shared
+controller, its backward and the parameter reductions (common.py), and the decode steps (step.py).
 """
 
 from .common import mode_table

@@ -1,16 +1,13 @@
-"""Exact two-level chunked SAMU (chunk_size K in 8, 16, 32, 64).
-
-Forward over chunks of K tokens (a partial last chunk's missing steps are identity):
-1. summary per (chunk, mode block): h_out = P_c h_in + Q_c (P_c = prod a_t, Q_c the
-   state from zero);
-2. prefix over the N summaries in groups of GS ~ sqrt(N) chunks, two launches: each
-   group composed into one map; then every group walked again from its incoming state
-   (its program composes the maps of the groups before it, ~sqrt(N) of them) writing
-   the state entering each chunk (kept for the backward);
+"""Exact two-level chunked SAMU (chunk_size K in 8, 16, 32, 64). Forward over chunks of K tokens (a partial last
+chunk's missing steps are identity):
+1. summary per (chunk, mode block): h_out = P_c h_in + Q_c (P_c = prod a_t, Q_c the state from zero);
+2. prefix over the N summaries in groups of GS ~ sqrt(N) chunks, two launches: each group composed into one map;
+   then every group walked again from its incoming state (its program composes the maps of the ~sqrt(N) groups
+   before it) writing the state entering each chunk (kept for the backward);
 3. replay per (chunk, mode block) from its entering state, writing y = relu(h).
-Backward: the same on the adjoint, R_{c-1} = conj(P_c) R_c + Qbar_c with Qbar_c =
-sum_t conj(prod_{u<=t} a_u) g_t, composed right to left, then each chunk's adjoint
-replay. Resets are a_t = 0 inside the summaries, so they cut every prefix exactly.
+Backward: the same on the adjoint, R_{c-1} = conj(P_c) R_c + Qbar_c with Qbar_c = sum_t conj(prod_{u<=t} a_u) g_t,
+composed right to left, then each chunk's adjoint replay. Resets are a_t = 0 inside the summaries, so they cut
+every prefix exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import triton.language as tl
 
 from ..accounting import account
 from ..triton_utils import cdiv, launcher, scratch
-from .common import (alloc, block_ids, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2,
+from .common import (alloc, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2,
                      step_in, store_pair, store_param_partials, tl_dtype)
 from .fused_recurrent import BM, BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
 
@@ -35,13 +32,12 @@ PREFIX_UNROLL = 4
 @triton.jit(do_not_specialize=["N", "NG", "M"])
 def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
                   REVERSE: tl.constexpr, FILL: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
-    """Walks group g's GS chunk maps in order (REVERSE: the adjoint's conjugate maps, right
-    to left). FILL False: composes them into one map (AG, BG [B, NG, M, 2]); True: from the
-    state entering the group (init composed with the maps of the groups walked before it,
-    a short serial prefix each program repeats instead of a launch of its own) writes the
-    state entering every chunk to S [B, N, M, 2], and the last group the final state."""
-    pid_m, b, offs_m, mask_m = block_ids(M, BM, 2)
-    g = tl.program_id(1)
+    """Walks group g's GS chunk maps in order (REVERSE: the adjoint's conjugate maps, right to left). FILL False:
+    composes them into one map (AG, BG [B, NG, M, 2]); True: from the state entering the group (init composed with the
+    maps of the groups walked before it, a short serial prefix each program repeats instead of a launch of its own)
+    writes the state entering every chunk to S [B, N, M, 2], and the last group the final state."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    mask_m, g, b = offs_m < M, tl.program_id(1), tl.program_id(2).to(tl.int64)
     w = NG - 1 - g if REVERSE else g        # the group's place in the walk
     if FILL:
         sr, si = load_state(init, b * M + offs_m, mask_m, HAS_INIT, BM, ACC)
@@ -55,16 +51,11 @@ def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: 
                 br, bi = load_pair(BG, gidx, lm, 0.0, 0.0)
                 sr, si = ar * sr - ai * si + br, ar * si + ai * sr + bi
     else:
-        sr = tl.zeros([BM], ACC)
-        si = tl.zeros([BM], ACC)
-        pr = tl.full([BM], 1.0, ACC)
-        pi = tl.zeros([BM], ACC)
+        sr, si = tl.zeros([BM], ACC), tl.zeros([BM], ACC)
+        pr, pi = tl.full([BM], 1.0, ACC), tl.zeros([BM], ACC)
     for j0 in range(0, GS, V):
         for v in tl.static_range(V):
-            if REVERSE:
-                c = g * GS + GS - 1 - (j0 + v)
-            else:
-                c = g * GS + j0 + v
+            c = g * GS + GS - 1 - (j0 + v) if REVERSE else g * GS + j0 + v
             lm = mask_m & (c < N)
             idx = (b * N + c) * M + offs_m
             if FILL:
@@ -88,8 +79,8 @@ def _group_kernel(A, Bv, init, S, AG, BG, final, N, NG, M, GS: tl.constexpr, V: 
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
 def _fwd_kernel(x, ctrl, modes, S, P, Q, T, N, D, M, REPLAY: tl.constexpr,
                 K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
-    """Chunk c's summary (REPLAY False): P_c = prod a_t and Q_c, its state from zero; or
-    (REPLAY) the chunk replayed from its entering state S [B, N, M, 2] writing y (in P)."""
+    """Chunk c's summary (REPLAY False): P_c = prod a_t and Q_c, its state from zero; or (REPLAY) the chunk replayed
+    from its entering state S [B, N, M, 2] writing y (in P)."""
     pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 2)
     c = tl.program_id(1)
     idx = (b * N + c) * M + offs_m
@@ -113,15 +104,11 @@ def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
     """P_c and Qbar_c = sum_t conj(prod_{u<=t} a_u) g_t in one forward sweep (g_t = relu'(h_t) dy_t)."""
     pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 2)
     c = tl.program_id(1)
-    x_b = x + b * T * D
-    dy_b = dy + b * T * D
-    ctrl_b = ctrl + b * T * 4
+    x_b, dy_b, ctrl_b = x + b * T * D, dy + b * T * D, ctrl + b * T * 4
     idx = (b * N + c) * M + offs_m
     hr, hi = load_pair(states, idx, mask_m, 0.0, 0.0)
-    pr = tl.full([BM], 1.0, ACC)
-    pi = tl.zeros([BM], ACC)
-    qr = tl.zeros([BM], ACC)
-    qi = tl.zeros([BM], ACC)
+    pr, pi = tl.full([BM], 1.0, ACC), tl.zeros([BM], ACC)
+    qr, qi = tl.zeros([BM], ACC), tl.zeros([BM], ACC)
     for j0 in range(0, K, U):
         for u in tl.static_range(U):
             t = c * K + j0 + u
@@ -130,10 +117,8 @@ def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
             dyi = tl.load(dy_b + row + M + offs_m, mask=lm, other=0.0).to(ACC)
             hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
             pr, pi = ar * pr - ai * pi, ar * pi + ai * pr
-            gr = tl.where(hr <= 0.0, 0.0, dyr)
-            gi = tl.where(hi <= 0.0, 0.0, dyi)
-            qr += pr * gr + pi * gi
-            qi += pr * gi - pi * gr
+            gr, gi = tl.where(hr <= 0.0, 0.0, dyr), tl.where(hi <= 0.0, 0.0, dyi)
+            qr, qi = qr + (pr * gr + pi * gi), qi + (pr * gi - pi * gr)
     store_pair(P, idx, pr, pi, mask_m)
     store_pair(Qb, idx, qr, qi, mask_m)
 
@@ -142,8 +127,8 @@ def _bwd_summary_kernel(x, dy, ctrl, modes, states, P, Qb, T, N, D, M,
 @triton.jit(do_not_specialize=["T", "N", "D", "M", "NMB"])
 def _bwd_kernel(x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, NMB,
                 K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
-    """The adjoint replay of chunk c from its state (states) and the adjoint entering it
-    from the right (R [B, N, M, 2]): every gradient contribution of the chunk."""
+    """The adjoint replay of chunk c from its state (states) and the adjoint entering it from the right
+    (R [B, N, M, 2]): every gradient contribution of the chunk."""
     pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 2)
     c = tl.program_id(1)
     hr, hi = load_pair(states, (b * N + c) * M + offs_m, mask_m, 0.0, 0.0)
@@ -156,9 +141,10 @@ def _bwd_kernel(x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D,
     store_param_partials(ppart, b * N + c, modes, offs_m, mask_m, M, acc_nu, acc_th, acc_g)
 
 
+@functools.lru_cache(maxsize=256)
 class _Plan:
-    """What a chunk launcher computes from the shape alone, once per (shape, config): the
-    grids, the launch keywords and the scratch shapes (host time of every eager call)."""
+    """What a chunk launcher computes from the shape alone, once per (shape, config): the grids, the launch keywords
+    and the scratch shapes (host time of every eager call)."""
 
     def __init__(self, B, T, M, K, acc, backward):
         N, nmb = cdiv(T, K), cdiv(M, BM)
@@ -176,13 +162,9 @@ class _Plan:
         self.scratch = (*maps, *ckpt, *((B, ng, M, 2),) * 2)
 
 
-plan = functools.lru_cache(maxsize=256)(_Plan)
-
-
 def _prefix(p: _Plan, A, Bv, init, S, work):
-    """Grouped prefix over the chunk maps A, Bv [B, N, M, 2] in two launches: writes the
-    state entering every chunk to S (linear work) and returns the final one [B, M, 2];
-    work: the plan's group maps (AG, BG)."""
+    """Grouped prefix over the chunk maps A, Bv [B, N, M, 2] in two launches: writes the state entering every chunk to
+    S (linear work) and returns the final one [B, M, 2]; work: the plan's group maps (AG, BG)."""
     AG, BG = work
     final = alloc((A.shape[0], A.shape[2], 2), A.dtype, A.device)
     args = (A, Bv, init if init is not None else final, S, AG, BG, final, *p.group_args)
@@ -199,7 +181,7 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     if T == 0:
         return serial_forward(x, ctrl, modes, h0, need_states, cfg)
     M, acc = D // 2, ctrl.dtype
-    p = plan(B, T, M, cfg["K"], acc, False)
+    p = _Plan(B, T, M, cfg["K"], acc, False)
     P, Q, *work = scratch(acc, x.device, *p.scratch)
     _fwd_kernel[p.grid](x, ctrl, modes, P, P, Q, T, p.N, D, M, REPLAY=False, **p.kw)
     account("samu_chunk_summary", (x, ctrl), (P, Q))
@@ -217,10 +199,10 @@ def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
     if T == 0:
         return serial_backward(x, dy, ctrl, modes, states, gh, cfg)
     M, acc = D // 2, ctrl.dtype
-    p = plan(B, T, M, cfg["K"], acc, True)
+    p = _Plan(B, T, M, cfg["K"], acc, True)
     N, nmb = p.N, p.nmb
-    # scratch of this launcher (summaries, adjoints entering chunks, checkpoints, the
-    # prefix's groups) apart from the partials dpart, ppart, which live on in controls_bwd
+    # scratch of this launcher (summaries, adjoints entering chunks, checkpoints, the prefix's groups) apart from the
+    # partials dpart, ppart, which live on in controls_bwd
     P, Qb, R, ckpt, *work = scratch(acc, x.device, *p.scratch)
     dpart, ppart = scratch(acc, x.device, (B * T, nmb, 2), (B * N, M, 2))
     _bwd_summary_kernel[p.grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, **p.summary_kw)

@@ -1,11 +1,8 @@
-"""Pieces every SAMU backend shares: the per-token controller, the per-element
-transition and write, the controller's backward and the parameter reductions.
-
-B batch, T time, D = 2M width, M complex modes. `ctrl` [B*T, 4] keeps per token
-(E = exp(eta), cos(delta) keep, sin(delta) keep, 0), keep = 0 at resets, so that
-a_t[m] = exp(-nu[m] E_t) exp(i (theta[m] + delta_t)) is formed in registers by angle
-addition; `aux` [B*T, 2] keeps the normalised projections (v_p, v_r) for the backward.
-Nothing of shape [B, T, M] is stored. Complex states travel as view_as_real pairs.
+"""Pieces every SAMU backend shares: the per-token controller, the per-element transition and write, the controller's
+backward and the parameter reductions. D = 2M width, M complex modes. `ctrl` [B*T, 4] keeps per token (E = exp(eta),
+cos(delta) keep, sin(delta) keep, 0), keep = 0 at resets, so that a_t[m] = exp(-nu[m] E_t) exp(i (theta[m] + delta_t))
+is formed in registers by angle addition; `aux` [B*T, 2] keeps the normalised projections (v_p, v_r) for the backward.
+Nothing of shape [B, T, M] is stored; complex states travel as view_as_real pairs.
 """
 
 from __future__ import annotations
@@ -21,6 +18,8 @@ from ..checks import MODE_CONSTS
 from ..triton_utils import cdiv, launcher, next_pow2, scratch
 from ..triton_utils import empty as alloc
 from ..triton_utils import tl_acc as tl_dtype
+
+_CONSTANTS: dict = {}     # kept for the process's life: a CUDA graph captured reading one must never see it freed
 
 
 def scalar_param(v, device, dtype) -> torch.Tensor:
@@ -42,14 +41,10 @@ def scalar_param(v, device, dtype) -> torch.Tensor:
     return t
 
 
-# kept for the process's life: a CUDA graph captured reading one must never see it freed
-_CONSTANTS: dict = {}
-
-
 @triton.jit
 def relu(h):
-    # NaN propagates as in torch.relu (tl.maximum's default drops it on the GPU); the
-    # backwards pass dy where not h <= 0, as torch's threshold_backward does.
+    # NaN propagates as in torch.relu (tl.maximum's default drops it on the GPU); the backwards pass dy where not
+    # h <= 0, as torch's threshold_backward does.
     return tl.maximum(h, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -61,17 +56,14 @@ def tanh(x):
 
 @triton.jit
 def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
-    """Per-mode constants in float64, rounded once: nu, theta, cos, sin theta, gamma =
-    sqrt(1 - e^{-2 nu}) + 1e-8 (cancels in FP32 for small nu), nu dgamma/dnu and
-    lnr = log |(cos theta, sin theta)| of the rounded pair: the transition
-    exp(-(nu E + lnr)) (cos theta, sin theta)(cos delta, sin delta) then has no |a| bias
-    of a few 1e-8 per step (a drift over the ~1/(1-|a|) steps a mode remembers)."""
+    """Per-mode constants in float64, rounded once: nu, theta, cos, sin theta, gamma = sqrt(1 - e^{-2 nu}) + 1e-8
+    (cancels in FP32 for small nu), nu dgamma/dnu and lnr = log |(cos theta, sin theta)| of the rounded pair: the
+    transition exp(-(nu E + lnr)) (cos theta, sin theta)(cos delta, sin delta) then has no |a| bias of a few 1e-8
+    per step (a drift over the ~1/(1-|a|) steps a mode remembers)."""
     nu = tl.exp(tl.load(nu_log + offs_m, mask=mask_m, other=0.0).to(tl.float64))
     th = tl.exp(tl.load(theta_log + offs_m, mask=mask_m, other=0.0).to(tl.float64))
-    ct = tl.cos(th).to(ACC)
-    st = tl.sin(th).to(ACC)
-    ct64 = ct.to(tl.float64)
-    st64 = st.to(tl.float64)
+    ct, st = tl.cos(th).to(ACC), tl.sin(th).to(ACC)
+    ct64, st64 = ct.to(tl.float64), st.to(tl.float64)
     lnr = 0.5 * tl.log(ct64 * ct64 + st64 * st64)
     e2 = tl.exp(-2.0 * nu)
     u = 1.0 - e2
@@ -81,16 +73,8 @@ def mode_consts64(nu_log, theta_log, offs_m, mask_m, ACC: tl.constexpr):
 
 
 def mode_table(nu_log, theta_log, acc):
-    """[MODE_CONSTS, M]: the constants of mode_consts64, one row each (one coalesced load per block of modes)."""
+    """[MODE_CONSTS, M]: mode_consts64's constants, one row each (one coalesced load per block of modes)."""
     return controls_fwd(None, None, None, None, None, None, nu_log, theta_log, acc)[2]
-
-
-@triton.jit
-def block_ids(M, BM: tl.constexpr, B_AXIS: tl.constexpr):
-    """A program's (mode block pid_m, sequence b = program_id(B_AXIS), offs_m, mask_m)."""
-    pid_m = tl.program_id(0)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    return pid_m, tl.program_id(B_AXIS).to(tl.int64), offs_m, offs_m < M
 
 
 @triton.jit
@@ -106,24 +90,23 @@ def load_modes(modes, M, offs_m, mask_m):
 
 @triton.jit
 def mode_block(modes, M, BM: tl.constexpr, B_AXIS: tl.constexpr):
-    """block_ids and the modes' constants from the table (load_modes)."""
-    pid_m, b, offs_m, mask_m = block_ids(M, BM, B_AXIS)
+    """A program's (mode block pid_m, sequence b = program_id(B_AXIS), offs_m, mask_m, the modes' constants)."""
+    pid_m = tl.program_id(0)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
     nu, ct, st, gam, lnr = load_modes(modes, M, offs_m, mask_m)
-    return pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr
+    return pid_m, tl.program_id(B_AXIS).to(tl.int64), offs_m, mask_m, nu, ct, st, gam, lnr
 
 
 @triton.jit
 def step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC: tl.constexpr):
-    """Step t's (valid, mode mask, row offset, E, transition (ar, ai), input (xr, xi));
-    identity past T; t a tensor (the interpreter makes one of an assigned value). No
+    """Step t's (valid, mode mask, row offset, E, transition (ar, ai), input (xr, xi)); identity past T. No
     device-function call inside: each costs the interpreter milliseconds, once per step."""
     valid = t < T
     E = tl.load(ctrl_b + t * 4, mask=valid, other=0.0)
-    ck = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0)
-    sk = tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
+    ck, sk = tl.load(ctrl_b + t * 4 + 1, mask=valid, other=0.0), tl.load(ctrl_b + t * 4 + 2, mask=valid, other=0.0)
     mag = tl.exp(-(nu * E + lnr))
-    ar = tl.where(valid, mag * (ct * ck - st * sk), 1.0)
-    ai = tl.where(valid, mag * (st * ck + ct * sk), 0.0)
+    ar, ai = tl.where(valid, mag * (ct * ck - st * sk), 1.0), tl.where(valid, mag * (st * ck + ct * sk), 0.0)
     lm = mask_m & valid
     row = t.to(tl.int64) * D
     xr = tl.load(x_b + row + offs_m, mask=lm, other=0.0).to(ACC)
@@ -134,9 +117,9 @@ def step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC: tl.co
 @triton.jit
 def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, WRITE_Y: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr):
-    """K steps h <- a h + gamma (x_re + i x_im) from t0, U unrolled at a time (their loads
-    go out together; full unrolling makes Triton's coalescing pass quadratic in compile
-    time); optionally writes y = relu(h) and multiplies p <- a p (the chunk's product)."""
+    """K steps h <- a h + gamma (x_re + i x_im) from t0, U unrolled at a time (their loads go out together; full
+    unrolling makes Triton's coalescing pass quadratic in compile time); optionally writes y = relu(h) and
+    multiplies p <- a p (the chunk's product)."""
     for j0 in range(0, K, U):
         for u in tl.static_range(U):
             t = t0 + j0 + u
@@ -154,13 +137,11 @@ def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu,
 def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpart, ctrl_b, tok0, t0, T, D, M,
               NMB, pid_m, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
-    """Adjoint walk over the K tokens from t0 given h before t0 and the carry R =
-    conj(a_{t0+K}) lam_{t0+K} (lam_t = g_t + R), U tokens at a time in reverse, each
-    group's states recomputed from the one before it, saved in this program's slots
-    ckpt [K/U, BM, 2] (read back by the same threads: no barrier). Writes gamma lam (dL/dx
-    of the write) to dxw and the per-token sums over this mode block of dL/deta, dL/ddelta
-    to dpart [B*T, NMB, 2]; accumulates the per-mode sums of the nu / theta / gamma
-    gradients; returns the carry conj(a_{t0}) lam_{t0}."""
+    """Adjoint walk over the K tokens from t0 given h before t0 and the carry R = conj(a_{t0+K}) lam_{t0+K} (lam_t =
+    g_t + R), U tokens at a time in reverse, each group's states recomputed from the one before it, saved in this
+    program's slots ckpt [K/U, BM, 2] (read back by the same threads: no barrier). Writes gamma lam (dL/dx of the
+    write) to dxw and the per-token sums over this mode block of dL/deta, dL/ddelta to dpart [B*T, NMB, 2];
+    accumulates the per-mode sums of the nu / theta / gamma gradients; returns the carry conj(a_{t0}) lam_{t0}."""
     lane = tl.arange(0, BM)
     for q in range(0, K // U):
         store_pair(ckpt, q * BM + lane, hr, hi, mask_m)
@@ -170,14 +151,12 @@ def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpa
         q = K // U - 1 - qq
         hr, hi = load_pair(ckpt, q * BM + lane, mask_m, 0.0, 0.0)
         t1 = t0 + q * U
-        hs_r = (hr,)
-        hs_i = (hi,)
+        hs_r, hs_i = (hr,), (hi,)
         for j in tl.static_range(U):
             valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t1 + j, T, D, M, offs_m, mask_m, nu, ct, st,
                                                         lnr, ACC)
             hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
-            hs_r = hs_r + (hr,)
-            hs_i = hs_i + (hi,)
+            hs_r, hs_i = hs_r + (hr,), hs_i + (hi,)
         for jj in tl.static_range(U):
             t = t1 + (U - 1 - jj)
             valid, lm, row, E, ar, ai, xr, xi = step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC)
@@ -190,8 +169,7 @@ def bwd_chunk(hr, hi, Rr, Ri, acc_nu, acc_th, acc_g, ckpt, x_b, dy_b, dxw_b, dpa
             # G = lam conj(h_{t-1}); dL/dlog|a| = Re(G conj a), dL/darg a = Im(G conj a)
             gr = lr * hs_r[U - 1 - jj] + li * hs_i[U - 1 - jj]
             gi = li * hs_r[U - 1 - jj] - lr * hs_i[U - 1 - jj]
-            dl = tl.where(valid, gr * ar + gi * ai, 0.0)
-            dph = tl.where(valid, gi * ar - gr * ai, 0.0)
+            dl, dph = tl.where(valid, gr * ar + gi * ai, 0.0), tl.where(valid, gi * ar - gr * ai, 0.0)
             tok = ((tok0 + t).to(tl.int64) * NMB + pid_m) * 2
             tl.store(dpart + tok, -E * tl.sum(nu * dl, axis=0), mask=valid)
             tl.store(dpart + tok + 1, tl.sum(dph, axis=0), mask=valid)
@@ -215,9 +193,7 @@ def store_param_partials(ppart, row, modes, offs_m, mask_m, M, acc_nu, acc_th, a
 
 @triton.jit
 def load_pair(ptr, idx, mask, other_re, other_im):
-    re = tl.load(ptr + idx * 2, mask=mask, other=other_re)
-    im = tl.load(ptr + idx * 2 + 1, mask=mask, other=other_im)
-    return re, im
+    return tl.load(ptr + idx * 2, mask=mask, other=other_re), tl.load(ptr + idx * 2 + 1, mask=mask, other=other_im)
 
 
 @triton.jit
@@ -232,8 +208,7 @@ def load_state(ptr, idx, mask, HAS: tl.constexpr, BM: tl.constexpr, ACC: tl.cons
     if HAS:
         re, im = load_pair(ptr, idx, mask, 0.0, 0.0)
     else:
-        re = tl.zeros([BM], ACC)
-        im = tl.zeros([BM], ACC)
+        re, im = tl.zeros([BM], ACC), tl.zeros([BM], ACC)
     return re, im
 
 
@@ -248,26 +223,21 @@ def dir_cols(pd, rd, d0, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
 @triton.jit
 def dir_norms(pd, rd, D, BLOCK: tl.constexpr, ACC: tl.constexpr):
     """|pd| and |rd| over their D + 1 entries (the bias included)."""
-    wpp = tl.zeros([BLOCK], ACC)
-    wrr = tl.zeros([BLOCK], ACC)
+    wpp, wrr = tl.zeros([BLOCK], ACC), tl.zeros([BLOCK], ACC)
     for d0 in range(0, D + 1, BLOCK):
         cols, cm, wp, wr = dir_cols(pd, rd, d0, D + 1, BLOCK, ACC)
-        wpp += wp * wp
-        wrr += wr * wr
+        wpp, wrr = wpp + wp * wp, wrr + wr * wr
     return tl.sqrt(tl.sum(wpp, axis=0)), tl.sqrt(tl.sum(wrr, axis=0))
 
 
 @triton.jit
 def controller(zp, zr, wpp, wrr, pd, rd, pa, ra, D, scale, ACC: tl.constexpr):
-    """From the projections z = x . w[:D] and the squared norms of w[:D]: the normalised
-    projections vp, vr (the biases pd[D], rd[D] added), eta and delta. Float64 where
-    FP32 loses digits (tanh near 0, 1 + r^2); delta rounded to ACC for its cos and sin."""
-    bp = tl.load(pd + D).to(ACC)
-    br = tl.load(rd + D).to(ACC)
-    vp = (zp + bp) / tl.sqrt(wpp + bp * bp)
-    vr = (zr + br) / tl.sqrt(wrr + br * br)
-    p = tanh(vp.to(tl.float64))
-    r = tanh(vr.to(tl.float64))
+    """From the projections z = x . w[:D] and the squared norms of w[:D]: the normalised projections vp, vr (the
+    biases pd[D], rd[D] added), eta and delta. Float64 where FP32 loses digits (tanh near 0, 1 + r^2); delta
+    rounded to ACC for its cos and sin."""
+    bp, br = tl.load(pd + D).to(ACC), tl.load(rd + D).to(ACC)
+    vp, vr = (zp + bp) / tl.sqrt(wpp + bp * bp), (zr + br) / tl.sqrt(wrr + br * br)
+    p, r = tanh(vp.to(tl.float64)), tanh(vr.to(tl.float64))
     delta = scale * tanh(tl.load(pa).to(tl.float64)) * p
     eta = scale * tanh(tl.load(ra).to(tl.float64)) * r / (1.0 + r * r)
     return vp, vr, eta, delta.to(ACC)
@@ -278,35 +248,27 @@ def controller(zp, zr, wpp, wrr, pd, rd, pa, ra, D, scale, ACC: tl.constexpr):
 def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, tab, NTOK, NTB, D, M, scale,
                          HAS_SEG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr,
                          ACC: tl.constexpr):
-    """Programs [0, NTB): ctrl and aux of BLOCK_T tokens (rows of x [B*T, D]) each; the
-    rest: a block of the mode table (its own launch would cost a launch boundary per
-    forward)."""
+    """Programs [0, NTB): ctrl and aux of BLOCK_T tokens (rows of x [B*T, D]) each; the rest: a block of the mode
+    table (its own launch would cost a launch boundary per forward)."""
     pid = tl.program_id(0)
     if pid < NTB:
         tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = tok < NTOK
-        # [BLOCK_T, BLOCK_D] accumulators reduced once after the loop (a reduction inside it
-        # costs shuffles and shared-memory round trips per element)
-        zp2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
-        zr2 = tl.zeros([BLOCK_T, BLOCK_D], ACC)
-        wpp = tl.zeros([BLOCK_D], ACC)
-        wrr = tl.zeros([BLOCK_D], ACC)
+        # [BLOCK_T, BLOCK_D] accumulators reduced after the loop (a reduction inside it: shuffles and shared-memory
+        # round trips per element)
+        zp2, zr2 = tl.zeros([BLOCK_T, BLOCK_D], ACC), tl.zeros([BLOCK_T, BLOCK_D], ACC)
+        wpp, wrr = tl.zeros([BLOCK_D], ACC), tl.zeros([BLOCK_D], ACC)
         for d0 in range(0, D, BLOCK_D):
             cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BLOCK_D, ACC)
-            xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :],
-                         other=0.0).to(ACC)
-            zp2 += xt * wp[None, :]
-            zr2 += xt * wr[None, :]
-            wpp += wp * wp
-            wrr += wr * wr
+            xt = tl.load(x + tok[:, None] * D + cols[None, :], mask=tmask[:, None] & cm[None, :], other=0.0).to(ACC)
+            zp2, zr2 = zp2 + xt * wp[None, :], zr2 + xt * wr[None, :]
+            wpp, wrr = wpp + wp * wp, wrr + wr * wr
         vp, vr, eta, delta = controller(tl.sum(zp2, axis=1), tl.sum(zr2, axis=1), tl.sum(wpp, axis=0),
                                       tl.sum(wrr, axis=0), pd, rd, pa, ra, D, scale, ACC)
-        c = tl.cos(delta)
-        s = tl.sin(delta)
+        c, s = tl.cos(delta), tl.sin(delta)
         if HAS_SEG:     # the phase zeroed at resets
             keep = tl.load(seg + tok, mask=tmask, other=1) != 0
-            c = tl.where(keep, c, 0.0)
-            s = tl.where(keep, s, 0.0)
+            c, s = tl.where(keep, c, 0.0), tl.where(keep, s, 0.0)
         tl.store(ctrl + tok * 4, tl.exp(eta).to(ACC), mask=tmask)
         tl.store(ctrl + tok * 4 + 1, c, mask=tmask)
         tl.store(ctrl + tok * 4 + 2, s, mask=tmask)
@@ -322,8 +284,8 @@ def _controls_fwd_kernel(x, pd, rd, pa, ra, seg, ctrl, aux, nu_log, theta_log, t
 
 
 def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, nu_log, theta_log, acc):
-    """x [B, T, D] -> ctrl [B*T, 4], aux [B*T, 2] and the mode table [MODE_CONSTS, M] in
-    the accumulation dtype `acc`, in one launch; x None: the table alone."""
+    """x [B, T, D] -> ctrl [B*T, 4], aux [B*T, 2] and the mode table [MODE_CONSTS, M] in the accumulation dtype
+    `acc`, in one launch; x None: the table alone."""
     M = nu_log.shape[0]
     ntok = 0 if x is None else x.shape[0] * x.shape[1]
     # apart, not carved from one buffer: the custom op kernels::samu_fwd returns them, which must not alias
@@ -335,8 +297,8 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, n
     tensors = (x, phase_dir, radial_dir, phase_amp, radial_amp) if ntok else (tab,) * 5
     _controls_fwd_kernel[(ntb + cdiv(M, BM),)](
         *tensors, seg, ctrl, aux, nu_log, theta_log, tab, ntok, ntb, D, M, 1.0 / math.sqrt(M),
-        HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=min(256, next_pow2(D)), BM=BM,
-        ACC=tl_dtype(acc), num_warps=4)
+        HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=min(256, next_pow2(D)), BM=BM, ACC=tl_dtype(acc),
+        num_warps=4)
     account("samu_controls_fwd", (x, phase_dir, radial_dir, segment_pos, nu_log, theta_log), (ctrl, aux, tab))
     return ctrl, aux, tab
 
@@ -345,8 +307,8 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, n
 @triton.jit(do_not_specialize=["NTOK", "D", "NMB"])
 def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpart, NTOK, D, NMB, scale,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NMBP: tl.constexpr, ACC: tl.constexpr):
-    """dx = dx_write + dv_p pd / |pd| + dv_r rd / |rd| per token, plus per-block partial
-    sums for the direction and amplitude gradients."""
+    """dx = dx_write + dv_p pd / |pd| + dv_r rd / |rd| per token, plus per-block partial sums for the direction and
+    amplitude gradients."""
     pid = tl.program_id(0)
     tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < NTOK
@@ -357,15 +319,12 @@ def _controls_bwd_kernel(dxw, x, aux, dpart, pd, rd, pa, ra, dx, colpart, scalpa
     ddel = tl.sum(tl.load(dpart + poffs + 1, mask=pm, other=0.0), axis=1)
     vp = tl.load(aux + tok * 2, mask=tmask, other=0.0).to(tl.float64)
     vr = tl.load(aux + tok * 2 + 1, mask=tmask, other=0.0).to(tl.float64)
-    p = tanh(vp)
-    r = tanh(vr)
-    tpa = tanh(tl.load(pa).to(tl.float64))
-    tra = tanh(tl.load(ra).to(tl.float64))
+    p, r = tanh(vp), tanh(vr)
+    tpa, tra = tanh(tl.load(pa).to(tl.float64)), tanh(tl.load(ra).to(tl.float64))
     q = 1.0 + r * r
     dvp64 = scale * tpa * ddel * (1.0 - p * p)
     dvr64 = scale * tra * (1.0 - r * r) / (q * q) * deta * (1.0 - r * r)
-    dvp = dvp64.to(ACC)
-    dvr = dvr64.to(ACC)
+    dvp, dvr = dvp64.to(ACC), dvr64.to(ACC)
     sbase = scalpart + pid.to(tl.int64) * 8
     tl.store(sbase + 0, tl.sum(dvp64, axis=0).to(ACC))
     tl.store(sbase + 1, tl.sum(dvr64, axis=0).to(ACC))
@@ -405,8 +364,8 @@ def _colsum(ptr, R, C, cols, cm, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, A
 @triton.jit(do_not_specialize=["NTB", "RP", "D", "M", "NDB"])
 def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, dmode, NTB, RP, D, M, scale,
                      NDB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
-    """Deterministic reductions of the per-block partials into the parameter gradients.
-    Programs [0, NDB) own direction columns, the rest own mode columns."""
+    """Deterministic reductions of the per-block partials into the parameter gradients. Programs [0, NDB) own
+    direction columns, the rest own mode columns."""
     pid = tl.program_id(0)
     if pid < NDB:
         sc = tl.arange(0, 8)
@@ -426,8 +385,7 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
         tl.store(dpd + cols, gp / np_ - wp * s_vp / (np_ * np_), mask=wm)
         tl.store(drd + cols, gr / nr_ - wr * s_vr / (nr_ * nr_), mask=wm)
         if pid == 0:
-            tpa = tanh(tl.load(pa).to(tl.float64))
-            tra = tanh(tl.load(ra).to(tl.float64))
+            tpa, tra = tanh(tl.load(pa).to(tl.float64)), tanh(tl.load(ra).to(tl.float64))
             s_dp = tl.sum(tl.where(sc == 4, s, 0.0), axis=0)
             s_de = tl.sum(tl.where(sc == 5, s, 0.0), axis=0)
             tl.store(damp, (scale * (1.0 - tpa * tpa) * s_dp).to(ACC))
@@ -439,19 +397,15 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
 
 
 def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
-    """dx (x's dtype) and the gradients of both directions, both amplitudes, nu_log and
-    theta_log, by fixed-order reductions. dxw [B, T, D]: the write's part of dL/dx;
-    dpart [B*T, NMB, 2]: per-mode-block (dL/deta, dL/ddelta); ppart [R, M, 2]:
-    per-block (nu_log, theta_log) partials."""
+    """dx (x's dtype) and the gradients of both directions, both amplitudes, nu_log and theta_log, by fixed-order
+    reductions. dxw [B, T, D]: the write's part of dL/dx; dpart [B*T, NMB, 2]: per-mode-block (dL/deta,
+    dL/ddelta); ppart [R, M, 2]: per-block (nu_log, theta_log) partials."""
     B, T, D = x.shape
-    M = D // 2
-    acc = dxw.dtype
-    ntok = B * T
-    nmb = dpart.shape[1]
+    M, acc, ntok, nmb = D // 2, dxw.dtype, B * T, dpart.shape[1]
     scale = 1.0 / math.sqrt(M)
     dx = dxw if x.dtype == acc else alloc(x.shape, x.dtype, x.device)
     BLOCK_T = 32
-    ntb = cdiv(ntok, BLOCK_T) if ntok else 0
+    ntb = cdiv(ntok, BLOCK_T)
     colpart, scalpart = scratch(acc, x.device, (max(ntb, 1), 2 * D), (max(ntb, 1), 8))
     if ntb:
         _controls_bwd_kernel[(ntb,)](

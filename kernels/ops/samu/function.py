@@ -1,8 +1,6 @@
-"""The differentiable SAMU over the serial and chunked launchers (forward: controls_fwd
-with the mode table, the scan; backward: the scan's, then controls_bwd), and the backend
-functions with the reference signature. As for the RG-LRU (rglru/function.py): eager
-calls run `SamuFunction`, torch.compile the custom ops kernels::samu_fwd / _bwd.
-Complex states cross the ops as view_as_real pairs [B, M, 2].
+"""The differentiable SAMU over the serial and chunk launchers (forward: controls_fwd, then the scan; backward: the
+scan's, then controls_bwd) and the backend functions with the reference signature. Eager calls run `SamuFunction`,
+torch.compile the custom ops kernels::samu_fwd / _bwd; complex states cross them as view_as_real pairs [B, M, 2].
 """
 
 from __future__ import annotations
@@ -33,10 +31,8 @@ def _config(backend, opts):
 
 
 def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec):
-    """(y, final state [B, M, 2], ctrl, aux, modes, states or None); pa, ra: [1] tensors
-    in the accumulation dtype, h0: [B, M, 2] or None."""
-    x = x.contiguous()
-    h0 = None if h0 is None else h0.contiguous()
+    """(y, final state [B, M, 2], ctrl, aux, modes, states or None); pa, ra: [1] tensors in the accumulation dtype."""
+    x, h0 = x.contiguous(), None if h0 is None else h0.contiguous()
     ctrl, aux, modes = controls_fwd(x, phase_dir.contiguous(), radial_dir.contiguous(), pa, ra, pos,
                                     nu_log.contiguous(), theta_log.contiguous(), acc_dtype(x.dtype))
     cfg = cfg_of(spec)
@@ -47,16 +43,14 @@ def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
 def _backward(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: Tensor, ctrl: Tensor, aux: Tensor,
               modes: Tensor, states: Tensor, dy: Tensor, dh: Optional[Tensor],
               spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d phase_dir, d radial_dir, d amplitudes [2], d (nu_log, theta_log) [M, 2],
-    d h0 [B, M, 2]) in the accumulation dtype (dx in x's). The saved tensors are the
-    caller's (a strided x, or what torch.compile hands the op): copied where strided."""
-    x, phase_dir, radial_dir = x.contiguous(), phase_dir.contiguous(), radial_dir.contiguous()
-    dy = dy.contiguous()
-    dh = None if dh is None else dh.contiguous()
+    """(dx, d phase_dir, d radial_dir, d amplitudes [2], d (nu_log, theta_log) [M, 2], d h0 [B, M, 2]) in the
+    accumulation dtype (dx in x's). The saved tensors are the caller's (what torch.compile hands the op): copied
+    where strided."""
+    x, phase_dir, radial_dir, dy = x.contiguous(), phase_dir.contiguous(), radial_dir.contiguous(), dy.contiguous()
     cfg = cfg_of(spec)
-    dxw, dpart, ppart, dh0 = _LAUNCH[cfg["backend"]][1](x, dy, ctrl, modes, states, dh, cfg)
-    dx, dpd, drd, damp, dmode = controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra)
-    return dx, dpd, drd, damp, dmode, dh0
+    dxw, dpart, ppart, dh0 = _LAUNCH[cfg["backend"]][1](x, dy, ctrl, modes, states,
+                                                        None if dh is None else dh.contiguous(), cfg)
+    return (*controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra), dh0)
 
 
 def _grads(ctx, dy, dh, bwd):
@@ -70,19 +64,16 @@ def _grads(ctx, dy, dh, bwd):
 
 
 class SamuFunction(torch.autograd.Function):
-    """SAMU through the launchers `spec` names; pa, ra: [1] amplitude tensors in the
-    accumulation dtype; h0: the initial state as [B, M, 2] or None."""
+    """SAMU through the launchers `spec` names, applied where an input requires grad; pa, ra: [1] amplitude tensors
+    in the accumulation dtype; h0: the initial state as [B, M, 2] or None."""
 
     @staticmethod
     def forward(ctx, x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, spec):
         # an unused output's gradient arrives as None, not as a zero tensor filled per call
         ctx.set_materialize_grads(False)
-        save = any(ctx.needs_input_grad)
-        y, h, ctrl, aux, modes, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0,
-                                                  save, spec)
-        if save:
-            ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, ctrl, aux, modes, states)
-            ctx.spec, ctx.has_h0 = spec, h0 is not None
+        y, h, *saved = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, True, spec)
+        ctx.save_for_backward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, *saved)
+        ctx.spec, ctx.has_h0 = spec, h0 is not None
         return y, h
 
     @staticmethod
@@ -95,9 +86,8 @@ class SamuFunction(torch.autograd.Function):
 def samu_fwd(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: Tensor, nu_log: Tensor,
              theta_log: Tensor, pos: Optional[Tensor], h0: Optional[Tensor], save: bool,
              spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    y, h, ctrl, aux, modes, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
-                                              spec)
-    return y, h, ctrl, aux, modes, (states if save else h.new_empty(0))
+    *out, states = _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec)
+    return *out, (states if save else out[1].new_empty(0))
 
 
 @samu_fwd.register_fake
@@ -136,9 +126,7 @@ torch.library.register_autograd("kernels::samu_fwd", _op_backward, setup_context
 def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
          initial_state, output_final_state, opts):
     spec = _config(backend, opts_key(opts))
-    acc = acc_dtype(x.dtype)
-    pa = scalar_param(phase_amp, x.device, acc)
-    ra = scalar_param(radial_amp, x.device, acc)
+    pa, ra = (scalar_param(v, x.device, acc_dtype(x.dtype)) for v in (phase_amp, radial_amp))
     # a conjugate view (h.conj()) has no real view for the kernels: materialise it
     h0 = None if initial_state is None else torch.view_as_real(initial_state.resolve_conj())
     args = (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log)

@@ -1,11 +1,7 @@
-"""Serial ("state-stationary") SAMU: one program per (sequence, block of modes) walks
-time; the adjoint walks back.
-
-Forward: h stays in registers for the whole sequence; time is consumed in unrolled
-tiles of K tokens (their loads are independent of h, so they are in flight together).
-With gradients the state before every K-th token is kept ([B, T/K, M] complex); the
-backward recomputes each tile's states from it in registers and runs the adjoint
-lam_t = g_t + conj(a_{t+1}) lam_{t+1} over the tile, tiles visited in reverse.
+"""Serial ("state-stationary") SAMU: one program per (sequence, block of modes) walks time, h in registers, in
+unrolled tiles of K tokens (their loads are independent of h, so they are in flight together). With gradients the
+state before every K-th token is kept ([B, T/K, M] complex); the backward recomputes each tile's states from it in
+registers and runs the adjoint lam_t = g_t + conj(a_{t+1}) lam_{t+1} over the tile, tiles visited in reverse.
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ import triton
 import triton.language as tl
 
 from ..accounting import account
-from .. import accounting
 from ..triton_utils import cdiv, launcher, scratch
 from .common import (alloc, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, store_pair,
                      store_param_partials, tl_dtype)
@@ -28,13 +23,10 @@ BM = 32
 
 @launcher
 @triton.jit(do_not_specialize=["T", "N", "D", "M"])
-def _serial_fwd_kernel(x, ctrl, modes, h0, y, states, hT, T, N, D, M,
-                       K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_H0: tl.constexpr,
-                       STORE_STATES: tl.constexpr, ACC: tl.constexpr):
+def _serial_fwd_kernel(x, ctrl, modes, h0, y, states, hT, T, N, D, M, K: tl.constexpr, U: tl.constexpr,
+                       BM: tl.constexpr, HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, ACC: tl.constexpr):
     pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 1)
-    x_b = x + b * T * D
-    y_b = y + b * T * D
-    ctrl_b = ctrl + b * T * 4
+    x_b, y_b, ctrl_b = x + b * T * D, y + b * T * D, ctrl + b * T * 4
     hr, hi = load_state(h0, b * M + offs_m, mask_m, HAS_H0, BM, ACC)
     for c in range(N):
         if STORE_STATES:
@@ -46,18 +38,12 @@ def _serial_fwd_kernel(x, ctrl, modes, h0, y, states, hT, T, N, D, M,
 
 @launcher
 @triton.jit(do_not_specialize=["T", "N", "D", "M", "NMB"])
-def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, ckpt, T, N, D, M, NMB,
-                       K: tl.constexpr, U: tl.constexpr, BM: tl.constexpr, HAS_GH: tl.constexpr,
-                       ACC: tl.constexpr):
+def _serial_bwd_kernel(x, dy, ctrl, modes, states, gh, dxw, dpart, ppart, dh0, ckpt, T, N, D, M, NMB, K: tl.constexpr,
+                       U: tl.constexpr, BM: tl.constexpr, HAS_GH: tl.constexpr, ACC: tl.constexpr):
     pid_m, b, offs_m, mask_m, nu, ct, st, gam, lnr = mode_block(modes, M, BM, 1)
-    x_b = x + b * T * D
-    dy_b = dy + b * T * D
-    dxw_b = dxw + b * T * D
-    ctrl_b = ctrl + b * T * 4
+    x_b, dy_b, dxw_b, ctrl_b = x + b * T * D, dy + b * T * D, dxw + b * T * D, ctrl + b * T * 4
     Rr, Ri = load_state(gh, b * M + offs_m, mask_m, HAS_GH, BM, ACC)
-    acc_nu = tl.zeros([BM], ACC)
-    acc_th = tl.zeros([BM], ACC)
-    acc_g = tl.zeros([BM], ACC)
+    acc_nu, acc_th, acc_g = tl.zeros([BM], ACC), tl.zeros([BM], ACC), tl.zeros([BM], ACC)
     ckpt_p = ckpt + (b * NMB + pid_m) * (K // U) * BM * 2
     for i in range(N):
         c = N - 1 - i
@@ -87,8 +73,7 @@ def serial_forward(x, ctrl, modes, h0, need_states, cfg):
 def serial_backward(x, dy, ctrl, modes, states, gh, cfg):
     B, T, D = x.shape
     M, K, acc = D // 2, cfg["K"], ctrl.dtype
-    N = cdiv(T, K)
-    nmb = cdiv(M, BM)
+    N, nmb = cdiv(T, K), cdiv(M, BM)
     dxw = alloc(x.shape, acc, x.device)
     dh0 = alloc((B, M, 2), acc, x.device)
     # scratch: the partials (read by controls_bwd right after this launcher), the checkpoints
@@ -97,8 +82,5 @@ def serial_backward(x, dy, ctrl, modes, states, gh, cfg):
         x, dy, ctrl, modes, states, gh if gh is not None else dh0, dxw, dpart, ppart, dh0, ckpt,
         T, N, D, M, nmb, K=K, U=BWD_UNROLL, BM=BM, HAS_GH=gh is not None, ACC=tl_dtype(acc), num_warps=1)
     # ckpt: each program's slots, written and read back once per tile (N tiles)
-    if accounting.on():
-        ckpt_bytes = N * accounting.nbytes(ckpt)
-        accounting.record("samu_serial_bwd", accounting.nbytes(x, dy, ctrl, modes, states, gh) + ckpt_bytes,
-                          accounting.nbytes(dxw, dpart, ppart, dh0) + ckpt_bytes)
+    account("samu_serial_bwd", (x, dy, ctrl, modes, states, gh, *(ckpt,) * N), (dxw, dpart, ppart, dh0, *(ckpt,) * N))
     return dxw, dpart, ppart, dh0

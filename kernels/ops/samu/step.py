@@ -1,10 +1,9 @@
-"""One-token SAMU decode step in one launch: controller, transition, write, in-place
-state update and relu. "row": one program per sequence walks all modes; "blocked": one
-program per (sequence, mode block), each recomputing its row's projections; "fused":
-"blocked" below ROW_MIN_BATCH sequences (ROW_MIN_BATCH_TABLE with a mode table: where
-the two crossed on an H200 at D = 2560). No host synchronisation, no allocation besides
-y. The per-mode constants come from `modes` (mode_table of these parameters), else every
-program recomputes them in float64 (slow where FP64 throughput is low); the same values.
+"""One-token SAMU decode step in one launch: controller, transition, write, in-place state update and relu, no host
+synchronisation, no allocation besides y. "row": one program per sequence walks all modes; "blocked": one program per
+(sequence, mode block), each recomputing its row's projections; "fused": "blocked" below ROW_MIN_BATCH sequences
+(ROW_MIN_BATCH_TABLE with a mode table), where the two crossed on an H200 at D = 2560. The per-mode constants come
+from `modes` (mode_table of these parameters), else every program recomputes the same values in float64 (slow where
+FP64 throughput is low).
 """
 
 from __future__ import annotations
@@ -26,19 +25,15 @@ from .common import controller, dir_cols, load_modes, load_pair, mode_consts64, 
 ROW_MIN_BATCH = 64
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
 ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
-# the fastest of 256, 512 and 2048 at every batch size of the H200 decode tune (B = 16 to 256)
-ROW_DEFAULT_BLOCK_M = 256
-# The controller reduction's width: the whole row (4096 at D = 2560) takes about 120
-# registers a thread at 8 warps (two programs per multiprocessor), half of it about 64
-# (four); the half by default beyond two rows per multiprocessor, so that one wave holds
-# every row; below that the whole row is a little faster.
+ROW_DEFAULT_BLOCK_M = 256     # the fastest of 256, 512, 2048 at every batch of the H200 decode tune (B 16 to 256)
+# The controller reduction's width: the whole row (4096 at D = 2560) takes ~120 registers a thread at 8 warps (two
+# programs per multiprocessor), half of it ~64 (four): the half beyond two rows per multiprocessor (one wave).
 ROW_BLOCK_D = 4096
 ROW_MANY_ROWS_BLOCK_D = 2048
 
 
 @triton.jit
-def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC: tl.constexpr,
-                TABLE: tl.constexpr):
+def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC: tl.constexpr, TABLE: tl.constexpr):
     """Modes m0 .. m0 + BM - 1: their constants, state and input (nothing of the controls)."""
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < M
@@ -55,48 +50,40 @@ def _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M, BM: tl.constexpr, ACC
 @triton.jit
 def _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi):
     mag = tl.exp(-(nu * E + lnr))
-    ar = mag * (ct * ck - st * sk)
-    ai = mag * (st * ck + ct * sk)
+    ar, ai = mag * (ct * ck - st * sk), mag * (st * ck + ct * sk)
     hr, hi = ar * hr - ai * hi + gam * xr, ar * hi + ai * hr + gam * xi
     store_pair(s_b, offs_m, hr, hi, mask_m)
     tl.store(y_b + offs_m, relu(hr).to(y_b.dtype.element_ty), mask=mask_m)
     tl.store(y_b + M + offs_m, relu(hi).to(y_b.dtype.element_ty), mask=mask_m)
 
 
-# D and M specialised (Triton keys ints on divisibility by 16): a row's offsets b * D and
-# M are then known 16-element aligned, and the loads are vectorised.
+# D and M specialised (Triton keys ints on divisibility by 16): a row's offsets b * D and M are then known 16-element
+# aligned, and the loads are vectorised.
 @launcher
 @triton.jit
-def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D, M, scale,
-                 HAS_RESET: tl.constexpr, ROW: tl.constexpr, TABLE: tl.constexpr, BD: tl.constexpr,
-                 BM: tl.constexpr, ACC: tl.constexpr):
+def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D, M, scale, HAS_RESET: tl.constexpr,
+                 ROW: tl.constexpr, TABLE: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr):
     b = tl.program_id(0 if ROW else 1).to(tl.int64)
     x_b, y_b, s_b = x + b * D, y + b * D, state + b * M * 2
     keep = 1.0
     if HAS_RESET:
         keep = tl.where(tl.load(reset + b) != 0, 0.0, 1.0)
-    # The (first) block's loads go out before the row's reduction, whose latency they
-    # overlap (the state comes from DRAM in a model: one layer's state per step); the
-    # row step then walks its remaining blocks.
+    # The (first) block's loads go out before the row's reduction, whose latency they overlap (the state comes from
+    # DRAM in a model: one layer's state per step); the row step then walks its remaining blocks.
     m0 = 0 if ROW else tl.program_id(0) * BM
     offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi = _load_modes(x_b, s_b, nu_log, theta_log, modes, m0, M,
                                                                       BM, ACC, TABLE)
-    zp = tl.zeros([BD], ACC)
-    zr = tl.zeros([BD], ACC)
-    wpp = tl.zeros([BD], ACC)
-    wrr = tl.zeros([BD], ACC)
+    zp, zr = tl.zeros([BD], ACC), tl.zeros([BD], ACC)
+    wpp, wrr = tl.zeros([BD], ACC), tl.zeros([BD], ACC)
     for d0 in range(0, D, BD):
         cols, cm, wp, wr = dir_cols(pd, rd, d0, D, BD, ACC)
         xv = tl.load(x_b + cols, mask=cm, other=0.0).to(ACC)
-        zp += xv * wp
-        zr += xv * wr
-        wpp += wp * wp
-        wrr += wr * wr
+        zp, zr = zp + xv * wp, zr + xv * wr
+        wpp, wrr = wpp + wp * wp, wrr + wr * wr
     _, _, eta, d = controller(tl.sum(zp, axis=0), tl.sum(zr, axis=0), tl.sum(wpp, axis=0), tl.sum(wrr, axis=0),
                             pd, rd, pa, ra, D, scale, ACC)
     E = tl.exp(eta).to(ACC)
-    ck = tl.cos(d) * keep
-    sk = tl.sin(d) * keep
+    ck, sk = tl.cos(d) * keep, tl.sin(d) * keep
     _update_modes(y_b, s_b, M, E, ck, sk, offs_m, mask_m, nu, ct, st, gam, lnr, hr, hi, xr, xi)
     if ROW:
         for m1 in range(BM, M, BM):
@@ -129,22 +116,17 @@ def _launch(layout: str, x: Tensor, phase_dir: Tensor, radial_dir: Tensor, phase
     x = x.contiguous()
     sr = torch.view_as_real(state)
     y = empty(x.shape, x.dtype, x.device)
-    acc = tl_dtype(sr.dtype)
-    rs = reset.contiguous().view(torch.uint8) if reset is not None else sr
-    args = (x, phase_dir.contiguous(), radial_dir.contiguous(), _amp(phase_amp, x),
-            _amp(radial_amp, x), nu_log.contiguous(), theta_log.contiguous(),
-            sr if modes is None else modes.contiguous(), sr, rs, y, D, M, 1.0 / math.sqrt(M))
-    flags = dict(HAS_RESET=reset is not None, TABLE=modes is not None)
     if B == 0:
         return y
+    rs = reset.contiguous().view(torch.uint8) if reset is not None else sr
+    args = (x, phase_dir.contiguous(), radial_dir.contiguous(), phase_amp, radial_amp, nu_log.contiguous(),
+            theta_log.contiguous(), sr if modes is None else modes.contiguous(), sr, rs, y, D, M, 1.0 / math.sqrt(M))
     if layout == "row":
-        BM = block_m or min(next_pow2(M), ROW_DEFAULT_BLOCK_M)
-        BD = block_d or _row_block_d(B, D, x.device)
-        _step_kernel[(B,)](*args, **flags, ROW=True, BD=BD, BM=BM, ACC=acc, num_warps=num_warps or 8)
+        grid, BM, BD = (B,), block_m or min(next_pow2(M), ROW_DEFAULT_BLOCK_M), block_d or _row_block_d(B, D, x.device)
     else:
-        BM = 128
-        _step_kernel[(cdiv(M, BM), B)](*args, **flags, ROW=False, BD=min(next_pow2(D), ROW_BLOCK_D), BM=BM, ACC=acc,
-                                       num_warps=4)
+        grid, BM, BD = (cdiv(M, 128), B), 128, min(next_pow2(D), ROW_BLOCK_D)
+    _step_kernel[grid](*args, HAS_RESET=reset is not None, TABLE=modes is not None, ROW=layout == "row", BD=BD, BM=BM,
+                       ACC=tl_dtype(sr.dtype), num_warps=num_warps or (8 if layout == "row" else 4))
     account(f"samu_step_{layout}", (x, phase_dir, radial_dir, *((nu_log, theta_log) if modes is None else (modes,)),
                                     sr, reset), (sr, y))
     return y
@@ -165,25 +147,21 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
     requiring grad under grad mode raises ValueError naming the step (default the layout)."""
     no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
                    radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
-    if torch.compiler.is_compiling():
-        return torch.ops.kernels.samu_step(layout, x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x),
-                                           nu_log, theta_log, state, reset, modes, block_m, block_d, num_warps)
-    return _launch(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                   block_m, block_d, num_warps)
+    launch = torch.ops.kernels.samu_step if torch.compiler.is_compiling() else _launch
+    return launch(layout, x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x), nu_log, theta_log, state,
+                  reset, modes, block_m, block_d, num_warps)
 
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
                   block_m=None, block_d=None, num_warps=None):
-    """Decode step, one program per sequence walking its modes in blocks of `block_m` (a
-    power of two in [16, 2048]; default ROW_DEFAULT_BLOCK_M), its controller reduction in
-    `block_d` columns (a power of two in [16, 4096]; default _row_block_d), with
-    `num_warps` warps (1 to 16, default 8). x: [B, D]; state: [B, M] complex64, updated
-    in place; reset: [B] bool; modes: mode_table of these parameters or None. Returns y."""
-    bm = 0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M)
-    bd = 0 if block_d is None else check_pow2("block_d", block_d, 16, ROW_BLOCK_D)
-    nw = 0 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16)
+    """Decode step, one program per sequence walking its modes in blocks of `block_m` (a power of two in [16, 2048];
+    default ROW_DEFAULT_BLOCK_M), its controller reduction in `block_d` columns (a power of two in [16, 4096]; default
+    _row_block_d), with `num_warps` warps (1 to 16, default 8). x: [B, D]; state: [B, M] complex64, updated in place;
+    reset: [B] bool; modes: mode_table of these parameters or None. Returns y."""
     return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                 block_m=bm, block_d=bd, num_warps=nw)
+                 block_m=0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M),
+                 block_d=0 if block_d is None else check_pow2("block_d", block_d, 16, ROW_BLOCK_D),
+                 num_warps=0 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16))
 
 
 def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None,
