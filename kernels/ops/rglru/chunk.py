@@ -16,10 +16,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import accounting
-from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher, next_pow2, out,
-                            scratch, tl_acc)
-from .common import act_bytes, affine, excl_scan, load_tile, param_sp, row_of, tile_grads, tile_states
+from ..accounting import account
+from ..checks import check_chunk_size
+from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_pow2, empty, launcher, next_pow2, out, scratch, tl_acc
+from .common import affine, excl_scan, load_tile, param_sp, pass_inputs, row_of, tile_grads, tile_states
 
 
 @triton.jit
@@ -67,17 +67,10 @@ def chunk_prefix_kernel(
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     rows = tl.arange(0, G)
-    if HAS_H0:
-        carry = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
-    else:
-        carry = tl.zeros([BD], ACC)
+    carry = tl.load(h0 + i_b * D + o_d, mask=m_d, other=0.0).to(ACC) if HAS_H0 else tl.zeros([BD], ACC)
     NG = tl.cdiv(NC, G)
     for j in range(0, NG):
-        if REVERSE:
-            g = NG - 1 - j
-        else:
-            g = j
-        c = g * G + rows
+        c = (NG - 1 - j if REVERSE else j) * G + rows
         m_c = c < NC
         off = (i_b * NC + c[:, None]) * D + o_d[None, :]
         m = m_c[:, None] & m_d[None, :]
@@ -88,10 +81,7 @@ def chunk_prefix_kernel(
         q = tl.where(m_c[:, None], q, 0.0)
         ea, eb, ia, ib = excl_scan(p, q, ACC, REVERSE)
         tl.store(S + off, ea * carry[None, :] + eb, mask=m)
-        if REVERSE:
-            carry = row_of(ia * carry[None, :] + ib, rows[:, None], 0)
-        else:
-            carry = row_of(ia * carry[None, :] + ib, rows[:, None], G - 1)
+        carry = row_of(ia * carry[None, :] + ib, rows[:, None], 0 if REVERSE else G - 1)
     if STORE_HN:
         tl.store(hN + i_b * D + o_d, carry, mask=m_d)
 
@@ -137,9 +127,9 @@ def chunk_bwd_replay_kernel(
     r = tl.load(R + o, mask=m_d, other=0.0)
     off, m, valid, keep, a, b, xv, sx, sa, mult, u = load_tile(
         x, gx, ga, sp, pos, i_b, i_c * K, T, D, o_d, m_d, rows, IS_SCAN, HAS_RESET, ACC)
-    h, hprev = tile_states(a, b, hin, IS_SCAN, ACC)
+    h = tile_states(a, b, hin, IS_SCAN, ACC)
     r0, dsp = tile_grads(tl.load(dy + off, mask=m, other=0.0), dx, dgx, dga, off, m, valid, keep, a, b, xv, sx,
-                         sa, mult, u, h, hprev, r, sp, rows, IS_SCAN, ACC, RNE)
+                         sa, mult, u, h, r, sp, rows, IS_SCAN, ACC, RNE)
     if not IS_SCAN:
         tl.store(dsp_part + o, dsp, mask=m_d)
 
@@ -168,9 +158,7 @@ def _prefix(P, Q, init, need_final, reverse, cfg):
         REVERSE=reverse, HAS_H0=init is not None, STORE_HN=need_final, G=cfg["G"], BD=BD,
         ACC=tl_acc(P.dtype), num_warps=4,
     )
-    if accounting.on():
-        accounting.record("chunk_prefix_bwd" if reverse else "chunk_prefix_fwd", accounting.nbytes(P, Q, init),
-                          accounting.nbytes(S, hN))
+    account("chunk_prefix_bwd" if reverse else "chunk_prefix_fwd", (P, Q, init), (S, hN))
     return S, hN
 
 
@@ -188,18 +176,14 @@ def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
     """Summary, prefix, replay (S is kept whatever `save`). Scan: x = b, ga = a.
     Returns (y, ht, S)."""
     B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
+    ins = pass_inputs(is_scan, x, gx, ga, a_param, pos)
     P, Q = scratch(acc_dtype(x.dtype), x.device, (B, NC, D), (B, NC, D))
     chunk_fwd_kernel[grid](x, gx, ga, ap, p, P, P, Q, T, D, NC, REPLAY=False, **kw)
-    extra = None if is_scan else a_param
-    if accounting.on():
-        accounting.record("chunk_fwd_summary", act_bytes(is_scan, x, pos) + accounting.nbytes(extra),
-                          accounting.nbytes(P, Q))
+    account("chunk_fwd_summary", ins, (P, Q))
     S, ht = _prefix(P, Q, h0, output_final_state, False, cfg)
     y = empty((B, T, D), x.dtype, x.device)
     chunk_fwd_kernel[grid](x, gx, ga, ap, p, S, y, y, T, D, NC, REPLAY=True, **kw)
-    if accounting.on():
-        accounting.record("chunk_fwd_replay", act_bytes(is_scan, x, pos) + accounting.nbytes(S, extra),
-                          accounting.nbytes(y))
+    account("chunk_fwd_replay", (*ins, S), (y,))
     return y, ht, S
 
 
@@ -207,11 +191,9 @@ def backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     """Returns (dx, dgx, dga, dh0, dsp_part)."""
     B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
     acc = acc_dtype(x.dtype)
-    extra = None if is_scan else a_param
     P, Q = scratch(acc, x.device, (B, NC, D), (B, NC, D))
     chunk_bwd_summary_kernel[grid](ga, ap, p, dy, P, Q, T, D, NC, **kw)
-    if accounting.on():
-        accounting.record("chunk_bwd_summary", accounting.nbytes(ga, dy, pos, extra), accounting.nbytes(P, Q))
+    account("chunk_bwd_summary", (ga, dy, pos, None if is_scan else a_param), (P, Q))
     R, dh0 = _prefix(P, Q, dht, need_dh0, True, cfg)
     dx = empty((B, T, D), x.dtype, x.device)
     dga = empty((B, T, D), ga.dtype, x.device)
@@ -220,9 +202,7 @@ def backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     chunk_bwd_replay_kernel[grid](
         x, gx, ga, ap, p, S, R, dy, dx, dgx if dgx is not None else dx, dga, part if part is not None else S,
         T, D, NC, **kw)
-    if accounting.on():
-        accounting.record("chunk_bwd_replay", act_bytes(is_scan, x, pos) + accounting.nbytes(S, R, dy, extra),
-                          accounting.nbytes(dx, dgx, dga, part))
+    account("chunk_bwd_replay", (*pass_inputs(is_scan, x, gx, ga, a_param, pos), S, R, dy), (dx, dgx, dga, part))
     return dx, dgx, dga, dh0, part
 
 

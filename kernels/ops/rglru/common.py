@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import accounting
+from ..accounting import account
 from ..triton_utils import INTERPRET, acc_dtype, cdiv, empty, launcher, next_pow2, out, tl_acc
 
 
@@ -35,9 +35,8 @@ def affine_excl(ea1, eb1, ia1, ib1, ea2, eb2, ia2, ib2):
 @triton.jit
 def excl_scan(a, b, ACC: tl.constexpr, REVERSE: tl.constexpr = False):
     # (exclusive, inclusive) compositions of the maps (a, b) along axis 0 (affine_excl)
-    ea, eb, ia, ib = tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b), 0,
-                                         affine_excl, reverse=REVERSE)
-    return ea, eb, ia, ib
+    return tl.associative_scan((tl.full(a.shape, 1.0, ACC), tl.zeros(a.shape, ACC), a, b), 0, affine_excl,
+                               reverse=REVERSE)
 
 
 @triton.jit
@@ -53,20 +52,14 @@ def program_start(ap, init, D, BD: tl.constexpr, VEC: tl.constexpr, IS_SCAN: tl.
         o_d = tl.max_contiguous(o_d, VEC)
     m_d = o_d < D
     sp = param_sp(ap, o_d, m_d, BD, IS_SCAN, ACC)
-    if HAS_INIT:
-        v = tl.load(init + i_b * D + o_d, mask=m_d, other=0.0).to(ACC)
-    else:
-        v = tl.zeros([BD], ACC)
+    v = tl.load(init + i_b * D + o_d, mask=m_d, other=0.0).to(ACC) if HAS_INIT else tl.zeros([BD], ACC)
     return i_b, o_d, m_d, sp, v
 
 
 @triton.jit
 def param_sp(ap, o_d, m_d, BD: tl.constexpr, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
     # softplus(a_param) of the channels; zeros for the bare scan
-    if IS_SCAN:
-        return tl.zeros([BD], ACC)
-    else:
-        return softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
+    return tl.zeros([BD], ACC) if IS_SCAN else softplus(tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC))
 
 
 @triton.jit
@@ -120,10 +113,7 @@ def tile_offsets(i_b, t0, T, D, o_d, m_d, rows):
 def load_inputs(x, gx, ga, pos, off, m, t, T, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr):
     """Inputs at offsets `off` (mask m) as stored and the positions of steps t (none read
     outside [0, T)). RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
-    if HAS_RESET:
-        p = tl.load(pos + t, mask=(t >= 0) & (t < T), other=1)
-    else:
-        p = t * 0 + 1
+    p = tl.load(pos + t, mask=(t >= 0) & (t < T), other=1) if HAS_RESET else t * 0 + 1
     if IS_SCAN:
         r0 = tl.load(ga + off, mask=m, other=1.0)
         r1 = tl.load(x + off, mask=m, other=0.0)
@@ -140,15 +130,9 @@ def coeffs(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.conste
     """(a, b, xv, sx, sa, mult, u) of a loaded tile given its row masks (shaped to broadcast
     against it): rows past T (not `valid`) are identity maps, `keep` is False at resets."""
     if IS_SCAN:
-        a = r0.to(ACC)
+        a = tl.where(valid, tl.where(keep, r0.to(ACC), 0.0), 1.0)
         b = r1.to(ACC)
-        a = tl.where(keep, a, 0.0)
-        a = tl.where(valid, a, 1.0)
-        xv = b
-        sx = b
-        sa = a
-        mult = a
-        u = a
+        xv, sx, sa, mult, u = b, b, a, a, a
     else:
         xv = r0.to(ACC)
         sx = tl.sigmoid(r1.to(ACC))
@@ -176,32 +160,27 @@ def load_tile(x, gx, ga, ap_sp, pos, i_b, t0, T, D, o_d, m_d, rows,
 
 @triton.jit
 def tile_states(a, b, hin, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
-    """(h, hprev) of a tile from the state entering it: both h_t for the RG-LRU (its
-    adjoint uses a h_{t-1} = h_t - b_t), both h_{t-1} for the scan (da = lam h_{t-1})."""
+    """The states h of a tile from the state entering it: h_t for the RG-LRU (its adjoint
+    uses a h_{t-1} = h_t - b_t), h_{t-1} for the scan (da = lam h_{t-1})."""
     if IS_SCAN:
-        ea, eb, ia, ib = excl_scan(a, b, ACC)
-        h = ea * hin[None, :] + eb
+        A, Bs, _, _ = excl_scan(a, b, ACC)
     else:
         A, Bs = tl.associative_scan((a, b), 0, affine)
-        h = A * hin[None, :] + Bs
-    return h, h
+    return A * hin[None, :] + Bs
 
 
 @triton.jit
 def mem_order(v, SPLIT: tl.constexpr):
     """A split tile between scan order [TT, W, BD] and memory order [W, TT, BD] (the same
     registers relabelled); unchanged when not SPLIT."""
-    if SPLIT:
-        return tl.permute(v, (1, 0, 2))
-    else:
-        return v
+    return tl.permute(v, (1, 0, 2)) if SPLIT else v
 
 
 @triton.jit
 def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u,
-               h, hprev, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
+               h, r, sp, rows, IS_SCAN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr,
                seg=None, W: tl.constexpr = 1):
-    """Adjoint of one tile given its states (tile_states) and r, mu after the tile [BD].
+    """Adjoint of one tile given its states h (tile_states) and r, mu after the tile [BD].
     Stores the activation gradients; returns (mu at its first row, d softplus partial).
     W > 1: a split tile (values in scan order [TT, W, BD], rows [TT, 1], off and m in
     memory order, warp row w holding segment seg[w]); the partial is [W, BD]."""
@@ -212,10 +191,7 @@ def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u
     if W > 1:
         # flip, scan, flip: Triton's reverse scan would add lane shuffles
         ea, eb, ia, ib = excl_scan(tl.flip(a, 0), tl.flip(ad, 0), ACC)
-        ea = tl.flip(ea, 0)
-        eb = tl.flip(eb, 0)
-        ia = tl.flip(ia, 0)
-        ib = tl.flip(ib, 0)
+        ea, eb, ia, ib = tl.flip(ea, 0), tl.flip(eb, 0), tl.flip(ia, 0), tl.flip(ib, 0)
         first = rows[:, :, None]
         # [W, BD] across warps, from the tile's end: the carry entering segment w from
         # after it (exclusive) and leaving segment w at its first row (inclusive)
@@ -232,8 +208,7 @@ def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u
         r_new = row_of(ia * r[None, :] + ib, rows[:, None], 0)
     if IS_SCAN:
         tl.store(dx + off, out(mem_order(lam, W > 1), dx, RNE), mask=m)
-        da = tl.where(keep, lam * hprev, 0.0)
-        tl.store(dga + off, out(mem_order(da, W > 1), dga, RNE), mask=m)
+        tl.store(dga + off, out(mem_order(tl.where(keep, lam * h, 0.0), W > 1), dga, RNE), mask=m)
         dsp = tl.zeros(rw.shape, ACC)
     else:
         gxm = lam * mult
@@ -250,19 +225,16 @@ def tile_grads(dyv, dx, dgx, dga, off, m, valid, keep, a, b, xv, sx, sa, mult, u
 
 @launcher
 @triton.jit
-def reduce_dap_kernel(part, ap, dap, R, D, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-                      RNE: tl.constexpr):
+def reduce_dap_kernel(part, ap, dap, R, D, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
     # dL/da_param = sigmoid(a_param) * sum over R rows of the d softplus partials, in a
     # fixed order (no atomics): bitwise reproducible.
-    i_d = tl.program_id(0)
-    o_d = i_d * BD + tl.arange(0, BD)
+    o_d = tl.program_id(0) * BD + tl.arange(0, BD)
     m_d = o_d < D
     rows = tl.arange(0, BR)
     acc = tl.zeros([BD], ACC)
     for r0 in range(0, R, BR):
         r = r0 + rows
-        v = tl.load(part + r[:, None].to(tl.int64) * D + o_d[None, :], mask=(r[:, None] < R) & m_d[None, :],
-                    other=0.0)
+        v = tl.load(part + r[:, None].to(tl.int64) * D + o_d[None, :], mask=(r[:, None] < R) & m_d[None, :], other=0.0)
         acc += tl.sum(v, axis=0)
     apv = tl.load(ap + o_d, mask=m_d, other=0.0).to(ACC)
     tl.store(dap + o_d, out(acc * tl.sigmoid(apv), dap, RNE), mask=m_d)
@@ -274,23 +246,20 @@ def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
     R, D = part.shape
     dap = empty((D,), a_param.dtype, part.device)
     BD = min(256, next_pow2(max(D, 1)))      # D = 0: one empty program, no division by 0
-    reduce_dap_kernel[(cdiv(D, BD),)](part, a_param, dap, R, D, BR=16, BD=BD,
-                                             ACC=tl_acc(part.dtype), RNE=INTERPRET, num_warps=4)
-    if accounting.on():
-        accounting.record("rglru_reduce_dap", accounting.nbytes(part, a_param), accounting.nbytes(dap))
+    reduce_dap_kernel[(cdiv(D, BD),)](part, a_param, dap, R, D, BR=16, BD=BD, ACC=tl_acc(part.dtype), RNE=INTERPRET,
+                                      num_warps=4)
+    account("rglru_reduce_dap", (part, a_param), (dap,))
     return dap
 
 
-def act_bytes(is_scan, x, pos):
-    # bytes of a pass's activation inputs (accounting)
-    n = x.numel() * x.element_size()
-    return (2 if is_scan else 3) * n + (0 if pos is None else pos.numel() * pos.element_size())
+def pass_inputs(is_scan, x, gx, ga, a_param, pos) -> tuple:
+    """The tensors a pass reads besides states and gradients (accounting); scan: x = b, ga = a."""
+    return (x, ga, pos) if is_scan else (x, gx, ga, pos, a_param)
 
 
 def empty_sequence(x, h0, output_final_state):
     """(y [B, 0, D], the final state: h0 or zeros when asked) of a T = 0 call."""
     B, _, D = x.shape
-    h = None
-    if output_final_state:
-        h = h0 if h0 is not None else torch.zeros(B, D, dtype=acc_dtype(x.dtype), device=x.device)
-    return x.new_zeros(B, 0, D), h
+    if output_final_state and h0 is None:
+        h0 = torch.zeros(B, D, dtype=acc_dtype(x.dtype), device=x.device)
+    return x.new_zeros(B, 0, D), (h0 if output_final_state else None)

@@ -1,36 +1,34 @@
 """Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
-sequence and walks time in tiles, carrying the FP32 state in registers; the backward
-walks the tiles in reverse from the saved states and runs the adjoint (common.py). The
-a_param gradient is a per-program partial [B, D] reduced in a fixed order.
+sequence and walks time in tiles, carrying the FP32 state in registers; the backward walks
+the tiles in reverse from the saved states and runs the adjoint (common.py). The a_param
+gradient is a per-program partial [B, D] reduced in a fixed order.
 
 Split kernels (time_warps W > 1, the default): tiles of W * TT steps (TT = chunk_size),
 warp w holding TT consecutive steps, each thread its channels' steps in registers (one
-thread per channel column leaves too few threads on serial chains to cover memory
-latency). Each warp scans its steps from a zero state, one small scan composes the W
-segment maps across warps (common.affine_excl), and the state entering every segment is
-saved ([B, T / TT, D] FP32), so the backward's warps recompute their states alone; there
-the warps hold the segments last first, so the adjoint composes across warps by a forward
-scan. The tile is addressed in memory order [W, TT, BD] (Triton's coalescing picks that
-layout) and relabelled [TT, W, BD] (common.mem_order) for the scans along axis 0.
+thread per channel column leaves too few threads on serial chains to cover memory latency).
+Each warp scans its steps from a zero state, one small scan composes the W segment maps
+across warps (common.affine_excl), and the state entering every segment is saved
+([B, T / TT, D] FP32), so the backward's warps recompute their states alone. The tile is
+addressed in memory order [W, TT, BD] (Triton's coalescing picks that layout) and
+relabelled [TT, W, BD] (common.mem_order) for the scans along axis 0.
 Tile kernels (W = 1; also the default for an RG-LRU forward without gradient): one
 associative scan per tile of TT steps; the state entering every tile is saved.
 
-Options: chunk_size (TT; default 8 split, 64 RG-LRU and 128 scan tile), time_warps,
-block_d (W = 1: a power of two in [8, 1024]; W > 1: SPLIT_BLOCKS) and num_stages
-(pipelined loads; 1 prefetches the next tile into registers).
+Options (`config`): chunk_size (TT), time_warps, block_d and num_stages (pipelined loads;
+1 prefetches the next tile into registers).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .. import accounting
-from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_chunk_size, check_pow2, empty, launcher,
-                           multiprocessors, next_pow2, out, smem_limit, tl_acc)
-from .common import (act_bytes, affine, coeffs, excl_scan, load_inputs, mem_order, program_start, row_of,
-                     tile_grads, tile_offsets, tile_states)
+from ..accounting import account
+from ..checks import check_chunk_size
+from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_pow2, empty, launcher, multiprocessors, next_pow2, out,
+                           smem_limit, tl_acc)
+from .common import (affine, coeffs, excl_scan, load_inputs, mem_order, pass_inputs, program_start, row_of, tile_grads,
+                     tile_offsets, tile_states)
 
 
 @triton.jit
@@ -61,10 +59,8 @@ def tile_at(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, W: tl.constexpr,
         t = t0 + rt
         base = (i_b * T + t0) * D
         rel = (rt * D)[:, :, None] + o_d[None, None, :]
-        if EVEN:
-            m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T))
-        else:
-            m = ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
+        m = tl.full(rel.shape, 1, tl.int1) & ((t0 >= 0) & (t0 < T)) if EVEN else \
+            ((t >= 0) & (t < T))[:, :, None] & m_d[None, None, :]
         return t, base, rel, m
 
 
@@ -75,10 +71,9 @@ def tile_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr
     in scan order [TT, W, BD], positions [TT, W]."""
     t, base, rel, m = tile_at(i_b, t0, T, D, o_d, m_d, im, seg, TT, W, EVEN)
     r0, r1, r2, p = load_inputs(x + base, gx + base, ga + base, pos + i_b * T, rel, m, t, T, IS_SCAN, HAS_RESET)
-    if W == 1:
-        return r0, r1, r2, p
-    else:
-        return mem_order(r0, True), mem_order(r1, True), mem_order(r2, True), tl.trans(p)
+    if W > 1:
+        r0, r1, r2, p = mem_order(r0, True), mem_order(r1, True), mem_order(r2, True), tl.trans(p)
+    return r0, r1, r2, p
 
 
 @triton.jit
@@ -188,8 +183,7 @@ def serial_bwd_kernel(
     if PREFETCH:
         t_last = (NT - 1) * BT
         t_l, base_l, rel, m = tile_at(i_b, t_last, T, D, o_d, m_d, im, seg, TT, W, EVEN)
-        r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, seg, TT, W, IS_SCAN, HAS_RESET,
-                                  EVEN)
+        r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, t_last, T, D, o_d, m_d, im, seg, TT, W, IS_SCAN, HAS_RESET, EVEN)
         dyr = mem_order(tl.load(dy + base_l + rel, mask=m, other=0.0), W > 1)
         if W == 1:
             hin = tl.load(hs + (i_b * NT + NT - 1) * D + o_d, mask=m_d, other=0.0)
@@ -206,15 +200,14 @@ def serial_bwd_kernel(
             n_dy = mem_order(tl.load(dy + base_n + reln, mask=mn, other=0.0), W > 1)
             n_hin = load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W, True)
         else:
-            r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT, W, IS_SCAN, HAS_RESET,
-                                      EVEN)
+            r0, r1, r2, p = tile_load(x, gx, ga, pos, i_b, t0, T, D, o_d, m_d, im, seg, TT, W, IS_SCAN, HAS_RESET, EVEN)
             dyr = mem_order(tl.load(dy + base + rel, mask=m, other=0.0), W > 1)
             hin = load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W, False)
         valid, keep = row_masks(t, p, T, W)
         a, b, xv, sx, sa, mult, u = coeffs(r0, r1, r2, valid, keep, sp, IS_SCAN, ACC)
-        h, hprev = tile_states(a, b, hin, IS_SCAN, ACC)
+        h = tile_states(a, b, hin, IS_SCAN, ACC)
         r, dsp_t = tile_grads(dyr, dx + base, dgx + base, dga + base, rel, m, valid, keep, a, b, xv, sx, sa, mult, u,
-                              h, hprev, r, sp, ii, IS_SCAN, ACC, RNE, seg, W)
+                              h, r, sp, ii, IS_SCAN, ACC, RNE, seg, W)
         if not IS_SCAN:
             dsp += dsp_t
         if PREFETCH:
@@ -230,8 +223,7 @@ def serial_bwd_kernel(
 # Defaults: the fastest exact configurations in the H200 tune records (the tune stage
 # re-selects per GPU); the tile kernels take 4 warps and register prefetch.
 SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_warps": 8, "num_stages": 4}}
-# Channels per split program, 2, 4 or 8 per lane: 128 and 256 give a half and a quarter
-# of the programs (B x D / 64 can exceed the multiprocessors by less than a wave).
+# Channels per split program (2, 4 or 8 per lane): 128 and 256 halve and quarter the programs.
 SPLIT_BLOCKS = (64, 128, 256)
 # The scan forward without gradient where B x D / 64 programs exceed the multiprocessors
 # (faster there in the H200 tune records; slower where 64-channel blocks fill one wave).
@@ -245,12 +237,10 @@ def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, bloc
     off the GPU), which picks SCAN_FWD_WIDE where no option but chunk_size is given."""
     if unknown:
         raise ValueError(f"expected serial options among {list(OPTIONS)}, got {sorted(unknown)}")
-    if (is_scan and not grad and sms and time_warps is None and block_d is None and num_stages is None
-            and B * cdiv(D, 64) > sms):
+    if is_scan and not grad and sms and (time_warps, block_d, num_stages) == (None,) * 3 and B * cdiv(D, 64) > sms:
         time_warps, block_d, num_stages = SCAN_FWD_WIDE.values()
     stages_set = num_stages is not None
-    if chunk_size is not None:
-        check_chunk_size(chunk_size)
+    tt = None if chunk_size is None else check_chunk_size(chunk_size)
     if time_warps is None:
         tile = block_d is not None or (not is_scan and not grad)
         default = SPLIT_DEFAULT["scan" if is_scan else "rglru"]
@@ -267,9 +257,9 @@ def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, bloc
             raise ValueError(f"expected block_d in {list(SPLIT_BLOCKS)} with time_warps > 1 (channels of a split "
                              f"kernel's program, 2, 4 or 8 per lane), got block_d={block_d!r} with time_warps={tw}")
         # TT >= 8: the saved states are at most 1/8 of an FP32 activation
-        tt = 8 if chunk_size is None else chunk_size
+        tt = tt or 8
     else:
-        tt = (128 if is_scan else 64) if chunk_size is None else chunk_size
+        tt = tt or (128 if is_scan else 64)
         # default: the widest block in [lo, 64] that still gives 528 programs (4 per H200
         # multiprocessor), else lo
         lo, bd = (32 if is_scan else 16), 64
@@ -300,8 +290,7 @@ def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> d
 
 
 def _launch(kernel, x, pos, is_scan, cfg, n_tiles, args, **flags):
-    B, T, D = x.shape
-    key = (kernel, id(cfg), B, T, D, x.dtype, x.device, pos is not None, is_scan, n_tiles, *flags.items())
+    key = (kernel, id(cfg), *x.shape, x.dtype, x.device, pos is not None, is_scan, n_tiles, *flags.items())
     plan = _PLANS.get(key)
     if plan is None or plan[0] is not cfg:
         if len(_PLANS) >= 4096:
@@ -342,10 +331,8 @@ def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
             (x, gx, ga, a_param if a_param is not None else x, pos if pos is not None else x,
              h0 if h0 is not None else x, y, ht if ht is not None else y, hs if hs is not None else y, T, D),
             HAS_H0=h0 is not None, STORE_HT=ht is not None, SAVE=save)
-    if accounting.on():
-        accounting.record("scan_serial_fwd" if is_scan else "rglru_serial_fwd",
-                          act_bytes(is_scan, x, pos) + accounting.nbytes(h0, None if is_scan else a_param),
-                          accounting.nbytes(y, ht, hs))
+    account("scan_serial_fwd" if is_scan else "rglru_serial_fwd", (*pass_inputs(is_scan, x, gx, ga, a_param, pos), h0),
+            (y, ht, hs))
     return y, ht, hs
 
 
@@ -363,10 +350,8 @@ def backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
              dht if dht is not None else hs, dx, dgx if dgx is not None else dx, dga,
              dh0 if dh0 is not None else hs, part if part is not None else hs, T, D),
             HAS_DHT=dht is not None, STORE_DH0=need_dh0)
-    if accounting.on():
-        accounting.record("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
-                          act_bytes(is_scan, x, pos) + accounting.nbytes(hs, dy, dht, None if is_scan else a_param),
-                          accounting.nbytes(dx, dgx, dga, dh0, part))
+    account("scan_serial_bwd" if is_scan else "rglru_serial_bwd",
+            (*pass_inputs(is_scan, x, gx, ga, a_param, pos), hs, dy, dht), (dx, dgx, dga, dh0, part))
     return dx, dgx, dga, dh0, part
 
 

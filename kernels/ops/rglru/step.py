@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import accounting
+from ..accounting import account
 from ..checks import no_grad_inputs
 from ..triton_utils import INTERPRET, cdiv, empty, launcher, next_pow2, out, tl_acc
 from .common import one_minus_sq, softplus
@@ -108,25 +108,20 @@ def _launch(x: Tensor, gate_x_w: Tensor, gate_x_b: Tensor, gate_a_w: Tensor, gat
         raise ValueError("expected a contiguous state (it is updated in place), got a strided view")
     if gate_a_w.dtype != gate_x_w.dtype:
         raise ValueError(f"expected gate_x_w and gate_a_w of one dtype, got {gate_x_w.dtype} and {gate_a_w.dtype}")
-    x = x.contiguous()
-    wx, wa = gate_x_w.contiguous(), gate_a_w.contiguous()
-    bx, ba = gate_x_b.contiguous(), gate_a_b.contiguous()
-    # The kernel indexes a_param by channel and reset by row: strided views are copied.
-    a_param = a_param.contiguous()
+    # the kernel indexes every input as contiguous: strided views are copied
+    x, a_param = x.contiguous(), a_param.contiguous()
+    wx, bx, wa, ba = gate_x_w.contiguous(), gate_x_b.contiguous(), gate_a_w.contiguous(), gate_a_b.contiguous()
     mode = _mode(x, wx)
     bb = block_b or min(64, max(16, next_pow2(B)))
     if mode == 2:
         bb, block_j, block_k = min(bb, 16), min(block_j, 16), min(block_k, 16)
     y = empty((B, D), x.dtype, x.device)
     rst = reset.contiguous().view(torch.uint8) if reset is not None else None
-    grid = (H * cdiv(W, block_j), cdiv(B, bb))
-    rglru_step_kernel[grid](
+    rglru_step_kernel[(H * cdiv(W, block_j), cdiv(B, bb))](
         x, wx, bx, wa, ba, a_param, state, rst if rst is not None else state, y, B, D, W,
         HAS_RESET=reset is not None, MODE=mode, BB=bb, BJ=block_j, BK=block_k, ACC=tl_acc(state.dtype),
         RNE=INTERPRET, num_warps=num_warps)
-    if accounting.on():
-        accounting.record("rglru_step", accounting.nbytes(x, wx, bx, wa, ba, a_param, state, rst),
-                          accounting.nbytes(state, y))
+    account("rglru_step", (x, wx, bx, wa, ba, a_param, state, rst), (state, y))
     return y
 
 
