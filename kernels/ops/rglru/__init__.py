@@ -5,14 +5,11 @@ walking time; "chunk" (chunk.py), the exact two-level chunked scan. function.py 
 the autograd.Function and the torch.compile custom ops.
 """
 
-from .function import chunk_rglru, chunk_scan, fused_recurrent_rglru, fused_recurrent_scan
+from functools import partial
+
+from .function import rglru, scan
 from .step import rglru_step
 
-BACKENDS = {
-    "rglru": {"serial": fused_recurrent_rglru, "chunk": chunk_rglru},
-    "scan": {"serial": fused_recurrent_scan, "chunk": chunk_scan},
-}
+# {op: {backend: the function with the reference signature}}
+BACKENDS = {op.__name__: {name: partial(op, name) for name in ("serial", "chunk")} for op in (rglru, scan)}
 STEPS = {"rglru": {"fused": rglru_step}}
-
-__all__ = ["BACKENDS", "STEPS", "chunk_rglru", "chunk_scan", "fused_recurrent_rglru", "fused_recurrent_scan",
-           "rglru_step"]

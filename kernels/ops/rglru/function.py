@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import reference
 from ..checks import no_double_backward
 from ..triton_utils import acc_dtype, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
@@ -22,11 +23,10 @@ _BACKENDS = {"serial": fused_recurrent, "chunk": chunk}
 
 
 def _config(backend, x, is_scan, grad, opts):
-    B, T, D = x.shape
     # the serial kernels' default depends on the device's multiprocessors (positional:
     # not an option a caller can pass)
     dev = (fused_recurrent.multiprocessors(x.device),) if backend == "serial" else ()
-    return _cached_config(backend, B, T, D, is_scan, grad, dev, opts_key(opts))
+    return _cached_config(backend, *x.shape, is_scan, grad, dev, opts_key(opts))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -74,25 +74,20 @@ class RecurrenceFunction(torch.autograd.Function):
         no_double_backward()
         x, gx, ga, a_param, pos, saved = ctx.saved_tensors
         dy = torch.zeros_like(x) if dy is None else dy
-        dx, dgx, dga, dap, dh0 = _backward(x, gx, ga, a_param, pos, saved, dy, dht, ctx.has_h0, ctx.is_scan,
-                                           ctx.cfg)
+        dx, dgx, dga, dap, dh0 = _backward(x, gx, ga, a_param, pos, saved, dy, dht, ctx.has_h0, ctx.is_scan, ctx.cfg)
         return dx, dgx, dga, dap, None, dh0, None, None, None
 
 
 def _none(t: Tensor) -> Optional[Tensor]:
-    # custom ops return no None: an empty tensor stands for "none"
+    # custom ops return no None: an empty tensor (new_empty(0)) stands for "none"
     return None if t.numel() == 0 and t.dim() == 1 else t
-
-
-def _nothing(like: Tensor) -> Tensor:
-    return like.new_empty(0)
 
 
 @torch.library.custom_op("kernels::rglru_fwd", mutates_args=())
 def rglru_fwd(x: Tensor, gx: Optional[Tensor], ga: Tensor, a_param: Optional[Tensor], pos: Optional[Tensor],
               h0: Optional[Tensor], save: bool, is_scan: bool, spec: str) -> tuple[Tensor, Tensor, Tensor]:
     y, ht, saved = _forward(x, gx, ga, a_param, pos, h0, True, save, is_scan, cfg_of(spec))
-    return y, ht, (saved if save else _nothing(ht))
+    return y, ht, (saved if save else ht.new_empty(0))
 
 
 @rglru_fwd.register_fake
@@ -108,15 +103,15 @@ def rglru_bwd(x: Tensor, gx: Optional[Tensor], ga: Tensor, a_param: Optional[Ten
               saved: Tensor, dy: Tensor, dht: Optional[Tensor], need_dh0: bool, is_scan: bool,
               spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = _backward(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, cfg_of(spec))
-    return tuple(_nothing(x) if g is None else g for g in grads)
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 @rglru_bwd.register_fake
 def _(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, spec):
     B, _, D = x.shape
-    dgx = _nothing(x) if is_scan else torch.empty_like(x)
-    dap = _nothing(x) if is_scan or a_param is None else torch.empty_like(a_param)
-    dh0 = x.new_empty(B, D, dtype=acc_dtype(x.dtype)) if need_dh0 else _nothing(x)
+    dgx = x.new_empty(0) if is_scan else torch.empty_like(x)
+    dap = x.new_empty(0) if is_scan or a_param is None else torch.empty_like(a_param)
+    dh0 = x.new_empty(B, D, dtype=acc_dtype(x.dtype)) if need_dh0 else x.new_empty(0)
     return torch.empty_like(x), dgx, torch.empty_like(ga), dap, dh0
 
 
@@ -137,57 +132,31 @@ def _op_backward(ctx, dy, dht, _):
 torch.library.register_autograd("kernels::rglru_fwd", _op_backward, setup_context=_setup_context)
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg, grad):
-    """(y, final state or None): the custom op under torch.compile, RecurrenceFunction
-    where a gradient is needed (`grad`, which also chose `cfg`), else the launcher alone
-    (no states kept)."""
-    if not torch.compiler.is_compiling():
-        if grad:
-            return RecurrenceFunction.apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
-        y, ht, _ = _forward(x, gx, ga, a_param, pos, h0, output_final_state, False, is_scan, cfg)
-        return y, ht
-    y, ht, _ = torch.ops.kernels.rglru_fwd(x, gx, ga, a_param, pos, h0, grad, is_scan, spec_of(cfg))
-    return y, (ht if output_final_state else None)
-
-
 def _run(backend, x, gx, ga, a_param, pos, h0, output_final_state, is_scan, opts):
-    grad = _needs_grad(x, gx, ga, a_param, h0)
+    """(y, final state or None): the custom op under torch.compile, RecurrenceFunction
+    where a gradient is needed (which also chose the configuration), else the launcher
+    alone (no states kept)."""
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gx, ga, a_param, h0))
     cfg = _config(backend, x, is_scan, grad, opts)
     if x.shape[1] == 0:
         return empty_sequence(x, h0, output_final_state)
-    return apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg, grad)
+    if torch.compiler.is_compiling():
+        y, ht, _ = torch.ops.kernels.rglru_fwd(x, gx, ga, a_param, pos, h0, grad, is_scan, spec_of(cfg))
+        return y, (ht if output_final_state else None)
+    if grad:
+        return RecurrenceFunction.apply(x, gx, ga, a_param, pos, h0, output_final_state, is_scan, cfg)
+    return _forward(x, gx, ga, a_param, pos, h0, output_final_state, False, is_scan, cfg)[:2]
 
 
-def _run_scan(backend, a, b, segment_pos, initial_state, output_final_state, opts):
+def rglru(backend, x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False, **opts):
+    """RG-LRU through `backend`'s kernels ("serial", "chunk"; options: that module's OPTIONS)
+    with the reference signature after `backend`."""
+    return _run(backend, x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, opts)
+
+
+def scan(backend, a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
+    """The bare scan as `rglru` runs the RG-LRU; complex inputs: the reference."""
     if b.is_complex():
-        from .. import reference
-
         return reference.scan(a, b, segment_pos, initial_state, output_final_state)
     a = a.to(b.dtype) if a.dtype != b.dtype else a
     return _run(backend, b, None, a, None, segment_pos, initial_state, output_final_state, True, opts)
-
-
-def fused_recurrent_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None,
-                          output_final_state=False, **opts):
-    """RG-LRU through the serial kernels (reference signature); fused_recurrent.OPTIONS."""
-    return _run("serial", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, opts)
-
-
-def chunk_rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
-                **opts):
-    """RG-LRU through the chunked kernels; chunk.OPTIONS."""
-    return _run("chunk", x, gate_x, gate_a, a_param, segment_pos, initial_state, output_final_state, False, opts)
-
-
-def fused_recurrent_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
-    """The bare scan through the serial kernels (complex inputs: the reference)."""
-    return _run_scan("serial", a, b, segment_pos, initial_state, output_final_state, opts)
-
-
-def chunk_scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
-    """The bare scan through the chunked kernels."""
-    return _run_scan("chunk", a, b, segment_pos, initial_state, output_final_state, opts)
