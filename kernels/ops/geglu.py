@@ -61,48 +61,34 @@ def _gelu_mul_bwd(g_ptr, v_ptr, dh_ptr, dg_ptr, dv_ptr, E, S, RNE: tl.constexpr,
     tl.store(dv_ptr + row * S + c, out(dh * out(gelu_tanh(g), dv_ptr, RNE).to(tl.float32), dv_ptr, RNE), mask=m)
 
 
-def _forward(g, v, S):
-    E = g.shape[-1]
-    N = g.numel() // E
-    h = empty((*g.shape[:-1], E), g.dtype, g.device)
-    _gelu_mul_fwd[(N, cdiv(E, BLOCK))](g, v, h, E, S, INTERPRET, BLOCK, num_warps=4)
-    return h
-
-
-def _backward(g, v, dh, dg, dv, S):
-    E = g.shape[-1]
-    N = dh.numel() // E
-    _gelu_mul_bwd[(N, cdiv(E, BLOCK))](g, v, dh.contiguous(), dg, dv, E, S, INTERPRET, BLOCK, num_warps=4)
-
-
-class _GeGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, up):
-        E = up.shape[-1] // 2
-        ctx.save_for_backward(up)
-        return _forward(up[..., :E], up[..., E:], 2 * E)
-
-    @staticmethod
-    def backward(ctx, dh):
-        (up,) = ctx.saved_tensors
-        E = up.shape[-1] // 2
-        dup = empty(up.shape, up.dtype, up.device)
-        _backward(up[..., :E], up[..., E:], dh, dup[..., :E], dup[..., E:], 2 * E)
-        return dup
+def _pair(tensors):
+    """(gate, value, elements from one row to the next) of (up,), its halves, or of (gate, value)."""
+    if len(tensors) == 2:
+        return (*tensors, tensors[0].shape[-1])
+    E = tensors[0].shape[-1] // 2
+    return tensors[0][..., :E], tensors[0][..., E:], 2 * E
 
 
 class _GeluMul(torch.autograd.Function):
+    """On (up,) (geglu; the backward writes both halves of one gradient buffer) or (gate, value)."""
+
     @staticmethod
-    def forward(ctx, g, v):
-        ctx.save_for_backward(g, v)
-        return _forward(g, v, g.shape[-1])
+    def forward(ctx, *inputs):
+        ctx.save_for_backward(*inputs)
+        g, v, S = _pair(inputs)
+        E = g.shape[-1]
+        h = empty(g.shape, g.dtype, g.device)
+        _gelu_mul_fwd[(h.numel() // E, cdiv(E, BLOCK))](g, v, h, E, S, INTERPRET, BLOCK, num_warps=4)
+        return h
 
     @staticmethod
     def backward(ctx, dh):
-        g, v = ctx.saved_tensors
-        dg, dv = empty(g.shape, g.dtype, g.device), empty(v.shape, v.dtype, v.device)
-        _backward(g, v, dh, dg, dv, g.shape[-1])
-        return dg, dv
+        grads = [empty(t.shape, t.dtype, t.device) for t in ctx.saved_tensors]
+        (g, v, S), (dg, dv, _) = _pair(ctx.saved_tensors), _pair(grads)
+        E = g.shape[-1]
+        _gelu_mul_bwd[(dh.numel() // E, cdiv(E, BLOCK))](g, v, dh.contiguous(), dg, dv, E, S, INTERPRET, BLOCK,
+                                                         num_warps=4)
+        return tuple(grads)
 
 
 def _check(name, t, last):
@@ -117,7 +103,7 @@ def geglu(up: torch.Tensor) -> torch.Tensor:
     _check("up", up, "2E")
     if up.shape[-1] % 2:
         raise ValueError(f"expected up [..., 2E] with an even last dimension, got shape {list(up.shape)}")
-    return _GeGLU.apply(up)
+    return _GeluMul.apply(up)
 
 
 def gelu_mul(gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
