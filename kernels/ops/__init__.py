@@ -22,8 +22,7 @@ from .tuning import Backend, TuningTable
 # INEXACT (names never chosen). Imported under other names, since the ops rglru and samu
 # are defined below; without Triton the Triton packages are left out.
 try:
-    from . import rglru as rglru_kernels
-    from . import samu as samu_kernels
+    from . import rglru as rglru_kernels, samu as samu_kernels
 
     PROVIDERS = (rglru_kernels, samu_kernels, assoc)
 except ModuleNotFoundError as e:
@@ -74,9 +73,8 @@ def inexact_backends() -> frozenset:
     return frozenset().union(*(getattr(mod, "INEXACT", ()) for mod in PROVIDERS))
 
 
-def _gpu_name(device: torch.device) -> str:
-    """The CUDA device's name, as the tune stage records it."""
-    return torch.cuda.get_device_name(device)
+# the CUDA device's name, as the tune stage records it
+_gpu_name = torch.cuda.get_device_name
 
 
 def _choose(op: str, backend, x, chunk_size=None) -> tuple[str, dict, object]:
@@ -89,11 +87,9 @@ def _choose(op: str, backend, x, chunk_size=None) -> tuple[str, dict, object]:
 
 def resolve(op: str, backend, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
     """(backend name, launcher options) for a call of `op` on x [B, T, D], or of a decode
-    step ("rglru_step", "samu_step") on x [B, D]; cached.
-
-    chunk_size (checked here) overrides a Backend's or a table entry's; with another
-    backend than CHUNK_SIZE_BACKENDS it raises ValueError, except under "auto", where it
-    is dropped when the backend chosen does not take it (as on the CPU)."""
+    step ("rglru_step", "samu_step") on x [B, D]; cached. chunk_size (checked here)
+    overrides a Backend's or a table entry's; with a backend outside CHUNK_SIZE_BACKENDS
+    it raises ValueError, except under "auto", which drops it there (as on the CPU)."""
     return _choose(op, backend, x, chunk_size)[:2]
 
 
@@ -118,10 +114,8 @@ def _resolve(op, b: Backend, env_table, dtype, shape, device, chunk_size):
     entry = None
     if device.type == "cuda" and table is not None:
         gpu, dt = _gpu_name(device) if table.gpu else None, str(dtype).removeprefix("torch.")
-        if op.endswith("_step"):
-            entry = tuned_step(op.removesuffix("_step"), table, dt, shape[0], gpu)
-        else:
-            entry = table.lookup(op, dt, *shape, gpu=gpu)
+        entry = (tuned_step(op.removesuffix("_step"), table, dt, shape[0], gpu) if op.endswith("_step")
+                 else table.lookup(op, dt, *shape, gpu=gpu))
     if entry is not None and entry["backend"] in avail:
         opts = dict(entry.get("options", {}))
         if entry.get("chunk_size") is not None:

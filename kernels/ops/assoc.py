@@ -43,36 +43,32 @@ def prefix_scan(a, b, segment_pos, initial_state, output_final_state, bf16):
         k *= 2
     if not output_final_state:
         return b, None
-    if T:
-        return b, b[:, -1]
-    return b, h0 if h0 is not None else b.new_zeros(b.shape[0], b.shape[2])
+    return b, (b[:, -1] if T else h0 if h0 is not None else b.new_zeros(b.shape[0], b.shape[2]))
 
 
 def _backends(name: str) -> dict:
     bf16 = name == "assoc_bf16"
 
-    def no_options(opts):
+    def run(a, b, segment_pos, initial_state, output_final_state, opts):
         if any(v is not None for v in opts.values()):
             raise ValueError(f"expected no launch options for the {name} backend, got {sorted(opts)}")
+        return prefix_scan(a, b, segment_pos, initial_state, output_final_state, bf16)
 
     def rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False, **opts):
-        no_options(opts)
         a, b = reference.rglru_coefficients(x, gate_x, gate_a, a_param, segment_pos)
-        h, ht = prefix_scan(a, b, segment_pos, initial_state, output_final_state, bf16)
+        h, ht = run(a, b, segment_pos, initial_state, output_final_state, opts)
         return h.to(x.dtype), ht
 
     def samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
              initial_state=None, output_final_state=False, **opts):
-        no_options(opts)
         a, b = reference.samu_coefficients(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
                                            segment_pos)
-        h, ht = prefix_scan(a, b, segment_pos, initial_state, output_final_state, bf16)
+        h, ht = run(a, b, segment_pos, initial_state, output_final_state, opts)
         return torch.cat([torch.relu(h.real), torch.relu(h.imag)], dim=-1).to(x.dtype), ht
 
     def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False, **opts):
-        no_options(opts)
         acc = reference._acc(b)
-        h, ht = prefix_scan(a.to(acc), b.to(acc), segment_pos, initial_state, output_final_state, bf16)
+        h, ht = run(a.to(acc), b.to(acc), segment_pos, initial_state, output_final_state, opts)
         return h.to(b.dtype), ht
 
     return {"rglru": rglru, "samu": samu, "scan": scan}

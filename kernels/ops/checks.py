@@ -55,14 +55,11 @@ def is_integer_dtype(dtype: torch.dtype) -> bool:
 
 def check_scalar(name: str, v) -> None:
     """A python real number or a one-element floating-point tensor."""
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            raise ValueError(f"expected {name} to be a scalar (a float or a one-element tensor), "
-                             f"got shape {shape_str(v)}")
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
         check_tensor(name, v, dtypes=FLOAT_DTYPES)
-    elif isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"expected {name} to be a scalar (a float or a one-element tensor), "
-                         f"got {type(v).__name__}")
+    elif isinstance(v, (torch.Tensor, bool)) or not isinstance(v, (int, float)):
+        got = f"shape {shape_str(v)}" if isinstance(v, torch.Tensor) else type(v).__name__
+        raise ValueError(f"expected {name} to be a scalar (a float or a one-element tensor), got {got}")
 
 
 def cu_seqlens_to_segment_pos(cu_seqlens: torch.Tensor, B: int, T: int, device=None) -> torch.Tensor:

@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_chunk_size  # noqa: F401 (the one chunk_size check, for the kernel modules)
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _POISON = [os.environ.get("KERNELS_POISON", "") == "1"]
 
@@ -90,11 +88,8 @@ def spec_of(cfg: dict) -> str:
 @functools.lru_cache(maxsize=1024)
 def cfg_of(spec: str) -> dict:
     """The configuration of spec_of's string."""
-    out = {}
-    for item in spec.split(","):
-        k, v = item.split("=", 1)
-        out[k] = v == "True" if v in ("True", "False") else int(v) if v.lstrip("-").isdigit() else v
-    return out
+    items = (item.split("=", 1) for item in spec.split(","))
+    return {k: v == "True" if v in ("True", "False") else int(v) if v.lstrip("-").isdigit() else v for k, v in items}
 
 
 def next_pow2(n: int) -> int:
@@ -125,15 +120,14 @@ def _raw_stream():
 
 class Launcher:
     """A JIT kernel launched as `k[grid](*args, **kwargs)`, runtime arguments by position,
-    constexprs and launch options by keyword. The first call of an argument signature
-    goes through Triton (compile, launch, its pointer checks) and keeps the compiled
-    kernel under a key finer than Triton's: the device, each positional argument's (a
-    tensor's dtype, whether on a GPU, 16-byte alignment; `_arg_key` of another value; a
-    constexpr's value) and the keywords (values and types), which fix the later
-    arguments kept beside it. Later calls hand the binary's C launcher the tensors'
-    addresses, skipping tens of microseconds of Triton's per-call binding. A CPU tensor
-    never hits an entry (Triton rejects it as before); runtime arguments by keyword,
-    launch hooks (a profiler's) and unhashable arguments take Triton's path every time."""
+    constexprs and launch options by keyword. The first call of an argument signature goes
+    through Triton and keeps the compiled kernel under a key finer than Triton's (device;
+    per positional argument a tensor's dtype, whether on a GPU and 16-byte alignment, or
+    `_arg_key` of another value, or a constexpr's value; the keywords' values and types).
+    Later calls hand the binary's C launcher the tensors' addresses, skipping tens of
+    microseconds of Triton's per-call binding. A CPU tensor never hits an entry; runtime
+    arguments by keyword, launch hooks (a profiler's) and unhashable arguments take
+    Triton's path every time."""
 
     __slots__ = ("fn", "names", "runtime_names", "const", "defaults", "cache")
 
@@ -241,7 +235,5 @@ def _props(device: torch.device, name: str):
     return getattr(_props_of(device.index if device.index is not None else torch.cuda.current_device()), name)
 
 
-@functools.lru_cache(maxsize=None)
-def _props_of(index: int):
-    # queried once per device: the launchers run on the host's critical path
-    return torch.cuda.get_device_properties(index)
+# queried once per device: the launchers run on the host's critical path
+_props_of = functools.lru_cache(maxsize=None)(torch.cuda.get_device_properties)

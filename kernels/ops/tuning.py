@@ -10,11 +10,6 @@ warning per pair of names). Schema version 1:
                          "rows": 16, "config": {...kernels.models.decode.CONFIG_KEYS...}}],
      "decode": [{"op": "rglru_step" | "samu_step", "dtype": "bfloat16", "B": 16,
                  "backend": "fused", "options": {...}}]}
-
-`lookup` takes the entry of the same op and dtype nearest in log(B*T), log(D) and log(B);
-`linear_configs` the decode step linears' tiles by role tuned at a row block;
-`step_choice` the decode step kernel nearest in log(B) (of two equally near, the larger
-batch's).
 """
 
 from __future__ import annotations
@@ -53,17 +48,12 @@ class TuningTable:
 
     def __init__(self, doc: dict, source: str = "given"):
         validate_table(doc)
-        self.gpu = doc.get("gpu")
-        self.entries = tuple(doc.get("entries", ()))
-        self.linears = tuple(doc.get("decode_linears", ()))
-        self.steps = tuple(doc.get("decode", ()))
-        self.source = source
-        self._found: dict = {}
+        self.gpu, self.source, self._found = doc.get("gpu"), source, {}
+        self.entries, self.linears, self.steps = (tuple(doc.get(section, ())) for section in SECTIONS)
 
     @classmethod
     def load(cls, path) -> "TuningTable":
-        with open(path) as f:
-            return cls(json.load(f), source=str(path))
+        return cls(json.loads(Path(path).read_text()), source=str(path))
 
     @classmethod
     def from_dict(cls, doc: dict) -> "TuningTable":
@@ -79,7 +69,7 @@ class TuningTable:
         return False
 
     def lookup(self, op: str, dtype: str, B: int, T: int, D: int, gpu: str | None = None) -> dict | None:
-        """The entry for a call, or None (cached)."""
+        """The entry of `op` and `dtype` nearest in log(B*T), log(D) and log(B), or None (cached)."""
         key = (op, dtype, B, T, D, gpu)
         if key not in self._found:
             cands = [] if self._other_gpu(gpu) else [e for e in self.entries if e["op"] == op and e["dtype"] == dtype]
@@ -98,8 +88,8 @@ class TuningTable:
 
     def step_choice(self, op: str, dtype: str, B: int, gpu: str | None = None,
                     backends: tuple | None = None) -> dict | None:
-        """The decode entry of `op` ("rglru_step", "samu_step") and dtype nearest in log(B)
-        among those naming one of `backends` (None: any), or None."""
+        """The decode entry of `op` ("rglru_step", "samu_step") and dtype nearest in log(B) (of
+        two equally near, the larger batch's) among those naming one of `backends` (None: any), or None."""
         if self._other_gpu(gpu):
             return None
         cands = [e for e in self.steps if e["op"] == op and e["dtype"] == dtype
