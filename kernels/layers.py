@@ -433,7 +433,8 @@ class RecurrentBlock(nn.Module):
         ValueError before any cache tensor changes."""
         step = self.mixer.step_backend
         if torch.is_grad_enabled() and not ops.step_has_backward(self.mixer_name, step, x.device):
-            no_grad_inputs(step.name, x=x, **dict(self.named_parameters()))
+            params = dict(self.named_parameters())
+            no_grad_inputs(step.name, ("x", *params), (x, *params.values()))
         y = self.linear_y(x)
         xb = self.conv_1d.step(self.linear_x(x), cache.conv_state, reset)
         xb = self.mixer.step(xb, cache.rnn_state, reset, **mixer_kw)

@@ -81,8 +81,9 @@ def _choose(op: str, backend, x, chunk_size=None) -> tuple[str, dict, object]:
     if chunk_size is not None:     # before the cache: 8.0 and True hash as 8 and 1
         check_chunk_size(chunk_size)
     b = Backend.of(backend)
-    env = tuning.env_table() if b.name == "auto" and b.table is None else None
-    return _resolve(op, b, env, x.dtype, x.shape, x.device, chunk_size)
+    if b.name != "auto":        # a name's choice depends on nothing of x
+        return _resolve_named(op, b, chunk_size)
+    return _resolve(op, b, tuning.env_table() if b.table is None else None, x.dtype, x.shape, x.device, chunk_size)
 
 
 def resolve(op: str, backend, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
@@ -99,17 +100,22 @@ def resolve_step(op: str, backend, x: torch.Tensor):
     return _choose(f"{op}_step", backend, x)[2]
 
 
+@functools.lru_cache(maxsize=1024)
+def _resolve_named(op, b: Backend, chunk_size):
+    avail = _CHOICES[op]
+    if b.name not in avail:
+        raise ValueError(f"expected backend in {['auto', *avail]} for {op}, got {b.name!r}")
+    if chunk_size is not None and b.name not in CHUNK_SIZE_BACKENDS:
+        raise ValueError(f"expected chunk_size only with backend in {['auto', *CHUNK_SIZE_BACKENDS]} "
+                         f"(it applies to the chunk backend, and to serial as its time tile), "
+                         f"got chunk_size={chunk_size!r} with backend {b.name!r}")
+    return _bound(avail, b.name, {**b.options, **_chunk_opts(b.name, chunk_size)})
+
+
 @functools.lru_cache(maxsize=4096)
 def _resolve(op, b: Backend, env_table, dtype, shape, device, chunk_size):
+    """Backend "auto": the table's entry for the call, else DEFAULT_ORDER (CUDA) or the reference."""
     avail = _CHOICES[op]
-    if b.name != "auto":
-        if b.name not in avail:
-            raise ValueError(f"expected backend in {['auto', *avail]} for {op}, got {b.name!r}")
-        if chunk_size is not None and b.name not in CHUNK_SIZE_BACKENDS:
-            raise ValueError(f"expected chunk_size only with backend in {['auto', *CHUNK_SIZE_BACKENDS]} "
-                             f"(it applies to the chunk backend, and to serial as its time tile), "
-                             f"got chunk_size={chunk_size!r} with backend {b.name!r}")
-        return _bound(avail, b.name, {**b.options, **_chunk_opts(b.name, chunk_size)})
     table = b.table if b.table is not None else env_table
     entry = None
     if device.type == "cuda" and table is not None:
@@ -149,11 +155,11 @@ def step_has_backward(op: str, backend, device) -> bool:
     return b.name == "reference"
 
 
-def _sequence(op, x, args: dict, state_width, state_dt, segment_pos, initial_state, output_final_state, backend,
-              chunk_size, cu_seqlens):
+def _sequence(op, x, names: tuple, args: tuple, state_width, state_dt, segment_pos, initial_state, output_final_state,
+              backend, chunk_size, cu_seqlens):
     """The sequence ops' common part after their own checks: devices, positions, the initial
-    state [B, state_width] of state_dt, the backend call on `args` (in order)."""
-    check_same_device(**args, segment_pos=segment_pos, cu_seqlens=cu_seqlens, initial_state=initial_state)
+    state [B, state_width] of state_dt, the backend call on `args` (in order, named by `names`)."""
+    check_same_device(names, (*args, segment_pos, cu_seqlens, initial_state))
     B, T, _ = x.shape
     if cu_seqlens is not None:
         if segment_pos is not None:
@@ -163,8 +169,16 @@ def _sequence(op, x, args: dict, state_width, state_dt, segment_pos, initial_sta
         check_segment_pos(segment_pos, B, T)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, shape=(B, state_width), dtypes=(state_dt,))
-    fn = _choose(op, backend, x, chunk_size)[2]
-    return fn(*args.values(), segment_pos, initial_state, output_final_state)
+    return _choose(op, backend, x, chunk_size)[2](*args, segment_pos, initial_state, output_final_state)
+
+
+# the arguments check_same_device names: each op's, then those _sequence / _step add
+_POSITIONS = ("segment_pos", "cu_seqlens", "initial_state")
+_SAMU_ARGS = ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log")
+_NAMES = {"rglru": ("x", "gate_x", "gate_a", "a_param", *_POSITIONS), "samu": (*_SAMU_ARGS, *_POSITIONS),
+          "scan": ("a", "b", *_POSITIONS),
+          "rglru_step": ("x", "gate_x_w", "gate_x_b", "gate_a_w", "gate_a_b", "a_param", "state", "reset"),
+          "samu_step": (*_SAMU_ARGS, "state", "reset", "modes")}
 
 
 def rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
@@ -177,12 +191,12 @@ def rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, outp
     check_tensor("gate_x", gate_x, shape=(B, T, D), dtypes=(x.dtype,))
     check_tensor("gate_a", gate_a, shape=(B, T, D), dtypes=(x.dtype,))
     check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
-    return _sequence("rglru", x, dict(x=x, gate_x=gate_x, gate_a=gate_a, a_param=a_param), D, state_dtype(x.dtype),
-                     segment_pos, initial_state, output_final_state, backend, chunk_size, cu_seqlens)
+    return _sequence("rglru", x, _NAMES["rglru"], (x, gate_x, gate_a, a_param), D, state_dtype(x.dtype), segment_pos,
+                     initial_state, output_final_state, backend, chunk_size, cu_seqlens)
 
 
-def _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log) -> dict:
-    """SAMU's input and parameters, checked against x [..., D] with D = 2M even, by name."""
+def _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log) -> tuple:
+    """SAMU's input and parameters, checked against x [..., D] with D = 2M even."""
     D = x.shape[-1]
     if D % 2 or D == 0:
         raise ValueError(f"expected x of shape [{'B, T' if x.dim() == 3 else 'B'}, D] with D even (and > 0) for "
@@ -193,8 +207,7 @@ def _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_lo
     check_scalar("radial_amp", radial_amp)
     check_tensor("nu_log", nu_log, shape=(D // 2,), dtypes=FLOAT_DTYPES)
     check_tensor("theta_log", theta_log, shape=(D // 2,), dtypes=FLOAT_DTYPES)
-    return dict(x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp, radial_amp=radial_amp,
-                nu_log=nu_log, theta_log=theta_log)
+    return x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
 
 
 def samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
@@ -205,7 +218,7 @@ def samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, seg
     x). Returns (y [B, T, D], h or None)."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     args = _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log)
-    return _sequence("samu", x, args, x.shape[2] // 2, state_dtype(x.dtype, complex_state=True), segment_pos,
+    return _sequence("samu", x, _NAMES["samu"], args, x.shape[2] // 2, state_dtype(x.dtype, complex_state=True), segment_pos,
                      initial_state, output_final_state, backend, chunk_size, cu_seqlens)
 
 
@@ -217,19 +230,20 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
     check_tensor("b", b, ndim=3, dtypes=FLOAT_DTYPES + COMPLEX_DTYPES)
     check_tensor("a", a, shape=b.shape, dtypes=COMPLEX_DTYPES if b.is_complex() else FLOAT_DTYPES)
     sd = b.dtype if b.is_complex() else state_dtype(b.dtype)
-    return _sequence("scan", b, dict(a=a, b=b), b.shape[2], sd, segment_pos, initial_state, output_final_state,
+    return _sequence("scan", b, _NAMES["scan"], (a, b), b.shape[2], sd, segment_pos, initial_state, output_final_state,
                      backend, chunk_size, cu_seqlens)
 
 
-def _step(op, args: dict, state, state_width, state_dt, reset, backend, **kw):
+def _step(op, args: tuple, state, state_width, state_dt, reset, backend, **kw):
     """The decode steps' common part after their own checks: the state [B, state_width] of
-    state_dt, reset [B] bool, devices, the step call on `args` (in order)."""
-    B = args["x"].shape[0]
+    state_dt, reset [B] bool, devices, the step call on `args` (in order, x first)."""
+    x = args[0]
+    B = x.shape[0]
     check_tensor("state", state, shape=(B, state_width), dtypes=(state_dt,))
     if reset is not None:
         check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
-    check_same_device(**args, state=state, reset=reset, **kw)
-    return _choose(f"{op}_step", backend, args["x"])[2](*args.values(), state, reset, **kw)
+    check_same_device(_NAMES[op], (*args, state, reset, *kw.values()))
+    return _choose(op, backend, x)[2](*args, state, reset, **kw)
 
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
@@ -247,8 +261,8 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     check_tensor("gate_x_b", gate_x_b, shape=(H, W), dtypes=FLOAT_DTYPES)
     check_tensor("gate_a_b", gate_a_b, shape=(H, W), dtypes=FLOAT_DTYPES)
     check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
-    args = dict(x=x, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w, gate_a_b=gate_a_b, a_param=a_param)
-    return _step("rglru", args, state, D, state_dtype(x.dtype), reset, backend)
+    return _step("rglru_step", (x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param), state, D, state_dtype(x.dtype),
+                 reset, backend)
 
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto",
@@ -263,7 +277,7 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     M = x.shape[1] // 2
     if modes is not None:
         check_tensor("modes", modes, shape=(MODE_CONSTS, M), dtypes=(state_dtype(x.dtype),))
-    return _step("samu", args, state, M, state_dtype(x.dtype, complex_state=True), reset, backend, modes=modes)
+    return _step("samu_step", args, state, M, state_dtype(x.dtype, complex_state=True), reset, backend, modes=modes)
 
 
 def samu_mode_table(nu_log, theta_log, dtype):
@@ -271,7 +285,7 @@ def samu_mode_table(nu_log, theta_log, dtype):
     for float64 inputs): what `samu_step(..., modes=...)` reads instead of recomputing."""
     check_tensor("nu_log", nu_log, ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor("theta_log", theta_log, shape=nu_log.shape, dtypes=FLOAT_DTYPES)
-    check_same_device(nu_log=nu_log, theta_log=theta_log)
+    check_same_device(("nu_log", "theta_log"), (nu_log, theta_log))
     if samu_kernels is None:
         raise RuntimeError("samu_mode_table needs Triton (the table is read by the Triton decode steps only)")
     return samu_kernels.mode_table(nu_log.contiguous(), theta_log.contiguous(), state_dtype(dtype))

@@ -36,10 +36,16 @@ def check_tensor(name: str, t, shape: tuple | None = None, dtypes=None, ndim: in
     return t
 
 
-def check_same_device(**tensors):
-    if len({t.device for t in tensors.values() if isinstance(t, torch.Tensor)}) > 1:
-        desc = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if isinstance(t, torch.Tensor))
-        raise ValueError(f"expected all tensors on one device, got {desc}")
+def check_same_device(names: tuple, values: tuple):
+    """Every tensor among `values` (names[i] names values[i]; others skipped) on one device."""
+    device = None
+    for t in values:
+        if isinstance(t, torch.Tensor):
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                desc = ", ".join(f"{n} on {v.device}" for n, v in zip(names, values) if isinstance(v, torch.Tensor))
+                raise ValueError(f"expected all tensors on one device, got {desc}")
 
 
 def check_segment_pos(segment_pos, B: int, T: int) -> None:
@@ -55,6 +61,8 @@ def is_integer_dtype(dtype: torch.dtype) -> bool:
 
 def check_scalar(name: str, v) -> None:
     """A python real number or a one-element floating-point tensor."""
+    if isinstance(v, float):
+        return
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         check_tensor(name, v, dtypes=FLOAT_DTYPES)
     elif isinstance(v, (torch.Tensor, bool)) or not isinstance(v, (int, float)):
@@ -96,11 +104,12 @@ def no_double_backward():
                          "backend='reference' for them), got create_graph=True")
 
 
-def no_grad_inputs(step: str, **tensors):
-    """Raise where grad mode is on and an input requires grad (decode steps have no backward)."""
+def no_grad_inputs(step: str, names: tuple, values: tuple):
+    """Raise where grad mode is on and an input requires grad (decode steps have no backward);
+    names[i] names values[i]."""
     if not torch.is_grad_enabled():
         return
-    for n, t in tensors.items():
+    for n, t in zip(names, values):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             raise ValueError(f"expected no input requiring grad with the Triton decode step {step!r} (it has no "
                              f"backward: gradients would be silently dropped); run it under torch.no_grad() "

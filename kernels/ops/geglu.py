@@ -110,7 +110,7 @@ def gelu_mul(gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * value for contiguous gate, value [..., E] of one shape and dtype."""
     _check("gate", gate, "E")
     _check("value", value, "E")
-    check_same_device(gate=gate, value=value)
+    check_same_device(("gate", "value"), (gate, value))
     if value.shape != gate.shape or value.dtype != gate.dtype:
         raise ValueError(f"expected value of gate's shape {list(gate.shape)} and dtype {gate.dtype}, got "
                          f"{list(value.shape)} and {value.dtype}")

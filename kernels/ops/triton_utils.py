@@ -37,6 +37,11 @@ def empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """`empty` of a contiguous t's shape, dtype and device (half of torch.empty's host time)."""
+    return torch.full_like(t, float("nan")) if _POISON[-1] else torch.empty_like(t)
+
+
 def scratch(dtype, device, *shapes) -> list[torch.Tensor]:
     """Buffers of `shapes` carved from one allocation at 256-byte aligned offsets (one
     allocator call); for buffers that die together."""
@@ -73,7 +78,7 @@ def check_pow2(name: str, value, lo: int, hi: int) -> int:
 def opts_key(opts: dict) -> tuple:
     """Launcher options as a cache key that keeps each value's type (8.0 and True hash as
     8 and 1); `opts_items(key)` gives them back."""
-    return tuple(sorted((k, v.__class__, v) for k, v in opts.items()))
+    return tuple(sorted((k, v.__class__, v) for k, v in opts.items())) if opts else ()
 
 
 def opts_items(key: tuple) -> dict:

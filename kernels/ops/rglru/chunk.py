@@ -18,7 +18,8 @@ import triton.language as tl
 
 from ..accounting import account
 from ..checks import check_chunk_size
-from ..triton_utils import INTERPRET, acc_dtype, cdiv, check_pow2, empty, launcher, next_pow2, out, scratch, tl_acc
+from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_pow2, empty, empty_like, launcher, next_pow2, out, scratch,
+                           tl_acc)
 from .common import affine, excl_scan, load_tile, param_sp, pass_inputs, row_of, tile_grads, tile_states
 
 
@@ -181,7 +182,7 @@ def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
     chunk_fwd_kernel[grid](x, gx, ga, ap, p, P, P, Q, T, D, NC, REPLAY=False, **kw)
     account("chunk_fwd_summary", ins, (P, Q))
     S, ht = _prefix(P, Q, h0, output_final_state, False, cfg)
-    y = empty((B, T, D), x.dtype, x.device)
+    y = empty_like(x)
     chunk_fwd_kernel[grid](x, gx, ga, ap, p, S, y, y, T, D, NC, REPLAY=True, **kw)
     account("chunk_fwd_replay", (*ins, S), (y,))
     return y, ht, S
@@ -195,7 +196,7 @@ def backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     chunk_bwd_summary_kernel[grid](ga, ap, p, dy, P, Q, T, D, NC, **kw)
     account("chunk_bwd_summary", (ga, dy, pos, None if is_scan else a_param), (P, Q))
     R, dh0 = _prefix(P, Q, dht, need_dh0, True, cfg)
-    dx = empty((B, T, D), x.dtype, x.device)
+    dx = empty_like(x)
     dga = empty((B, T, D), ga.dtype, x.device)
     dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
     part = None if is_scan else empty((B * NC, D), acc, x.device)

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from ..accounting import account
 from ..checks import check_chunk_size
-from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_pow2, empty, launcher, multiprocessors, next_pow2, out,
-                           smem_limit, tl_acc)
+from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_pow2, empty, empty_like, launcher, multiprocessors,
+                           next_pow2, out, smem_limit, tl_acc)
 from .common import (affine, coeffs, excl_scan, load_inputs, mem_order, pass_inputs, program_start, row_of, tile_grads,
                      tile_offsets, tile_states)
 
@@ -324,7 +324,7 @@ def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
     """Scan mode: x = b, ga = a (gx, a_param unused). Returns (y, ht, hs)."""
     B, T, D = x.shape
     acc = acc_dtype(x.dtype)
-    y = empty((B, T, D), x.dtype, x.device)
+    y = empty_like(x)
     ht = empty((B, D), acc, x.device) if output_final_state else None
     hs = empty(saved_shape(cfg, B, T, D), acc, x.device) if save else None
     _launch(serial_fwd_kernel, x, pos, is_scan, cfg, 2 if is_scan else 3,
@@ -340,7 +340,7 @@ def backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
     """Returns (dx, dgx, dga, dh0, dsp_part); scan mode: dx = db, dga = da."""
     B, T, D = x.shape
     acc = acc_dtype(x.dtype)
-    dx = empty((B, T, D), x.dtype, x.device)
+    dx = empty_like(x)
     dga = empty((B, T, D), ga.dtype, x.device)
     dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
     dh0 = empty((B, D), acc, x.device) if need_dh0 else None

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..accounting import account
 from ..checks import no_grad_inputs
-from ..triton_utils import INTERPRET, cdiv, empty, launcher, next_pow2, out, tl_acc
+from ..triton_utils import INTERPRET, cdiv, empty_like, launcher, next_pow2, out, tl_acc
 from .common import one_minus_sq, softplus
 
 
@@ -93,8 +93,8 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
     [B, D] FP32 (float64 for float64 x), contiguous, updated in place; reset: [B] bool or
     None. Returns y [B, D]. Under torch.compile: the custom op kernels::rglru_step. No
     backward: an input requiring grad under grad mode raises ValueError."""
-    no_grad_inputs("fused", x=x, gate_x_w=gate_x_w, gate_x_b=gate_x_b, gate_a_w=gate_a_w, gate_a_b=gate_a_b,
-                   a_param=a_param, state=state)
+    no_grad_inputs("fused", ("x", "gate_x_w", "gate_x_b", "gate_a_w", "gate_a_b", "a_param", "state"),
+                   (x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state))
     step = torch.ops.kernels.rglru_step if torch.compiler.is_compiling() else _launch
     return step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset, block_b or 0, block_j, block_k,
                 num_warps)
@@ -115,7 +115,7 @@ def _launch(x: Tensor, gate_x_w: Tensor, gate_x_b: Tensor, gate_a_w: Tensor, gat
     bb = block_b or min(64, max(16, next_pow2(B)))
     if mode == 2:
         bb, block_j, block_k = min(bb, 16), min(block_j, 16), min(block_k, 16)
-    y = empty((B, D), x.dtype, x.device)
+    y = empty_like(x)
     rst = reset.contiguous().view(torch.uint8) if reset is not None else None
     rglru_step_kernel[(H * cdiv(W, block_j), cdiv(B, bb))](
         x, wx, bx, wa, ba, a_param, state, rst if rst is not None else state, y, B, D, W,

@@ -24,17 +24,19 @@ _CONSTANTS: dict = {}     # kept for the process's life: a CUDA graph captured r
 
 def scalar_param(v, device, dtype) -> torch.Tensor:
     """Amplitude as a one-element tensor on the device without a host round trip. A float
-    becomes a cached constant (no fill per call), except under torch.compile and CUDA
-    graph capture, where a fresh tensor is filled (a capture records the fill only)."""
+    becomes a cached constant (no fill per call), except under torch.compile, where a fresh
+    tensor is filled, as in a CUDA graph capture that finds none cached yet."""
     if isinstance(v, torch.Tensor):
         return v.reshape(1).to(device=device, dtype=dtype)
     v = float(v)
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling():
         return torch.full((1,), v, device=device, dtype=dtype)
     key = (v, math.copysign(1.0, v), device, dtype)     # the sign keys -0.0 apart from 0.0
     t = _CONSTANTS.get(key)
-    if t is None:
+    if t is None:       # a capture would record the new constant's fill only
         t = torch.full((1,), v, device=device, dtype=dtype)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return t
         # neither a fake/traced tensor nor NaN (never equal to itself as a key)
         if type(t) is torch.Tensor and v == v:
             _CONSTANTS[key] = t

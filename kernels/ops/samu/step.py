@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..accounting import account
 from ..checks import check_tensor, no_grad_inputs
-from ..triton_utils import acc_dtype, cdiv, check_pow2, empty, launcher, multiprocessors, next_pow2
+from ..triton_utils import acc_dtype, cdiv, check_pow2, empty_like, launcher, multiprocessors, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
 from .common import controller, dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair
 
@@ -115,7 +115,7 @@ def _launch(layout: str, x: Tensor, phase_dir: Tensor, radial_dir: Tensor, phase
                          "conjugate view (h.conj()); pass h.conj().resolve_conj() and keep that tensor")
     x = x.contiguous()
     sr = torch.view_as_real(state)
-    y = empty(x.shape, x.dtype, x.device)
+    y = empty_like(x)
     if B == 0:
         return y
     rs = reset.contiguous().view(torch.uint8) if reset is not None else sr
@@ -145,11 +145,14 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
           name=None, block_m=0, block_d=0, num_warps=0):
     """The custom op kernels::samu_step under torch.compile, else the launcher. An input
     requiring grad under grad mode raises ValueError naming the step (default the layout)."""
-    no_grad_inputs(name or layout, x=x, phase_dir=phase_dir, radial_dir=radial_dir, phase_amp=phase_amp,
-                   radial_amp=radial_amp, nu_log=nu_log, theta_log=theta_log, state=state)
+    no_grad_inputs(name or layout, _GRAD_NAMES, (x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
+                                                 state))
     launch = torch.ops.kernels.samu_step if torch.compiler.is_compiling() else _launch
     return launch(layout, x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x), nu_log, theta_log, state,
                   reset, modes, block_m, block_d, num_warps)
+
+
+_GRAD_NAMES = ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "state")
 
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
