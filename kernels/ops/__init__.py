@@ -218,8 +218,8 @@ def samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, seg
     x). Returns (y [B, T, D], h or None)."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     args = _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log)
-    return _sequence("samu", x, _NAMES["samu"], args, x.shape[2] // 2, state_dtype(x.dtype, complex_state=True), segment_pos,
-                     initial_state, output_final_state, backend, chunk_size, cu_seqlens)
+    return _sequence("samu", x, _NAMES["samu"], args, x.shape[2] // 2, state_dtype(x.dtype, complex_state=True),
+                     segment_pos, initial_state, output_final_state, backend, chunk_size, cu_seqlens)
 
 
 def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,

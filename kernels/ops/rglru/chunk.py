@@ -18,8 +18,8 @@ import triton.language as tl
 
 from ..accounting import account
 from ..checks import check_chunk_size
-from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_pow2, empty, empty_like, launcher, next_pow2, out, scratch,
-                           tl_acc)
+from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_pow2, empty, empty_like, launcher, next_pow2, out,
+                           scratch, tl_acc)
 from .common import affine, excl_scan, load_tile, param_sp, pass_inputs, row_of, tile_grads, tile_states
 
 
