@@ -126,7 +126,8 @@ torch.library.register_autograd("kernels::samu_fwd", _op_backward, setup_context
 def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
          initial_state, output_final_state, opts):
     spec = _config(backend, opts_key(opts))
-    pa, ra = (scalar_param(v, x.device, acc_dtype(x.dtype)) for v in (phase_amp, radial_amp))
+    acc = acc_dtype(x.dtype)
+    pa, ra = scalar_param(phase_amp, x.device, acc), scalar_param(radial_amp, x.device, acc)
     # a conjugate view (h.conj()) has no real view for the kernels: materialise it
     h0 = None if initial_state is None else torch.view_as_real(initial_state.resolve_conj())
     args = (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log)
