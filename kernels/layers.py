@@ -2,10 +2,9 @@
 two recurrent mixers (RG-LRU, SAMU), assembled into recurrent, MLP and residual blocks.
 
 Notation: B batch, T time, D model width, E recurrent width, M = E / 2 SAMU modes,
-H gate blocks, W = 4 convolution width. Semantics and parameter layout follow the
-official `recurrentgemma.torch` (weights copy one to one, kernels.convert), except that
-the convolution's decode cache drops inputs that precede a document start, so decoding
-through a document boundary gives what the full-sequence forward gives.
+H gate blocks, W = 4 convolution width. Semantics and parameter layout follow the official
+`recurrentgemma.torch` (kernels.convert), except that the convolution's decode cache drops
+inputs before a document start, so decoding through a boundary matches the full forward.
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ def _init_normal(w: torch.Tensor, b: torch.Tensor, variance_scale: float, fan_in
 
 @dataclass
 class RecurrentCache:
-    """Decode cache of one recurrent block: conv_state [B, W - 1, E] (activation dtype, the
-    last W - 1 conv inputs, oldest first), rnn_state [B, E] float32 (RG-LRU) or [B, M]
-    complex64 (SAMU), float64 / complex128 in a float64 model. `forward(..., cache)`
-    returns a new cache; `step(...)` updates it in place (so a decode step can be captured)."""
+    """Decode cache of one recurrent block: conv_state [B, W - 1, E] (the last conv inputs,
+    oldest first), rnn_state [B, E] FP32 (RG-LRU) or [B, M] complex64 (SAMU; float64 models:
+    float64 / complex128). `forward` returns a new cache; `step` updates it in place."""
 
     conv_state: torch.Tensor
     rnn_state: torch.Tensor
@@ -92,11 +90,10 @@ def _autocast_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
 
 
 class _BlockDiagonalNarrow(torch.autograd.Function):
-    """Block-diagonal linears sharing their input x, in autocast's narrow dtype: the values
-    of `(einsum(x, w) + b).to(x.dtype)`, b added in its wider dtype and rounded once. Each
-    batched GEMM over the H blocks writes its [N, H, j] output in place through an [H, N, j]
-    view (cuBLAS takes its leading dimension H * j as is), so that no copy is made; the
-    backward writes one dx for all the linears the same way into x's layout."""
+    """Block-diagonal linears sharing their input x, in autocast's narrow dtype:
+    `(einsum(x, w) + b).to(x.dtype)`, b added in its wider dtype. Each batched GEMM writes
+    its [N, H, j] output through an [H, N, j] view (cuBLAS takes the leading dimension H * j
+    as is), so no copy is made; the backward writes one dx for all linears the same way."""
 
     @staticmethod
     def forward(ctx, x, *wb):
@@ -137,8 +134,7 @@ class _BlockDiagonalNarrow(torch.autograd.Function):
 
 
 def block_diagonal(x: torch.Tensor, *linears: "BlockDiagonalLinear") -> tuple[torch.Tensor, ...]:
-    """Each of `linears` applied to x. Under autocast (eager) in one autograd node whose
-    backward gives x one gradient; otherwise each module's plain formula."""
+    """Each of `linears` applied to x; under autocast (eager) in one autograd node."""
     dt = _autocast_dtype(x, linears[0].w)
     if dt is None:
         return tuple(m(x) for m in linears)
@@ -172,12 +168,9 @@ class BlockDiagonalLinear(nn.Module):
 
 
 class Conv1D(nn.Module):
-    """Depthwise causal convolution over time, width W (4 in Hawk), with bias.
-
-    Output t sums w[W-1-s] * x[t-s] over shifts s < W, leaving out every x[t-s] that
-    lies before a document start in (t-s, t] (segment_pos == 0). w: [W, E], b: [E].
-    On CUDA without a cache in or out (training) it runs the fused kernels.ops.conv.causal_conv1d.
-    """
+    """Depthwise causal convolution over time, width W, with bias: output t sums
+    w[W-1-s] * x[t-s] over s < W, leaving out x[t-s] before a document start in (t-s, t].
+    w: [W, E], b: [E]. On CUDA without a cache in or out it runs ops.conv.causal_conv1d."""
 
     def __init__(self, width: int, temporal_width: int = 4, w_init_variance_scale: float = 0.01,
                  device=None, dtype=None):
@@ -197,8 +190,8 @@ class Conv1D(nn.Module):
 
     def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [B, T, E]; segment_pos: [B, T] or None (no document starts); cache:
-        [B, W-1, E] (the inputs before x). Returns (y [B, T, E], new cache or None)."""
+        """x: [B, T, E]; segment_pos: [B, T] or None; cache: [B, W-1, E], the inputs before x.
+        Returns (y [B, T, E], new cache or None)."""
         B, T, _ = x.shape
         check_segment_pos(segment_pos, B, T)
         if cache is None and not return_cache and x.is_cuda:
@@ -248,8 +241,8 @@ class Conv1D(nn.Module):
 
 def rnn_param_init(param: torch.Tensor, min_rad: float = 0.9, max_rad: float = 0.999,
                    eps: float = 1e-8) -> torch.Tensor:
-    """Official RG-LRU initialisation: r = exp(-softplus(a_param)) uniform by area on
-    the ring [min_rad, max_rad], i.e. a_param = softplus^-1(-log r) with r^2 uniform."""
+    """Official RG-LRU initialisation: r = exp(-softplus(a_param)) uniform by area on the
+    ring [min_rad, max_rad]."""
     with torch.no_grad():
         param.uniform_(min_rad**2 + eps, max_rad**2 + eps)
         param.log_().mul_(0.5)
@@ -257,9 +250,8 @@ def rnn_param_init(param: torch.Tensor, min_rad: float = 0.9, max_rad: float = 0
 
 
 class Mixer(nn.Module):
-    """A recurrent mixer running the op `OP` (kernels.ops): `backend` picks the sequence
-    kernel, `step_backend` the decode kernel (see set_backend). Subclasses give the op's
-    arguments: `_inputs(x)` before segment_pos, `step_params()` the step's after x."""
+    """A recurrent mixer running the op `OP` with `backend` and its decode step with
+    `step_backend` (set_backend); subclasses give `_inputs(x)` and `step_params()`."""
 
     OP = ""
     COMPLEX_STATE = False
@@ -277,13 +269,11 @@ class Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, segment_pos: torch.Tensor | None, cache: torch.Tensor | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [B, T, E]; segment_pos: [B, T]; cache: the state before x. Returns (y [B, T, E],
-        final state or None)."""
+        """x: [B, T, E]; cache: the state before x. Returns (y, final state or None)."""
         return getattr(ops, self.OP)(*self._inputs(x), segment_pos, cache, return_cache, backend=self.backend)
 
     def step(self, x: torch.Tensor, state: torch.Tensor, reset: torch.Tensor | None = None, **kw) -> torch.Tensor:
-        """One token. x: [B, E]; state updated in place; reset: [B] bool; kw: what the op's
-        step takes besides (SAMU: modes, see decode_modes)."""
+        """One token. x: [B, E]; state updated in place; kw: SAMU's modes (decode_modes)."""
         return getattr(ops, f"{self.OP}_step")(x, *self.step_params(), state, reset, backend=self.step_backend, **kw)
 
 
@@ -351,20 +341,17 @@ class SAMU(Mixer):
         return self.phase_dir, self.radial_dir, self.phase_amp, self.radial_amp, self.nu_log, self.theta_log
 
     def decode_modes(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """What `step(..., modes=)` takes for inputs of `dtype` until the parameters change:
-        the mode table the Triton decode steps read (kernels.ops.samu_mode_table), None
-        where this layer's steps run the PyTorch reference."""
+        """`step(..., modes=)` for inputs of `dtype` until the parameters change: the mode
+        table the Triton steps read, None where the steps run the reference."""
         if ops.step_has_backward("samu", self.step_backend, self.nu_log.device):
             return None
         return ops.samu_mode_table(self.nu_log, self.theta_log, dtype)
 
 
 def set_backend(module: nn.Module, backend, step_backend=None) -> nn.Module:
-    """Select the kernels of every mixer in `module` (itself included): `backend` for
-    sequences (a kernels.backends name, "auto" or a kernels.Backend), `step_backend` for
-    one-token decode (a kernels.step_backends name, "auto" or a Backend; by default
-    "reference" when backend is "reference", else "auto" with `backend`'s table, whose
-    decode entries pick the step kernel per batch size)."""
+    """Select the kernels of every mixer in `module`: `backend` for sequences, `step_backend`
+    for decode steps (names, "auto" or Backends; default "reference" with a "reference"
+    backend, else "auto" with `backend`'s table, which picks the step per batch size)."""
     backend = ops.Backend.of(backend)
     if step_backend is None:
         step_backend = "reference" if backend.name == "reference" else ops.Backend("auto", table=backend.table)
@@ -427,10 +414,9 @@ class RecurrentBlock(nn.Module):
 
     def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None,
              **mixer_kw) -> torch.Tensor:
-        """One token. x: [B, D]; cache updated in place; reset: [B] bool; mixer_kw: what the
-        mixer's step takes besides (SAMU: modes). Returns [B, D]. With a Triton mixer step
-        (no backward) an input or parameter that requires grad under grad mode raises
-        ValueError before any cache tensor changes."""
+        """One token. x: [B, D]; cache updated in place; mixer_kw: SAMU's modes. With a
+        Triton mixer step (no backward) an input or parameter requiring grad under grad mode
+        raises ValueError before any cache tensor changes."""
         step = self.mixer.step_backend
         if torch.is_grad_enabled() and not ops.step_has_backward(self.mixer_name, step, x.device):
             params = dict(self.named_parameters())
@@ -442,9 +428,8 @@ class RecurrentBlock(nn.Module):
 
 
 class MLPBlock(nn.Module):
-    """Gated GeLU MLP: ffw_down(gelu(up_gate(x)) * up_value(x)). `ffw_up` is one
-    Linear(D, 2 * expanded) whose first half is the gate and second half the value; the
-    gated GeLU runs fused where _fused_gelu (kernels.ops.geglu.geglu)."""
+    """Gated GeLU MLP: ffw_down(gelu(gate) * value), gate and value the halves of one
+    Linear(D, 2 * expanded) `ffw_up`; fused where _fused_gelu."""
 
     def __init__(self, width: int, expanded_width: int, final_w_init_variance_scale: float = 1.0,
                  device=None, dtype=None):
@@ -491,8 +476,7 @@ class ResidualBlock(nn.Module):
 
     def step(self, x: torch.Tensor, cache: RecurrentCache, reset: torch.Tensor | None = None,
              **mixer_kw) -> torch.Tensor:
-        """One token. x: [B, D]; cache updated in place; mixer_kw as RecurrentBlock.step's.
-        Returns [B, D]."""
+        """One token. x: [B, D]; cache updated in place; mixer_kw as RecurrentBlock.step's."""
         residual = self.recurrent_block.step(self.temporal_pre_norm(x), cache, reset, **mixer_kw) + x
         return self.mlp_block(self.channel_pre_norm(residual)) + residual
 

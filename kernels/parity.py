@@ -1,14 +1,11 @@
 """Correctness gates: the comparisons that the tests and the pipeline's audit run.
 
-Every check returns rows {"check", "error", "tolerance", "passed", ...context}, `error`
-being rel_err(got, want). Oracles: the unmodified official `recurrentgemma==1.0.1` torch
-code (RG-LRU, Conv1D, the Hawk residual block, an all-recurrent Griffin) and the float64
-references of kernels.ops.reference (every backend and decode step; SAMU itself as
-complex128 `samu` against real `samu_real`). Tolerances, never loosened to make a run
-pass: OFFICIAL_FP32_TOL, BACKEND_TOL, and below float32 LOWP_FACTOR times the error of
-the same computation in PyTorch at that precision, at least the dtype's epsilon (two
-correct results may round one ulp apart). The reference backend's rows below float64
-are recorded, not gated (role "yardstick": its error measures the problem's conditioning).
+Every check returns rows {"check", "error" = rel_err(got, want), "tolerance", "passed",
+...context}. Oracles: the official `recurrentgemma==1.0.1` torch code and the float64
+references of kernels.ops.reference. Tolerances: OFFICIAL_FP32_TOL, BACKEND_TOL, and below
+float32 LOWP_FACTOR times the error of the same computation in PyTorch at that precision, at
+least the dtype's epsilon (two correct results may round one ulp apart). The reference
+backend's rows below float64 are recorded, not gated (its error measures the conditioning).
 """
 
 from __future__ import annotations
@@ -57,10 +54,9 @@ def _lowp_tol(dtype, err_pytorch):
 
 
 def make_segment_pos(B, T, resets=True, seed=0, device="cpu"):
-    """Positions [B, T] (int64). With resets, rows cycle through four patterns:
-    continuation (no reset at t = 0) with two mid-sequence resets; resets at t = 0,
-    at chunk edges (8, 16, 32, 64) and a run of three; resets at t = 0, 1 and random
-    places incl. t = T - 1; no reset at all. Without resets every position is >= 1."""
+    """Positions [B, T] (int64). With resets, rows cycle through: a continuation with two
+    mid-sequence resets; resets at t = 0, at chunk edges and a run of three; resets at t = 0,
+    1, T - 1 and at random; none. Without resets every position is >= 1."""
     g = torch.Generator().manual_seed(seed + 17)
     pos = torch.empty(B, T, dtype=torch.int64)
     for b in range(B):
@@ -92,9 +88,8 @@ def _positions(B, T, n, resets, seed, device, width=0):
 
 
 def _official(dtype, seed, build, backend="auto", bias_std=0.0):
-    """(official, ours): `build(recurrentgemma.torch)` seeded, biases and norm scales (zero
-    at the official init) ~ N(0, bias_std**2), every parameter rounded to `dtype` (the
-    module stays FP32); ours its conversion in `dtype`, the mixer on `backend`."""
+    """(official, ours): `build(recurrentgemma.torch)` seeded, biases and norm scales ~
+    N(0, bias_std**2), parameters rounded to `dtype` (kept FP32); ours its conversion."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"expected dtype float32, bfloat16 or float16 for an official check, got {dtype}")
     torch.manual_seed(seed)
@@ -108,9 +103,8 @@ def _official(dtype, seed, build, backend="auto", bias_std=0.0):
 
 
 def _decode(m, inp, dpos, cache):
-    """One-token steps of inputs inp(i) at positions dpos [B, n] from `cache`: ours by its
-    step (the cache updated in place), an official module by one-token forward calls.
-    Returns (outputs [B, n, ...] or None, final cache, the tensor cache after each step)."""
+    """One-token steps of inputs inp(i) at positions dpos [B, n] from `cache` (official
+    modules: one-token forwards). Returns (outputs or None, final cache, tensor caches)."""
     ys, trail = [], []
     for i in range(dpos.shape[1]):
         p = dpos[:, i: i + 1]
@@ -128,8 +122,8 @@ def _decode(m, inp, dpos, cache):
 
 def _official_rows(name, run, official, ours, dtype, context):
     """One row per stage of `run(module, dtype) -> {stage: tensor}`: ours at `dtype` against
-    the FP32 official module. Below float32 the yardstick is the smaller error of the
-    official module and ours on the reference backend at `dtype` (SPEC 4)."""
+    the FP32 official module; below float32 the yardstick is the smaller error of the official
+    module and ours on the reference backend at `dtype` (SPEC 4)."""
     with torch.no_grad():
         want = run(official, torch.float32)
         got = run(ours, dtype)
@@ -146,9 +140,8 @@ def _official_rows(name, run, official, ours, dtype, context):
 
 def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.float32, seed=0,
                          resets=True, backend="reference", decode_steps=4):
-    """RG-LRU against the official layer: sequence output and final state from an empty
-    and from a cached state, the gradients of x, the initial state and every parameter
-    (a_param, both gates' w and b), then one-token decode steps (output and state)."""
+    """RG-LRU against the official layer: outputs and final states from an empty and a cached
+    state, the gradients of x, the initial state and every parameter, then decode steps."""
     official, ours = _official(dtype, seed, lambda rg: rg.RGLRU(D, heads, device=device), backend)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
     h0 = torch.randn(B, D, device=device)
@@ -182,9 +175,9 @@ def check_rglru_official(B=2, T=37, D=24, heads=4, device="cpu", dtype=torch.flo
 
 def check_conv1d_official(B=2, T=37, D=24, temporal_width=4, device="cpu", dtype=torch.float32, seed=0,
                           resets=True, decode_steps=4):
-    """Conv1D against the official layer: the sequence (masked at document starts), the
-    decode cache it leaves and decode steps from it. No document starts in the prompt's
-    last temporal_width - 1 positions (check_griffin_official covers them)."""
+    """Conv1D against the official layer: the sequence, its decode cache and decode steps.
+    No document starts in the prompt's last temporal_width - 1 positions (the official cache
+    keeps the previous document's inputs there; check_griffin_official covers them)."""
     official, ours = _official(dtype, seed, lambda rg: rg.Conv1D(D, temporal_width, device=device), bias_std=1.0)
     x = torch.randn(B, T + decode_steps, D, device=device).to(dtype).float()
     pos, dpos = _positions(B, T, decode_steps, resets, seed, device, temporal_width - 1)
@@ -211,9 +204,8 @@ _BLOCK_STAGES = {   # stage: its module's path, the same in ours and the officia
 def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, mlp_expanded_width=96,
                                   device="cpu", dtype=torch.float32, seed=0, resets=True,
                                   backend="reference", decode_steps=3):
-    """The Hawk residual block with weights copied from the official one, stage by stage:
-    norm, both projections, conv, RG-LRU sequence, final state, conv cache, temporal
-    block, MLP, block output; then decode steps (block output and both states)."""
+    """The Hawk residual block against the official one, stage by stage (_BLOCK_STAGES, the
+    output, both states), then decode steps."""
     official, ours = _official(dtype, seed, lambda rg: rg.ResidualBlock(
         width, mlp_expanded_width, heads, 1024, rg.TemporalBlockType.RECURRENT, lru_width, device=device),
         backend, bias_std=0.1)
@@ -253,9 +245,8 @@ def check_residual_block_official(B=2, T=37, width=32, lru_width=48, heads=4, ml
 def check_griffin_official(B=2, T=29, vocab_size=97, width=32, lru_width=48, heads=4, num_layers=2,
                            device="cpu", dtype=torch.float32, seed=0, resets=True, backend="reference",
                            decode_steps=4):
-    """A tiny all-recurrent Griffin against HawkLM: logits of a forward with resets, then of
-    decode steps. For ours alone: prompt + decode steps and prompt + chunked prefill equal
-    to one full forward (document starts in the prompt's tail and while decoding)."""
+    """A tiny all-recurrent Griffin against HawkLM: logits of a forward, then of decode steps.
+    Ours alone: prompt + decode steps and chunked prefill equal one full forward."""
     official, ours = _official(dtype, seed, lambda rg: rg.Griffin(rg.GriffinConfig(
         vocab_size=vocab_size, width=width, mlp_expanded_width=3 * width, num_heads=heads,
         block_types=(rg.TemporalBlockType.RECURRENT,) * num_layers, embeddings_scale_by_sqrt_dim=False,
@@ -299,9 +290,8 @@ def check_griffin_official(B=2, T=29, vocab_size=97, width=32, lru_width=48, hea
 
 
 def check_samu_reference(B=2, T=37, D=24, device="cpu", seed=0, resets=True):
-    """SAMU computed two independent ways in float64: complex128 `reference.samu` and
-    real-arithmetic `reference.samu_real`; outputs, final states and every gradient
-    (x, controller, spectrum, initial state), from an empty and from a non-zero state."""
+    """SAMU two independent ways in float64, complex128 `reference.samu` against real
+    `reference.samu_real`: outputs, final states and every gradient, from both states."""
     args, h0 = _inputs("samu", B, T, D, torch.float64, device, seed)
     pos = make_segment_pos(B, T, resets, seed, device)
     ctx = dict(shape=[B, T, D], dtype="float64", device=device, resets=resets)
@@ -319,9 +309,8 @@ INPUT_NAMES = {"rglru": ("x", "gate_x", "gate_a", "a_param"), "scan": ("a", "b")
 
 
 def _inputs(op, B, T, D, dtype, device, seed):
-    """(inputs of `op` in `dtype`, initial state): activations ~ N(0, 1) [B, T, D]; RG-LRU's
-    a_param and SAMU's parameters at the layers' initialisation (SAMU: |a| up to 0.999,
-    a non-zero controller bias, h0 complex128); the scan's |a| near 1."""
+    """(inputs of `op` in `dtype`, initial state): activations ~ N(0, 1) [B, T, D], parameters
+    at the layers' initialisation (SAMU: a non-zero controller bias), the scan's |a| near 1."""
     torch.manual_seed(seed)
     kw = dict(dtype=dtype, device=device)
     if op == "samu":
@@ -342,9 +331,8 @@ def _real(t):
 
 
 def _run_op(fn, args, h0, pos, opts, seed, kinks, names):
-    """{output, final_state, grad_<name> of every input, grad_initial_state unless h0 is
-    None (zeros where autograd gives None)} of one backend, for the float64 loss
-    sum(y * gy) + sum(h * gh) with seeded cotangents, gy zero where `kinks` [B, T, D]."""
+    """{output, final_state, grad_<input> (zeros for None), grad_initial_state} of one backend
+    for the loss sum(y * gy) + sum(h * gh), seeded cotangents, gy zero at `kinks`."""
     leaves = [a.detach().clone().requires_grad_() for a in args]
     hs = None if h0 is None else h0.detach().clone().requires_grad_()
     y, h = fn(*leaves, pos, hs, True, **opts)
@@ -364,9 +352,8 @@ def _run_op(fn, args, h0, pos, opts, seed, kinks, names):
 
 def _backend_rows(check, backend, got, want, yard, dtype, ctx):
     """One row per stage, within BACKEND_TOL[dtype] or, below float32, _lowp_tol of the error
-    of `yard` (the reference backend's stages at `dtype`). Recorded, not gated: the reference
-    backend below float64 (the yardstick) and a backend inexact by design (never counted
-    exact by cases.gated_backends)."""
+    of `yard` (the reference at `dtype`). Recorded, not gated: the reference below float64
+    and a backend inexact by design."""
     role = ("yardstick" if backend == "reference" and dtype != torch.float64
             else "inexact-by-design" if backend in ops.inexact_backends() else None)
     rows = []
@@ -394,11 +381,9 @@ def samu_relu_kinks(args64, h064, pos):
 
 
 def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0, resets=True):
-    """Every backend of `op` ("rglru", "samu", "scan") in kernels.backends(op) against the
-    float64 reference: output, final state and the gradient of every input (initial
-    state included), with resets and a non-zero initial state; the "chunk" backend once
-    per chunk size. Activations in `dtype`, parameters and the state in FP32 (float64
-    when dtype is float64)."""
+    """Every backend of `op` ("rglru", "samu", "scan") against the float64 reference: output,
+    final state and every gradient, with resets and a non-zero initial state; "chunk" once
+    per chunk size. Activations in `dtype`, parameters and the state in state_dtype(dtype)."""
     if op not in INPUT_NAMES:
         raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
     names = INPUT_NAMES[op]
@@ -423,12 +408,10 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
 
 
 def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float32, seed=0, options=None):
-    """Every decode step backend of `op` ("rglru", "samu") against the float64 reference:
-    each step's output and the final state of `steps` steps from a non-zero state, row 0
-    reset at the second step and every row at the third. Inputs and weights in `dtype`
-    (SAMU's parameters FP32, as the layer holds them), the state FP32 (float64 for
-    float64). options {"op/backend": [launcher options, ...]} (the tune stage's
-    candidates) add a variant per set; SAMU's Triton steps also run reading the mode table."""
+    """Every decode step backend of `op` ("rglru", "samu") against the float64 reference: the
+    outputs and final state of `steps` steps from a non-zero state, row 0 reset at step 2 and
+    every row at step 3. options {"op/backend": [launcher options, ...]} add a variant per
+    set; SAMU's Triton steps also run reading the mode table."""
     if op not in ("rglru", "samu"):
         raise ValueError(f"expected op in ['rglru', 'samu'], got {op!r}")
     torch.manual_seed(seed)
@@ -472,11 +455,9 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
 
 def check_captured_train_step(preset="tiny", B=2, T=64, vocab_size=256, steps=3, device="cuda",
                               dtype=torch.float32, seed=0, backend="auto"):
-    """The training step captured in a CUDA graph (`CapturedTrainStep`) against the same
-    steps run eagerly from the same weights and batches, per mixer: each step's loss and
-    every parameter after the last step. float32: an FP32 step; bfloat16 / float16: FP32
-    weights under autocast. Both paths launch the same kernels in the same order, so the
-    tolerance is BACKEND_TOL's float32 one at every dtype."""
+    """`CapturedTrainStep` against the same steps run eagerly, per mixer: each loss and every
+    parameter after the last step (bfloat16 / float16: FP32 weights under autocast). Both
+    launch the same kernels in the same order: BACKEND_TOL's float32 one at every dtype."""
     if torch.device(device).type != "cuda":
         raise ValueError(f"a captured training step needs a CUDA device, got {device!r}")
     from .models import CapturedTrainStep, HawkConfig, train_step
@@ -523,10 +504,9 @@ DEFAULT_PROFILE = {
 
 
 def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.float32, backend="reference"):
-    """The rows of every gate for one device and dtype. profile_shapes: {gate of
-    DEFAULT_PROFILE: [keyword arguments of its check]} (a missing gate takes the default, []
-    skips it). `backend`: the official-parity modules' mixer backend. The official gates run
-    with and without resets, in float32 when dtype is float64."""
+    """The rows of every gate. profile_shapes: {gate: [its check's keyword arguments]} (missing:
+    DEFAULT_PROFILE's, []: skipped); `backend`: the official-parity modules' mixer backend.
+    The official gates run with and without resets, in float32 for float64."""
     profile = {**DEFAULT_PROFILE, **(profile_shapes or {})}
     unknown = set(profile) - set(DEFAULT_PROFILE)
     if unknown:

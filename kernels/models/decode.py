@@ -1,17 +1,11 @@
 """Fused pieces of the Hawk decode step (one token per row) for the generation engine.
 
 Notation: M rows, D model width, E recurrent width, F MLP hidden width, CW conv width.
-Activations are in the model dtype (bf16, fp16 or fp32), arithmetic in FP32, rounded where
-`HawkLM.step` rounds (every nn.Module output, GeLU's too, as in kernels.ops.geglu), so
-results differ from it only in FP32 summation order.
-
-- row kernels around library matmuls (any M): `embed_rmsnorm`, `add_rmsnorm` (residual
-  add then RMSNorm), `conv_step` (state updated in place), `gelu_mul`;
-- `linear`: a weight-streaming split-K matmul for M <= 64 that reads each weight once and
-  fuses the row work around it, so a Hawk layer is four launches plus the mixer step;
-- `advance`: the decoding state after the next-token choice, in one launch.
-
-Nothing here synchronises with the host, so every launcher can run under CUDA-graph capture.
+Arithmetic in FP32, rounded to the model dtype (bf16, fp16, fp32) where `HawkLM.step` rounds,
+so results differ from it only in FP32 summation order. Row kernels wrap library matmuls
+(any M); `linear` is a weight-streaming split-K matmul for M <= 64 that fuses the row work
+around it (a Hawk layer is four launches plus the mixer step); `advance` updates the decoding
+state after the next-token choice. Nothing synchronises with the host (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -67,8 +61,8 @@ def rmsnorm_rows_kernel(src, tokens, x, scale, xn, D, eps, BD: tl.constexpr, EMB
 @triton.jit
 def _conv(v, cstate, cw, cb, reset, o_m, m_m, o_c, m_c, E, HAS_RESET: tl.constexpr, CW: tl.constexpr,
           TY: tl.constexpr, RNE: tl.constexpr):
-    """Conv decode step on tile [BM, BC] of channels o_c: v is the new input (FP32,
-    already in the model's precision); the state [M, CW-1, E] shifts in place."""
+    """Conv decode step on tile [BM, BC]: v, the new input (FP32 in the model's precision),
+    shifts into the state [M, CW-1, E] in place."""
     m2 = m_m[:, None] & m_c[None, :]
     base = o_m.to(tl.int64)[:, None] * ((CW - 1) * E) + o_c[None, :]
     if HAS_RESET:
@@ -161,9 +155,8 @@ def _w_tile(wp, o_n, m_n, o_k, m_k, K):
 @triton.jit
 def _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO: tl.constexpr, TY: tl.constexpr,
             RNE: tl.constexpr):
-    """Input tile [BM, BK] in the model dtype and the running squares [BM, BK] of the
-    raw inputs (PRO_NORM: the tile is round(a * (1 + scale)); 1 / rms is applied to the
-    row sums after the reduction over K)."""
+    """Input tile [BM, BK] in the model dtype and the raw inputs' running squares [BM, BK]
+    (PRO_NORM: round(a * (1 + scale)); 1 / rms scales the row sums after the K reduction)."""
     m2 = m_m[:, None] & m_k[None, :]
     rows = o_m.to(tl.int64)[:, None]
     t = tl.load(a + rows * sa + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -464,12 +457,10 @@ CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "num_warps", "num_stages")
 
 
 def default_config(cols: int, K: int, rows: int = 16) -> dict:
-    """Tiles of `linear` (keys CONFIG_KEYS) for `cols` output columns per row (both
-    halves of EPI_XY, the gate half of EPI_GATED), reduction length K and `rows` rows:
-    the TUNED entry, else what the sweep favoured: a few hundred programs (BN-column
-    blocks times K splits), each streaming at least ~512 of K. BK: slice of K per
-    iteration; SPLIT: requested K splits (see split_plan); SWAP: the weight tile as the
-    dot's M operand (M = BN >= 64 suits wgmma)."""
+    """Tiles of `linear` (CONFIG_KEYS) for `cols` output columns (both halves of EPI_XY, the
+    gate half of EPI_GATED), reduction length K and `rows` rows: the TUNED entry, else what
+    the sweep favoured: a few hundred programs (column blocks x K splits) streaming >= ~512
+    of K each. BK: K per iteration; SPLIT: K splits (split_plan); SWAP: as in _mma."""
     tuned = TUNED.get((cols, K, rows_block(rows)))
     if tuned is not None:
         return dict(tuned, num_stages=3)
@@ -506,10 +497,9 @@ def split_plan(K: int, BK: int, split: int) -> tuple[int, int]:
 
 
 class Workspace:
-    """Scratch of split-K linears: FP32 partial sums and per-column-block arrival counts
-    (int32, zero between launches). Launches sharing one must run on one stream. It grows
-    on demand but not under CUDA-graph capture (a graph keeps the storage it captured):
-    run the step once before capturing it."""
+    """Scratch of split-K linears: FP32 partials and per-column-block arrival counts (zero
+    between launches); one stream per workspace. It grows on demand, never under CUDA-graph
+    capture (a graph keeps the storage it captured): run the step once before capturing."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -538,12 +528,10 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     (in place, returned); EPI_XY -> (round(gelu(y)) [M, N], conv step of a @ w2.T + bias2
     [M, N]) with conv = (conv_state [M, CW-1, N], conv_w [CW, N], conv_b [N]) and reset;
     EPI_GATED -> round(gelu(y_gate)) * y_value [M, N] from w's two halves.
-    config: tile options overriding `default_config`; workspace: a `Workspace` for the
-    split-K partials (default: fresh scratch per call); pdl: programmatic dependent launch
-    (Hopper: scheduled while the previous kernel finishes, waiting before its first read).
-    Weights, biases and a2 are in a's dtype on its device (the dot reads a and w in one
-    precision, as F.linear does); strided vectors are copied; out, out2, residual and
-    conv_state must not share memory with a, a2 or each other (ValueError otherwise).
+    config: tile options overriding `default_config`; workspace: a `Workspace` (default:
+    fresh scratch per call); pdl: programmatic dependent launch (Hopper). Weights, biases
+    and a2 in a's dtype on its device (the dot reads a and w in one precision, as F.linear);
+    out, out2, residual and conv_state must not overlap a, a2 or each other (ValueError).
     """
     a = _arg("a", a, (None, None), None, None)
     (M, K), dt, dev = a.shape, a.dtype, a.device

@@ -5,24 +5,20 @@ captured in a CUDA graph per batch size, sampling, stop tokens and a streaming i
     out = engine.generate(prompts, 128, temperature=0.8, top_k=50, stop_tokens=[1])
     for tokens in engine.stream(prompts, 128): ...              # tokens [B] per step
 
-Each batch size B has one `_Slot` of static decoding state. A step (logits, then the
-next-token choice written into the slot's `tokens`) has no host synchronisation; on CUDA it
-is captured once per (B, greedy or sampled, top_k, generator) and replayed. A graph keeps
-the parameter storage it captured: build a new engine after replacing parameters (SAMU's
-mode tables are recomputed in place at every `start`, so in-place updates are seen).
+Each batch size has one `_Slot` of static decoding state. A step has no host
+synchronisation; on CUDA it is captured once per (B, greedy or sampled, top_k, generator)
+and replayed. A graph keeps the parameter storage it captured: build a new engine after
+replacing parameters (SAMU's mode tables are refreshed in place at every `start`).
 
-Prompts are left-padded to a common length P; as in recurrentgemma's sampler, positions
-are t - (P - length) clipped at -1, so each row's first real token is a document start
-and pads never reach a real token. An empty prompt is [bos_id]. Prefill runs the first
-P - 1 columns through the blocks' sequence path in chunks of `prefill_chunk`; the last
-prompt token is the first step's input.
+Prompts are left-padded to a common length P; as in recurrentgemma's sampler, positions are
+t - (P - length) clipped at -1, so pads never reach a real token. An empty prompt is
+[bos_id]. Prefill runs the first P - 1 columns in chunks of `prefill_chunk`; the last prompt
+token is the first step's input.
 
-Step kernels (`kernels=`), all computing HawkLM.step with its roundings: "model"
-(HawkLM.step's own layers; any device and dtype); "fused" (library matmuls plus the row
-kernels of kernels.models.decode); "gemm" (decode's weight-streaming linears, for B <= 64,
-"fused" above); "auto" (on CUDA: "gemm" up to AUTO_GEMM_MAX_ROWS rows and "fused" above
-for bf16/fp16, "fused" for fp32; "model" elsewhere). PDL (`pdl=None`) is on for "gemm"
-on Hopper and newer.
+Step kernels (`kernels=`), all with HawkLM.step's roundings: "model" (its own layers); "fused"
+(library matmuls plus decode's row kernels); "gemm" (decode's weight-streaming linears, for
+B <= 64, "fused" above); "auto" (CUDA: "gemm" up to AUTO_GEMM_MAX_ROWS rows for bf16/fp16,
+else "fused"; "model" elsewhere).
 """
 
 from __future__ import annotations
@@ -53,8 +49,8 @@ MIN_TEMPERATURE = 1e-6
 
 
 def _sampling(temperature, top_k, V: int) -> tuple[float, int | None]:
-    """(temperature, top_k) checked: temperature 0 picks the argmax, otherwise sample
-    softmax(logits / temperature), restricted to the top_k logits when top_k is set."""
+    """(temperature, top_k) checked: temperature 0 is greedy, else sample softmax(logits / t)
+    over the top_k logits."""
     t = float(temperature)
     if not (t == 0 or t >= MIN_TEMPERATURE):        # NaN fails both
         raise ValueError(f"expected temperature 0 (greedy) or at least {MIN_TEMPERATURE:g} (the logits are "
@@ -95,8 +91,8 @@ class _Slot:
 
 
 def _ids(v, name: str, scalar: bool = False) -> torch.Tensor:
-    """Token ids given as a sequence, tensor or array (`scalar`: or one int) -> int64
-    [n], never rounded; anything else (a string, a ragged list, floats) raises ValueError."""
+    """Token ids (a sequence, tensor or array; `scalar`: or one int) -> int64 [n], never
+    rounded; anything else raises ValueError."""
     what = f"expected {name} a sequence of integer token ids, got"
     if isinstance(v, (str, bytes)):
         raise ValueError(f"{what} {v!r} ({type(v).__name__})")
@@ -110,11 +106,9 @@ def _ids(v, name: str, scalar: bool = False) -> torch.Tensor:
 
 
 class Engine:
-    """Generation for one HawkLM. `kernels`: see the module docstring; `graphs`: capture
-    and replay the step (default: on CUDA); `pdl`: programmatic dependent launch between
-    the weight-streaming linears (None: on compute capability >= 9); `linear_configs`:
-    their tile options by role (LINEAR_ROLES; see decode.default_config). The mixer
-    kernels are the model's (HawkLM.set_backend)."""
+    """Generation for one HawkLM. `graphs`: capture and replay the step (default: on CUDA);
+    `pdl`: programmatic dependent launch between the weight-streaming linears (None: on
+    compute capability >= 9); `linear_configs`: their tiles by role (LINEAR_ROLES)."""
 
     def __init__(self, model: HawkLM, *, kernels: str = "auto", graphs: bool | None = None, pdl: bool | None = None,
                  prefill_chunk: int = 1024, bos_id: int = BOS_ID, pad_id: int = 0,
@@ -198,8 +192,7 @@ class Engine:
                 "linear_configs": dict(self.linear_configs)}
 
     def _prompt_batch(self, prompts, lengths):
-        """(tokens [B, P] on the model's device, lengths [B]): prompts left-padded, an empty
-        row made [bos_id]."""
+        """(tokens [B, P], lengths [B]): prompts left-padded, an empty row made [bos_id]."""
         V = self.model.config.vocab_size
         if isinstance(prompts, torch.Tensor):
             if prompts.dim() != 2 or not is_integer_dtype(prompts.dtype):
@@ -267,15 +260,10 @@ class Engine:
     def start(self, prompts=None, *, batch_size: int | None = None, lengths=None, temperature: float = 0.0,
               top_k: int | None = None, stop_tokens: Sequence[int] = (),
               generator: torch.Generator | None = None) -> int:
-        """Prefill a prompt batch and make it the current batch; returns B.
-
-        prompts: None (batch_size empty prompts: decoding starts from bos_id), a [B, P]
-        integer tensor (with `lengths` [B]: each row's real tokens are its last
-        lengths[b], the rest is left padding), or a list of token sequences (left-padded
-        here). temperature, top_k: the next-token choice; stop_tokens: at most
-        MAX_STOP_TOKENS ids after which a row emits pad_id; generator: a torch.Generator
-        on the model's device for sampling.
-        """
+        """Prefill a prompt batch and make it the current batch; returns B. prompts: None
+        (batch_size empty prompts), a [B, P] integer tensor (`lengths` [B]: each row's real
+        tokens are its last lengths[b]) or a list of token sequences. stop_tokens: at most
+        MAX_STOP_TOKENS ids after which a row emits pad_id; generator: for sampling."""
         V = self.model.config.vocab_size
         temperature, top_k = _sampling(temperature, top_k, V)
         stops = _ids(stop_tokens, "stop_tokens", scalar=True).tolist()
@@ -303,10 +291,8 @@ class Engine:
         return s.B
 
     def _refresh_step_kw(self) -> None:
-        """Per block, what its mixer's decode step takes besides x, state and reset: a SAMU
-        layer's mode table of the parameters as they are now, written into the tensors
-        captured graphs read (a table the reference step would ignore is kept, never freed
-        under a graph)."""
+        """Per block, its mixer step's extra arguments: a SAMU layer's mode table of the
+        current parameters, written into the tensors captured graphs read (never freed)."""
         for kw, block in zip(self._step_kw, self.model.blocks):
             mixer = block.recurrent_block.mixer
             tab = mixer.decode_modes(self.dtype) if isinstance(mixer, SAMU) else None
@@ -440,10 +426,9 @@ class Engine:
     @torch.no_grad()
     def stream(self, prompts=None, max_new_tokens: int = 1, *, with_logits: bool = False, sync_every: int = 8,
                **start_kw) -> Iterator:
-        """start(prompts, **start_kw), then yield each step's tokens [B] (device tensors; rows
-        that stopped yield pad_id), or (tokens, logits [B, V]) with with_logits. With stop
-        tokens the iterator ends once every row has stopped, checked every `sync_every`
-        steps (one host synchronisation each)."""
+        """start(prompts, **start_kw), then yield each step's tokens [B] (stopped rows: pad_id),
+        or (tokens, logits [B, V]) with with_logits. With stop tokens it ends once every row
+        has stopped, checked every `sync_every` steps (one host synchronisation each)."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"expected max_new_tokens a non-negative int, got {max_new_tokens!r}")
         if not isinstance(sync_every, int) or sync_every < 1:
