@@ -27,13 +27,8 @@ TINY_VOCAB = 256
 
 @dataclass(frozen=True)
 class HawkConfig:
-    """An all-recurrent (Hawk) model.
-
-    width: model width D; num_layers: residual blocks; lru_width: recurrent width
-    D_RNN; mlp_expanded_width: hidden width of the gated MLP; num_heads: attention
-    heads of the preset table (kept for the record, Hawk has no attention);
-    gate_blocks: diagonal blocks of the RG-LRU gates; mixer: "rglru" or "samu".
-    """
+    """An all-recurrent (Hawk) model. num_heads: the preset table's attention heads (kept
+    for the record); gate_blocks: diagonal blocks of the RG-LRU gates; mixer: "rglru" or "samu"."""
 
     width: int
     num_layers: int

@@ -71,12 +71,10 @@ class HawkLM(nn.Module):
         return HawkCache([b.recurrent_block.init_cache(batch, dtype, self.device) for b in self.blocks])
 
     def _check_inputs(self, tokens, segment_pos, cache, shape):
-        """tokens and segment_pos of `shape` ([B, T] with T >= 1, or [B] for a step), on the
-        model's device, tokens int64 or int32 in [0, vocab_size); the cache (None: none) for
-        batch size B. The id range check reads two numbers back to the host: skipped while
-        torch.compile traces and under CUDA-graph capture, where no value can be read, and in
-        a CUDA training pass, where the read would stall the launch queue every step and the
-        embedding's device-side bounds check still stops an out-of-range id."""
+        """tokens and segment_pos of `shape` on the model's device, tokens in [0, vocab_size);
+        the cache for batch size B. The id range check reads back to the host: skipped under
+        torch.compile and CUDA-graph capture (no value can be read) and in a CUDA training
+        pass (a stall per step; the embedding's device-side bounds check still catches it)."""
         check_tensor("tokens", tokens, shape=shape)
         check_tensor("segment_pos", segment_pos, shape=tuple(tokens.shape))
         B, T = tokens.shape[0], (tokens.shape[1] if len(shape) == 2 else 1)
@@ -121,18 +119,15 @@ class HawkLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache | None = None,
                 return_cache: bool = True) -> tuple[torch.Tensor, HawkCache | None]:
-        """tokens, segment_pos: [B, T] (segment_pos = position in the document, 0 at each
-        document start); cache: state before these tokens (None = empty). Returns (logits
-        [B, T, V], cache after the tokens or None)."""
+        """tokens, segment_pos: [B, T] (0 at each document start); cache: the state before
+        (None: empty). Returns (logits [B, T, V], the cache after or None)."""
         x, new = self.hidden(tokens, segment_pos, cache, return_cache)
         return self.logits(x), new
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, segment_pos: torch.Tensor,
              ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross-entropy of `targets` [B, T] (the next tokens; ignore_index marks
-        positions left out) given tokens, segment_pos [B, T] as in forward, through the
-        chunked fused output projection (kernels.models.train.linear_cross_entropy):
-        equal to F.cross_entropy over forward's logits, without the [B, T, V] logits."""
+        """Mean cross-entropy of `targets` [B, T] (ignore_index: left out): F.cross_entropy
+        over forward's logits, without them (train.linear_cross_entropy)."""
         check_tensor("targets", targets, shape=tuple(tokens.shape))
         x, _ = self.hidden(tokens, segment_pos, return_cache=False)
         return linear_cross_entropy(self.final_norm(x).flatten(0, 1), self.embed.weight, targets.flatten(),
@@ -150,9 +145,8 @@ class HawkLM(nn.Module):
         return x, (HawkCache(new) if return_cache else None)
 
     def step(self, tokens: torch.Tensor, segment_pos: torch.Tensor, cache: HawkCache) -> torch.Tensor:
-        """One decode step: tokens, segment_pos [B] (0 starts a new document in that row);
-        `cache` is updated in place. Returns logits [B, V]. The Triton step backends (the
-        default on CUDA) have no backward: with them, decode under torch.no_grad()."""
+        """One decode step: tokens, segment_pos [B]; `cache` updated in place. Returns logits
+        [B, V]. The Triton step backends have no backward: decode under torch.no_grad()."""
         self._check_inputs(tokens, segment_pos, cache, (None,))
         reset = segment_pos == 0
         x = self.embed(tokens)

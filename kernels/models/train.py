@@ -1,8 +1,6 @@
 """The training step of a HawkLM, applied from outside the model (torchtitan style):
-forward through `HawkLM.loss` (a chunked fused output projection + cross-entropy that
-never holds the [B*T, V] logits), backward, gradient clipping and the optimizer, under
-autocast over the model's FP32 master weights. On CUDA the same step can run as one
-CUDA graph (`CapturedTrainStep`): one launch per step instead of about a thousand.
+`HawkLM.loss` (never holding the [B*T, V] logits), backward, clipping and the optimizer,
+under autocast over FP32 master weights; on CUDA also as one CUDA graph (`CapturedTrainStep`).
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=True)
     loss = train_step(model, opt, tokens, targets, segment_pos, autocast=torch.bfloat16)
@@ -19,11 +17,9 @@ LOGITS_PER_CHUNK = 1 << 26
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of h @ weight^T over the rows whose target is not ignored,
-    chunk by chunk: logits in `dtype` (as autocast's linear gives them), log-sum-exp in
-    FP32 (float64 for float64), and the gradients computed in the forward (softmax -
-    one-hot, scaled by 1 / rows kept, rounded to `dtype` as the unfused backward
-    rounds it), so the backward only scales them by the loss's cotangent."""
+    """Mean cross-entropy of h @ weight^T over the kept rows, chunk by chunk: logits in
+    `dtype`, log-sum-exp in at least FP32, the gradients formed in the forward (rounded to
+    `dtype` as the unfused backward rounds them), so the backward only scales them."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, ignore_index, chunk, dtype):
@@ -59,11 +55,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                          chunk_size: int | None = None) -> torch.Tensor:
-    """F.cross_entropy(h @ weight^T, targets, ignore_index=ignore_index) (the mean over
-    rows whose target is not `ignore_index`; NaN when there is none) without the [N, V]
-    logits: h [N, D], weight [V, D], targets [N] integer in [0, V) or ignore_index.
-    Under autocast the matmuls run in the autocast dtype (as F.linear's would), the
-    log-sum-exp in FP32. chunk_size: rows per chunk (default: about 2^26 logits)."""
+    """F.cross_entropy(h @ weight^T, targets, ignore_index=ignore_index) without the [N, V]
+    logits: h [N, D], weight [V, D], targets [N]. Under autocast the matmuls run in its
+    dtype, the log-sum-exp in FP32. chunk_size: rows per chunk (default: ~2^26 logits)."""
     if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
         raise ValueError(f"expected h [N, D] and weight [V, D], got h {list(h.shape)} and weight {list(weight.shape)}")
     if targets.shape != h.shape[:1] or targets.dtype not in (torch.int64, torch.int32):
@@ -89,10 +83,8 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
 def train_step(model, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
                segment_pos: torch.Tensor, grad_clip: float | None = 1.0,
                autocast: torch.dtype | None = None) -> torch.Tensor:
-    """One step: loss = model.loss(tokens, targets, segment_pos) under autocast in
-    `autocast` (None: the parameters' dtype), backward, gradient norm clipped to
-    `grad_clip` (None: not clipped; foreach), optimizer step, gradients set to None.
-    Returns the loss (detached)."""
+    """One step: model.loss under `autocast` (None: none), backward, gradient norm clipped to
+    `grad_clip` (None: not clipped), optimizer step, gradients set to None. Returns the loss."""
     with torch.autocast(tokens.device.type, dtype=autocast, enabled=autocast is not None):
         loss = model.loss(tokens, targets, segment_pos)
     loss.backward()
@@ -104,13 +96,11 @@ def train_step(model, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, ta
 
 
 class CapturedTrainStep:
-    """`train_step` captured once in a CUDA graph and replayed: each call copies the batch
-    into the graph's static inputs, replays the whole step (forward, backward, clipping,
-    optimizer) and returns the loss (a static tensor the next call overwrites).
-    Construction runs `warmup` eager steps on a side stream (real optimizer steps: they
-    compile and tune the kernels and create the optimizer state outside the capture),
-    then captures one step. Batches keep the shapes and dtypes of the first; the model's
-    parameters and the optimizer stay the same objects for the graph's life."""
+    """`train_step` captured once in a CUDA graph: each call copies the batch into the
+    static inputs, replays the step and returns the loss (overwritten by the next call).
+    Construction runs `warmup` real eager steps on a side stream (compiling the kernels and
+    creating the optimizer state), then captures one. Batches keep the first's shapes and
+    dtypes; parameters and optimizer must stay the same objects."""
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
                  segment_pos: torch.Tensor, grad_clip: float | None = 1.0, autocast: torch.dtype | None = None,

@@ -18,9 +18,8 @@ from .checks import (COMPLEX_DTYPES, FLOAT_DTYPES, MODE_CONSTS, check_chunk_size
                      state_dtype)
 from .tuning import Backend, TuningTable
 
-# Backend providers: BACKENDS = {op: {name: fn}}, optionally STEPS (decode steps) and
-# INEXACT (names never chosen). Imported under other names, since the ops rglru and samu
-# are defined below; without Triton the Triton packages are left out.
+# Backend providers: BACKENDS = {op: {name: fn}}, optionally STEPS and INEXACT (never
+# chosen). Renamed: the ops rglru and samu are defined below. Left out without Triton.
 try:
     from . import rglru as rglru_kernels, samu as samu_kernels
 
@@ -87,16 +86,14 @@ def _choose(op: str, backend, x, chunk_size=None) -> tuple[str, dict, object]:
 
 
 def resolve(op: str, backend, x: torch.Tensor, chunk_size=None) -> tuple[str, dict]:
-    """(backend name, launcher options) for a call of `op` on x [B, T, D], or of a decode
-    step ("rglru_step", "samu_step") on x [B, D]; cached. chunk_size (checked here)
-    overrides a Backend's or a table entry's; with a backend outside CHUNK_SIZE_BACKENDS
-    it raises ValueError, except under "auto", which drops it there (as on the CPU)."""
+    """(backend name, launcher options) for `op` on x [B, T, D] or a decode step
+    ("rglru_step", "samu_step") on x [B, D]; cached. chunk_size overrides a Backend's or a
+    table's; a named backend outside CHUNK_SIZE_BACKENDS refuses it, "auto" drops it."""
     return _choose(op, backend, x, chunk_size)[:2]
 
 
 def resolve_step(op: str, backend, x: torch.Tensor):
-    """The decode step callable of `op` ("rglru", "samu") for x [B, D], its options bound.
-    "auto" on CUDA: the table's decode entry nearest in log(B) (`tuned_step`), else "fused"."""
+    """The decode step callable of `op` ("rglru", "samu") for x [B, D], options bound."""
     return _choose(f"{op}_step", backend, x)[2]
 
 
@@ -142,8 +139,8 @@ def _chunk_opts(name: str, chunk_size) -> dict:
 
 
 def tuned_step(op: str, table, dtype: str, B: int, gpu: str | None = None) -> dict | None:
-    """The decode entry of `table` that backend "auto" runs for `op`'s step at batch B on
-    CUDA (nearest in log(B) among the step kernels `op` has), or None ("fused" runs)."""
+    """The decode entry "auto" runs for `op`'s step at batch B on CUDA (nearest in log(B)
+    among `op`'s step kernels), or None ("fused" runs)."""
     return table.step_choice(f"{op}_step", dtype, B, gpu, tuple(n for n in step_backends(op) if n != "reference"))
 
 
@@ -157,8 +154,7 @@ def step_has_backward(op: str, backend, device) -> bool:
 
 def _sequence(op, x, names: tuple, args: tuple, state_width, state_dt, segment_pos, initial_state, output_final_state,
               backend, chunk_size, cu_seqlens):
-    """The sequence ops' common part after their own checks: devices, positions, the initial
-    state [B, state_width] of state_dt, the backend call on `args` (in order, named by `names`)."""
+    """The sequence ops' checks of devices, positions and the initial state, then the call."""
     check_same_device(names, (*args, segment_pos, cu_seqlens, initial_state))
     B, T, _ = x.shape
     if cu_seqlens is not None:
@@ -184,8 +180,8 @@ _NAMES = {"rglru": ("x", "gate_x", "gate_a", "a_param", *_POSITIONS), "samu": (*
 def rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
           backend="auto", chunk_size=None, cu_seqlens=None):
     """RG-LRU from gate logits. x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos:
-    [B, T] integer (0 = document start, any other value continues) or cu_seqlens [N+1]
-    with B = 1; initial_state: [B, D] FP32 (float64 for float64 x). Returns (y, h or None)."""
+    [B, T] integer (0 = document start) or cu_seqlens [N+1] with B = 1; initial_state:
+    [B, D] FP32 (float64 for float64 x). Returns (y, h or None)."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     B, T, D = x.shape
     check_tensor("gate_x", gate_x, shape=(B, T, D), dtypes=(x.dtype,))
@@ -235,8 +231,7 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
 
 
 def _step(op, args: tuple, state, state_width, state_dt, reset, backend, **kw):
-    """The decode steps' common part after their own checks: the state [B, state_width] of
-    state_dt, reset [B] bool, devices, the step call on `args` (in order, x first)."""
+    """The decode steps' checks of the state, reset and devices, then the call (x first)."""
     x = args[0]
     B = x.shape[0]
     check_tensor("state", state, shape=(B, state_width), dtypes=(state_dt,))
@@ -247,10 +242,9 @@ def _step(op, args: tuple, state, state_width, state_dt, reset, backend, **kw):
 
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
-    """One RG-LRU decode step with both block-diagonal gate matvecs. x: [B, D]; gate_*_w:
-    [H, D/H, D/H]; gate_*_b: [H, D/H]; a_param: [D]; state: [B, D] FP32, updated in
-    place; reset: [B] bool. Returns y [B, D]. The Triton step has no backward: an input
-    requiring grad under grad mode raises ValueError."""
+    """One RG-LRU decode step with both gate matvecs. x: [B, D]; gate_*_w: [H, D/H, D/H];
+    gate_*_b: [H, D/H]; a_param: [D]; state: [B, D] FP32, updated in place; reset: [B] bool.
+    Returns y [B, D]. The Triton step has no backward (inputs requiring grad: ValueError)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     D = x.shape[1]
     check_tensor("gate_x_w", gate_x_w, ndim=3, dtypes=FLOAT_DTYPES)
@@ -268,10 +262,8 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto",
               modes=None):
     """One SAMU decode step. x: [B, D]; parameters as for `samu`; state: [B, M] complex64,
-    updated in place; reset: [B] bool; modes: `samu_mode_table(nu_log, theta_log, x.dtype)`
-    of these very parameters (recompute it after they change), which the Triton steps read
-    instead of recomputing the per-mode constants in float64 (the reference ignores it).
-    Returns y [B, D]. No backward in the Triton steps."""
+    updated in place; reset: [B] bool; modes: `samu_mode_table` of these very parameters,
+    which the Triton steps read instead of recomputing it. No backward in the Triton steps."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     args = _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log)
     M = x.shape[1] // 2
@@ -281,8 +273,7 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
 
 
 def samu_mode_table(nu_log, theta_log, dtype):
-    """[7, M] per-mode constants of SAMU's decode step for inputs of `dtype` (FP32, float64
-    for float64 inputs): what `samu_step(..., modes=...)` reads instead of recomputing."""
+    """[7, M] per-mode constants that `samu_step(..., modes=...)` reads, for inputs of `dtype`."""
     check_tensor("nu_log", nu_log, ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor("theta_log", theta_log, shape=nu_log.shape, dtypes=FLOAT_DTYPES)
     check_same_device(("nu_log", "theta_log"), (nu_log, theta_log))

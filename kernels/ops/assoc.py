@@ -1,10 +1,7 @@
-"""Associative-scan backends in plain PyTorch (the training track's diagnostics, SPEC 5):
-all prefixes of the affine maps z -> a_t z + b_t by log2(T) rounds of recursive doubling
-(Hillis-Steele), the initial state folded into b_0, resets as a_t = 0; autograd backward.
-"assoc" keeps the maps in FP32 (float64 for float64): exact up to reassociation, audited
-like every backend. "assoc_bf16" rounds every round to BF16, as some public scan kernels
-accumulate: inexact by design (INEXACT), timed and labelled, never chosen. No launch
-options; coefficients and outputs are those of kernels.ops.reference.
+"""Associative-scan backends in plain PyTorch (SPEC 5): all prefixes of z -> a_t z + b_t
+by log2(T) rounds of recursive doubling, h0 folded into b_0, resets as a_t = 0; autograd
+backward. "assoc" keeps the maps in at least FP32 (exact up to reassociation); "assoc_bf16"
+rounds every round to BF16, as some public scan kernels do: inexact by design, never chosen.
 """
 
 from __future__ import annotations

@@ -38,8 +38,7 @@ class SqrtBoundDerivative(torch.autograd.Function):
 
 def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False):
     """h_t = a_t * h_{t-1} + b_t with a_t = 0 where segment_pos == 0. a, b: [B, T, D] real
-    or complex; initial_state: [B, D] in the state dtype (float64/complex128 for those
-    inputs, else FP32/complex64). Returns (y in b's dtype, final state)."""
+    or complex; initial_state: [B, D] in the state dtype. Returns (y in b's dtype, h)."""
     acc = _acc(b)
     if segment_pos is not None:
         a = torch.where((segment_pos == 0)[..., None], torch.zeros_like(a), a)
@@ -180,8 +179,7 @@ def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None):
     """One decode step of SAMU. x: [B, D]; state: [B, M] complex64, updated in place;
-    reset: [B] bool or None; modes: ignored (the mode constants are computed here from
-    nu_log and theta_log). Returns y [B, D] in x's dtype."""
+    reset: [B] bool or None; modes: ignored. Returns y [B, D] in x's dtype."""
     sp = None if reset is None else torch.where(reset, 0, 1).view(-1, 1)
     acc = torch.float64 if state.dtype == torch.complex128 else torch.float32
     y, h = samu(x[:, None].to(acc), phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, sp, state, True)

@@ -1,8 +1,7 @@
-"""What every Triton kernel module shares: FP32 accumulation (float64 for float64),
-output allocation (NaN-filled inside `poisoned()` or with KERNELS_POISON=1), launch
-checks, the `launcher` (no per-call binding by Triton), and BF16 round-to-nearest-even
-by hand under the CPU interpreter, which truncates where the GPU rounds: kernels take
-RNE=INTERPRET and store through `out`.
+"""What every Triton kernel module shares: accumulation dtypes, output allocation
+(NaN-filled inside `poisoned()` or with KERNELS_POISON=1), the `launcher`, and BF16
+round-to-nearest-even by hand under the CPU interpreter, which truncates where the GPU
+rounds (kernels take RNE=INTERPRET and store through `out`).
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ def check_pow2(name: str, value, lo: int, hi: int) -> int:
 
 
 def opts_key(opts: dict) -> tuple:
-    """Launcher options as a cache key that keeps each value's type (8.0 and True hash as
-    8 and 1); `opts_items(key)` gives them back."""
+    """Launcher options as a cache key keeping each value's type (8.0 and True hash as 8 and 1)."""
     return tuple(sorted((k, v.__class__, v) for k, v in opts.items())) if opts else ()
 
 
@@ -124,15 +122,13 @@ def _raw_stream():
 
 
 class Launcher:
-    """A JIT kernel launched as `k[grid](*args, **kwargs)`, runtime arguments by position,
-    constexprs and launch options by keyword. The first call of an argument signature goes
-    through Triton and keeps the compiled kernel under a key finer than Triton's (device;
-    per positional argument a tensor's dtype, whether on a GPU and 16-byte alignment, or
-    `_arg_key` of another value, or a constexpr's value; the keywords' values and types).
-    Later calls hand the binary's C launcher the tensors' addresses, skipping tens of
-    microseconds of Triton's per-call binding. A CPU tensor never hits an entry; runtime
-    arguments by keyword, launch hooks (a profiler's) and unhashable arguments take
-    Triton's path every time."""
+    """A JIT kernel launched as `k[grid](*args, **kwargs)`, runtime arguments by position.
+    The first call of an argument signature goes through Triton and keeps the compiled
+    kernel under a key finer than Triton's (device; per argument a tensor's dtype, device
+    kind and 16-byte alignment, `_arg_key` of another value, a constexpr's value; the
+    keywords). Later calls hand the C launcher the tensors' addresses, skipping tens of
+    microseconds of Triton's binding. CPU tensors, runtime arguments by keyword, launch
+    hooks and unhashable arguments take Triton's path every time."""
 
     __slots__ = ("fn", "names", "runtime_names", "const", "defaults", "cache")
 
@@ -193,16 +189,15 @@ def _hooked() -> bool:
 
 
 def launcher(fn):
-    """`@launcher` above `@triton.jit` on a kernel launched from the host (not one that
-    torch.compile traces; the mixers launch theirs inside custom ops): a Launcher, or the
-    JIT function itself under the CPU interpreter."""
+    """`@launcher` above `@triton.jit` on a kernel launched from the host (not traced by
+    torch.compile): a Launcher, or the JIT function itself under the CPU interpreter."""
     return fn if INTERPRET else Launcher(fn)
 
 
 @triton.jit
 def gelu_tanh(x):
-    """GeLU, tanh approximation, for FP32 x; tanh(z) = 1 - 2 / (exp(2z) + 1): no libdevice
-    call, so the CPU interpreter runs it as the GPU does."""
+    """GeLU (tanh approximation) of FP32 x without libdevice, so the interpreter runs it as
+    the GPU does."""
     z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
     return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
 

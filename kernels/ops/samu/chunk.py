@@ -5,9 +5,8 @@ chunk's missing steps are identity):
    then every group walked again from its incoming state (its program composes the maps of the ~sqrt(N) groups
    before it) writing the state entering each chunk (kept for the backward);
 3. replay per (chunk, mode block) from its entering state, writing y = relu(h).
-Backward: the same on the adjoint, R_{c-1} = conj(P_c) R_c + Qbar_c with Qbar_c = sum_t conj(prod_{u<=t} a_u) g_t,
-composed right to left, then each chunk's adjoint replay. Resets are a_t = 0 inside the summaries, so they cut
-every prefix exactly.
+Backward: the same on the adjoint, R_{c-1} = conj(P_c) R_c + Qbar_c, right to left, then each chunk's adjoint
+replay. Resets are a_t = 0 inside the summaries, so they cut every prefix exactly.
 """
 
 from __future__ import annotations
