@@ -1,6 +1,5 @@
-"""Logical byte and launch accounting: every launcher calls `record(...)` per launch
-with the tensor bytes its kernel reads and writes, behind `if accounting.on():` (outside
-a `counting()` block the hot path computes no sizes).
+"""Logical byte and launch accounting: every launcher calls `account(...)` per launch with
+the tensors its kernel reads and writes (outside a `counting()` block it computes nothing).
 
     with accounting.counting() as c:
         y, h = kernels.rglru(...)
@@ -21,11 +20,6 @@ class Counter:
     bytes_written: int = 0
     launches: int = 0
     by_kernel: dict = field(default_factory=dict)
-
-
-def on() -> bool:
-    """Whether a `counting()` block is active."""
-    return bool(_active)
 
 
 def record(kernel: str, bytes_read: int, bytes_written: int, launches: int = 1) -> None:

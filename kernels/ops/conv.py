@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import acc_dtype, cdiv, empty, tl_acc
+from .checks import state_dtype
+from .triton_utils import cdiv, empty, tl_acc
 
 BT, BE = 64, 128
 
@@ -92,7 +93,7 @@ class _CausalConv1d(torch.autograd.Function):
         B, T, E = x.shape
         W, NT, dy = w.shape[0], cdiv(T, BT), dy.contiguous()
         dx = empty(x.shape, x.dtype, x.device)
-        dwp = empty((B * NT, W + 1, E), acc_dtype(x.dtype), x.device)
+        dwp = empty((B * NT, W + 1, E), state_dtype(x.dtype), x.device)
         _conv_bwd[_grid(B, T, E)](x, w, x if pos is None else pos, dy, dx, dwp, T, E, NT, W, pos is not None,
                                   tl_acc(x.dtype), BT, BE)
         d = dwp.sum(0)

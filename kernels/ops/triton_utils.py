@@ -60,10 +60,6 @@ def _layout(itemsize: int, shapes: tuple) -> tuple[int, tuple]:
     return n, tuple(views)
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def tl_acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 

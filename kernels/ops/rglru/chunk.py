@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from ..accounting import account
-from ..checks import check_chunk_size
-from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_pow2, empty, empty_like, launcher, next_pow2, out,
-                           scratch, tl_acc)
+from ..checks import check_chunk_size, state_dtype
+from ..triton_utils import INTERPRET, cdiv, check_pow2, empty, empty_like, launcher, next_pow2, out, scratch, tl_acc
 from .common import affine, excl_scan, load_tile, param_sp, pass_inputs, row_of, tile_grads, tile_states
 
 
@@ -178,7 +177,7 @@ def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
     Returns (y, ht, S)."""
     B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
     ins = pass_inputs(is_scan, x, gx, ga, a_param, pos)
-    P, Q = scratch(acc_dtype(x.dtype), x.device, (B, NC, D), (B, NC, D))
+    P, Q = scratch(state_dtype(x.dtype), x.device, (B, NC, D), (B, NC, D))
     chunk_fwd_kernel[grid](x, gx, ga, ap, p, P, P, Q, T, D, NC, REPLAY=False, **kw)
     account("chunk_fwd_summary", ins, (P, Q))
     S, ht = _prefix(P, Q, h0, output_final_state, False, cfg)
@@ -191,7 +190,7 @@ def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
 def backward(x, gx, ga, a_param, pos, S, dy, dht, need_dh0, is_scan, cfg):
     """Returns (dx, dgx, dga, dh0, dsp_part)."""
     B, T, D, NC, grid, ap, p, kw = _setup(x, a_param, pos, is_scan, cfg)
-    acc = acc_dtype(x.dtype)
+    acc = state_dtype(x.dtype)
     P, Q = scratch(acc, x.device, (B, NC, D), (B, NC, D))
     chunk_bwd_summary_kernel[grid](ga, ap, p, dy, P, Q, T, D, NC, **kw)
     account("chunk_bwd_summary", (ga, dy, pos, None if is_scan else a_param), (P, Q))

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from ..accounting import account
-from ..triton_utils import INTERPRET, acc_dtype, cdiv, empty, launcher, next_pow2, out, tl_acc
+from ..checks import state_dtype
+from ..triton_utils import INTERPRET, cdiv, empty, launcher, next_pow2, out, tl_acc
 
 
 @triton.jit
@@ -42,8 +43,8 @@ def excl_scan(a, b, ACC: tl.constexpr, REVERSE: tl.constexpr = False):
 @triton.jit
 def program_start(ap, init, D, BD: tl.constexpr, VEC: tl.constexpr, IS_SCAN: tl.constexpr,
                   HAS_INIT: tl.constexpr, ACC: tl.constexpr):
-    """A serial program's (i_b, channels, mask, softplus(a_param), the [BD] carry it starts
-    from: `init` [B, D] (h0 forward, dL/dh_T backward) or zeros)."""
+    """A serial program's (i_b, channels, mask, softplus(a_param), its [BD] carry from `init`
+    [B, D] or zeros)."""
     i_b = tl.program_id(1).to(tl.int64)
     o_d = tl.program_id(0) * BD + tl.arange(0, BD)
     if VEC > 0:
@@ -111,8 +112,8 @@ def tile_offsets(i_b, t0, T, D, o_d, m_d, rows):
 
 @triton.jit
 def load_inputs(x, gx, ga, pos, off, m, t, T, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr):
-    """Inputs at offsets `off` (mask m) as stored and the positions of steps t (none read
-    outside [0, T)). RG-LRU: (x, gate_x, gate_a, pos); scan: (a, b, b, pos)."""
+    """Inputs at `off` as stored and the positions of steps t. RG-LRU: (x, gate_x, gate_a,
+    pos); scan: (a, b, b, pos)."""
     p = tl.load(pos + t, mask=(t >= 0) & (t < T), other=1) if HAS_RESET else t * 0 + 1
     if IS_SCAN:
         r0 = tl.load(ga + off, mask=m, other=1.0)
@@ -127,8 +128,8 @@ def load_inputs(x, gx, ga, pos, off, m, t, T, IS_SCAN: tl.constexpr, HAS_RESET: 
 
 @triton.jit
 def coeffs(r0, r1, r2, valid, keep, ap_sp, IS_SCAN: tl.constexpr, ACC: tl.constexpr):
-    """(a, b, xv, sx, sa, mult, u) of a loaded tile given its row masks (shaped to broadcast
-    against it): rows past T (not `valid`) are identity maps, `keep` is False at resets."""
+    """(a, b, xv, sx, sa, mult, u) of a loaded tile: rows past T (not `valid`) are identity
+    maps, `keep` is False at resets."""
     if IS_SCAN:
         a = tl.where(valid, tl.where(keep, r0.to(ACC), 0.0), 1.0)
         b = r1.to(ACC)
@@ -261,5 +262,5 @@ def empty_sequence(x, h0, output_final_state):
     """(y [B, 0, D], the final state: h0 or zeros when asked) of a T = 0 call."""
     B, _, D = x.shape
     if output_final_state and h0 is None:
-        h0 = torch.zeros(B, D, dtype=acc_dtype(x.dtype), device=x.device)
+        h0 = torch.zeros(B, D, dtype=state_dtype(x.dtype), device=x.device)
     return x.new_zeros(B, 0, D), (h0 if output_final_state else None)

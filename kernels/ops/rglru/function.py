@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..checks import no_double_backward
-from ..triton_utils import acc_dtype, cfg_of, opts_items, opts_key, spec_of
+from ..checks import no_double_backward, state_dtype
+from ..triton_utils import cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
 from .common import empty_sequence, reduce_dap
 
@@ -93,7 +93,7 @@ def rglru_fwd(x: Tensor, gx: Optional[Tensor], ga: Tensor, a_param: Optional[Ten
 @rglru_fwd.register_fake
 def _(x, gx, ga, a_param, pos, h0, save, is_scan, spec):
     B, T, D = x.shape
-    cfg, acc = cfg_of(spec), acc_dtype(x.dtype)
+    cfg, acc = cfg_of(spec), state_dtype(x.dtype)
     saved = x.new_empty(_BACKENDS[cfg["backend"]].saved_shape(cfg, B, T, D) if save else (0,), dtype=acc)
     return torch.empty_like(x), x.new_empty(B, D, dtype=acc), saved
 
@@ -111,7 +111,7 @@ def _(x, gx, ga, a_param, pos, saved, dy, dht, need_dh0, is_scan, spec):
     B, _, D = x.shape
     dgx = x.new_empty(0) if is_scan else torch.empty_like(x)
     dap = x.new_empty(0) if is_scan or a_param is None else torch.empty_like(a_param)
-    dh0 = x.new_empty(B, D, dtype=acc_dtype(x.dtype)) if need_dh0 else x.new_empty(0)
+    dh0 = x.new_empty(B, D, dtype=state_dtype(x.dtype)) if need_dh0 else x.new_empty(0)
     return torch.empty_like(x), dgx, torch.empty_like(ga), dap, dh0
 
 

@@ -1,21 +1,17 @@
 """Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
-sequence and walks time in tiles, carrying the FP32 state in registers; the backward walks
-the tiles in reverse from the saved states and runs the adjoint (common.py). The a_param
-gradient is a per-program partial [B, D] reduced in a fixed order.
+sequence and walks time in tiles, the FP32 state in registers; the backward walks the tiles
+in reverse from the saved states (common.py's adjoint). The a_param gradient is a
+per-program partial [B, D] reduced in a fixed order.
 
 Split kernels (time_warps W > 1, the default): tiles of W * TT steps (TT = chunk_size),
-warp w holding TT consecutive steps, each thread its channels' steps in registers (one
-thread per channel column leaves too few threads on serial chains to cover memory latency).
-Each warp scans its steps from a zero state, one small scan composes the W segment maps
-across warps (common.affine_excl), and the state entering every segment is saved
-([B, T / TT, D] FP32), so the backward's warps recompute their states alone. The tile is
-addressed in memory order [W, TT, BD] (Triton's coalescing picks that layout) and
-relabelled [TT, W, BD] (common.mem_order) for the scans along axis 0.
-Tile kernels (W = 1; also the default for an RG-LRU forward without gradient): one
-associative scan per tile of TT steps; the state entering every tile is saved.
-
-Options (`config`): chunk_size (TT), time_warps, block_d and num_stages (pipelined loads;
-1 prefetches the next tile into registers).
+warp w holding TT consecutive steps in its threads' registers (one thread per channel
+column leaves too few threads on serial chains to cover memory latency). Each warp scans
+from a zero state, one small scan composes the W segment maps across warps, and the state
+entering every segment is saved, so the backward's warps recompute their states alone.
+Tiles are addressed in memory order [W, TT, BD] (Triton's coalescing picks that layout)
+and relabelled [TT, W, BD] (mem_order) for the scans along axis 0. Tile kernels (W = 1;
+the default for an RG-LRU forward without gradient): one associative scan per TT steps.
+Options: chunk_size (TT), time_warps, block_d, num_stages (1: register prefetch).
 """
 
 from __future__ import annotations
@@ -24,8 +20,8 @@ import triton
 import triton.language as tl
 
 from ..accounting import account
-from ..checks import check_chunk_size
-from ..triton_utils import (INTERPRET, acc_dtype, cdiv, check_pow2, empty, empty_like, launcher, multiprocessors,
+from ..checks import check_chunk_size, state_dtype
+from ..triton_utils import (INTERPRET, cdiv, check_pow2, empty, empty_like, launcher, multiprocessors,
                            next_pow2, out, smem_limit, tl_acc)
 from .common import (affine, coeffs, excl_scan, load_inputs, mem_order, pass_inputs, program_start, row_of, tile_grads,
                      tile_offsets, tile_states)
@@ -46,11 +42,10 @@ def axes(TT: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def tile_at(i_b, t0, T, D, o_d, m_d, im, seg, TT: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr):
-    """The tile of steps from t0: (steps, base element, offsets from it, mask). W = 1:
-    steps [TT], int64 offsets [TT, BD], base 0. Split: warp row w holds segment seg[w];
-    steps [W, TT], an int64 base, int32 offsets in memory order [W, TT, BD] (Triton orders
+    """The tile of steps from t0: (steps, base element, offsets from it, mask). Split: warp
+    row w holds segment seg[w], int32 offsets in memory order [W, TT, BD] (Triton orders
     equal-contiguity dims by position, so axis 1 stays in each thread's registers); EVEN:
-    one uniform predicate (for the whole tiles outside [0, T) that the prefetch reaches)."""
+    one uniform predicate (for whole tiles outside [0, T) that the prefetch reaches)."""
     if W == 1:
         rel, m = tile_offsets(i_b, t0, T, D, o_d, m_d, im)
         return t0 + im, 0, rel, m
@@ -270,10 +265,9 @@ def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, bloc
 
 
 def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> dict:
-    """The split kernels' pipelined loads hold num_stages - 1 tiles of each of the n_tiles
-    inputs in shared memory. A default num_stages that would not fit `limit` bytes (FP32
-    or float64 tiles) is lowered, down to register prefetch; one asked for explicitly
-    that does not fit is an error."""
+    """The split kernels' pipelined loads hold num_stages - 1 tiles of each input in shared
+    memory: a default num_stages that does not fit `limit` bytes is lowered, an explicit one
+    is an error."""
     if cfg["TW"] == 1 or cfg["STAGES"] == 1 or limit is None:
         return cfg
     BT = cfg["TT"] * cfg["TW"]
@@ -300,9 +294,8 @@ def _launch(kernel, x, pos, is_scan, cfg, n_tiles, args, **flags):
 
 
 def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
-    """(grid, keyword arguments) of a launch: the same for every call of one shape, dtype,
-    device and configuration, so _launch keeps it (the launchers run on the host's
-    critical path)."""
+    """(grid, keyword arguments) of a launch, kept by _launch per shape, dtype, device and
+    configuration (the launchers run on the host's critical path)."""
     B, T, D = x.shape
     cfg = _fit_stages(cfg, x.element_size(), n_tiles, pos is not None, smem_limit(x.device))
     BT, W, BD = cfg["TT"] * cfg["TW"], cfg["TW"], cfg["BD"]
@@ -323,7 +316,7 @@ _PLANS: dict = {}
 def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg):
     """Scan mode: x = b, ga = a (gx, a_param unused). Returns (y, ht, hs)."""
     B, T, D = x.shape
-    acc = acc_dtype(x.dtype)
+    acc = state_dtype(x.dtype)
     y = empty_like(x)
     ht = empty((B, D), acc, x.device) if output_final_state else None
     hs = empty(saved_shape(cfg, B, T, D), acc, x.device) if save else None
@@ -339,7 +332,7 @@ def forward(x, gx, ga, a_param, pos, h0, output_final_state, save, is_scan, cfg)
 def backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
     """Returns (dx, dgx, dga, dh0, dsp_part); scan mode: dx = db, dga = da."""
     B, T, D = x.shape
-    acc = acc_dtype(x.dtype)
+    acc = state_dtype(x.dtype)
     dx = empty_like(x)
     dga = empty((B, T, D), ga.dtype, x.device)
     dgx = None if is_scan else empty((B, T, D), gx.dtype, x.device)
@@ -356,6 +349,5 @@ def backward(x, gx, ga, a_param, pos, hs, dy, dht, need_dh0, is_scan, cfg):
 
 
 def saved_shape(cfg: dict, B: int, T: int, D: int) -> tuple:
-    """What the forward keeps for backward: the FP32 state entering every tile (split:
-    every warp segment) [B, NT, D]."""
+    """The states the forward keeps: entering every tile (split: warp segment) [B, NT, D]."""
     return (B, cdiv(T, cfg["TT"] * cfg["TW"]) * cfg["TW"], D)

@@ -23,9 +23,8 @@ _CONSTANTS: dict = {}     # kept for the process's life: a CUDA graph captured r
 
 
 def scalar_param(v, device, dtype) -> torch.Tensor:
-    """Amplitude as a one-element tensor on the device without a host round trip. A float
-    becomes a cached constant (no fill per call), except under torch.compile, where a fresh
-    tensor is filled, as in a CUDA graph capture that finds none cached yet."""
+    """Amplitude as a one-element tensor on the device: a float becomes a cached constant (no
+    fill per call), except under torch.compile and a capture that finds none cached yet."""
     if isinstance(v, torch.Tensor):
         return v.reshape(1).to(device=device, dtype=dtype)
     v = float(v)
@@ -119,9 +118,8 @@ def step_in(ctrl_b, x_b, t, T, D, M, offs_m, mask_m, nu, ct, st, lnr, ACC: tl.co
 @triton.jit
 def fwd_steps(hr, hi, pr, pi, x_b, y_b, ctrl_b, t0, T, D, M, offs_m, mask_m, nu, ct, st, gam, lnr,
               K: tl.constexpr, U: tl.constexpr, WRITE_Y: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr):
-    """K steps h <- a h + gamma (x_re + i x_im) from t0, U unrolled at a time (their loads go out together; full
-    unrolling makes Triton's coalescing pass quadratic in compile time); optionally writes y = relu(h) and
-    multiplies p <- a p (the chunk's product)."""
+    """K steps h <- a h + gamma x from t0, U unrolled at a time (full unrolling makes Triton's coalescing pass
+    quadratic in compile time); optionally writes y = relu(h) and the chunk's product p <- a p."""
     for j0 in range(0, K, U):
         for u in tl.static_range(U):
             t = t0 + j0 + u
@@ -399,9 +397,8 @@ def _finalize_kernel(colpart, scalpart, ppart, pd, rd, pa, ra, dpd, drd, damp, d
 
 
 def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
-    """dx (x's dtype) and the gradients of both directions, both amplitudes, nu_log and theta_log, by fixed-order
-    reductions. dxw [B, T, D]: the write's part of dL/dx; dpart [B*T, NMB, 2]: per-mode-block (dL/deta,
-    dL/ddelta); ppart [R, M, 2]: per-block (nu_log, theta_log) partials."""
+    """dx and the parameters' gradients by fixed-order reductions of dxw [B, T, D] (the write's part of dL/dx),
+    dpart [B*T, NMB, 2] (per mode block dL/deta, dL/ddelta) and ppart [R, M, 2] (nu_log, theta_log partials)."""
     B, T, D = x.shape
     M, acc, ntok, nmb = D // 2, dxw.dtype, B * T, dpart.shape[1]
     scale = 1.0 / math.sqrt(M)

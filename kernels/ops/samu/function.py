@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..checks import MODE_CONSTS, check_chunk_size, no_double_backward
-from ..triton_utils import acc_dtype, cdiv, cfg_of, opts_items, opts_key, spec_of
+from ..checks import MODE_CONSTS, check_chunk_size, no_double_backward, state_dtype
+from ..triton_utils import cdiv, cfg_of, opts_items, opts_key, spec_of
 from . import chunk, fused_recurrent
 from .common import controls_bwd, controls_fwd, scalar_param
 
@@ -34,7 +34,7 @@ def _forward(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save,
     """(y, final state [B, M, 2], ctrl, aux, modes, states or None); pa, ra: [1] tensors in the accumulation dtype."""
     x, h0 = x.contiguous(), None if h0 is None else h0.contiguous()
     ctrl, aux, modes = controls_fwd(x, phase_dir.contiguous(), radial_dir.contiguous(), pa, ra, pos,
-                                    nu_log.contiguous(), theta_log.contiguous(), acc_dtype(x.dtype))
+                                    nu_log.contiguous(), theta_log.contiguous(), state_dtype(x.dtype))
     cfg = cfg_of(spec)
     y, h, states = _LAUNCH[cfg["backend"]][0](x, ctrl, modes, h0, save, cfg)
     return y, h, ctrl, aux, modes, states
@@ -93,7 +93,7 @@ def samu_fwd(x: Tensor, phase_dir: Tensor, radial_dir: Tensor, pa: Tensor, ra: T
 @samu_fwd.register_fake
 def _(x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, pos, h0, save, spec):
     B, T, D = x.shape
-    M, acc = D // 2, acc_dtype(x.dtype)
+    M, acc = D // 2, state_dtype(x.dtype)
     states = (B, cdiv(T, cfg_of(spec)["K"]), M, 2) if save else (0,)     # the states entering the chunks
     return (torch.empty_like(x), x.new_empty(B, M, 2, dtype=acc), x.new_empty(B * T, 4, dtype=acc),
             x.new_empty(B * T, 2, dtype=acc), x.new_empty(MODE_CONSTS, M, dtype=acc), x.new_empty(states, dtype=acc))
@@ -105,7 +105,7 @@ samu_bwd = torch.library.custom_op("kernels::samu_bwd", _backward, mutates_args=
 @samu_bwd.register_fake
 def _(x, phase_dir, radial_dir, pa, ra, ctrl, aux, modes, states, dy, dh, spec):
     B, T, D = x.shape
-    M, acc = D // 2, acc_dtype(x.dtype)
+    M, acc = D // 2, state_dtype(x.dtype)
     return (torch.empty_like(x), x.new_empty(D + 1, dtype=acc), x.new_empty(D + 1, dtype=acc),
             x.new_empty(2, dtype=acc), x.new_empty(M, 2, dtype=acc), x.new_empty(B, M, 2, dtype=acc))
 
@@ -126,7 +126,7 @@ torch.library.register_autograd("kernels::samu_fwd", _op_backward, setup_context
 def _run(backend, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos,
          initial_state, output_final_state, opts):
     spec = _config(backend, opts_key(opts))
-    acc = acc_dtype(x.dtype)
+    acc = state_dtype(x.dtype)
     pa, ra = scalar_param(phase_amp, x.device, acc), scalar_param(radial_amp, x.device, acc)
     # a conjugate view (h.conj()) has no real view for the kernels: materialise it
     h0 = None if initial_state is None else torch.view_as_real(initial_state.resolve_conj())

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ..accounting import account
-from ..checks import check_tensor, no_grad_inputs
-from ..triton_utils import acc_dtype, cdiv, check_pow2, empty_like, launcher, multiprocessors, next_pow2
+from ..checks import check_tensor, no_grad_inputs, state_dtype
+from ..triton_utils import cdiv, check_pow2, empty_like, launcher, multiprocessors, next_pow2
 from ..triton_utils import tl_acc as tl_dtype
 from .common import controller, dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair
 
@@ -94,7 +94,7 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
 
 def _amp(v, x):
     """An amplitude as a one-element tensor (a float in x's accumulation dtype)."""
-    return v.reshape(1) if isinstance(v, torch.Tensor) else scalar_param(v, x.device, acc_dtype(x.dtype))
+    return v.reshape(1) if isinstance(v, torch.Tensor) else scalar_param(v, x.device, state_dtype(x.dtype))
 
 
 def _row_block_d(B, D, device):
