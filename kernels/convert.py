@@ -1,9 +1,7 @@
-"""Weight-exact conversion between the official `recurrentgemma.torch` modules (RGLRU,
-Conv1D, RecurrentBlock, recurrent ResidualBlock, all-recurrent Griffin) and ours (the
-RG-LRU mixer; Griffin <-> HawkLM). Parameter names agree except for the MLP's up
-projection (official Einsum w [2, D, F], b [2, 1, 1, F]; ours one Linear(D, 2F), gate
-half first) and the embedding (official `embedder.input_embedding`, ours `embed.weight`).
-Official modules are recognised by class name, however the caller loaded the package.
+"""Weight-exact conversion between the official `recurrentgemma.torch` modules and ours
+(RG-LRU mixer; Griffin <-> HawkLM). Parameter names agree except for the MLP's up projection
+(official w [2, D, F], b [2, 1, 1, F]; ours one Linear(D, 2F), gate half first) and the
+embedding. Official modules are recognised by class name, however the package was loaded.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ _OFFICIAL_KINDS = ("RGLRU", "Conv1D", "RecurrentBlock", "ResidualBlock", "Griffi
 
 
 def _build(cls, src: nn.Module, **kw) -> nn.Module:
-    """cls on src's device and dtype, every other constructor argument taken from kw or else
-    from src's attribute of that name (ours and the official modules name them alike)."""
+    """cls on src's device and dtype, other constructor arguments from kw, else from src's
+    attribute of that name (ours and the official modules name them alike)."""
     p = next(src.parameters())
     kw.update(device=p.device, dtype=p.dtype)
     return cls(**{n: kw[n] if n in kw else getattr(src, n) for n in inspect.signature(cls).parameters})

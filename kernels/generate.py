@@ -4,14 +4,11 @@
         --new-tokens 128 [--checkpoint PATH] [--dtype bf16] [--device cuda]
 
 Weights are random from a preset or come from a checkpoint: an official recurrentgemma
-PyTorch state dict of an all-recurrent Griffin, loaded as the study's Hawk (no embedding
-scaling or logit soft-cap; checkpoints with local-attention blocks are refused), or a
-HawkLM state dict (the preset and --mixer must describe it). Prompts are random tokens
-after a BOS (--prompt-len 0: BOS alone). Prints the prefill time, ms per decode step and
-tokens/s (--json: also one JSON object), timed over one trajectory (CUDA events on
-CUDA) after the graph capture and warm-up. With $KERNELS_TUNING_TABLE set (the pipeline's
-results/tune/tuning.json), "auto" mixer backends and the weight-streaming linears' tiles
-come from that table, as in the pipeline's inference track.
+state dict of an all-recurrent Griffin (loaded as the study's Hawk), or a HawkLM state dict
+(the preset and --mixer must describe it). Prompts are random tokens after a BOS. Prints
+the prefill time, ms per decode step and tokens/s (--json: also one JSON object), timed
+after the graph capture and warm-up. With $KERNELS_TUNING_TABLE set, "auto" mixer backends
+and the weight-streaming linears' tiles come from that table, as in the pipeline.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Fused Triton depthwise causal convolution of Hawk's recurrent block (layers.Conv1D
-without a cache) and its backward, one launch each way:
+"""Fused depthwise causal convolution (layers.Conv1D without a cache), one launch each way:
     y[t] = b + sum_{s < W} w[W-1-s] x[t-s] keep_s[t],
     keep_s[t] = 1 iff t - s >= 0 and no document starts in (t-s, t] (segment_pos != 0),
 accumulated in FP32 (float64 for float64); dw, db from per-tile partial sums.

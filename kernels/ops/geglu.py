@@ -1,10 +1,8 @@
 """Fused gated GeLU and its backward, one launch each way:
     h = gelu_tanh(gate) * value,  dgate = dh * value * gelu_tanh'(gate),  dvalue = dh * gelu_tanh(gate),
-in FP32 from the stored inputs, rounded where the PyTorch formula `gelu(gate) * value` in
-the inputs' dtype rounds (gelu(gate) and dh * value before the product), so the model,
-the decode kernels and the formula on the CPU agree. `geglu(up)`: Hawk's MLP block,
-[gate | value] the halves of up [..., 2E] (the backward writes both halves of dup in
-place, no copy); `gelu_mul(gate, value)`: the recurrent block's gelu(linear_y(x)) * mixer.
+in FP32, rounded where the formula `gelu(gate) * value` rounds in the inputs' dtype, so the
+model, the decode kernels and the formula on the CPU agree. `geglu(up)`: [gate | value] the
+halves of up [..., 2E] (Hawk's MLP); `gelu_mul(gate, value)`: two tensors.
 """
 
 from __future__ import annotations

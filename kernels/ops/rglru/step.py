@@ -1,8 +1,6 @@
-"""One-launch RG-LRU decode step: both block-diagonal gate matvecs, the transition, the
-write and the in-place FP32 state update. Program (j, i) owns BJ output channels of one
-gate block (width W = D / H) for BB batch rows, accumulating both gates' matvecs over
-the block's inputs in slices of BK. No host synchronisation and no allocation besides
-y (CUDA-graph capturable).
+"""One-launch RG-LRU decode step: both gate matvecs, the transition, the write and the
+in-place FP32 state update. Program (j, i) owns BJ output channels of one gate block (width
+W = D / H) for BB rows, the matvecs in slices of BK. CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -89,10 +87,8 @@ def _mode(x, w):
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None,
                block_b=None, block_j=32, block_k=32, num_warps=4):
-    """x: [B, D]; gate_*_w: [H, W, W] (W = D / H); gate_*_b: [H, W]; a_param: [D]; state:
-    [B, D] FP32 (float64 for float64 x), contiguous, updated in place; reset: [B] bool or
-    None. Returns y [B, D]. Under torch.compile: the custom op kernels::rglru_step. No
-    backward: an input requiring grad under grad mode raises ValueError."""
+    """kernels.ops.rglru_step's contract (state contiguous); under torch.compile the custom
+    op kernels::rglru_step. No backward: an input requiring grad raises ValueError."""
     no_grad_inputs("fused", ("x", "gate_x_w", "gate_x_b", "gate_a_w", "gate_a_b", "a_param", "state"),
                    (x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state))
     step = torch.ops.kernels.rglru_step if torch.compiler.is_compiling() else _launch
