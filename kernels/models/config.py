@@ -1,8 +1,7 @@
 """Hawk model configurations: the presets of SPEC 2 (Griffin paper, Table 2) by name.
 
-The study's models use a 32,000-token vocabulary, no embedding scaling, no logit
-soft-cap, an MLP expansion of 3 and 16 block-diagonal gate blocks in the RG-LRU,
-whatever the width. Size labels count non-embedding parameters. `tiny` is for tests.
+The study's models: a 32,000-token vocabulary, no embedding scaling or logit soft-cap, MLP
+expansion 3, 16 RG-LRU gate blocks. Size labels count non-embedding parameters.
 """
 
 from __future__ import annotations

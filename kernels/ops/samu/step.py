@@ -1,9 +1,7 @@
-"""One-token SAMU decode step in one launch: controller, transition, write, in-place state update and relu, no host
-synchronisation, no allocation besides y. "row": one program per sequence walks all modes; "blocked": one program per
-(sequence, mode block), each recomputing its row's projections; "fused": "blocked" below ROW_MIN_BATCH sequences
-(ROW_MIN_BATCH_TABLE with a mode table), where the two crossed on an H200 at D = 2560. The per-mode constants come
-from `modes` (mode_table of these parameters), else every program recomputes the same values in float64 (slow where
-FP64 throughput is low).
+"""One-token SAMU decode step in one launch (controller, transition, write, in-place state update), CUDA-graph
+capturable. "row": one program per sequence walks all modes; "blocked": one program per (sequence, mode block), each
+recomputing its row's projections; "fused": "blocked" below ROW_MIN_BATCH sequences (ROW_MIN_BATCH_TABLE with a mode
+table), where the two crossed on an H200. Without `modes` every program recomputes the per-mode constants in float64.
 """
 
 from __future__ import annotations
@@ -157,10 +155,9 @@ _GRAD_NAMES = ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_lo
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
                   block_m=None, block_d=None, num_warps=None):
-    """Decode step, one program per sequence walking its modes in blocks of `block_m` (a power of two in [16, 2048];
-    default ROW_DEFAULT_BLOCK_M), its controller reduction in `block_d` columns (a power of two in [16, 4096]; default
-    _row_block_d), with `num_warps` warps (1 to 16, default 8). x: [B, D]; state: [B, M] complex64, updated in place;
-    reset: [B] bool; modes: mode_table of these parameters or None. Returns y."""
+    """Decode step (kernels.ops.samu_step's contract), one program per sequence walking its modes in blocks of
+    `block_m` (default ROW_DEFAULT_BLOCK_M), its controller reduction in `block_d` columns (default _row_block_d),
+    with `num_warps` warps (default 8)."""
     return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
                  block_m=0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M),
                  block_d=0 if block_d is None else check_pow2("block_d", block_d, 16, ROW_BLOCK_D),
