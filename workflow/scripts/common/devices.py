@@ -13,8 +13,8 @@ _held: list = []  # open lock files: the claim lasts as long as the process
 
 
 def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list[int] | None:
-    """Indices of the first `count` free GPUs of `n_gpus`, now held; None when
-    CUDA_VISIBLE_DEVICES is set or there is no GPU. RuntimeError when too few are free."""
+    """Indices of the first `count` free GPUs of `n_gpus`, now held; None under CUDA_VISIBLE_DEVICES
+    or without a GPU; RuntimeError when too few are free."""
     if "CUDA_VISIBLE_DEVICES" in os.environ or n_gpus <= 0:
         return None
     lock_dir = Path(lock_dir)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 
 def init_process_group(timeout_s: float = 900) -> tuple[int, int, torch.device]:
-    """Join torchrun's process group (NCCL, one GPU per rank; gloo on the CPU); a collective
-    waiting over `timeout_s` raises instead of hanging. Returns (rank, world size, device)."""
+    """Join torchrun's group (NCCL, one GPU per rank; gloo on the CPU); a collective waiting over
+    `timeout_s` raises instead of hanging. Returns (rank, world size, device)."""
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         if missing := [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v not in os.environ]:
@@ -41,8 +41,8 @@ class _Scalar(torch.nn.Module):
 
 def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
           reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """FSDP2 in place on a HawkLM, one unit per mixer, per residual block, then the root;
-    mixers gather in FP32, as the single-GPU autocast step hands them their parameters."""
+    """FSDP2 in place, one unit per mixer, per residual block, then the root; mixers gather in FP32,
+    as the single-GPU autocast step hands them their parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.nn.utils import parametrize
 
@@ -70,14 +70,13 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
 
 
 def rebuild_optimizer(opt: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
-    """A new optimizer of `opt`'s class and settings over `params` (the sharded ones)."""
+    """A new optimizer like `opt` over `params`."""
     accepted = inspect.signature(type(opt)).parameters
     return type(opt)(params, **{k: v for k, v in opt.defaults.items() if k in accepted})
 
 
 def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = None):
-    """`setup` (a global batch of world x B documents) made this rank's part of a
-    data-parallel step: model sharded, optimizer rebuilt, this rank's B rows kept."""
+    """`setup` (world x B documents) made this rank's part: model sharded, optimizer rebuilt, B rows kept."""
     rows = setup.inp.shape[0]
     if rows % world:
         raise ValueError(f"expected a global batch divisible by the world size {world}, got {rows} documents")

@@ -11,8 +11,7 @@ CPU_PROFILE = "cpu-smoke"
 
 
 def gpu_names() -> list[str]:
-    """Names of the GPUs NVML sees; [] without a driver, without nvidia-ml-py or
-    when CUDA_VISIBLE_DEVICES hides every GPU."""
+    """Names of the GPUs NVML sees ([] without NVML or with every GPU hidden)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
         return []
     try:

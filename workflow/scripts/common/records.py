@@ -67,8 +67,7 @@ def now() -> str:
 
 
 def new_record(stage: str, profile: str, config_id: str, **fields) -> dict:
-    """A record with the run facts (GPU, versions, commit, time) filled in and the
-    measurement fields empty; `fields` override any of them."""
+    """A record with the run facts filled in; `fields` override any key."""
     return {"schema": SCHEMA, "stage": stage, "profile": profile, "config_id": config_id, "shapes": {},
             "mixer": None, "backend": None, "order": None, "status": "ok", "error": None, "samples_ms": [],
             "stats": None, "logical": None, "counters": None, "peak_bytes": None, "gpu": facts.gpu(),
@@ -89,14 +88,12 @@ def record_path(directory: str | Path, config_id: str) -> Path:
 
 
 def write_record(directory: str | Path, rec: dict) -> Path:
-    """Validate and atomically write one record; returns its path."""
     rec = validate(json.loads(atomic.dumps(rec)))
     return atomic.write_text(record_path(directory, rec["config_id"]), atomic.dumps(rec) + "\n")
 
 
 def read_record(path: str | Path) -> dict | None:
-    """The record in `path`, or None if it is unreadable, truncated or invalid, or
-    its config_id does not match its file name."""
+    """The record in `path`; None if unreadable, invalid or named after another config_id."""
     path = Path(path)
     try:
         rec = validate(json.loads(path.read_text()))
@@ -110,15 +107,13 @@ def _files(directory: str | Path) -> list[Path]:
 
 
 def done_ids(directory: str | Path, profile: str | None = None) -> set[str]:
-    """config_ids with a valid record (of `profile`, when given): failed and OOM ones are
-    finished work too; missing, torn or invalid ones are not."""
+    """config_ids with a valid record (of `profile`): failed and OOM ones are finished work too."""
     recs = (read_record(p) for p in _files(directory))
     return {r["config_id"] for r in recs if r is not None and profile in (None, r["profile"])}
 
 
 def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = None, ids=None) -> list[dict]:
-    """Concatenate the records (of `profile`, of `ids`) into `out_jsonl` by config_id;
-    an invalid one is an error, as the stage should have redone it."""
+    """Concatenate the records (of `profile`, of `ids`) into `out_jsonl`; an invalid one is an error."""
     wanted = None if ids is None else set(ids)
     paths = [p for p in _files(directory) if wanted is None or p.stem in wanted]
     recs = [read_record(p) for p in paths]

@@ -33,7 +33,7 @@ GPU_PROCESS_ENV = {"TEARDOWN_CUPTI": "1"}
 
 
 class Files(list):
-    """Paths in order, also reachable by name (job.output.environment)."""
+    """Paths in order, also by name (job.output.environment)."""
 
     def __init__(self, paths=(), names=None):
         super().__init__(str(p) for p in paths)
@@ -63,12 +63,12 @@ class Job:
         return self.params["profile"]
 
     def load(self, name: str):
-        """The JSON document of the named input (environment, gates, table)."""
+        """The JSON document of the named input."""
         return json.loads(Path(getattr(self.input, name)).read_text())
 
     @property
     def lock_clocks(self) -> bool:
-        """The profile's probe.lock_clocks: whether the timing stages try to lock the SM clock."""
+        """The profile's probe.lock_clocks."""
         probe = self.config.get("profiles", {}).get(self.profile, {}).get("probe", {})
         return bool(probe.get("lock_clocks", False))
 
@@ -101,19 +101,22 @@ def _script_path(smk) -> str:
     return str(path.resolve())
 
 
-def start_process(env: dict[str, str]) -> None:
-    """Where `env` differs from this process's environment, replace the process (same pid,
-    arguments and log) by one started with it: CUDA and Triton read it once, at start."""
-    if all(os.environ.get(k) == v for k, v in env.items()):
-        return
+def exec_python(args: list[str], env: dict[str, str]) -> None:
+    """Replace this process (same pid and log) by `python args` with `env` added."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+    os.execve(sys.executable, [sys.executable, *args], {**os.environ, **env})
+
+
+def start_process(env: dict[str, str]) -> None:
+    """Where `env` differs from this process's environment, restart the process with it:
+    CUDA and Triton read it once, at start."""
+    if any(os.environ.get(k) != v for k, v in env.items()):
+        exec_python(sys.argv, env)
 
 
 def prepare_process() -> None:
-    """Restart under Triton's interpreter when there is no GPU (unless the caller chose),
-    with GPU_PROCESS_ENV where there is one."""
+    """Restart under Triton's interpreter without a GPU (unless the caller chose), with GPU_PROCESS_ENV on one."""
     import torch
 
     if torch.cuda.is_available():
@@ -160,8 +163,7 @@ def docker_runner():
 
 
 def pin_gpu(job: Job) -> None:
-    """Give a GPU stage its devices (common/devices.py), log which, and restart the
-    process with them visible (start_process; the claim's locks stay held)."""
+    """Give a GPU stage its devices (common/devices.py), log which, and restart with them visible."""
     if job.gpus < 1:
         return
     from .profile import gpu_names
