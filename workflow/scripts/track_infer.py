@@ -1,7 +1,6 @@
-"""Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the
-generation engine (CUDA graphs on a GPU) of the profile's preset: prefill (time to first
-token), latency (one trajectory read at every length) and throughput (probes over batch
-sizes, extended while tokens/s rises, then the best on fresh trajectories), both orders."""
+"""Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the generation
+engine: prefill (time to first token), latency (one trajectory read at every length) and
+throughput (probes over batch sizes while tokens/s rises, the best on fresh trajectories)."""
 
 import statistics
 

@@ -1,7 +1,6 @@
-"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads) and records.jsonl:
-per op and shape every exact candidate (backend x option grid) is checked and probed, the
-fastest re-measured on fresh runs; decode steps likewise per batch size, as trajectories;
-the decode step's weight-streaming linears role by role, as trajectories of whole steps."""
+"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads) and records.jsonl: per op
+and shape every exact candidate is checked and probed, the fastest re-measured on fresh runs;
+decode steps per batch size and the decode linears role by role likewise, as trajectories."""
 
 import fnmatch
 import statistics

@@ -1,6 +1,5 @@
-"""Whole GPUs per stage job: under SLURM (or a user's CUDA_VISIBLE_DEVICES) those given
-are kept; on one node a stage takes the first free ones by an exclusive flock on
-results/.tmp/gpus/<index>.lock, which the kernel drops when the process dies and which
+"""Whole GPUs per stage job: those given (SLURM, CUDA_VISIBLE_DEVICES) are kept; else the first free
+ones by an exclusive flock on results/.tmp/gpus/<index>.lock, which dies with the process and
 survives exec (a restarted stage keeps its claim). Indices are NVML's PCI bus order."""
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ CHECKS = (
     ("schema", lambda v, r: v == SCHEMA, f"== {SCHEMA}"),
     ("config_id", lambda v, r: isinstance(v, str) and bool(CONFIG_ID.match(v)),
      f"matching {CONFIG_ID.pattern} (it names a file)"),
-    *((k, lambda v, r: isinstance(v, str) and bool(v), "a non-empty string") for k in ("stage", "profile", "timestamp")),
+    *((k, lambda v, r: isinstance(v, str) and bool(v), "a non-empty string")
+      for k in ("stage", "profile", "timestamp")),
     *((k, lambda v, r: v is None or isinstance(v, str), "a string or null") for k in ("mixer", "backend", "order")),
     ("shapes", lambda v, r: isinstance(v, dict), "an object"),
     ("status", lambda v, r: v in STATUSES, f"in {list(STATUSES)}"),

@@ -1,7 +1,6 @@
-"""Entry point of every stage script: `stage.run(main, globals().get("snakemake"))` sends
-the output to the rule's log and calls `main` with a plain `Job`, inside the image through
-containers/docker_runner.py with `container.runtime: docker`. (No `from __future__`
-import in a stage script: Snakemake puts its preamble above the first line.)"""
+"""Entry point of every stage script: `stage.run(main, globals().get("snakemake"))` sends the output
+to the rule's log and calls `main` with a plain `Job` (inside the image with `container.runtime:
+docker`). No `from __future__` in a stage script: Snakemake puts its preamble above the first line."""
 
 from __future__ import annotations
 
@@ -24,11 +23,9 @@ IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
 COMMAND_LINE = "KERNELS_PIPELINE_COMMAND_LINE"
 # Given to a stage restarted on the GPUs it claimed (pin_gpu): those GPUs, so the claim is not logged twice.
 CLAIMED = "KERNELS_PIPELINE_CLAIMED_GPUS"
-# Kineto leaves CUPTI attached when a torch.profiler session ends unless TEARDOWN_CUPTI is
-# "1" (pytorch/pytorch#144455). Attached, CUPTI adds host time to every later CUDA call of
-# the process: the eager clocks of the configurations timed after a counted call
-# (measure.logical_counts) would carry it. Teardown is safe beside CUDA graphs from CUDA
-# 12.6 on. A GPU stage starts with it unless the caller set the variable.
+# Kineto leaves CUPTI attached after a torch.profiler session unless TEARDOWN_CUPTI is "1"
+# (pytorch/pytorch#144455), adding host time to every later CUDA call: to the eager clocks timed
+# after a counted call. Safe beside CUDA graphs from CUDA 12.6 on; a caller's setting wins.
 GPU_PROCESS_ENV = {"TEARDOWN_CUPTI": "1"}
 
 
