@@ -313,7 +313,7 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
 
 def ops_view(ok) -> str:
     """The ops track: ours and every peer side by side per op, shape and mode."""
-    g = ok[ok["stage"] == "ops"] if "stage" in ok else ok
+    g = ok[ok["stage"] == "ops"]
     if g.empty:
         return ""
     keys = [k for k in ("op", "shape.preset", "shape.B", "shape.T", "shape.D", "mode") if k in g and g[k].notna().any()]
