@@ -51,7 +51,6 @@ VIEWS = (
 
 
 def flatten(recs: list[dict]):
-    """One row per record."""
     rows = []
     for r in recs:
         gate, eager, clk = r.get("gate") or {}, r.get("eager") or {}, r.get("sm_clock") or {}

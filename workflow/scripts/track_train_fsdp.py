@@ -77,7 +77,6 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
 
 
 def worker(job_file: str) -> None:
-    """One rank of the torchrun group: measure every planned configuration."""
     stage.prepare_process()
     job = stage.Job.from_json(json.loads(Path(job_file).read_text()))
     work = Path(job_file).parent

@@ -41,7 +41,6 @@ def profile_for_gpu(names: list[str], known: list[str]) -> str:
 
 
 def resolve_profile(config: dict, gpus: list[str] | None = None) -> tuple[str, dict]:
-    """(profile name, profile dict) for a validated config."""
     profiles = config.get("profiles") or {}
     name = config.get("profile", "auto")
     if name == "auto":

@@ -130,7 +130,6 @@ def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = 
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Every record of a records.jsonl file, each validated."""
     out = []
     for n, line in enumerate(Path(path).read_text().split("\n"), 1):
         if line.strip():

@@ -60,12 +60,10 @@ class Job:
         return self.params["profile"]
 
     def load(self, name: str):
-        """The JSON document of the named input."""
         return json.loads(Path(getattr(self.input, name)).read_text())
 
     @property
     def lock_clocks(self) -> bool:
-        """The profile's probe.lock_clocks."""
         probe = self.config.get("profiles", {}).get(self.profile, {}).get("probe", {})
         return bool(probe.get("lock_clocks", False))
 
@@ -123,7 +121,6 @@ def prepare_process() -> None:
 
 
 def gpu_env() -> dict[str, str]:
-    """GPU_PROCESS_ENV's variables that the environment does not set."""
     return {k: v for k, v in GPU_PROCESS_ENV.items() if k not in os.environ}
 
 
@@ -197,7 +194,6 @@ def _run_in_docker(job: Job) -> None:
 
 
 def run(main, snakemake=None) -> None:
-    """Run a stage's `main(job)`; see the module docstring."""
     if snakemake is None:
         ap = argparse.ArgumentParser(description="Run one stage from a job file (written by the docker runtime).")
         ap.add_argument("--job", required=True, help="JSON job file")
