@@ -24,7 +24,7 @@ ORDER_TOL_PCT, ORDER_MIN_MS = 5.0, 0.05
 
 
 def probe_label(g) -> str:
-    """Axis label of the throughput probes, with their step count read from the records."""
+    """Axis label of the throughput probes, with their step count."""
     steps = sorted({int(v) for v in g["generated_tokens"].dropna()}) if "generated_tokens" in g else []
     return f"decode tokens/s ({'/'.join(map(str, steps)) or 'unknown'}-step probe)"
 
@@ -51,7 +51,6 @@ VIEWS = (
 
 
 def flatten(recs: list[dict]):
-    """One row per record: identity, shapes.*, stats, eager median, gate, logical.*, memory, facts."""
     rows = []
     for r in recs:
         gate, eager, clk = r.get("gate") or {}, r.get("eager") or {}, r.get("sm_clock") or {}
@@ -85,9 +84,8 @@ def order_key(df):
 
 
 def add_floor(df, bandwidth: float | None):
-    """`floor_ms` (a stage's own, else logical bytes at the probe's copy bandwidth), the
-    median's multiple of it, and the gaps between the run orders of the median (`ab_ba_pct`)
-    and of the eager median (`eager_ab_ba_pct`)."""
+    """`floor_ms` (a stage's own, else logical bytes over the copy bandwidth), `x_floor`, and the
+    run orders' gaps of the median (`ab_ba_pct`) and of the eager median (`eager_ab_ba_pct`)."""
     if df.empty:
         return df
     moved = df["logical.bytes_read"].astype("float64") + df["logical.bytes_written"].astype("float64")
@@ -112,10 +110,8 @@ def _neighbours(g) -> list[str]:
 
 
 def order_section(df) -> str:
-    """Whether the run orders agree (medians over ORDER_MIN_MS), with the reasons the records
-    give for each gap over ORDER_TOL_PCT; then the same for the eager medians quoted beside a
-    device-clock headline: host time is inside their window, so the device clocks' gap says
-    whether the GPU work or the host moved between the orders."""
+    """Whether the run orders agree, with what the records say of each gap; then the eager medians
+    beside a device-clock headline: the device clocks' gap says whether the GPU work or the host moved."""
     if df.empty or "ab_ba_pct" not in df:
         return ""
 
@@ -161,8 +157,7 @@ def ident_cols(df) -> list[str]:
 
 
 def comparison(df):
-    """SAMU / RG-LRU median ratios per stage, configuration and run order: for every backend
-    variant both mixers ran, and for each mixer's fastest ("best")."""
+    """SAMU / RG-LRU median ratios per stage, configuration and run order: per shared variant and "best"."""
     ok = df[(df["status"] == "ok") & df["mixer"].isin(MIXERS)]
     rows = []
     for stage_name, sg in ok.groupby("stage", sort=True):
@@ -203,8 +198,7 @@ def _pair(g, col: str, fmt: str = "{:.4g}") -> str:
 
 
 def stage_tables(df) -> str:
-    """Per stage, every configuration measured (headline clock, eager median, order gap,
-    figures, floor, gate, logical counts) and those that were not."""
+    """Per stage, every configuration measured and those that were not."""
     if df.empty:
         return "No track produced records in this run.\n"
     out = []
@@ -228,8 +222,7 @@ def _num(v):
 
 
 def plot(g, x: str | None, y: str, series: list[str], title: str, folder: Path, name: str, ylabel=None) -> str:
-    """One PNG: `y` per series against `x` (log axes), or as labelled bars without `x`;
-    P10-P95 bars where `y` is the median."""
+    """One PNG: `y` per series against `x` (log axes), or labelled bars without `x`; P10-P95 bars on medians."""
     groups = list(g.groupby(series, dropna=False, sort=True))
     fig = Figure(figsize=(8, 5 if x else max(3, 0.28 * len(groups) + 1.5)))
     ax, labels = fig.subplots(), []
@@ -282,8 +275,7 @@ def stage_plots(df, folder: Path) -> list[str]:
 
 
 def views(df, folder: Path) -> tuple[str, list[str]]:
-    """The summary: per VIEWS entry a table of the best variant per key and mixer, each
-    figure "AB / BA", and its plot."""
+    """The summary: per VIEWS entry the best variant per key and mixer ("AB / BA" figures) and its plot."""
     ok = df[df["status"] == "ok"]
     if ok.empty or "role" not in ok.columns:
         return "## Summary\n\nNo track produced records in this run.\n", []
@@ -320,7 +312,7 @@ def views(df, folder: Path) -> tuple[str, list[str]]:
 
 def ops_view(ok) -> str:
     """The ops track: ours and every peer side by side per op, shape and mode."""
-    g = ok[ok["stage"] == "ops"] if "stage" in ok else ok
+    g = ok[ok["stage"] == "ops"]
     if g.empty:
         return ""
     keys = [k for k in ("op", "shape.preset", "shape.B", "shape.T", "shape.D", "mode") if k in g and g[k].notna().any()]
@@ -339,8 +331,7 @@ def ops_view(ok) -> str:
 
 
 def breakdown_section(recs: list[dict], top: int = 8) -> str:
-    """The training comparison's step, kernel by kernel: the profiled step's top kernels
-    by device time, per preset, shape and mixer (from the AB record's one profiled step)."""
+    """The top kernels by device time of each training comparison's profiled step (AB records)."""
     out = []
     for r in recs:
         lg = r.get("logical") or {}
@@ -357,8 +348,7 @@ def breakdown_section(recs: list[dict], top: int = 8) -> str:
 
 
 def host_section(recs: list[dict], top: int = 4) -> str:
-    """Where the eager calls' host time goes: per ops configuration (AB order) the host and
-    device medians and the functions with the most own host time per call (cProfile)."""
+    """Host and device medians of each ops configuration (AB), with its top host functions (cProfile)."""
     rows = [{"op": r["op"], "shape": " ".join(f"{k}{r['shapes'][k]}" for k in ("B", "T", "D") if k in r["shapes"]),
              "mode": r["mode"], "variant": r["variant"], "host_ms": r["eager"].get("host_median_ms"),
              "device_ms": (r.get("device") or {}).get("median_ms"), "top functions (own µs per call)": "; ".join(
@@ -369,9 +359,7 @@ def host_section(recs: list[dict], top: int = 4) -> str:
 
 
 def decode_tune_section(tune_recs: list[dict], table: dict) -> str:
-    """The tune stage's decode step candidates per op and batch size: each probe median
-    as µs per layer step (the trajectory over its steps and the layers each step walks),
-    the tuning table's choice in bold; a candidate that failed its gate reads "failed"."""
+    """The tune stage's decode step probes as µs per layer step, the table's choice in bold."""
     chosen = {(e["op"], e["B"], e["backend"] + opt_tag(e.get("options") or {})) for e in table.get("decode", [])}
     cells = []
     for r in tune_recs:
@@ -422,8 +410,8 @@ def probe_section(env: dict) -> str:
 
 
 def timed_implementations(recs: list[dict], table: dict) -> dict[str, set[int | None]]:
-    """"op/backend" of every implementation the run timed (peers aside; for `auto` the
-    table's entries), with the batch sizes where the tuning table sends decode steps."""
+    """"op/backend" of every implementation timed (peers aside; `auto` as the table's entries) ->
+    the batch sizes where the table sends decode steps."""
     out: dict[str, set] = {}
     for r in recs:
         op, backend = r.get("op") or r["mixer"] or ("scan" if r["stage"] == "scan" else None), r["backend"]
@@ -449,8 +437,7 @@ def linear_tiles(table: dict) -> str:
 
 
 def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
-    """The audit's outcome and which timed implementations a `backends/<op>/<backend>`
-    gate covered (checks inexact by design are reported, not gated)."""
+    """The audit's outcome and which timed implementations a `backends/<op>/<backend>` gate covered."""
     checks = gates["checks"]
     per_backend = [c for c in checks if c["check"].startswith("backends/") and c.get("op") and c.get("backend")]
     roles: dict[str, set] = {}

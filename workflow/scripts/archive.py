@@ -1,8 +1,6 @@
-"""Archive -> results/artifact-<commit>[-dirty]-<profile>.tar.gz: MANIFEST.json, this run's
-results, config.yaml and any uncommitted diff. Sorted entries, normalised metadata and a
-nameless gzip header make the same results give the same bytes; the stage verifies it.
-The name says the profile; the manifest's `gpu` says which GPU the probe ran on (another
-than the profile's with `--config profile=h200` on an H100, say; null on the CPU)."""
+"""Archive -> results/artifact-<commit>[-dirty]-<profile>.tar.gz: MANIFEST.json, this run's results,
+config.yaml and any uncommitted diff. Sorted entries, normalised metadata and a nameless gzip
+header make the same results give the same bytes; the stage verifies it."""
 
 import gzip
 import io

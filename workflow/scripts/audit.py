@@ -12,9 +12,8 @@ from kernels import parity
 
 
 def run_checks(settings: dict, step_grids: dict | None = None) -> list[dict]:
-    """Every gate per dtype: backend gates once, official-parity modules per model backend;
-    the decode steps also with every option set of `step_grids` (the tune stage's decode
-    candidates), so each step kernel the tuning table may choose is gated here first."""
+    """Every gate per dtype; the decode steps also with every option set of `step_grids` (the tune
+    stage's candidates), so each step kernel the tuning table may choose is gated here first."""
     options = step_option_sets(step_grids or {})
     device = settings["device"]
     if device == "cuda" and not torch.cuda.is_available():

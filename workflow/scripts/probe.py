@@ -36,7 +36,6 @@ def nvml_facts() -> dict:
         return {"available": False, "reason": f"NVML: {e}", "devices": []}
 
     def q(fn, *args, then=lambda v: v):
-        """fn(*args) passed to `then`; None where the device does not support it."""
         try:
             v = fn(*args)
         except (pynvml.NVMLError, AttributeError):
@@ -125,11 +124,9 @@ def _touch(x):
 
 
 def host_launch(device: str, reps: int) -> dict | None:
-    """Host time per call (median, microseconds) of the smallest launches, each after
-    EAGER_WARM_MS of back-to-back calls as the eager clock takes them: a Triton kernel through
-    the launchers' fast path (kernels.ops.triton_utils.Launcher) and through Triton's own
-    binding, one PyTorch op, and the first again after one torch.profiler session (what the
-    stages' counted calls leave behind; TEARDOWN_CUPTI recorded beside it). None off CUDA."""
+    """Host time per call of the smallest launches after EAGER_WARM_MS back to back, as the eager
+    clock takes them: a Triton kernel through our launcher and through Triton's binding, one
+    PyTorch op, and the first again after one torch.profiler session. None off CUDA."""
     if device != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -179,7 +176,7 @@ def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
 
 
 def ncu_metric_values(output: str) -> dict:
-    """Metric name -> value (as printed) from `ncu --csv` output; non-numbers (n/a) left out."""
+    """Metric name -> value as printed, from `ncu --csv` output; non-numbers (n/a) left out."""
     rows = csv.DictReader(ln for ln in output.splitlines() if ln.startswith('"'))
     return {r["Metric Name"]: r["Metric Value"].replace(",", "") for r in rows
             if r.get("Metric Name") and number(r.get("Metric Value")) is not None}

@@ -1,7 +1,6 @@
-"""Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the
-generation engine (CUDA graphs on a GPU) of the profile's preset: prefill (time to first
-token), latency (one trajectory read at every length) and throughput (probes over batch
-sizes, extended while tokens/s rises, then the best on fresh trajectories), both orders."""
+"""Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the generation
+engine: prefill (time to first token), latency (one trajectory read at every length) and
+throughput (probes over batch sizes while tokens/s rises, the best on fresh trajectories)."""
 
 import statistics
 
@@ -18,8 +17,7 @@ from kernels.models.generation import Engine
 
 def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], reps: int, device, params: int,
                       reuse: dict | None = None, warmup: int = 2) -> dict:
-    """Per checkpoint, the cumulative ms of `reps` trajectories, tokens/s, peak memory and
-    the logical counts of one step (from `reuse`, the other order's record, if it has them)."""
+    """Per checkpoint, the fields of `reps` trajectories, with one step's logical counts (or `reuse`'s)."""
     batch = B if prompt_tokens is None else None
     runs = [measure.time_trajectory(lambda i: engine.step(), checkpoints, device, warmup=warmup if k == 0 else 0,
                                     before=lambda: engine.start(prompt_tokens, batch_size=batch)) for k in range(reps)]
@@ -48,15 +46,13 @@ def resolved_backends(engine, B: int, prompt: int) -> dict:
 
 
 def engine_for(model, B: int, table: kernels.TuningTable, settings: dict, device) -> Engine:
-    """The generation engine at batch size B with the table's tiles for the weight-streaming
-    linears of B's row block (none tuned: the built-in ones)."""
+    """The engine at batch size B with the table's linear tiles for B's row block."""
     return Engine(model, graphs=settings.get("cuda_graphs", True) and device.type == "cuda",
                   linear_configs=table.linear_configs(settings["dtype"], dk.rows_block(B)))
 
 
 def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.TuningTable, device) -> dict:
-    """Time to first token (prefill of a [B, P] prompt and one decode step, eager) beside
-    its floor (`floor.basis`)."""
+    """Time to first token (prefill of a [B, P] prompt and one decode step, eager) and its floor."""
     B, P = pre["batch"], pre["prompt"]
     engine = engine_for(model, B, table, settings, device)
     tokens = torch.randint(1, settings["vocab"], (B, P), generator=torch.Generator().manual_seed(0)).to(device)
@@ -76,8 +72,8 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.T
 
 
 def extend_grid(probe_at, thr: dict) -> dict:
-    """Probe the profile's batch sizes, then double B while tokens/s rises by more than
-    `plateau_rise` up to `max_batch`; stop at the first failure; say why it ended."""
+    """Probe the batch sizes, doubling B while tokens/s rises over `plateau_rise` (to `max_batch`);
+    stop at the first failure; say why it ended."""
     batches, rise, cap = sorted(thr["batches"]), thr.get("plateau_rise", 0.02), thr.get("max_batch", 8192)
     done, why = [], None
     for i, B in enumerate(batches):     # batches grows while tokens/s rises

@@ -25,8 +25,7 @@ HOST_PROFILE_CALLS = 100
 
 
 class Case:
-    """One comparison: `variants` maps a name to `make(dtype)` -> (timed call, errors()
-    giving {check: max relative error against float64}); `floor` is the floor's bytes."""
+    """One comparison: `variants` maps a name to `make(dtype)` -> (timed call, errors()); `floor`: bytes."""
 
     def __init__(self, name: str, shapes: dict, mode: str, variants: dict, floor: int):
         self.name, self.shapes, self.mode, self.variants, self.floor = name, shapes, mode, variants, floor
@@ -44,8 +43,7 @@ def cast(args: list, dtype, grad: bool = False) -> list:
 
 
 def grad_errors(forward, y_ref, backward, g_ref, names=None) -> dict:
-    """{check: max relative error}: forward() against y_ref, then (where g_ref is given)
-    backward()'s gradients, named `names` (default grad0, grad1, ...), against g_ref."""
+    """{check: max relative error} of forward() against y_ref and of backward()'s gradients against g_ref."""
     names = names or [f"grad{i}" for i in range(len(g_ref))]
     return {"output": rel_err(forward(), y_ref),
             **{n: rel_err(got, want) for n, got, want in zip(names, backward() if g_ref else (), g_ref)}}
@@ -123,8 +121,8 @@ def layer_case(preset: str, D: int, blocks: int, mode: str, s: dict, device, dty
 
 
 def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> Case:
-    """kernels.<op>_step (SAMU's also reading the mode table, as the generation engine
-    calls it; the official RG-LRU layer at T = 1): 4 steps against float64."""
+    """kernels.<op>_step (SAMU's also with the engine's mode table; the official RG-LRU at T = 1):
+    4 steps against float64."""
     fn = getattr(kernels, f"{op}_step")
     args, state0 = cases.step_inputs(op, B, D, blocks, dtype, device)
     ref_args = cast(args, torch.float64)
@@ -180,8 +178,8 @@ def plan(s: dict, device):
 
 
 def gated(case: Case, name: str, s: dict):
-    """(timed call, the record's `gate`): ours gated in the track's dtype, a peer in
-    PEER_GATE_DTYPE where it runs in it (its track-dtype errors recorded ungated)."""
+    """(timed call, the record's `gate`): ours gated in the track's dtype, a peer in PEER_GATE_DTYPE
+    where it runs in it (its track-dtype errors recorded ungated)."""
     make, dtype = case.variants[name], getattr(torch, s["dtype"])
     gate = {"passed": True, "against": "float64 reference", "dtype": s["dtype"], "tolerance": s["check_tolerance"]}
     if not name.startswith("ours") and s["dtype"] != PEER_GATE_DTYPE:

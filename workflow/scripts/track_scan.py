@@ -39,8 +39,7 @@ def config_id(item: dict, settings: dict, order: str) -> str:
 
 
 def inputs(s: dict, device):
-    """call(item) -> (the timed no-grad forward call of `item`, its arguments), holding the
-    inputs of one (op, T) at a time, built on first use."""
+    """call(item) -> (the timed forward of `item`, its arguments); one (op, T)'s inputs held at a time."""
     held = {}
 
     def call(item: dict):

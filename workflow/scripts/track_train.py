@@ -1,9 +1,7 @@
-"""Training-step track -> results/tracks/train/records.jsonl: Hawk models that differ only
-in the mixer, one kernels.models.train_step of 8192 tokens. Diagnostics (every gated
-backend) first, then the comparison (each mixer's fastest exact backend, fresh runs, per
-step mode: eager and/or the whole step captured in one CUDA graph),
-last the official peer and then the slow PyTorch reference, so a spent budget cuts those,
-the reference first."""
+"""Training-step track -> results/tracks/train/records.jsonl: Hawk models that differ only in the
+mixer, one train_step of 8192 tokens. Diagnostics (every gated backend), the comparison (each
+mixer's fastest exact backend, fresh runs, per step mode), then the official peer and last the
+slow PyTorch reference, so that a spent budget cuts those first."""
 
 from common import cases, measure, stage, training
 from common.cases import chunk_variants, opt_tag
@@ -17,8 +15,8 @@ LINEAR_COUNTS = ("launches", "accounted_launches", "bytes_read", "bytes_written"
 
 
 def loop_counts(setup_at, lengths: list[int], T: int, device) -> dict:
-    """Counts of one step of a per-step PyTorch loop at length T, extrapolated from two short
-    lengths (they are affine in T): profiling the full loop costs about 20 of its steps."""
+    """One step's counts of a per-step PyTorch loop at length T, extrapolated from two short lengths
+    (they are affine in T): profiling the full loop costs about 20 of its steps."""
     got = []
     for t in lengths:
         s = setup_at(t)
@@ -51,9 +49,8 @@ def main(job):
     ref_lim, off = settings.get("reference", {}), settings.get("official", {})
 
     def measured(cid, preset, T, B, mixer, name, opts, reps, warmup, order=None, graph=False, **fields):
-        """Time the step with backend `name` ("auto": the tuning table, PEER: the official
-        model; `graph`: the step captured in one CUDA graph), reusing the AB counts in BA;
-        a per-step loop is counted at short lengths (settings["loop_count_T"])."""
+        """Time the step with backend `name` ("auto": the table, PEER: the official model), reusing the
+        AB counts in BA; a per-step loop is counted at short lengths (loop_count_T)."""
         official, logical = name == PEER, runner.twin(cid)
 
         def make_at(t):
@@ -86,8 +83,7 @@ def main(job):
     slow_names = {"reference"} if device.type == "cuda" else set()
 
     def diagnostics(slow: bool):
-        """Every gated backend (chunk sizes only on a GPU) at every diagnostics shape: the
-        slow PyTorch loops or the others."""
+        """Every gated backend at every diagnostics shape: the slow PyTorch loops or the others."""
         items = []
         for mixer in mixers:
             fns = kernels.backends(mixer)

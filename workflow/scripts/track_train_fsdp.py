@@ -29,9 +29,8 @@ def fsdp_settings(settings: dict) -> dict:
 
 
 def plan(settings: dict, single: list[dict]) -> list[dict]:
-    """Every configuration in run order (preset, shape, order, mixer) with the backend of
-    track_train's successful fresh records (`single`) at that preset, shape and mixer, and
-    the `fields` that name it in its record."""
+    """Every configuration in run order, on the backend of track_train's fresh records (`single`) at
+    its preset, shape and mixer."""
     world, fs, out = settings["world_size"], fsdp_settings(settings), []
     for preset in fs["presets"]:
         for T, B in ((shape["T"], shape["B"]) for shape in fs["shapes"]):
@@ -57,11 +56,9 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
     samples = [max(step) for step in zip(*(r["timing"]["samples_ms"] for r in per_rank))]
     stats = {**first["timing"]["stats"], **measure.summarize(samples)}
     step_s, params, tokens = stats["median_ms"] * 1e-3, first["parameters"], world * B * T
-    flops, logical = 6 * params * tokens, first["timing"]["logical"]
-    if logical is not None:
-        logical = {**logical, "counted_on": "rank 0 (its B documents)", "param_bytes": 4 * params // world,
-                   "grad_bytes": 4 * params // world, "optimizer_state_bytes": 8 * params // world,
-                   "state_bytes": B * first["num_layers"] * first["lru_width"] * 4, "model_flops_per_step": flops}
+    logical = first["timing"]["logical"] and {**first["timing"]["logical"], "counted_on": "rank 0 (its B documents)"}
+    mfu = training.step_figures(params, tokens, step_s, logical, B * first["num_layers"] * first["lru_width"] * 4,
+                                matmul_rate, peak_rate, world)
     peaks = [r["timing"]["peak_bytes"] for r in per_rank]
     one, per_gpu = sum(r["tokens_per_s"] for r in single) / len(single) if single else None, B * T / step_s
     return {"samples_ms": samples, "samples_basis": "per step, the slowest rank's time (each rank times its own steps)",
@@ -71,11 +68,7 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
             "world_size": world, "process_group": first["process_group"], "param_dtype": first["param_dtype"],
             "reduce_dtype": "float32", "tokens_per_step": tokens, "tokens_per_step_per_gpu": B * T,
             "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": per_gpu, "step_ms": stats["median_ms"],
-            "parameters": params, "non_embedding_parameters": first["non_embedding_parameters"],
-            "model_flops_per_step": flops, "mfu": flops / step_s / (world * matmul_rate) if matmul_rate else None,
-            "mfu_basis": "model FLOPs (6 x parameters x tokens of all ranks) per second over world_size x the "
-                         "probe's measured BF16 matmul rate" if matmul_rate else None,
-            "mfu_of_peak": flops / step_s / (world * peak_rate) if peak_rate else None,
+            "parameters": params, "non_embedding_parameters": first["non_embedding_parameters"], **mfu,
             "single_gpu_tokens_per_s": one, "single_gpu_records": sorted(r["config_id"] for r in single),
             "scaling_efficiency": per_gpu / one if one else None,
             "scaling_basis": "tokens/s per GPU over the single-GPU tokens/s of the same preset, shape and mixer "
@@ -84,7 +77,6 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
 
 
 def worker(job_file: str) -> None:
-    """One rank of the torchrun group: measure every planned configuration."""
     stage.prepare_process()
     job = stage.Job.from_json(json.loads(Path(job_file).read_text()))
     work = Path(job_file).parent

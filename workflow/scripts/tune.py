@@ -1,7 +1,6 @@
-"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads) and records.jsonl:
-per op and shape every exact candidate (backend x option grid) is checked and probed, the
-fastest re-measured on fresh runs; decode steps likewise per batch size, as trajectories;
-the decode step's weight-streaming linears role by role, as trajectories of whole steps."""
+"""Kernel tuning -> results/tune/tuning.json (what `backend="auto"` reads) and records.jsonl: per op
+and shape every exact candidate is checked and probed, the fastest re-measured on fresh runs;
+decode steps per batch size and the decode linears role by role likewise, as trajectories."""
 
 import fnmatch
 import statistics
@@ -28,8 +27,7 @@ def candidates(op: str, fns: dict, settings: dict, device, names=None, fixed=fro
 
 
 def select(runner: measure.Runner, tag: str, cands, probe, fresh, fields: dict) -> dict | None:
-    """Probe every candidate, re-measure the fastest by median on fresh runs; the table
-    entry's common part, or None when no candidate finished."""
+    """Probe every candidate, re-measure the fastest on fresh runs; the entry's common part or None."""
     probes = []
     for name, opts in cands:
         rec = runner.run(f"tune-{tag}-{name}{opt_tag(opts)}-probe", lambda n=name, o=opts: probe(n, o), **fields,
@@ -100,8 +98,8 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device)
 
 
 def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool) -> list[float]:
-    """Milliseconds of `count` trajectories of n_steps fed-back decode steps; with `graph`
-    on a GPU each is one replay of the captured steps, as in the inference engine."""
+    """Milliseconds of `count` trajectories of n_steps fed-back decode steps (with `graph`, one
+    replay of the captured steps each, as in the inference engine)."""
     if graph:
         xin = x0.clone()
 
@@ -123,9 +121,8 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool)
 
 
 def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
-    """Every decode step candidate per batch size: gated on one layer's 4 steps against the
-    reference, then timed as trajectories in which each step walks `layers` distinct
-    layers (each its own input weights and state), as the model's step does: a layer's
+    """Every decode step candidate per batch size, gated on 4 steps against the reference, timed as
+    trajectories whose steps walk `layers` distinct layers as the model's step does: a layer's
     state then comes from DRAM, not from the cache one repeated layer would keep warm."""
     dec = settings.get("decode") or {}
     if not dec:
@@ -183,10 +180,9 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
 
 
 def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
-    """Tile options of the weight-streaming linears, one role at a time (the roles before it
-    at their choices): the grid's combinations beside the default, then (with `refine`) the
-    winner with each refine combination; each gated on the first step from BOS (the default
-    tiles' tokens, states within the tolerance), timed as trajectories of whole engine steps."""
+    """Tiles of the weight-streaming linears, one role at a time (earlier roles at their choices):
+    the grid beside the default, then the winner with each `refine` combination; each gated
+    on the default tiles' first step from BOS, timed as trajectories of whole engine steps."""
     lin = settings.get("linears") or {}
     if not lin:
         return []

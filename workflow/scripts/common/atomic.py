@@ -32,8 +32,7 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def jsonable(obj):
-    """Plain JSON types: numpy/torch scalars become Python numbers, non-finite floats
-    become the strings "nan", "inf", "-inf" (strict JSON has no spelling for them)."""
+    """Plain JSON types; non-finite floats become "nan", "inf", "-inf" (strict JSON has no spelling)."""
     if isinstance(obj, dict):
         return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

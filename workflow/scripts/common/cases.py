@@ -26,8 +26,7 @@ def positions(B: int, T: int, device, resets: bool = False):
 
 
 def op_inputs(op: str, B: int, T: int, D: int, dtype, device, requires_grad=False, resets=False) -> list:
-    """Positional arguments of `op`: activations [B, T, D] in `dtype`, FP32 parameters at
-    the layers' initialisation, segment_pos, no initial or final state."""
+    """Positional arguments of `op`: activations [B, T, D] in `dtype`, FP32 parameters, segment_pos."""
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def act():
@@ -59,9 +58,8 @@ def step_inputs(op: str, B: int, D: int, heads: int, dtype, device, seed: int = 
 
 
 def step_counts(engine: Engine, B: int, device) -> dict:
-    """Logical counts of one decode step of `engine` (started at batch size B). A graph
-    replay runs no launcher code: an eager twin with the same kernels and linear tiles
-    launches and counts them."""
+    """Logical counts of one decode step of `engine` (started at batch size B); a graph replay runs
+    no launcher code, so an eager twin with the same kernels and tiles is counted."""
     if not engine.graphs:
         engine.step()
         return logical_counts(engine.step, device)
@@ -81,8 +79,8 @@ def nbytes(tensors) -> int:
 
 
 def floor_bytes(args: list, out, mode: str = "fwd") -> int:
-    """The memory floor's bytes: inputs read and the output written once; for "fwd_bwd"
-    also the output's gradient read, the inputs read again and their gradients written."""
+    """The memory floor's bytes: inputs read, output written; for "fwd_bwd" also the output's
+    gradient read, the inputs read again and their gradients written."""
     return nbytes(args) * (1 if mode == "fwd" else 3) + nbytes([out]) * (1 if mode == "fwd" else 2)
 
 
@@ -99,9 +97,8 @@ STEP_FIXED = {
 
 
 def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: str | None = None) -> list[dict]:
-    """Every combination of the options the launcher accepts (outside `fixed`) in the grid
-    for "op/name", else "name", else "*"; a list of grids (options that only make sense
-    together) is their union without repeats."""
+    """Every combination of the launcher's options (outside `fixed`) in the grid for "op/name", else
+    "name", else "*"; a list of grids (options that only go together) gives their union."""
     found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
     try:
         params = inspect.signature(fn).parameters
@@ -116,14 +113,12 @@ def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: s
 
 
 def combos(grid: dict) -> list[dict]:
-    """Every combination of the values of `grid` ({option: [values]})."""
     keys = sorted(grid)
     return [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
 
 
 def step_option_sets(grids: dict) -> dict[str, list[dict]]:
-    """{"op/backend": [options, ...]}: every decode step launcher option set that the
-    grids (a profile's tune.decode.options) name, as check_steps takes them."""
+    """{"op/backend": option sets} of every decode step launcher the grids (tune.decode.options) name."""
     out = {}
     for op in STEP_OPS:
         for name, fn in ops.step_backends(op).items():
@@ -158,8 +153,7 @@ def grad_targets(args: list) -> list:
 
 
 def make_call(fn, args: list, opts: dict, mode: str, grad_out=None, targets=None):
-    """A no-argument call: the forward without autograd ("fwd"), or with the backward to
-    `targets` (default: every input that takes a gradient) ("fwd_bwd")."""
+    """A no-argument call: the forward without autograd ("fwd") or with the backward to `targets`."""
     if mode == "fwd":
         def call():     # the timed path: no decorator frame around it
             with torch.no_grad():
@@ -170,14 +164,13 @@ def make_call(fn, args: list, opts: dict, mode: str, grad_out=None, targets=None
 
 
 def samu_kinks(args: list):
-    """Where the exact pre-relu SAMU state is ~0 (the audit's rule): a gradient check zeroes
-    the output cotangent there, so rounding across relu's kink cannot decide it."""
+    """Where the exact pre-relu SAMU state is ~0: a gradient check zeroes the cotangent there, so
+    rounding across relu's kink cannot decide it (the audit's rule)."""
     return parity.samu_relu_kinks([a.detach().double() for a in args[:7]], None, args[7])
 
 
 def gated_backends(gates: dict) -> dict[str, set[str]] | None:
-    """{op: backends with a check and no failed check} from gates.json, or None when
-    its checks name no backend."""
+    """{op: backends with a check and no failed check} from gates.json; None when no check names one."""
     passed, failed = {}, {}
     for c in gates.get("checks") or []:
         if c.get("backend") is not None:
@@ -203,10 +196,9 @@ def diagnostic_backend_names(op: str, names, gates: dict | None) -> tuple[list[s
 
 
 class Peer:
-    """A peer of the bare scan h_t = a_t h_{t-1} + b_t in its own layout, prepared outside the
-    timed window: `call()` runs it (with `grad` the backward too); `output()` / `grads()` give
-    y and the gradients of a, b in [B, T, D] (a's zero at resets). Resets become a zero gate
-    (accelerated-scan) or cu_seqlens bounds (fla)."""
+    """A peer of the bare scan h_t = a_t h_{t-1} + b_t in its own layout, prepared outside the timed
+    window; `output()` / `grads()` give y and the gradients of a, b in [B, T, D]. Resets become a
+    zero gate (accelerated-scan) or cu_seqlens bounds (fla)."""
 
     CPU_SKIP = {"accelerated_scan_triton": "its Triton scan takes 2048-wide blocks (minutes a call in the "
                                            "interpreter)", "accelerated_scan_warp": "a CUDA extension",
@@ -244,7 +236,6 @@ class Peer:
         self.inputs = [self.from_btd(t).contiguous().requires_grad_(grad) for t in inputs]
 
     def set_grad_out(self, grad_out):
-        """The output cotangent, given in [B, T, D]."""
         self.grad_out = self.from_btd(grad_out).contiguous()
 
     def call(self):
@@ -272,8 +263,7 @@ def load_official():
 
 
 def official_rglru(D: int, blocks: int, dtype, device):
-    """(the official RG-LRU layer in FP32 with weights rounded to `dtype`, our float64
-    reference layer with the same weights); measure.Skip without recurrentgemma."""
+    """(the official RG-LRU layer with weights rounded to `dtype`, our float64 layer with the same weights)."""
     rg = load_official()
     torch.manual_seed(0)
     official = rg.RGLRU(D, blocks, device=device)

@@ -25,15 +25,12 @@ def _typed(value):
 
 
 def typed_overrides(overrides: dict) -> dict:
-    """`--config` entries whose nested scalars (strings from Snakemake's base loader) are
-    read again as YAML scalars (`5` -> 5, `null` -> None, `1.3b` stays a string)."""
+    """`--config` entries with nested scalars read again as YAML scalars (`5` -> 5, `1.3b` stays)."""
     return {k: _typed(v) if isinstance(v, (dict, list)) else v for k, v in overrides.items()}
 
 
 def validate(config: dict, schema_path: str | Path) -> None:
-    """Raise ValueError with one line per schema violation
-    (`profiles.cpu-smoke.probe.reps: 'many' is not of type 'integer'`): Snakemake's own
-    message prints the whole config."""
+    """Raise ValueError with one line per schema violation (Snakemake's own message prints the config)."""
     from jsonschema import Draft202012Validator
 
     validator = Draft202012Validator(yaml.safe_load(Path(schema_path).read_text()))

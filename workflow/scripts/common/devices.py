@@ -1,6 +1,5 @@
-"""Whole GPUs per stage job: under SLURM (or a user's CUDA_VISIBLE_DEVICES) those given
-are kept; on one node a stage takes the first free ones by an exclusive flock on
-results/.tmp/gpus/<index>.lock, which the kernel drops when the process dies and which
+"""Whole GPUs per stage job: those given (SLURM, CUDA_VISIBLE_DEVICES) are kept; else the first free
+ones by an exclusive flock on results/.tmp/gpus/<index>.lock, which dies with the process and
 survives exec (a restarted stage keeps its claim). Indices are NVML's PCI bus order."""
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ _held: list = []  # open lock files: the claim lasts as long as the process
 
 
 def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list[int] | None:
-    """Indices of the first `count` free GPUs of `n_gpus`, now held; None when
-    CUDA_VISIBLE_DEVICES is set or there is no GPU. RuntimeError when too few are free."""
+    """Indices of the first `count` free GPUs of `n_gpus`, now held; None under CUDA_VISIBLE_DEVICES
+    or without a GPU; RuntimeError when too few are free."""
     if "CUDA_VISIBLE_DEVICES" in os.environ or n_gpus <= 0:
         return None
     lock_dir = Path(lock_dir)

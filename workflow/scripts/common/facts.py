@@ -24,8 +24,8 @@ SOURCE = ("Snakefile", "config.yaml", "pyproject.toml", "envs", "kernels", "work
 
 
 def source_digest(root: Path = REPO_ROOT) -> str:
-    """sha256 over the paths and bytes of SOURCE: it names the code where git metadata is
-    stale or missing (a copied tree); `python workflow/scripts/common/facts.py DIR` prints it."""
+    """sha256 over the paths and bytes of SOURCE: names the code where git metadata is stale or
+    missing (a copied tree); `python workflow/scripts/common/facts.py DIR` prints it."""
     h = hashlib.sha256()
     for name in SOURCE:
         for p in [root / name] if (root / name).is_file() else sorted((root / name).rglob("*")):
@@ -36,8 +36,7 @@ def source_digest(root: Path = REPO_ROOT) -> str:
 
 @lru_cache(maxsize=1)
 def commit() -> dict:
-    """{"sha": full hash or "unknown", "dirty": bool or None, "source_sha256"}. Files
-    under results/ are outputs, not source, so they do not make the tree dirty."""
+    """{"sha", "dirty", "source_sha256"}; files under results/ do not make the tree dirty."""
     sha = _git("rev-parse", "HEAD")
     dirty = None if sha is None else bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".",
                                                ":(exclude)results"))
@@ -45,7 +44,7 @@ def commit() -> dict:
 
 
 def commit_time() -> int:
-    """Committer time of HEAD (seconds since the epoch); 0 outside a git checkout."""
+    """Committer time of HEAD in seconds; 0 outside a git checkout."""
     t = _git("log", "-1", "--format=%ct")
     return int(t) if t else 0
 

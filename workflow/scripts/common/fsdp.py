@@ -1,8 +1,6 @@
-"""FSDP2 for the training track, applied from outside the single-device Hawk model (as
-torchtitan does): `distribute(setup, rank, world, param_dtype)` shards every mixer,
-every residual block and the root with `fully_shard` (FP32 master weights, gradients
-and AdamW moments as shards; parameters gathered in `param_dtype`, the mixers' in FP32;
-gradients reduce-scattered in FP32) and gives each rank its B whole documents."""
+"""FSDP2 for the training track, applied from outside the single-device model (as torchtitan
+does): every mixer, residual block and the root sharded with `fully_shard` (FP32 master weights,
+gradients and AdamW moments; gathers in `param_dtype`, the mixers' in FP32); B documents a rank."""
 
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ import torch.distributed as dist
 
 
 def init_process_group(timeout_s: float = 900) -> tuple[int, int, torch.device]:
-    """Join torchrun's process group (NCCL, one GPU per rank; gloo on the CPU); a collective
-    waiting over `timeout_s` raises instead of hanging. Returns (rank, world size, device)."""
+    """Join torchrun's group (NCCL, one GPU per rank; gloo on the CPU); a collective waiting over
+    `timeout_s` raises instead of hanging. Returns (rank, world size, device)."""
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         if missing := [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v not in os.environ]:
@@ -39,10 +37,9 @@ class _Scalar(torch.nn.Module):
         return x.reshape(1)
 
 
-def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
-          reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """FSDP2 in place on a HawkLM, one unit per mixer, per residual block, then the root;
-    mixers gather in FP32, as the single-GPU autocast step hands them their parameters."""
+def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """FSDP2 in place, one unit per mixer, per residual block, then the root; mixers gather in FP32,
+    as the single-GPU autocast step hands them their parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.nn.utils import parametrize
 
@@ -54,11 +51,11 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
         for name, p in list(module.named_parameters(recurse=False)):
             if p.dim() == 0:
                 parametrize.register_parametrization(module, name, _Scalar())
-    stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     for module in list(model.modules()):
         if isinstance(module, (layers.RGLRU, layers.SAMU)):
             fully_shard(module, mp_policy=stored)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -70,14 +67,13 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
 
 
 def rebuild_optimizer(opt: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
-    """A new optimizer of `opt`'s class and settings over `params` (the sharded ones)."""
+    """A new optimizer like `opt` over `params`."""
     accepted = inspect.signature(type(opt)).parameters
     return type(opt)(params, **{k: v for k, v in opt.defaults.items() if k in accepted})
 
 
 def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = None):
-    """`setup` (a global batch of world x B documents) made this rank's part of a
-    data-parallel step: model sharded, optimizer rebuilt, this rank's B rows kept."""
+    """`setup` (world x B documents) made this rank's part: model sharded, optimizer rebuilt, B rows kept."""
     rows = setup.inp.shape[0]
     if rows % world:
         raise ValueError(f"expected a global batch divisible by the world size {world}, got {rows} documents")

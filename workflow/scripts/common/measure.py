@@ -17,7 +17,6 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 
 from kernels.ops import accounting
 
-from . import atomic, records
+from . import atomic, records, stage
 from .facts import REPO_ROOT
 
 STATUS_OK, STATUS_OOM, STATUS_FAILED = "ok", "oom", "failed"
@@ -46,11 +45,9 @@ PILOT_CALLS, PILOT_SHORT_CALLS, PILOT_SHORT_MS = 2, 16, 0.1
 # short call reaches its steady speed (CPU clocks, caches) only after tens of milliseconds,
 # most of all after the profiler's counting pass; a user's loop calls it in that state.
 EAGER_WARM_MS = 30.0
-LOGICAL_BASIS = (
-    "logical: bytes from the launchers' own accounting of the tensors each kernel reads "
-    "and writes (kernels.ops.accounting; matmuls and other PyTorch ops not included); "
-    "kernel launches counted by torch.profiler from what ran in one call"
-)
+LOGICAL_BASIS = ("logical: bytes from the launchers' own accounting of the tensors each kernel reads and writes "
+                 "(kernels.ops.accounting; matmuls and other PyTorch ops not included); kernel launches counted by "
+                 "torch.profiler from what ran in one call")
 _STICKY = ("illegal memory access", "illegal instruction", "misaligned address", "unspecified launch failure",
            "device-side assert", "an illegal address", "cudaerrorlaunchfailure", "cuda_error_illegal_address",
            "uncorrectable ecc")
@@ -100,9 +97,8 @@ def summarize(samples: list[float]) -> dict:
 
 def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=None, budget_s: float | None = None,
             min_reps: int = 3) -> dict:
-    """The eager clock: `reps` calls each between two CUDA events (perf_counter on the CPU),
-    stopped early once `budget_s` has passed and `min_reps` samples exist; `host_ms`: the
-    host's time inside each call (perf_counter around it: launch work, checks, any wait)."""
+    """The eager clock: `reps` calls each between two CUDA events (perf_counter on the CPU), stopped
+    early once `budget_s` has passed and `min_reps` exist; `host_ms`: the host's time inside each call."""
     for name, v, lo in (("reps", reps, 1), ("warmup", warmup, 0), ("min_reps", min_reps, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"expected {name} to be an integer >= {lo}, got {v!r}")
@@ -143,8 +139,7 @@ def cuda_graph(warm: Callable[[], object], body: Callable[[], object], dev) -> t
 
 
 def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) -> dict:
-    """The device clock: `reps` replays of a CUDA graph of `calls` calls (back-to-back
-    launches where capture fails), per call."""
+    """The device clock per call: `reps` replays of a graph of `calls` calls (back to back if capture fails)."""
     dev, why = device_of(device), None
 
     def calls_of_fn():
@@ -173,8 +168,7 @@ def device_time(fn: Callable[[], object], reps: int, calls: int, device=None) ->
 
 
 def graph_calls(ms_per_call: float) -> int:
-    """Calls per replayed graph: the power of two that makes a sample about DEVICE_WINDOW_MS
-    of device time, in [1, MAX_GRAPH_CALLS]."""
+    """Calls per replayed graph: the power of two giving about DEVICE_WINDOW_MS a sample, at most MAX_GRAPH_CALLS."""
     n = math.ceil(math.log2(DEVICE_WINDOW_MS / max(ms_per_call, 1e-9)))
     return min(MAX_GRAPH_CALLS, 2 ** max(n, 0))
 
@@ -189,8 +183,8 @@ def copy_timing(n_bytes: int, reps: int, device=None) -> tuple[dict, float]:
 
 def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], device=None,
                     before: Callable[[], object] | None = None, warmup: int = 0) -> dict:
-    """Cumulative ms at every checkpoint of one run of dependent steps; `before` (prompt,
-    cache set-up) is untimed, and `warmup` untimed steps first keep one-time work out."""
+    """Cumulative ms at every checkpoint of one run of dependent steps, after untimed `before` and
+    `warmup` steps."""
     cps = sorted({int(c) for c in checkpoints})
     if not cps or cps[0] < 1:
         raise ValueError(f"expected checkpoints to be positive step counts, got {list(checkpoints)}")
@@ -218,8 +212,7 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
 
 
 class Clocks:
-    """NVML view of one GPU's SM clock: sample it, lock it at the default applications
-    clock, reset a lock this process took."""
+    """One GPU's SM clock through NVML: sampled, locked at the default applications clock, reset."""
 
     SLOWDOWN = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # SW power cap, HW slowdown, SW/HW thermal, power brake
 
@@ -242,7 +235,7 @@ class Clocks:
             self.reason = f"NVML unavailable: {type(exc).__name__}: {exc}"[:300]
 
     def _query(self, fn, *args):
-        """fn(handle, *args), None where the device or the NVML version lacks it."""
+        """fn(handle, *args), None where the device or NVML lacks it."""
         try:
             return fn(self.handle, *args)
         except (self.nvml.NVMLError, AttributeError):
@@ -299,8 +292,7 @@ def clocks(dev: torch.device) -> Clocks:
 
 
 def run_for(fn: Callable[[], object], dev, ms: float) -> float:
-    """Calls fn, each waited for, until `ms` milliseconds have passed (once at least, after
-    waiting for queued work); the milliseconds spent."""
+    """Call fn, each call waited for, until `ms` milliseconds have passed (once at least); the ms spent."""
     _sync(dev)
     t0 = time.perf_counter()
     while True:
@@ -311,10 +303,8 @@ def run_for(fn: Callable[[], object], dev, ms: float) -> float:
 
 
 def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 12) -> list[dict]:
-    """The `top` functions by own time (cProfile) over `calls` eager calls of fn, per call:
-    where a short call's host time goes (cProfile's own cost inflates each Python frame a
-    little; C functions such as a kernel launch appear by name). The device is waited for
-    between calls, outside the profile, so that no launch waits on a full queue in it."""
+    """The `top` functions by own host time per call (cProfile) over `calls` calls of fn. The
+    device is waited for between calls, outside the profile: no launch waits on a full queue in it."""
     dev, prof = device_of(device), cProfile.Profile()
     for _ in range(calls):
         prof.enable()
@@ -330,12 +320,10 @@ def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 1
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
             logical: dict | None = None, count: bool = True, warm_ms: float = EAGER_WARM_MS,
             profile_calls: int = 0) -> dict:
-    """A record's timing fields. The headline is the device clock where its median is under
-    SHORT_MS, else the eager clock, which host work inflates. `logical`: counts lent by the
-    other run order's record, else (with `count`) those of one call. A call shorter than
-    `warm_ms` runs back to back for that long before the eager clock (0 where processes must
-    make the same calls: FSDP's ranks). With `profile_calls`, a call under SHORT_MS eager is
-    then profiled on the host over that many calls (`eager.host_profile`)."""
+    """A record's timing fields: the device clock where its median is under SHORT_MS, else the
+    eager clock. `logical`: counts lent by the other run order's record, else (with `count`) one
+    call's. A call under `warm_ms` runs back to back that long first (0 where processes must make
+    the same calls: FSDP's ranks). `profile_calls`: host profile of a call under SHORT_MS eager."""
     dev = device_of(device)
     for _ in range(max(warmup - 1, 0)):
         fn()
@@ -372,7 +360,6 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
 
 
 def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
-    """`f` with the memory floor: floor_bytes moved at the probe's copy bandwidth."""
     floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else None
     f["logical"] = {**f["logical"], "floor_bytes": floor_bytes}
     f.update(floor_bytes=floor_bytes, copy_bandwidth_bytes_per_s=bandwidth, floor_ms=floor_ms,
@@ -381,8 +368,7 @@ def floor_fields(f: dict, floor_bytes: int, bandwidth: float | None) -> dict:
 
 
 def orders(names: Sequence, keep: Sequence = ("AB", "BA")) -> list[tuple[str, list, object]]:
-    """(order, its sequence, each name in it) of both run orders of a comparison, those in
-    `keep`: "AB" runs `names` as given, then "BA" reversed."""
+    """(order, its sequence, each name in it) for the run orders in `keep`: "AB" as given, "BA" reversed."""
     names = list(names)
     both = [("AB", names)] if len(names) < 2 else [("AB", names), ("BA", names[::-1])]
     return [(o, seq, name) for o, seq in both if o in keep for name in seq]
@@ -460,7 +446,6 @@ MARKER_KERNEL = "spin_kernel"  # torch.cuda._sleep, launched between configurati
 
 
 def mark_boundary() -> None:
-    """A tiny named kernel that separates configurations in an Nsight Compute log."""
     torch.cuda._sleep(1)
 
 
@@ -473,8 +458,7 @@ def number(text: str | None) -> float | None:
 
 
 def ncu_groups(text: str) -> list[dict]:
-    """One counter summary per marker kernel in `ncu --csv --page raw` output: of the kernels
-    after it, up to the next marker."""
+    """Per marker kernel in `ncu --csv --page raw` output, a summary of the kernels up to the next."""
     groups = []
     for r in csv.DictReader(ln for ln in text.splitlines() if ln.startswith('"')):
         name = r.get("Kernel Name") or r.get("Function Name")
@@ -511,7 +495,7 @@ def ncu_counters(argv: Sequence[str], n_configs: int, timeout_s: float = 600, nc
 
 
 def find_key(doc, key: str):
-    """First value stored under `key` anywhere in a nested JSON document."""
+    """First value under `key` anywhere in a nested JSON document."""
     if isinstance(doc, dict):
         if key in doc:
             return doc[key]
@@ -563,7 +547,6 @@ def error_text(err: dict) -> str:
 
 
 def release(device=None) -> None:
-    """Free what a finished or failed configuration left on the GPU."""
     dev = device_of(device)
     if dev.type == "cuda":
         gc.collect()
@@ -601,20 +584,17 @@ def reexec(job, max_restarts: int = 8) -> None:
         raise RuntimeError(f"stage {job.rule}: CUDA context poisoned {n} times; giving up")
     path = REPO_ROOT / "results" / ".tmp" / "jobs" / f"{job.rule}-restart.json"
     atomic.write_json(path, job.to_json())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, job.script, "--job", str(path)], {**os.environ, RESTARTS_ENV: str(n)})
+    stage.exec_python([job.script, "--job", str(path)], {RESTARTS_ENV: str(n)})
 
 
 def deadline(seconds: float | None) -> Callable[[], bool]:
-    """Whether a stage's wall-clock budget of `seconds` from now is spent (never without one):
-    configurations not started in time stay unrecorded."""
+    """Whether a wall-clock budget of `seconds` from now is spent (never without one)."""
     end = math.inf if seconds is None else time.perf_counter() + seconds
     return lambda: time.perf_counter() >= end
 
 
 class Runner:
-    """Runs a stage's configurations; see the module docstring."""
+    """Runs a stage's configurations, one record each."""
 
     def __init__(self, stage: str, profile: str, records_dir, budget_s: float | None = None, device=None,
                  restart: Callable[[], None] | None = None, lock_clocks: bool = False):
@@ -626,7 +606,6 @@ class Runner:
 
     @classmethod
     def for_job(cls, job, stage: str, settings: dict, device) -> "Runner":
-        """The runner of a Snakemake stage job: its records_dir, budget_s, restart and clock lock."""
         return cls(stage, job.profile, job.params["records_dir"], settings.get("budget_s"), device,
                    restart=lambda: reexec(job), lock_clocks=job.lock_clocks)
 
@@ -640,7 +619,7 @@ class Runner:
         return rec if (rec := self.get(config_id)) is not None and rec["status"] == STATUS_OK else None
 
     def twin(self, config_id: str) -> dict | None:
-        """The logical counts of a BA configuration's successful AB record (the same kernels), marked so."""
+        """The logical counts of a BA configuration's successful AB record (the same kernels)."""
         ab = re.sub(r"-BA(?=-|$)", "-AB", config_id)
         rec = self.ok(ab) if ab != config_id else None
         return {**rec["logical"], "counted_in": ab} if rec and isinstance(rec.get("logical"), dict) else None

@@ -11,8 +11,7 @@ CPU_PROFILE = "cpu-smoke"
 
 
 def gpu_names() -> list[str]:
-    """Names of the GPUs NVML sees; [] without a driver, without nvidia-ml-py or
-    when CUDA_VISIBLE_DEVICES hides every GPU."""
+    """Names of the GPUs NVML sees ([] without NVML or with every GPU hidden)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
         return []
     try:
@@ -42,7 +41,6 @@ def profile_for_gpu(names: list[str], known: list[str]) -> str:
 
 
 def resolve_profile(config: dict, gpus: list[str] | None = None) -> tuple[str, dict]:
-    """(profile name, profile dict) for a validated config."""
     profiles = config.get("profiles") or {}
     name = config.get("profile", "auto")
     if name == "auto":

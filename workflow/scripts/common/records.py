@@ -28,7 +28,8 @@ CHECKS = (
     ("schema", lambda v, r: v == SCHEMA, f"== {SCHEMA}"),
     ("config_id", lambda v, r: isinstance(v, str) and bool(CONFIG_ID.match(v)),
      f"matching {CONFIG_ID.pattern} (it names a file)"),
-    *((k, lambda v, r: isinstance(v, str) and bool(v), "a non-empty string") for k in ("stage", "profile", "timestamp")),
+    *((k, lambda v, r: isinstance(v, str) and bool(v), "a non-empty string")
+      for k in ("stage", "profile", "timestamp")),
     *((k, lambda v, r: v is None or isinstance(v, str), "a string or null") for k in ("mixer", "backend", "order")),
     ("shapes", lambda v, r: isinstance(v, dict), "an object"),
     ("status", lambda v, r: v in STATUSES, f"in {list(STATUSES)}"),
@@ -67,8 +68,7 @@ def now() -> str:
 
 
 def new_record(stage: str, profile: str, config_id: str, **fields) -> dict:
-    """A record with the run facts (GPU, versions, commit, time) filled in and the
-    measurement fields empty; `fields` override any of them."""
+    """A record with the run facts filled in; `fields` override any key."""
     return {"schema": SCHEMA, "stage": stage, "profile": profile, "config_id": config_id, "shapes": {},
             "mixer": None, "backend": None, "order": None, "status": "ok", "error": None, "samples_ms": [],
             "stats": None, "logical": None, "counters": None, "peak_bytes": None, "gpu": facts.gpu(),
@@ -89,14 +89,12 @@ def record_path(directory: str | Path, config_id: str) -> Path:
 
 
 def write_record(directory: str | Path, rec: dict) -> Path:
-    """Validate and atomically write one record; returns its path."""
     rec = validate(json.loads(atomic.dumps(rec)))
     return atomic.write_text(record_path(directory, rec["config_id"]), atomic.dumps(rec) + "\n")
 
 
 def read_record(path: str | Path) -> dict | None:
-    """The record in `path`, or None if it is unreadable, truncated or invalid, or
-    its config_id does not match its file name."""
+    """The record in `path`; None if unreadable, invalid or named after another config_id."""
     path = Path(path)
     try:
         rec = validate(json.loads(path.read_text()))
@@ -110,15 +108,13 @@ def _files(directory: str | Path) -> list[Path]:
 
 
 def done_ids(directory: str | Path, profile: str | None = None) -> set[str]:
-    """config_ids with a valid record (of `profile`, when given): failed and OOM ones are
-    finished work too; missing, torn or invalid ones are not."""
+    """config_ids with a valid record (of `profile`): failed and OOM ones are finished work too."""
     recs = (read_record(p) for p in _files(directory))
     return {r["config_id"] for r in recs if r is not None and profile in (None, r["profile"])}
 
 
 def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = None, ids=None) -> list[dict]:
-    """Concatenate the records (of `profile`, of `ids`) into `out_jsonl` by config_id;
-    an invalid one is an error, as the stage should have redone it."""
+    """Concatenate the records (of `profile`, of `ids`) into `out_jsonl`; an invalid one is an error."""
     wanted = None if ids is None else set(ids)
     paths = [p for p in _files(directory) if wanted is None or p.stem in wanted]
     recs = [read_record(p) for p in paths]
@@ -134,7 +130,6 @@ def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = 
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Every record of a records.jsonl file, each validated."""
     out = []
     for n, line in enumerate(Path(path).read_text().split("\n"), 1):
         if line.strip():

@@ -44,8 +44,7 @@ NON_EXECUTING = ("--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--f
 
 
 def executes(argv: list[str]) -> bool:
-    """Whether a snakemake command line runs jobs as the controller (not a dry run, lint,
-    graph, report, listing or one job of a cluster run): clearing leftovers is its business."""
+    """Whether a snakemake command line runs jobs as the controller, whose business leftovers are."""
     if job_mode(argv):
         return False
     for a in argv[1:]:
@@ -94,8 +93,7 @@ def cancel_slurm_jobs(workdir: Path, timeout_s: float = 120) -> list[str]:
 
 
 def recover(workdir: str | os.PathLike) -> dict[str, list[str]]:
-    """Clear a killed run's leftovers in `workdir` (see the module docstring); what was done,
-    also said on stderr."""
+    """Clear a killed run's leftovers in `workdir`; what was done, also said on stderr."""
     workdir = Path(workdir)
     locks = sorted((workdir / ".snakemake" / "locks").glob("*.lock"))
     incomplete = incomplete_outputs(workdir)

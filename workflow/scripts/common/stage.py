@@ -1,7 +1,6 @@
-"""Entry point of every stage script: `stage.run(main, globals().get("snakemake"))` sends
-the output to the rule's log and calls `main` with a plain `Job`, inside the image through
-containers/docker_runner.py with `container.runtime: docker`. (No `from __future__`
-import in a stage script: Snakemake puts its preamble above the first line.)"""
+"""Entry point of every stage script: `stage.run(main, globals().get("snakemake"))` sends the output
+to the rule's log and calls `main` with a plain `Job` (inside the image with `container.runtime:
+docker`). No `from __future__` in a stage script: Snakemake puts its preamble above the first line."""
 
 from __future__ import annotations
 
@@ -24,16 +23,14 @@ IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
 COMMAND_LINE = "KERNELS_PIPELINE_COMMAND_LINE"
 # Given to a stage restarted on the GPUs it claimed (pin_gpu): those GPUs, so the claim is not logged twice.
 CLAIMED = "KERNELS_PIPELINE_CLAIMED_GPUS"
-# Kineto leaves CUPTI attached when a torch.profiler session ends unless TEARDOWN_CUPTI is
-# "1" (pytorch/pytorch#144455). Attached, CUPTI adds host time to every later CUDA call of
-# the process: the eager clocks of the configurations timed after a counted call
-# (measure.logical_counts) would carry it. Teardown is safe beside CUDA graphs from CUDA
-# 12.6 on. A GPU stage starts with it unless the caller set the variable.
+# Kineto leaves CUPTI attached after a torch.profiler session unless TEARDOWN_CUPTI is "1"
+# (pytorch/pytorch#144455), adding host time to every later CUDA call: to the eager clocks timed
+# after a counted call. Safe beside CUDA graphs from CUDA 12.6 on; a caller's setting wins.
 GPU_PROCESS_ENV = {"TEARDOWN_CUPTI": "1"}
 
 
 class Files(list):
-    """Paths in order, also reachable by name (job.output.environment)."""
+    """Paths in order, also by name (job.output.environment)."""
 
     def __init__(self, paths=(), names=None):
         super().__init__(str(p) for p in paths)
@@ -63,12 +60,10 @@ class Job:
         return self.params["profile"]
 
     def load(self, name: str):
-        """The JSON document of the named input (environment, gates, table)."""
         return json.loads(Path(getattr(self.input, name)).read_text())
 
     @property
     def lock_clocks(self) -> bool:
-        """The profile's probe.lock_clocks: whether the timing stages try to lock the SM clock."""
         probe = self.config.get("profiles", {}).get(self.profile, {}).get("probe", {})
         return bool(probe.get("lock_clocks", False))
 
@@ -101,19 +96,22 @@ def _script_path(smk) -> str:
     return str(path.resolve())
 
 
-def start_process(env: dict[str, str]) -> None:
-    """Where `env` differs from this process's environment, replace the process (same pid,
-    arguments and log) by one started with it: CUDA and Triton read it once, at start."""
-    if all(os.environ.get(k) == v for k, v in env.items()):
-        return
+def exec_python(args: list[str], env: dict[str, str]) -> None:
+    """Replace this process (same pid and log) by `python args` with `env` added."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+    os.execve(sys.executable, [sys.executable, *args], {**os.environ, **env})
+
+
+def start_process(env: dict[str, str]) -> None:
+    """Where `env` differs from this process's environment, restart the process with it:
+    CUDA and Triton read it once, at start."""
+    if any(os.environ.get(k) != v for k, v in env.items()):
+        exec_python(sys.argv, env)
 
 
 def prepare_process() -> None:
-    """Restart under Triton's interpreter when there is no GPU (unless the caller chose),
-    with GPU_PROCESS_ENV where there is one."""
+    """Restart under Triton's interpreter without a GPU (unless the caller chose), with GPU_PROCESS_ENV on one."""
     import torch
 
     if torch.cuda.is_available():
@@ -123,7 +121,6 @@ def prepare_process() -> None:
 
 
 def gpu_env() -> dict[str, str]:
-    """GPU_PROCESS_ENV's variables that the environment does not set."""
     return {k: v for k, v in GPU_PROCESS_ENV.items() if k not in os.environ}
 
 
@@ -160,8 +157,7 @@ def docker_runner():
 
 
 def pin_gpu(job: Job) -> None:
-    """Give a GPU stage its devices (common/devices.py), log which, and restart the
-    process with them visible (start_process; the claim's locks stay held)."""
+    """Give a GPU stage its devices (common/devices.py), log which, and restart with them visible."""
     if job.gpus < 1:
         return
     from .profile import gpu_names
@@ -198,7 +194,6 @@ def _run_in_docker(job: Job) -> None:
 
 
 def run(main, snakemake=None) -> None:
-    """Run a stage's `main(job)`; see the module docstring."""
     if snakemake is None:
         ap = argparse.ArgumentParser(description="Run one stage from a job file (written by the docker runtime).")
         ap.add_argument("--job", required=True, help="JSON job file")

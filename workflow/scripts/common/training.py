@@ -15,8 +15,22 @@ def identity(preset: str, T: int, B: int, mixer: str, settings: dict) -> dict:
             "dtype": settings.get("autocast") or "float32"}
 
 
+def step_figures(params: int, tokens: int, step_s: float, logical: dict | None, state_bytes: int,
+                 matmul_rate: float | None, peak_rate: float | None, world: int = 1) -> dict:
+    """Model FLOPs and MFU of a step of `tokens` over `world` GPUs; `logical` gains the bytes of the
+    FP32 weights, gradients and AdamW moments one GPU holds."""
+    flops = 6 * params * tokens
+    if logical is not None:
+        logical.update(param_bytes=4 * params // world, grad_bytes=4 * params // world,
+                       optimizer_state_bytes=8 * params // world, state_bytes=state_bytes, model_flops_per_step=flops)
+    per_s = flops / step_s
+    over = " of all ranks) per second over world_size x" if world > 1 else ") per second over"
+    return {"model_flops_per_step": flops, "mfu": per_s / (world * matmul_rate) if matmul_rate else None,
+            "mfu_basis": f"model FLOPs (6 x parameters x tokens{over} the probe's measured BF16 matmul rate"
+            if matmul_rate else None, "mfu_of_peak": per_s / (world * peak_rate) if peak_rate else None}
+
+
 def shape_of(rec: dict) -> tuple:
-    """(preset, T, B) of a training record."""
     return rec["shapes"].get("preset"), rec["shapes"].get("T"), rec["shapes"].get("B")
 
 
@@ -58,8 +72,7 @@ class Setup:
         return self.eager_step() if self.graph is None else self.graph(self.inp, self.tgt, self.pos)
 
     def eager_step(self):
-        """One step as train_step runs it (for a captured step: what its graph replays,
-        launch by launch, which is what the launch and byte counts read)."""
+        """One step as train_step runs it (for a captured step: what its graph replays, launch by launch)."""
         if not self.official:
             return train_step(self.model, self.opt, self.inp, self.tgt, self.pos, self.clip, self.dtype)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
@@ -73,17 +86,11 @@ class Setup:
 
     def figures(self, fields: dict, matmul_rate: float | None, peak_rate: float | None) -> dict:
         med_s, tokens = fields["stats"]["median_ms"] * 1e-3, self.T * self.B
-        flops, lg = 6 * self.params * tokens, fields["logical"]
-        if lg is not None:
-            lg.update(param_bytes=4 * self.params, grad_bytes=4 * self.params, optimizer_state_bytes=8 * self.params,
-                      state_bytes=self.B * self.cfg.num_layers * self.cfg.lru_width * 4, model_flops_per_step=flops)
         if self.capture_peak is not None:
             fields["peak_bytes"] = max(fields.get("peak_bytes") or 0, self.capture_peak)
         return {"tokens_per_step": tokens, "tokens_per_s": tokens / med_s, "step_ms": fields["stats"]["median_ms"],
                 "parameters": self.params, "compiled": self.compiled,
                 "step_mode": "graph" if self.graph is not None else "eager",
-                "non_embedding_parameters": self.cfg.non_embedding_parameters(), "model_flops_per_step": flops,
-                "mfu": flops / med_s / matmul_rate if matmul_rate else None,
-                "mfu_basis": "model FLOPs (6 x parameters x tokens) per second over the probe's measured BF16 "
-                             "matmul rate" if matmul_rate else None,
-                "mfu_of_peak": flops / med_s / peak_rate if peak_rate else None}
+                "non_embedding_parameters": self.cfg.non_embedding_parameters(),
+                **step_figures(self.params, tokens, med_s, fields["logical"],
+                               self.B * self.cfg.num_layers * self.cfg.lru_width * 4, matmul_rate, peak_rate)}
