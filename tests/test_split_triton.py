@@ -176,17 +176,18 @@ def test_bad_options(opts, match):
         kernels.backends("rglru")["serial"](*make("rglru", 5, 24, torch.float32, 0)[0], **opts)
 
 
-def test_scan_forward_takes_wide_blocks_where_64_overfill_a_wave(monkeypatch):
-    """Without gradient and without options the scan forward takes SCAN_FWD_WIDE where
-    B x D / 64 programs exceed the device's multiprocessors; never with gradient, options
-    given (chunk_size aside), or off the GPU (sms None). End to end on the interpreter
-    with the count patched to 1: the wide kernels run and match float64."""
+def test_scan_takes_wide_blocks_where_64_overfill_a_wave(monkeypatch):
+    """Without options the scan takes SCAN_WIDE (4 stages forward, 3 with gradient) where
+    B x D / 64 programs exceed the device's multiprocessors; never with options given
+    (chunk_size aside), or off the GPU (sms None). End to end on the interpreter with the
+    count patched to 1: the wide kernels run forward and backward and match float64."""
     cfg = fused_recurrent.config
-    wide = cfg(4, 2048, 2560, True, 132, grad=False)
-    assert (wide["TW"], wide["BD"], wide["STAGES"], wide["TT"]) == (4, 128, 4, 8)
-    assert cfg(4, 2048, 2560, True, 132, grad=False, chunk_size=16)["BD"] == 128
+    for grad, stages in ((False, 4), (True, 3)):
+        wide = cfg(4, 2048, 2560, True, 132, grad=grad)
+        assert (wide["TW"], wide["BD"], wide["STAGES"], wide["TT"]) == (4, 128, stages, 8)
+        assert cfg(4, 2048, 2560, True, 132, grad=grad, chunk_size=16)["BD"] == 128
     for narrow in (cfg(8, 4096, 1024, True, 132, grad=False),       # 128 programs: one wave
-                   cfg(4, 2048, 2560, True, 132, grad=True),
+                   cfg(4, 2048, 2048, True, 132, grad=True),
                    cfg(4, 2048, 2560, True, None, grad=False),
                    cfg(4, 2048, 2560, False, 132, grad=False),      # the RG-LRU: tile kernels
                    cfg(4, 2048, 2560, True, 132, grad=False, time_warps=8)):
@@ -203,3 +204,15 @@ def test_scan_forward_takes_wide_blocks_where_64_overfill_a_wave(monkeypatch):
     assert c.launches == 1 and seen == [128]
     want, hw = reference.scan(*[a.double() for a in args], None, h0.double(), True)
     assert parity.rel_err(y, want) < FP32_TOL and parity.rel_err(h, hw) < FP32_TOL
+    # with gradient: forward and backward in 128-channel blocks, every gradient against float64
+    leaves = [t.detach().clone().requires_grad_(True) for t in (*args[:2], h0)]
+    leaves64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    seen.clear()
+    y, h = kernels.scan(*leaves[:2], initial_state=leaves[2], output_final_state=True, backend="serial")
+    y64, h64 = reference.scan(*leaves64[:2], None, leaves64[2], True)
+    gy, gh = torch.randn_like(y64), torch.randn_like(h64)
+    got = torch.autograd.grad((y, h), leaves, (gy.float(), gh.float()))
+    want = torch.autograd.grad((y64, h64), leaves64, (gy, gh))
+    assert seen == [128, 128]
+    for g, w in zip(got, want):
+        assert parity.rel_err(g, w) < FP32_TOL

@@ -220,20 +220,23 @@ def serial_bwd_kernel(
 SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_warps": 8, "num_stages": 4}}
 # Channels per split program (2, 4 or 8 per lane): 128 and 256 halve and quarter the programs.
 SPLIT_BLOCKS = (64, 128, 256)
-# The scan forward without gradient where B x D / 64 programs exceed the multiprocessors
-# (faster there in the H200 tune records; slower where 64-channel blocks fill one wave).
-SCAN_FWD_WIDE = {"time_warps": 4, "block_d": 128, "num_stages": 4}
+# The scan where B x D / 64 programs exceed the multiprocessors, keyed by `grad`: 128-channel
+# programs end the second, partial wave of 64-channel ones (the forward: H200 tune records;
+# forward+backward at B4 T2048 D2560 on an H100: 164-172 against 229 us, 4 stages 176,
+# 2 stages 238). Where 64-channel blocks fill one wave they are slower (147 against 121 us at D2048).
+SCAN_WIDE = {False: {"time_warps": 4, "block_d": 128, "num_stages": 4},
+             True: {"time_warps": 4, "block_d": 128, "num_stages": 3}}
 OPTIONS = ("chunk_size", "time_warps", "block_d", "num_stages")
 
 
 def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, block_d=None, num_stages=None,
            grad=True, **unknown):
     """Launch configuration from the options; `sms`: the device's multiprocessors (None
-    off the GPU), which picks SCAN_FWD_WIDE where no option but chunk_size is given."""
+    off the GPU), which picks SCAN_WIDE where no option but chunk_size is given."""
     if unknown:
         raise ValueError(f"expected serial options among {list(OPTIONS)}, got {sorted(unknown)}")
-    if is_scan and not grad and sms and (time_warps, block_d, num_stages) == (None,) * 3 and B * cdiv(D, 64) > sms:
-        time_warps, block_d, num_stages = SCAN_FWD_WIDE.values()
+    if is_scan and sms and (time_warps, block_d, num_stages) == (None,) * 3 and B * cdiv(D, 64) > sms:
+        time_warps, block_d, num_stages = SCAN_WIDE[bool(grad)].values()
     stages_set = num_stages is not None
     tt = None if chunk_size is None else check_chunk_size(chunk_size)
     if time_warps is None:
