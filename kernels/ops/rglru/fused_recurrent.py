@@ -222,8 +222,8 @@ SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_war
 SPLIT_BLOCKS = (64, 128, 256)
 # The scan where B x D / 64 programs exceed the multiprocessors, keyed by `grad`: 128-channel
 # programs end the second, partial wave of 64-channel ones (the forward: H200 tune records;
-# forward+backward at B4 T2048 D2560 on an H100: 164-172 against 229 us, 4 stages 176,
-# 2 stages 238). Where 64-channel blocks fill one wave they are slower (147 against 121 us at D2048).
+# forward+backward at B4 T2048 D2560: 0.168 against 0.230 ms in the H100 ops-track records,
+# results/runs/h100-20261206-run20-partial). Where 64-channel blocks fill one wave they are slower.
 SCAN_WIDE = {False: {"time_warps": 4, "block_d": 128, "num_stages": 4},
              True: {"time_warps": 4, "block_d": 128, "num_stages": 3}}
 OPTIONS = ("chunk_size", "time_warps", "block_d", "num_stages")
