@@ -551,7 +551,8 @@ def test_tune_picks_decode_linear_tiles_role_by_role_behind_a_gate(tmp_path, mon
     monkeypatch.setattr(dk, "linear", wrong_at_split_2)
     lin = {"preset": "tiny", "batch": 2, "dtype": "float32", "steps": 2, "trajectories": 2, "warmup": 0,
            "options": {"SPLIT": [2]}, "refine": {"num_stages": [2]}}
-    settings = tune_settings(linears=lin)
+    # no stage budget: the candidate counts below must not depend on the host's load
+    settings = tune_settings(linears=lin, budget_s=None)
     runner = measure.Runner.for_job(make_job(tmp_path, "tune", "tune", settings, {}), "tune", settings,
                                     torch.device("cpu"))
     entries = tune.tune_linears(runner, settings, torch.device("cpu"))
