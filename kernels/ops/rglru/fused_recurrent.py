@@ -221,9 +221,9 @@ SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_war
 # Channels per split program (2, 4 or 8 per lane): 128 and 256 halve and quarter the programs.
 SPLIT_BLOCKS = (64, 128, 256)
 # The scan where B x D / 64 programs exceed the multiprocessors, keyed by `grad`: 128-channel
-# programs end the second, partial wave of 64-channel ones (the forward: H200 tune records;
-# forward+backward at B4 T2048 D2560: 0.168 against 0.230 ms in the H100 ops-track records,
-# results/runs/h100-20261206-run20-partial). Where 64-channel blocks fill one wave they are slower.
+# programs leave no second, partial wave of 64-channel ones (faster forward and forward+backward
+# at B4 D2560 in the tune and ops-track records); where 64-channel blocks fill one wave they are
+# slower; with gradient 3 stages.
 SCAN_WIDE = {False: {"time_warps": 4, "block_d": 128, "num_stages": 4},
              True: {"time_warps": 4, "block_d": 128, "num_stages": 3}}
 OPTIONS = ("chunk_size", "time_warps", "block_d", "num_stages")

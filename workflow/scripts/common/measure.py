@@ -98,7 +98,8 @@ def summarize(samples: list[float]) -> dict:
 def time_fn(fn: Callable[[], object], reps: int = 20, warmup: int = 3, device=None, budget_s: float | None = None,
             min_reps: int = 3) -> dict:
     """The eager clock: `reps` calls each between two CUDA events (perf_counter on the CPU), stopped
-    early once `budget_s` has passed and `min_reps` exist; `host_ms`: the host's time inside each call."""
+    early once `budget_s` has passed and `min_reps` exist; `host_ms`: the host's time inside each call
+    (launch work, checks and any wait)."""
     for name, v, lo in (("reps", reps, 1), ("warmup", warmup, 0), ("min_reps", min_reps, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"expected {name} to be an integer >= {lo}, got {v!r}")
@@ -303,8 +304,9 @@ def run_for(fn: Callable[[], object], dev, ms: float) -> float:
 
 
 def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 12) -> list[dict]:
-    """The `top` functions by own host time per call (cProfile) over `calls` calls of fn. The
-    device is waited for between calls, outside the profile: no launch waits on a full queue in it."""
+    """The `top` functions by own host time per call (cProfile, whose own cost inflates each Python
+    frame) over `calls` calls of fn. The device is waited for between calls, outside the profile:
+    no launch waits on a full queue in it."""
     dev, prof = device_of(device), cProfile.Profile()
     for _ in range(calls):
         prof.enable()
