@@ -369,6 +369,9 @@ def test_a_short_call_is_profiled_on_the_host_after_its_clocks():
     assert rows["helper"]["calls"] == 2 and rows["helper"]["own_us"] > 0
     assert rows["helper"]["cum_us"] >= rows["helper"]["own_us"]
     assert "host_profile" not in measure.measure(call, reps=3, warmup=1, device="cpu", count=False, warm_ms=0)["eager"]
+    # beside the profile, the host time of calls started on an idle device (at most HOST_WAIT_CALLS)
+    assert t["eager"]["host_drained_calls"] == 10 and 0 < t["eager"]["host_drained_ms"] < 50
+    assert "allocator_per_call" not in t["eager"] and "syncs" not in t["eager"]      # CUDA only
     slow = measure.measure(lambda: time.sleep(measure.SHORT_MS / 1e3 * 1.5), reps=2, warmup=1, device="cpu",
                            count=False, warm_ms=0, profile_calls=10)
     assert "host_profile" not in slow["eager"]      # a long call's eager clock is its headline
@@ -376,9 +379,12 @@ def test_a_short_call_is_profiled_on_the_host_after_its_clocks():
     import aggregate
     rec = {"stage": "ops", "order": "AB", "status": "ok", "op": "scan", "mode": "fwd", "variant": "ours",
            "shapes": {"B": 4, "T": 2048, "D": 2560}, "device": {"median_ms": 0.05},
-           "eager": {"host_median_ms": 0.09, "host_profile": t["eager"]["host_profile"]}}
+           "eager": {"host_median_ms": 0.09, "host_profile": t["eager"]["host_profile"], "host_drained_ms": 0.0375,
+                     "allocator_per_call": {"num_device_alloc": 0.5}, "syncs": {"count": 3, "first": []}}}
     text = aggregate.host_section([rec, {**rec, "order": "BA"}])
     assert text.count("| scan ") == 1 and "B4 T2048 D2560" in text and "(helper)" in text
+    row = [c.strip() for c in next(line for line in text.splitlines() if line.startswith("| scan ")).split("|")]
+    assert row[5:8] == ["0.09", "0.0375", "0.5"] and row[8] == "3"
     assert aggregate.host_section([{**rec, "eager": {}}]) == ""
 
 
@@ -398,3 +404,22 @@ def test_host_profiles_name_a_kernel_launch_on_the_gpu():
     t = measure.measure(lambda: x.add_(1), reps=3, warmup=1, device="cuda", count=False, warm_ms=0,
                         profile_calls=5)
     assert t["eager"]["host_profile"] and all(r["calls"] > 0 for r in t["eager"]["host_profile"])
+
+
+def test_host_waits_time_calls_started_on_an_idle_device():
+    t = measure.host_waits(lambda: time.sleep(0.002), 5, device="cpu")
+    assert t["host_drained_calls"] == 5 and 2.0 <= t["host_drained_ms"] < 50
+    assert set(t) == {"host_drained_ms", "host_drained_calls"}
+
+
+@pytest.mark.cuda
+def test_host_waits_name_the_synchronisations_and_allocations_of_a_call():
+    x = torch.zeros(1 << 10, device="cuda")
+    quiet = measure.host_waits(lambda: x.add_(1), 5, device="cuda")
+    assert quiet["syncs"]["count"] == 0 and quiet["allocator_per_call"]["num_device_alloc"] == 0
+    loud = measure.host_waits(lambda: x.sum().item(), 5, device="cuda")
+    assert loud["syncs"]["count"] >= 1 and loud["syncs"]["first"]
+    torch.cuda.empty_cache()
+    fresh = measure.host_waits(lambda: torch.cuda.empty_cache() or torch.empty(1 << 26, device="cuda"), 3,
+                               device="cuda")
+    assert fresh["allocator_per_call"]["num_device_alloc"] >= 1

@@ -153,6 +153,9 @@ def test_ops_track_gates_then_times_every_variant_in_both_orders(tmp_path):
     from kernels.models import HawkConfig
     assert {r["shapes"]["blocks"] for r in layer + step} == {HawkConfig.preset("tiny").gate_blocks}
     assert "ops-scan-tiny-B2-D96-T9-fwd_bwd-ours-AB" in ids        # peers skipped on the CPU, ours timed
+    # short calls: the host's time on an idle device beside the profile
+    profiled = [r for r in recs if "host_profile" in r["eager"]]
+    assert profiled and all(r["eager"]["host_drained_ms"] > 0 for r in profiled)
     assert records.read_jsonl(tmp_path / "ops.jsonl") == recs
 
 

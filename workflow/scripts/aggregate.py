@@ -348,9 +348,14 @@ def breakdown_section(recs: list[dict], top: int = 8) -> str:
 
 
 def host_section(recs: list[dict], top: int = 4) -> str:
-    """Host and device medians of each ops configuration (AB), with its top host functions (cProfile)."""
+    """Host and device medians of each ops configuration (AB): the host's time per call with
+    earlier calls queued and on an idle device (their difference is waiting on the device), the
+    allocator's cudaMalloc calls and the synchronisations of a call, its top host functions (cProfile)."""
     rows = [{"op": r["op"], "shape": " ".join(f"{k}{r['shapes'][k]}" for k in ("B", "T", "D") if k in r["shapes"]),
              "mode": r["mode"], "variant": r["variant"], "host_ms": r["eager"].get("host_median_ms"),
+             "host_idle_device_ms": r["eager"].get("host_drained_ms"),
+             "cudaMalloc_per_call": (r["eager"].get("allocator_per_call") or {}).get("num_device_alloc"),
+             "syncs": (r["eager"].get("syncs") or {}).get("count"),
              "device_ms": (r.get("device") or {}).get("median_ms"), "top functions (own µs per call)": "; ".join(
                  f"{p['function']} {p['own_us']:.3g}" for p in r["eager"]["host_profile"][:top])}
             for r in recs if (r.get("stage"), r.get("order"), r.get("status")) == ("ops", "AB", "ok")

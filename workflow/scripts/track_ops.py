@@ -19,8 +19,8 @@ import kernels
 from kernels.models import HawkConfig
 
 PEER_GATE_DTYPE, PEER_GATE_TOL = "float32", 1e-4
-# Calls of each short configuration profiled on the host after its clocks (eager.host_profile):
-# where the eager time over the device time goes, ours and the peers alike.
+# Calls of each short configuration profiled on the host after its clocks (eager.host_profile,
+# after measure.host_waits): where the eager time over the device time goes, ours and the peers alike.
 HOST_PROFILE_CALLS = 100
 
 

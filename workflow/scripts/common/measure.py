@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -319,13 +320,57 @@ def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 1
             for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
+# Calls of a short configuration each started on an idle device (host_waits)
+HOST_WAIT_CALLS = 30
+# the allocator's counters host_waits reads per call: cudaMalloc calls, and frees of all cached
+# blocks (each waits for every stream) after a failed cudaMalloc
+_ALLOC_STATS = ("num_device_alloc", "num_sync_all_streams", "num_alloc_retries")
+
+
+def host_waits(fn: Callable[[], object], calls: int, device=None) -> dict:
+    """What separates an eager call's host time from its own host work, without a profiler:
+    `host_drained_ms`, the median host time of `calls` calls each started on an idle device
+    (host_median_ms, taken with earlier calls still queued, minus this is time spent waiting on
+    the device); per call the CUDA caching allocator's counters (_ALLOC_STATS); the
+    synchronisations torch's sync debug mode reports in one call (CUDA only)."""
+    dev = device_of(device)
+    cuda = dev.type == "cuda"
+    _sync(dev)
+    before = torch.cuda.memory_stats(dev) if cuda else {}
+    host = []
+    for _ in range(calls):
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e3)
+    _sync(dev)
+    out = {"host_drained_ms": statistics.median(host), "host_drained_calls": calls}
+    if not cuda:
+        return out
+    after = torch.cuda.memory_stats(dev)
+    out["allocator_per_call"] = {k: (after.get(k, 0) - before.get(k, 0)) / calls for k in _ALLOC_STATS}
+    mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    _sync(dev)
+    syncs = [str(w.message).splitlines()[0][:200] for w in caught if "synchroniz" in str(w.message)]
+    out["syncs"] = {"count": len(syncs), "first": syncs[:3]}
+    return out
+
+
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
             logical: dict | None = None, count: bool = True, warm_ms: float = EAGER_WARM_MS,
             profile_calls: int = 0) -> dict:
     """A record's timing fields: the device clock where its median is under SHORT_MS, else the
     eager clock. `logical`: counts lent by the other run order's record, else (with `count`) one
     call's. A call under `warm_ms` runs back to back that long first (0 where processes must make
-    the same calls: FSDP's ranks). `profile_calls`: host profile of a call under SHORT_MS eager."""
+    the same calls: FSDP's ranks). `profile_calls`: for a call under SHORT_MS eager, host_waits
+    (at most HOST_WAIT_CALLS calls) and the host profile."""
     dev = device_of(device)
     for _ in range(max(warmup - 1, 0)):
         fn()
@@ -353,6 +398,7 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     host = {"host_samples_ms": eager["host_ms"], "host_median_ms": statistics.median(eager["host_ms"]),
             "warm_ms": warmed}
     if profile_calls and eager["median_ms"] < SHORT_MS:
+        host.update(host_waits(fn, min(profile_calls, HOST_WAIT_CALLS), dev))
         host["host_profile"] = host_profile(fn, profile_calls, dev)
     return {"samples_ms": list(head["samples_ms"]), "stats": stats, "logical": logical, "clock": clock,
             "eager": {"samples_ms": eager["samples_ms"], **summarize(eager["samples_ms"]), "clock": eager["clock"],
