@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import ops, parity
+from kernels import ops
+import parity
 from kernels.ops import assoc, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow" / "scripts"))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import from_recurrentgemma, layers, parity, to_recurrentgemma
+from kernels import from_recurrentgemma, layers, to_recurrentgemma
+import parity
 from kernels.ops.checks import cu_seqlens_to_segment_pos
 from kernels.models import HawkConfig, HawkLM
 

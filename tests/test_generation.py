@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from kernels import generate, layers, parity, to_recurrentgemma
+from kernels import generate, layers, to_recurrentgemma
+import parity
 from kernels.models import HawkConfig, HawkLM
 from kernels.models.generation import Engine
 from kernels.models import decode as dk

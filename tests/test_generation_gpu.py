@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from kernels import parity
+import parity
 from kernels.models import HawkConfig, HawkLM
 from kernels.models.generation import Engine
 

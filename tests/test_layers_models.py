@@ -8,7 +8,8 @@ import torch
 
 import kernels
 
-from kernels import from_recurrentgemma, layers, parity, to_recurrentgemma
+from kernels import from_recurrentgemma, layers, to_recurrentgemma
+import parity
 from kernels.models import PRESETS, HawkCache, HawkConfig, HawkLM
 from kernels.ops import accounting, reference
 

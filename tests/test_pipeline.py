@@ -358,7 +358,7 @@ def test_report_says_which_timed_implementations_were_gated():
     assert "- `samu/assoc_bf16`: inexact by design" in text and "- `samu_step/fused` (the tuning table uses it at B = 16)" in text
     only_gated = aggregate.audit_section(gates, [_rec("a", backend="chunk")], {"entries": [], "decode": []})
     assert "Every timed implementation passed its gate." in only_gated
-    # the audit's decode-step gates (kernels.parity.check_steps) cover the steps the table uses
+    # the audit's decode-step gates (parity.check_steps) cover the steps the table uses
     gates["checks"] += [check("samu_step", "row"), check("samu_step", "fused")]
     stepped = aggregate.audit_section(gates, recs, table)
     assert "`samu_step/row`" in stepped.split("Timed and gated", 1)[1].split("\n", 1)[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import parity
+import parity
 from kernels.ops import reference
 
 pytestmark = pytest.mark.cuda

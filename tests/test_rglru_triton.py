@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels import parity
+import parity
 from kernels.ops import accounting, reference
 from kernels.ops.rglru.common import one_minus_sq
 from kernels.ops.triton_utils import poisoned

@@ -397,7 +397,7 @@ def test_bf16_long_row_state_as_accurate_as_pytorch():
     relu mask there follows the rounding, and the float64 audit's gradient jumps by
     gamma * dy. Guard the part the kernels own: over a long bf16 row with resets and
     an initial state, the Triton state is at least as accurate as PyTorch's FP32 one."""
-    from kernels import parity
+    import parity
 
     Bq, Tq, Dq = 1, 512, 64
     args64, h064 = parity._inputs("samu", Bq, Tq, Dq, torch.float64, "cpu", 0)

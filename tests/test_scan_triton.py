@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import parity
+import parity
 from kernels.ops import reference
 from kernels.ops.triton_utils import poisoned
 from test_rglru_triton import B, D, T, positions

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import parity
+import parity
 from kernels.ops import accounting, reference
 from kernels.ops.rglru import fused_recurrent
 from kernels.ops.triton_utils import poisoned

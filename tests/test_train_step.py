@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import layers, parity
+from kernels import layers
+import parity
 from kernels.models import HawkConfig, HawkLM, linear_cross_entropy, train, train_step
 from kernels.ops import conv, geglu
 from kernels.ops.triton_utils import poisoned

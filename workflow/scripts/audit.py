@@ -1,4 +1,4 @@
-"""Correctness audit -> results/audit/gates.json and audit.md: the gates of kernels.parity
+"""Correctness audit -> results/audit/gates.json and audit.md: the gates of parity.py
 at the profile's shapes and dtypes. Any failure exits non-zero, so no timing stage runs."""
 
 import sys
@@ -8,7 +8,7 @@ import torch
 from common import atomic, facts, records, stage
 from common.cases import step_option_sets
 
-from kernels import parity
+import parity
 
 
 def run_checks(settings: dict, step_grids: dict | None = None) -> list[dict]:
@@ -74,7 +74,7 @@ def main(job):
     text = markdown(doc)
     print(text, flush=True)
     if not checks:
-        raise SystemExit("audit: kernels.parity returned no checks; refusing to pass an empty audit")
+        raise SystemExit("audit: parity returned no checks; refusing to pass an empty audit")
     if not doc["passed"]:
         failed = [c["check"] for c in checks if not c["passed"]]
         print(f"audit: {len(failed)} gate(s) failed: {failed}; no timing stage will run", file=sys.stderr)

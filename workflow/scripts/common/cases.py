@@ -9,7 +9,8 @@ import itertools
 import torch
 
 import kernels
-from kernels import layers, ops, parity
+import parity
+from kernels import layers, ops
 from kernels.models.generation import Engine
 
 from .measure import Skip, logical_counts

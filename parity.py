@@ -1,4 +1,5 @@
-"""Correctness gates: the comparisons that the tests and the pipeline's audit run.
+"""Correctness gates: the comparisons that the tests and the pipeline's audit run. They sit
+beside the `kernels` package, not in it: the oracle harness is not part of the product.
 
 Every check returns rows {"check", "error" = rel_err(got, want), "tolerance", "passed",
 ...context}. Oracles: the official `recurrentgemma==1.0.1` torch code and the float64
@@ -16,12 +17,12 @@ import math
 
 import torch
 
-from . import layers, ops
-from .convert import from_recurrentgemma
-from .models import HawkLM
-from .official import load_official
-from .ops import reference
-from .ops.checks import state_dtype
+from kernels import layers, ops
+from kernels.convert import from_recurrentgemma
+from kernels.models import HawkLM
+from kernels.official import load_official
+from kernels.ops import reference
+from kernels.ops.checks import state_dtype
 
 OFFICIAL_FP32_TOL = 1e-5
 BACKEND_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
