@@ -101,10 +101,7 @@ def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: s
     """Every combination of the launcher's options (outside `fixed`) in the grid for "op/name", else
     "name", else "*"; a list of grids (options that only go together) gives their union."""
     found = grids.get(f"{op}/{name}", grids.get(name, grids.get("*", {})))
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
+    params = inspect.signature(fn).parameters
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     out = []
     for grid in found if isinstance(found, list) else [found]:
