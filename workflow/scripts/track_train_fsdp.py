@@ -82,6 +82,8 @@ def worker(job_file: str) -> None:
     work = Path(job_file).parent
     rank, world, device = fsdp.init_process_group()
     settings = job.params["settings"]
+    if world != settings["world_size"]:
+        raise RuntimeError(f"expected {settings['world_size']} ranks (train.world_size), torchrun started {world}")
     fs = fsdp_settings(settings)
     tuned = kernels.Backend("auto", table=kernels.TuningTable.load(job.input.table))
     matmul_rate, peak_rate = measure.matmul_rate(job.load("environment")), settings.get("peak_flop_per_s")

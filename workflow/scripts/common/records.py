@@ -83,7 +83,8 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
 
 
 def record_path(directory: str | Path, config_id: str) -> Path:
-    """Where the record of `config_id` lies (a config_id of a validated record: CONFIG_ID names a file)."""
+    if not isinstance(config_id, str) or not CONFIG_ID.match(config_id):
+        raise ValueError(f"expected config_id matching {CONFIG_ID.pattern}, got {config_id!r}")
     return Path(directory) / f"{config_id}.json"
 
 
