@@ -325,6 +325,8 @@ HOST_WAIT_CALLS = 30
 # the allocator's counters host_waits reads per call: cudaMalloc calls, and frees of all cached
 # blocks (each waits for every stream) after a failed cudaMalloc
 _ALLOC_STATS = ("num_device_alloc", "num_sync_all_streams", "num_alloc_retries")
+# what torch's sync debug mode warns per synchronising call (not its one-off "prototype feature" notice)
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 def host_waits(fn: Callable[[], object], calls: int, device=None) -> dict:
@@ -357,7 +359,7 @@ def host_waits(fn: Callable[[], object], calls: int, device=None) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode(mode)
     _sync(dev)
-    syncs = [str(w.message).splitlines()[0][:200] for w in caught if "synchroniz" in str(w.message)]
+    syncs = [str(w.message).splitlines()[0][:200] for w in caught if SYNC_WARNING in str(w.message)]
     out["syncs"] = {"count": len(syncs), "first": syncs[:3]}
     return out
 
