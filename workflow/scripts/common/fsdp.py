@@ -45,6 +45,8 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> tor
 
     from kernels import layers
 
+    if not hasattr(model, "blocks"):
+        raise ValueError(f"expected a model with residual `blocks` (a HawkLM), got {type(model).__name__}")
     for module in list(model.modules()):
         for name, p in list(module.named_parameters(recurse=False)):
             if p.dim() == 0:
