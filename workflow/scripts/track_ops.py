@@ -1,19 +1,14 @@
 """Ops track -> results/tracks/ops/records.jsonl: the ops as users call them
 (`backend="auto"`) beside their peers, both orders, each variant first gated against
-float64 (a peer in FP32 within PEER_GATE_TOL); a failed gate is a failed record.
-`track_ops.py --standalone --profile h200 --out DIR` runs it outside Snakemake."""
+float64 (a peer in FP32 within PEER_GATE_TOL); a failed gate is a failed record."""
 
-import argparse
 import copy
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from common import cases, measure, stage
 from common.cases import rel_err
-from common.facts import REPO_ROOT
 
 import kernels
 from kernels.models import HawkConfig
@@ -234,26 +229,5 @@ def main(job):
           lock_clocks=job.lock_clocks)
 
 
-def standalone(argv) -> None:
-    """The track outside Snakemake, with a profile's settings from config.yaml."""
-    import yaml
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--standalone", action="store_true", required=True)
-    ap.add_argument("--profile", required=True, help="a profile of config.yaml (h200, h800, cpu-smoke)")
-    ap.add_argument("--out", required=True, type=Path, help="folder for records.d/ and records.jsonl")
-    args = ap.parse_args(argv)
-    prof = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())["profiles"][args.profile]
-    stage.prepare_process()
-    bandwidth = measure.copy_timing(prof["probe"]["copy_bytes"], prof["probe"]["reps"])[1]
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (bytes read + written)", flush=True)
-    for r in track(prof["ops"], args.profile, args.out / "records.d", args.out / "records.jsonl", bandwidth):
-        print(f"{r['config_id']:<72} {r['status']:<6} {r['stats']['median_ms']:9.4f} ms ({r.get('clock')})"
-              if r["status"] == "ok" else f"{r['config_id']:<72} {r['status']}: {r['error'][:150]}")
-
-
 if __name__ == "__main__":
-    if "--standalone" in sys.argv:
-        standalone(sys.argv[1:])
-    else:
-        stage.run(main, globals().get("snakemake"))
+    stage.run(main, globals().get("snakemake"))
