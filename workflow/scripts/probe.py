@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from common import atomic, facts, records, stage
-from common.measure import EAGER_WARM_MS, copy_timing, ncu_path, number, run_for, time_fn
+from common.measure import EAGER_WARM_MS, ncu_path, number, run_for, time_fn
 from kernels.ops.triton_utils import launcher
 
 COUNTER_METRICS = ("dram__bytes_read.sum", "lts__t_bytes.sum", "sm__warps_active.avg.pct_of_peak_sustained_active")
@@ -107,7 +107,10 @@ def software_facts() -> dict:
 def measure(device: str, settings: dict) -> dict:
     """The two ceilings later stages divide by (copy bandwidth counts bytes read + written)."""
     reps, n_bytes, n = settings["reps"], settings["copy_bytes"], settings["matmul_n"]
-    copy, copy_bps = copy_timing(n_bytes, reps, device)
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    copy = time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
+    copy_bps = 2 * n_bytes / (copy["median_ms"] * 1e-3)
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     mm = time_fn(lambda: a @ b, reps=reps, warmup=3, device=device)
     flops = 2 * n**3 / (mm["median_ms"] * 1e-3)
@@ -157,10 +160,8 @@ TINY_KERNEL = "import torch; x = torch.ones(1 << 20, device='cuda'); y = x * 2; 
 def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
     """(counters_available, reason) from an Nsight Compute run over TINY_KERNEL."""
     if "ERR_NVGPUCTRPERM" in output:
-        return False, (
-            "ERR_NVGPUCTRPERM: the driver restricts GPU performance counters to admin users "
-            "(NVreg_RestrictProfilingToAdminUsers); counters are left empty"
-        )
+        return False, ("ERR_NVGPUCTRPERM: the driver restricts GPU performance counters to admin users "
+                       "(NVreg_RestrictProfilingToAdminUsers); counters are left empty")
     for marker in ("LibraryNotLoaded", "Failed to initialize the profiler", "==ERROR==", "No kernels were profiled"):
         if marker in output:
             line = next((ln.strip() for ln in output.splitlines() if marker in ln), marker)
@@ -168,18 +169,14 @@ def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
     if returncode != 0:
         tail = " | ".join(output.strip().splitlines()[-3:])
         return False, f"ncu exited with status {returncode}: {tail[:300]}"
-    values = ncu_metric_values(output)
+    # metric name -> value as printed (`ncu --csv`); non-numbers (n/a) left out
+    rows = csv.DictReader(ln for ln in output.splitlines() if ln.startswith('"'))
+    values = {r["Metric Name"]: r["Metric Value"].replace(",", "") for r in rows
+              if r.get("Metric Name") and number(r.get("Metric Value")) is not None}
     found = [m for m in COUNTER_METRICS if m in values]
     if not found:
         return False, "ncu ran but reported none of the requested metrics"
     return True, "ncu read " + ", ".join(f"{m}={values[m]}" for m in found)
-
-
-def ncu_metric_values(output: str) -> dict:
-    """Metric name -> value as printed, from `ncu --csv` output; non-numbers (n/a) left out."""
-    rows = csv.DictReader(ln for ln in output.splitlines() if ln.startswith('"'))
-    return {r["Metric Name"]: r["Metric Value"].replace(",", "") for r in rows
-            if r.get("Metric Name") and number(r.get("Metric Value")) is not None}
 
 
 def counter_check(has_gpu: bool) -> dict:

@@ -175,14 +175,6 @@ def graph_calls(ms_per_call: float) -> int:
     return min(MAX_GRAPH_CALLS, 2 ** max(n, 0))
 
 
-def copy_timing(n_bytes: int, reps: int, device=None) -> tuple[dict, float]:
-    """(time_fn of a device-to-device copy of n_bytes, bandwidth in bytes read + written per s)."""
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device_of(device)).random_(0, 255)
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), reps=reps, warmup=3, device=device)
-    return t, 2 * n_bytes / (t["median_ms"] * 1e-3)
-
-
 def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], device=None,
                     before: Callable[[], object] | None = None, warmup: int = 0) -> dict:
     """Cumulative ms at every checkpoint of one run of dependent steps, after untimed `before` and
@@ -287,10 +279,7 @@ class Clocks:
                 "host_load1_max": max(before.get("load1") or 0.0, after.get("load1") or 0.0), "host_cpus": cpus}
 
 
-@functools.cache
-def clocks(dev: torch.device) -> Clocks:
-    """One Clocks per device in this process, which holds any clock lock it took."""
-    return Clocks(dev)
+clocks = functools.cache(Clocks)  # one Clocks per device in this process, which holds any clock lock it took
 
 
 def run_for(fn: Callable[[], object], dev, ms: float) -> float:
