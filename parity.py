@@ -19,7 +19,7 @@ import torch
 
 from kernels import layers, ops
 from kernels.convert import from_recurrentgemma
-from kernels.models import HawkLM
+from kernels.models import CapturedTrainStep, HawkConfig, HawkLM, train_step
 from kernels.official import load_official
 from kernels.ops import reference
 from kernels.ops.checks import state_dtype
@@ -461,7 +461,6 @@ def check_captured_train_step(preset="tiny", B=2, T=64, vocab_size=256, steps=3,
     launch the same kernels in the same order: BACKEND_TOL's float32 one at every dtype."""
     if torch.device(device).type != "cuda":
         raise ValueError(f"a captured training step needs a CUDA device, got {device!r}")
-    from .models import CapturedTrainStep, HawkConfig, train_step
     autocast = None if dtype == torch.float32 else dtype
     g = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, vocab_size, (steps + 1, B, T + 1), generator=g).to(device)
