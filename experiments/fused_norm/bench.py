@@ -1,0 +1,145 @@
+"""The Hawk training step with its norms fused to the residual adds (add_rms_norm.hawk_loss)
+against the model's own step, on one GPU: first gated (loss and every gradient at the
+timed shape, BF16 autocast, against the model's step), then timed eagerly and as one CUDA
+graph in both orders, each with the peak memory and its kernel families from one profiled
+step. A decision aid, not a record: a win moves the fusion into `kernels` and the
+pipeline's train track measures it.
+
+    python experiments/fused_norm/bench.py --preset 1.3b --batch 4 --seq 2048 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from add_rms_norm import hawk_loss  # noqa: E402
+
+from kernels.models import CapturedTrainStep, HawkConfig, HawkLM, train_step  # noqa: E402
+
+FAMILIES = {"casts": ("direct_copy", "bfloat16_copy"), "fp32 adds": ("CUDAFunctor_add<float>",),
+            "norms": ("layer_norm", "GammaBeta", "add_rms_norm"), "matmuls": ("nvjet", "gemm", "cutlass")}
+BF16_TOL = 3e-2
+
+
+def build(preset, mixer, fused, vocab, device="cuda"):
+    torch.manual_seed(0)
+    model = HawkLM(HawkConfig.preset(preset, mixer=mixer, vocab_size=vocab), device=device)
+    if fused:
+        model.loss = partial(hawk_loss, model)
+    return model
+
+
+def batch(B, T, vocab, device="cuda"):
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, vocab, (B, T + 1), generator=g).to(device)
+    return tok[:, :-1].contiguous(), tok[:, 1:].contiguous(), torch.arange(T, device=device).expand(B, T).contiguous()
+
+
+def gate(preset, mixer, B, T, vocab, device="cuda") -> dict:
+    """Loss and gradients of both paths at the timed shape (BF16 autocast, FP32 weights)."""
+    out = {}
+    tokens, targets, pos = batch(B, T, vocab, device)
+    for fused in (False, True):
+        m = build(preset, mixer, fused, vocab, device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            loss = m.loss(tokens, targets, pos)
+        loss.backward()
+        out[fused] = (loss.detach().double(), {n: p.grad.float() for n, p in m.named_parameters()})
+        del m
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    (l0, g0), (l1, g1) = out[False], out[True]
+    errs = {n: ((g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp_min(1e-30)).item() for n in g0}
+    worst = max(errs, key=errs.get)
+    res = {"loss_model": l0.item(), "loss_fused": l1.item(), "loss_rel": abs((l1 - l0) / l0).item(),
+           "grad_worst": worst, "grad_worst_rel": errs[worst], "tolerance": BF16_TOL}
+    res["passed"] = res["loss_rel"] < 1e-3 and errs[worst] < BF16_TOL
+    return res
+
+
+def families(step) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out = {k: [0.0, 0] for k in [*FAMILIES, "other"]}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        fam = next((k for k, pats in FAMILIES.items() if any(p in e.name for p in pats)), "other")
+        out[fam][0] += e.time_range.elapsed_us() / 1e3
+        out[fam][1] += 1
+    return {k: {"ms": round(v[0], 3), "launches": v[1]} for k, v in out.items()}
+
+
+def timed(preset, mixer, fused, B, T, vocab, steps, graph) -> dict:
+    model = build(preset, mixer, fused, vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=True)
+    data = batch(B, T, vocab)
+    torch.cuda.reset_peak_memory_stats()
+    if graph:
+        cap = CapturedTrainStep(model, opt, *data, autocast=torch.bfloat16)
+        step = partial(cap, *data)
+    else:
+        step = partial(train_step, model, opt, *data, autocast=torch.bfloat16)
+        for _ in range(3):
+            step()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    res = {"median_ms": statistics.median(ms), "samples_ms": ms, "peak_bytes": torch.cuda.max_memory_allocated(),
+           "families": families(step)}
+    del model, opt, step
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="1.3b")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--mixers", default="rglru,samu")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mixer in a.mixers.split(","):
+        g = gate(a.preset, mixer, a.batch, a.seq, a.vocab)
+        print(f"gate {mixer}: {json.dumps(g)}", flush=True)
+        if not g["passed"]:
+            rows.append({"mixer": mixer, "gate": g})
+            continue
+        for graph in (False, True):
+            for order, seq in (("AB", (False, True)), ("BA", (True, False))):
+                for fused in seq:
+                    r = timed(a.preset, mixer, fused, a.batch, a.seq, a.vocab, a.steps, graph)
+                    rows.append({"mixer": mixer, "fused": fused, "graph": graph, "order": order, "gate": g, **r})
+                    print(f"{mixer:<6} {'graph' if graph else 'eager'} {order} {'fused' if fused else 'model'}: "
+                          f"{r['median_ms']:.2f} ms, peak {r['peak_bytes'] / 2**30:.2f} GiB, "
+                          + ", ".join(f"{k} {v['ms']:.1f}/{v['launches']}" for k, v in r["families"].items()),
+                          flush=True)
+    (a.out / "fused_norm_bench.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
+                                                             "gpu": torch.cuda.get_device_name(), "rows": rows},
+                                                            indent=1))
+
+
+if __name__ == "__main__":
+    main()
