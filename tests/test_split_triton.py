@@ -6,7 +6,8 @@ Two layouts: W = 2 warps of 8 steps (tiles of 16) with register prefetch at T = 
 D = 24 (partial last tile, one partial channel block: element masks), and W = 4 warps
 of 8 steps with pipelined loads at T = 32, D = 64 (whole tiles: the unmasked EVEN
 path); each also with 128- and 256-channel blocks (block_d 128: D = 24 and 256; 256: D = 24
-and 256; T = 12, D = 40 in float64). The forward saves every warp's entry state and the backward starts from them.
+and 256; T = 12, D = 40 in float64) and with 80 channels in 128-lane tiles (T = 21, D = 104: a
+partial last program; D = 160: whole programs, idle lanes in each). The forward saves every warp's entry state and the backward starts from them.
 """
 
 import pytest
@@ -31,6 +32,10 @@ WIDE_EVEN = {"T": 32, "D": 256, "opts": {"time_warps": 4, "chunk_size": 8, "num_
 # 256 channels per program (8 per lane): a partial block and a whole one
 WIDER_ODD = {"T": 12, "D": 40, "opts": {"time_warps": 2, "chunk_size": 8, "block_d": 256}}
 WIDER_EVEN = {"T": 16, "D": 256, "opts": {"time_warps": 2, "chunk_size": 8, "num_stages": 2, "block_d": 256}}
+# 80 channels per program in a tile of 128 lanes (48 idle): a partial last program (D = 104)
+# and whole ones (D = 160)
+NARROW_ODD = {"T": 21, "D": 104, "opts": {"time_warps": 2, "chunk_size": 8, "block_d": 80}}
+NARROW_EVEN = {"T": 32, "D": 160, "opts": {"time_warps": 4, "chunk_size": 8, "num_stages": 2, "block_d": 80}}
 # Resets at tile and warp edges (8, 16, 24, 32), inside segments (2, 5, 10, 13, 27), in
 # runs (20-22), at t = 0 (row 1) and at the last step of the odd shape (36); row 0
 # continues an earlier document.
@@ -67,9 +72,9 @@ def compare(op, shape, dtype, seed=0, h0=True, resets=True, final=True):
     return got, want
 
 
-FP32_CASES = {"odd": ODD, "even": EVEN, "wide-odd": WIDE_ODD, "wide-even": WIDE_EVEN}
+FP32_CASES = {"odd": ODD, "even": EVEN, "wide-odd": WIDE_ODD, "wide-even": WIDE_EVEN, "narrow-odd": NARROW_ODD}
 FP32_CASES = {**{f"{op}-{n}": (op, s) for n, s in FP32_CASES.items() for op in ("scan", "rglru")},
-              "scan-wider-even": ("scan", WIDER_EVEN)}
+              "scan-wider-even": ("scan", WIDER_EVEN), "scan-narrow-even": ("scan", NARROW_EVEN)}
 
 
 @pytest.mark.parametrize("op,shape", FP32_CASES.values(), ids=FP32_CASES.keys())
@@ -80,8 +85,9 @@ def test_fp32_against_float64_reference(op, shape):
         assert parity.rel_err(g, w) <= FP32_TOL, i
 
 
-@pytest.mark.parametrize("op,shape", [("rglru", ODD), ("scan", EVEN), ("rglru", WIDE_EVEN), ("scan", WIDER_ODD)],
-                         ids=["rglru-odd", "scan-even", "rglru-wide-even", "scan-wider-odd"])
+@pytest.mark.parametrize("op,shape", [("rglru", ODD), ("scan", EVEN), ("rglru", WIDE_EVEN), ("scan", WIDER_ODD),
+                                      ("rglru", NARROW_ODD)],
+                         ids=["rglru-odd", "scan-even", "rglru-wide-even", "scan-wider-odd", "rglru-narrow-odd"])
 def test_float64_is_exact(op, shape):
     # Any slip in the cross-warp composition, the tile carry, resets or the adjoint
     # would show far above rounding.
@@ -124,7 +130,9 @@ def test_default_is_split_and_launches():
     assert fused_recurrent.config(B, 37, 24, True)["TW"] == fused_recurrent.SPLIT_DEFAULT["scan"]["time_warps"]
     assert fused_recurrent.config(B, 37, 24, False, block_d=32)["TW"] == 1
     wide = fused_recurrent.config(B, 37, 24, True, time_warps=4, block_d=128)
-    assert (wide["TW"], wide["BD"]) == (4, 128)
+    assert (wide["TW"], wide["BD"], wide["CH"]) == (4, 128, 128)
+    narrow = fused_recurrent.config(B, 37, 24, True, time_warps=4, block_d=80)
+    assert (narrow["BD"], narrow["CH"]) == (128, 80)
     assert fused_recurrent.config(B, 37, 24, False, time_warps=1)["TW"] == 1
     # an RG-LRU forward without gradient defaults to the tile kernels (faster there)
     assert fused_recurrent.config(B, 37, 24, False, grad=False)["TW"] == 1
@@ -164,6 +172,9 @@ def test_pipeline_stages_fit_shared_memory():
     ({"time_warps": 2, "block_d": 16}, "block_d"),
     ({"time_warps": 2, "block_d": 32}, "block_d"),
     ({"time_warps": 2, "block_d": 512}, "block_d"),
+    ({"time_warps": 2, "block_d": 72}, "block_d"),
+    ({"time_warps": 2, "block_d": 272}, "block_d"),
+    ({"time_warps": 2, "block_d": 80.0}, "block_d"),
     ({"time_warps": 2, "chunk_size": 6}, "chunk_size"),
     ({"time_warps": 2, "chunk_size": 128}, "chunk_size"),
     ({"time_warps": 2, "num_stages": 5}, "num_stages"),

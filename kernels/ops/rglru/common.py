@@ -41,17 +41,20 @@ def excl_scan(a, b, ACC: tl.constexpr, REVERSE: tl.constexpr = False):
 
 
 @triton.jit
-def program_start(ap, init, D, BD: tl.constexpr, VEC: tl.constexpr, IS_SCAN: tl.constexpr,
+def program_start(ap, init, D, BD: tl.constexpr, CH: tl.constexpr, VEC: tl.constexpr, IS_SCAN: tl.constexpr,
                   HAS_INIT: tl.constexpr, ACC: tl.constexpr):
     """A serial program's (i_b, channels, mask, softplus(a_param), its [BD] carry from `init`
-    [B, D] or zeros)."""
+    [B, D] or zeros): CH <= BD channels in a tile of BD lanes (CH < BD: the last BD - CH
+    lanes idle, so that B x D / CH programs can match the multiprocessors)."""
     i_b = tl.program_id(1).to(tl.int64)
-    o_d = tl.program_id(0) * BD + tl.arange(0, BD)
+    o_d = tl.program_id(0) * CH + tl.arange(0, BD)
     if VEC > 0:
         # only VEC contiguous channels, so coalescing gives each thread VEC whole time
         # columns (the time scan is an in-register loop); VEC = 0: Triton decides
         o_d = tl.max_contiguous(o_d, VEC)
     m_d = o_d < D
+    if CH < BD:
+        m_d = m_d & (tl.arange(0, BD) < CH)
     sp = param_sp(ap, o_d, m_d, BD, IS_SCAN, ACC)
     v = tl.load(init + i_b * D + o_d, mask=m_d, other=0.0).to(ACC) if HAS_INIT else tl.zeros([BD], ACC)
     return i_b, o_d, m_d, sp, v

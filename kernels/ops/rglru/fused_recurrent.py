@@ -1,5 +1,5 @@
-"""Serial, state-stationary RG-LRU and affine scan: one program owns BD channels of one
-sequence and walks time in tiles, the FP32 state in registers; the backward walks the tiles
+"""Serial, state-stationary RG-LRU and affine scan: one program owns CH channels of one
+sequence (block_d; a tile of BD = next_pow2(CH) lanes) and walks time in tiles, the FP32 state in registers; the backward walks the tiles
 in reverse from the saved states (common.py's adjoint). The a_param gradient is a
 per-program partial [B, D] reduced in a fixed order.
 
@@ -115,10 +115,10 @@ def load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W: tl.constexpr, PREV: tl.con
 def serial_fwd_kernel(
     x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr,
+    SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr,
     PREFETCH: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr,
 ):
-    i_b, o_d, m_d, sp, h = program_start(ap, h0, D, BD, VEC, IS_SCAN, HAS_H0, ACC)
+    i_b, o_d, m_d, sp, h = program_start(ap, h0, D, BD, CH, VEC, IS_SCAN, HAS_H0, ACC)
     ii, wcol, im = axes(TT, W)
     BT: tl.constexpr = TT * W
     NT = tl.cdiv(T, BT)
@@ -160,10 +160,10 @@ def serial_fwd_kernel(
 def serial_bwd_kernel(
     x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
     IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr,
+    TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr,
 ):
-    i_b, o_d, m_d, sp, r = program_start(ap, dht, D, BD, VEC, IS_SCAN, HAS_DHT, ACC)
+    i_b, o_d, m_d, sp, r = program_start(ap, dht, D, BD, CH, VEC, IS_SCAN, HAS_DHT, ACC)
     ii, wcol, im = axes(TT, W)
     # Split: warp w holds segment W - 1 - w, so the adjoint's composition from the
     # tile's end runs forward over the warps (Triton's reverse scan across warps costs
@@ -218,7 +218,9 @@ def serial_bwd_kernel(
 # Defaults: the fastest exact configurations in the H200 tune records (the tune stage
 # re-selects per GPU); the tile kernels take 4 warps and register prefetch.
 SPLIT_DEFAULT = {"rglru": {"time_warps": 4, "num_stages": 3}, "scan": {"time_warps": 8, "num_stages": 4}}
-# Channels per split program (2, 4 or 8 per lane): 128 and 256 halve and quarter the programs.
+# Tile widths of a split program (2, 4 or 8 channels per lane): 128 and 256 halve and quarter
+# the programs. Its channels (block_d) are a multiple of 16 up to the tile's width, so that
+# B x D / block_d programs can match the multiprocessors.
 SPLIT_BLOCKS = (64, 128, 256)
 # The scan where B x D / 64 programs exceed the multiprocessors, keyed by `grad`: 128-channel
 # programs leave no second, partial wave of 64-channel ones (faster forward and forward+backward
@@ -250,10 +252,12 @@ def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, bloc
     if not isinstance(ns, int) or isinstance(ns, bool) or not 1 <= ns <= 4:
         raise ValueError(f"expected num_stages to be an integer in [1, 4], got {num_stages!r}")
     if tw > 1:
-        bd = 64 if block_d is None else block_d
-        if bd not in SPLIT_BLOCKS:
-            raise ValueError(f"expected block_d in {list(SPLIT_BLOCKS)} with time_warps > 1 (channels of a split "
-                             f"kernel's program, 2, 4 or 8 per lane), got block_d={block_d!r} with time_warps={tw}")
+        ch = 64 if block_d is None else block_d
+        if isinstance(ch, bool) or not isinstance(ch, int) or ch % 16 or not SPLIT_BLOCKS[0] <= ch <= SPLIT_BLOCKS[-1]:
+            raise ValueError(f"expected block_d a multiple of 16 in [{SPLIT_BLOCKS[0]}, {SPLIT_BLOCKS[-1]}] with "
+                             f"time_warps > 1 (channels of a split kernel's program, in a tile of {list(SPLIT_BLOCKS)} "
+                             f"lanes: 2, 4 or 8 per lane), got block_d={block_d!r} with time_warps={tw}")
+        bd = next_pow2(ch)
         # TT >= 8: the saved states are at most 1/8 of an FP32 activation
         tt = tt or 8
     else:
@@ -264,7 +268,8 @@ def config(B, T, D, is_scan, sms=None, /, chunk_size=None, time_warps=None, bloc
         while bd > lo and B * cdiv(D, bd) < 528:
             bd //= 2
         bd = max(lo, min(bd, next_pow2(D))) if block_d is None else check_pow2("block_d", block_d, 8, 1024)
-    return {"backend": "serial", "TT": tt, "TW": tw, "BD": bd, "STAGES": ns, "STAGES_SET": stages_set}
+        ch = bd
+    return {"backend": "serial", "TT": tt, "TW": tw, "BD": bd, "CH": ch, "STAGES": ns, "STAGES_SET": stages_set}
 
 
 def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> dict:
@@ -301,14 +306,15 @@ def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
     configuration (the launchers run on the host's critical path)."""
     B, T, D = x.shape
     cfg = _fit_stages(cfg, x.element_size(), n_tiles, pos is not None, smem_limit(x.device))
-    BT, W, BD = cfg["TT"] * cfg["TW"], cfg["TW"], cfg["BD"]
+    BT, W, BD, CH = cfg["TT"] * cfg["TW"], cfg["TW"], cfg["BD"], cfg["CH"]
     if W > 1 and (BT + 1) * D >= 2 ** 31:
         raise ValueError(f"expected (time_warps * chunk_size + 1) * D < 2**31 for the split kernels' int32 tile "
                          f"offsets, got D = {D} with a tile of {BT} steps")
-    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, BD=BD, STAGES=cfg["STAGES"], PREFETCH=cfg["STAGES"] == 1,
-              ACC=tl_acc(x.dtype), RNE=INTERPRET, VEC=BD // 32 if W > 1 else 0, num_warps=W if W > 1 else 4, **flags,
-              TT=cfg["TT"], W=W, EVEN=W > 1 and T % BT == 0 and D % BD == 0)
-    return (cdiv(D, BD), B), kw
+    kw = dict(IS_SCAN=is_scan, HAS_RESET=pos is not None, BD=BD, CH=CH, STAGES=cfg["STAGES"],
+              PREFETCH=cfg["STAGES"] == 1, ACC=tl_acc(x.dtype), RNE=INTERPRET, VEC=BD // 32 if W > 1 else 0,
+              num_warps=W if W > 1 else 4, **flags, TT=cfg["TT"], W=W,
+              EVEN=W > 1 and T % BT == 0 and D % BD == 0 and CH == BD)
+    return (cdiv(D, CH), B), kw
 
 
 # _launch's plans by kernel, configuration (kept in the value: its id names it only while
