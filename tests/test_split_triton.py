@@ -7,7 +7,8 @@ D = 24 (partial last tile, one partial channel block: element masks), and W = 4 
 of 8 steps with pipelined loads at T = 32, D = 64 (whole tiles: the unmasked EVEN
 path); each also with 128- and 256-channel blocks (block_d 128: D = 24 and 256; 256: D = 24
 and 256; T = 12, D = 40 in float64) and with 80 channels in 128-lane tiles (T = 21, D = 104: a
-partial last program; D = 160: whole programs, idle lanes in each). The forward saves every warp's entry state and the backward starts from them.
+partial last program; D = 160: whole programs, idle lanes in each). The forward saves every
+warp's entry state and the backward starts from them.
 """
 
 import pytest

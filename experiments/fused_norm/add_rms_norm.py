@@ -85,8 +85,9 @@ class AddRMSNorm(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)
         rstd = torch.empty(N, dtype=acc, device=x.device)
         br, bd, warps = _blocks(D)
-        _add_rms_norm_fwd[(cdiv(N, br),)](x2, h2 if h2 is not None else x2, scale, s, y, rstd, N, D, eps, HAS_H=h is not None,
-                             BR=br, BD=bd, RNE=INTERPRET, ACC=tl_acc(acc), num_warps=warps)
+        _add_rms_norm_fwd[(cdiv(N, br),)](x2, h2 if h2 is not None else x2, scale, s, y, rstd, N, D, eps,
+                                          HAS_H=h is not None, BR=br, BD=bd, RNE=INTERPRET, ACC=tl_acc(acc),
+                                          num_warps=warps)
         ctx.save_for_backward(s, scale, rstd)
         ctx.has_h, ctx.shape, ctx.x_dtype = h is not None, x.shape, x.dtype
         ctx.h_dtype = None if h is None else h.dtype
@@ -105,9 +106,10 @@ class AddRMSNorm(torch.autograd.Function):
         dx = torch.empty(N, D, dtype=ctx.x_dtype, device=s.device)
         dh = torch.empty(N, D, dtype=ctx.h_dtype, device=s.device) if ctx.has_h else None
         part = torch.empty(progs, D, dtype=rstd.dtype, device=s.device)
-        _add_rms_norm_bwd[(progs,)](s, scale, rstd, dy, ds if ds is not None else dy, dx, dh if dh is not None else dx, part,
-                       N, D, HAS_DS=ds is not None, HAS_H=ctx.has_h, BR=br, BD=bd, RNE=INTERPRET,
-                       ACC=tl_acc(rstd.dtype), num_warps=warps)
+        _add_rms_norm_bwd[(progs,)](s, scale, rstd, dy, ds if ds is not None else dy, dx,
+                                    dh if dh is not None else dx, part, N, D, HAS_DS=ds is not None,
+                                    HAS_H=ctx.has_h, BR=br, BD=bd, RNE=INTERPRET, ACC=tl_acc(rstd.dtype),
+                                    num_warps=warps)
         return (dx.view(ctx.shape), None if dh is None else dh.view(ctx.shape), part.sum(0).to(scale.dtype), None,
                 None)
 

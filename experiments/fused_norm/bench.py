@@ -1,9 +1,9 @@
 """The Hawk training step with its norms fused to the residual adds (add_rms_norm.hawk_loss),
 and with its blocks under torch.compile, against the model's own step, on one GPU: each
 first gated (loss and every gradient at the timed shape, BF16 autocast, against the
-model's step), then timed eagerly and as one CUDA graph in both orders, each with the peak memory and its kernel families from one profiled
-step. A decision aid, not a record: a win moves the fusion into `kernels` and the
-pipeline's train track measures it.
+model's step), then timed eagerly and as one CUDA graph in both orders, each with the
+peak memory and its kernel families from one profiled step. A decision aid, not a record:
+a win moves the fusion into `kernels` and the pipeline's train track measures it.
 
     python experiments/fused_norm/bench.py --preset 1.3b --batch 4 --seq 2048 --out DIR
 """

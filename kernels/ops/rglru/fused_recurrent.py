@@ -1,7 +1,8 @@
 """Serial, state-stationary RG-LRU and affine scan: one program owns CH channels of one
-sequence (block_d; a tile of BD = next_pow2(CH) lanes) and walks time in tiles, the FP32 state in registers; the backward walks the tiles
-in reverse from the saved states (common.py's adjoint). The a_param gradient is a
-per-program partial [B, D] reduced in a fixed order.
+sequence (block_d; a tile of BD = next_pow2(CH) lanes) and walks time in tiles, the FP32
+state in registers; the backward walks the tiles in reverse from the saved states
+(common.py's adjoint). The a_param gradient is a per-program partial [B, D] reduced in a
+fixed order.
 
 Split kernels (time_warps W > 1, the default): tiles of W * TT steps (TT = chunk_size),
 warp w holding TT consecutive steps in its threads' registers (one thread per channel
