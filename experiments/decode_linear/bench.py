@@ -17,13 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import parity
 from kernels.models import decode as dk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow" / "scripts"))
+from common import measure  # noqa: E402
 
 # (role, output columns as the engine's launch counts them, K, epilogue) of preset 1.3b; w
 # holds both halves for "xy" (timed here as one plain linear over them) and for "up" (gated)
@@ -34,29 +38,12 @@ ROTATE_BYTES = 256 << 20
 
 
 def device_ms(fn, calls: int, reps: int = 15) -> float:
-    """Median ms per call of `calls` calls captured in one CUDA graph, over `reps` replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / calls)
-    return statistics.median(out)
+    """Median ms per call over `reps` replays of a graph of `calls` calls (the pipeline's device clock)."""
+    return measure.device_time(fn, reps, calls, "cuda")["median_ms"]
 
 
 def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 1 GiB device-to-device copy."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.numel() / (device_ms(lambda: dst.copy_(src), calls=4, reps=10) * 1e-3)
@@ -88,8 +75,7 @@ class Role:
         y = a @ w.t() + b
         if self.epi == dk.EPI_GATED:
             y = F.gelu(y[:, :self.cols], approximate="tanh") * y[:, self.cols:]
-        return {n: ((f(0).double() - y).abs().max() / y.abs().max()).item()
-                for n, f in (("ours", self.ours), ("cublas", self.cublas))}
+        return {n: parity.rel_err(f(0), y) for n, f in (("ours", self.ours), ("cublas", self.cublas))}
 
 
 def rotating(fn, copies):

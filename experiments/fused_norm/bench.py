@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "workflow" / "scripts")]
 from add_rms_norm import hawk_loss  # noqa: E402
+from common import measure  # noqa: E402
 
 from kernels.models import CapturedTrainStep, HawkConfig, HawkLM, compile_blocks, train_step  # noqa: E402
 
@@ -62,6 +62,7 @@ def gate(preset, mixer, variant, B, T, vocab, device="cuda") -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     (l0, g0), (l1, g1) = out[False], out[True]
+    # on the GPU: parity.rel_err would copy 1.3b gradients to the CPU in float64
     errs = {n: ((g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp_min(1e-30)).item() for n in g0}
     worst = max(errs, key=errs.get)
     res = {"loss_model": l0.item(), "loss_variant": l1.item(), "loss_rel": abs((l1 - l0) / l0).item(),
@@ -71,44 +72,35 @@ def gate(preset, mixer, variant, B, T, vocab, device="cuda") -> dict:
 
 
 def families(step) -> dict:
+    """Device ms and launches of one step per kernel family (measure.count_kernels of a profiled step)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    out = {k: [0.0, 0] for k in [*FAMILIES, "other"]}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        fam = next((k for k, pats in FAMILIES.items() if any(p in e.name for p in pats)), "other")
-        out[fam][0] += e.time_range.elapsed_us() / 1e3
-        out[fam][1] += 1
-    return {k: {"ms": round(v[0], 3), "launches": v[1]} for k, v in out.items()}
+    counted = measure.count_kernels(prof.events())
+    out = {k: {"ms": 0.0, "launches": 0} for k in [*FAMILIES, "other"]}
+    for name, us in counted["us_by_name"].items():
+        fam = out[next((k for k, pats in FAMILIES.items() if any(p in name for p in pats)), "other")]
+        fam["ms"] += us / 1e3
+        fam["launches"] += counted["by_name"][name]
+    return out
 
 
 def timed(preset, mixer, variant, B, T, vocab, steps, graph) -> dict:
+    """The step's eager clock (measure.time_fn) and its peak memory, capture included."""
     model = build(preset, mixer, variant, vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=True)
     data = batch(B, T, vocab)
     torch.cuda.reset_peak_memory_stats()
     if graph:
-        cap = CapturedTrainStep(model, opt, *data, autocast=torch.bfloat16)
-        step = partial(cap, *data)
+        step = partial(CapturedTrainStep(model, opt, *data, autocast=torch.bfloat16), *data)
     else:
         step = partial(train_step, model, opt, *data, autocast=torch.bfloat16)
-        for _ in range(3):
-            step()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    res = {"median_ms": statistics.median(ms), "samples_ms": ms, "peak_bytes": torch.cuda.max_memory_allocated(),
-           "families": families(step)}
+    setup_peak = torch.cuda.max_memory_allocated()
+    t = measure.time_fn(step, reps=steps, warmup=3, device="cuda")
+    res = {"median_ms": t["median_ms"], "samples_ms": t["samples_ms"],
+           "peak_bytes": max(setup_peak, t["peak_bytes"]), "families": families(step)}
     del model, opt, step
     torch.cuda.empty_cache()
     return res

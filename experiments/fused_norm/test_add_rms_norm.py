@@ -11,14 +11,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from add_rms_norm import add_rms_norm, hawk_loss  # noqa: E402
+from parity import rel_err as rel  # noqa: E402
 from kernels.models import HawkConfig, HawkLM  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def reference(x, h, scale, eps, dtype):
