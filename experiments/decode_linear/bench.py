@@ -5,9 +5,8 @@ the measured copy bandwidth; then the step's 97 linears launched back to back as
 engine launches them (24 layers of distinct weights, then the logits), with and without
 programmatic dependent launch, whose excess over the sum of the parts is the cost of the
 launch boundaries. Weights rotate over copies of at least 256 MB, so no call finds its
-weights in L2. Every variant is gated against float64 first. A decision aid for issue 17
-("split-K weight streaming at 85 % of copy bandwidth" against "fewer launch boundaries"),
-not a record.
+weights in L2. Every variant is gated against float64 first. A decision aid between faster
+split-K weight streaming and fewer launch boundaries, not a record.
 
     python experiments/decode_linear/bench.py --rows 16 --out DIR
 """
