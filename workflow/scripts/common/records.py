@@ -54,8 +54,7 @@ def validate(rec) -> dict:
     """Return `rec` if it follows schema 1, else raise ValueError naming the field."""
     if not isinstance(rec, dict):
         raise ValueError(f"expected a record object, got {type(rec).__name__}")
-    missing = [k for k in REQUIRED if k not in rec]
-    if missing:
+    if missing := [k for k in REQUIRED if k not in rec]:
         raise ValueError(f"record {rec.get('config_id', '?')!r} lacks keys {missing}")
     for key, test, expected in CHECKS:
         if not test(rec[key], rec):
@@ -103,27 +102,21 @@ def read_record(path: str | Path) -> dict | None:
     return rec if rec["config_id"] == path.stem else None
 
 
-def _files(directory: str | Path) -> list[Path]:
-    return sorted(Path(directory).glob("*.json"))     # none where the folder is missing
-
-
 def done_ids(directory: str | Path, profile: str | None = None) -> set[str]:
     """config_ids with a valid record (of `profile`): failed and OOM ones are finished work too."""
-    recs = (read_record(p) for p in _files(directory))
+    recs = (read_record(p) for p in Path(directory).glob("*.json"))     # none where the folder is missing
     return {r["config_id"] for r in recs if r is not None and profile in (None, r["profile"])}
 
 
 def collect(directory: str | Path, out_jsonl: str | Path, profile: str | None = None, ids=None) -> list[dict]:
     """Concatenate the records (of `profile`, of `ids`) into `out_jsonl`; an invalid one is an error."""
     wanted = None if ids is None else set(ids)
-    paths = [p for p in _files(directory) if wanted is None or p.stem in wanted]
+    paths = [p for p in sorted(Path(directory).glob("*.json")) if wanted is None or p.stem in wanted]
     recs = [read_record(p) for p in paths]
-    bad = [str(p) for p, rec in zip(paths, recs) if rec is None]
-    if bad:
+    if bad := [str(p) for p, rec in zip(paths, recs) if rec is None]:
         raise ValueError(f"invalid or truncated records (rerun the stage to redo them): {bad}")
     recs = [rec for rec in recs if profile in (None, rec["profile"])]
-    missing = sorted((wanted or set()) - {r["config_id"] for r in recs})
-    if missing:
+    if missing := sorted((wanted or set()) - {r["config_id"] for r in recs}):
         raise ValueError(f"no record for configurations {missing} in {directory}")
     atomic.write_text(out_jsonl, "".join(atomic.dumps(r, indent=None) + "\n" for r in recs))
     return recs
