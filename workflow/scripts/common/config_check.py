@@ -44,8 +44,5 @@ def validate(config: dict, schema_path: str | Path) -> None:
 def require_device(name: str, profile: dict, gpus: list[str]) -> None:
     """Raise ValueError when profile `name` runs on CUDA (audit.device) and `gpus` is empty."""
     if (profile.get("audit") or {}).get("device") == "cuda" and not gpus:
-        raise ValueError(
-            f"profile {name!r} runs on CUDA (audit.device: cuda) but no GPU is visible "
-            f"(NVML lists none, or CUDA_VISIBLE_DEVICES hides them); on this machine run "
-            f"--config profile=cpu-smoke"
-        )
+        raise ValueError(f"profile {name!r} runs on CUDA (audit.device: cuda) but no GPU is visible (NVML lists "
+                         "none, or CUDA_VISIBLE_DEVICES hides them); on this machine run --config profile=cpu-smoke")

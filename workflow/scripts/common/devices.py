@@ -32,10 +32,9 @@ def claim_gpus(lock_dir: str | os.PathLike, n_gpus: int, count: int = 1) -> list
     if len(taken) < count:
         for f in taken.values():
             f.close()
-        raise RuntimeError(
-            f"{count} GPU(s) wanted, {len(taken)} of {n_gpus} free: the others are held by other stages of "
-            f"this results directory ({lock_dir}); run with --resources gpu=N where N is at most the number of GPUs"
-        )
+        raise RuntimeError(f"{count} GPU(s) wanted, {len(taken)} of {n_gpus} free: the others are held by other "
+                           f"stages of this results directory ({lock_dir}); run with --resources gpu=N where N is "
+                           "at most the number of GPUs")
     _held.extend(taken.values())
     return list(taken)
 

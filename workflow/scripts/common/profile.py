@@ -34,10 +34,8 @@ def profile_for_gpu(names: list[str], known: list[str]) -> str:
     for key, profile in GPU_PROFILES.items():
         if key in names[0].upper() and profile in known:
             return profile
-    raise ValueError(
-        f"profile: auto found GPU {names[0]!r}, which has no profile in config.yaml "
-        f"(profiles: {sorted(known)}); run with --config profile=<name> to pick one"
-    )
+    raise ValueError(f"profile: auto found GPU {names[0]!r}, which has no profile in config.yaml "
+                     f"(profiles: {sorted(known)}); run with --config profile=<name> to pick one")
 
 
 def resolve_profile(config: dict, gpus: list[str] | None = None) -> tuple[str, dict]:
