@@ -68,12 +68,17 @@ class Job:
         return bool(probe.get("lock_clocks", False))
 
     @classmethod
-    def from_snakemake(cls, smk, script: str) -> "Job":
+    def from_snakemake(cls, smk) -> "Job":
         def files(nl):
-            names = {k: str(v) if isinstance(v, str) else [str(p) for p in v] for k, v in nl.items()}
-            return Files(list(nl), names)
+            return Files(list(nl), {k: str(v) if isinstance(v, str) else [str(p) for p in v] for k, v in nl.items()})
 
-        return cls(rule=smk.rule, script=script, input=files(smk.input), output=files(smk.output),
+        # Snakemake runs a copy named tmp<random>.<original name> from .snakemake/scripts.
+        copy = Path(sys.modules["__main__"].__file__).name
+        name = copy.split(".", 1)[1] if copy.startswith("tmp") and "." in copy else copy
+        script = Path(smk.scriptdir or REPO_ROOT / "workflow" / "scripts") / name
+        if not script.is_file():
+            raise FileNotFoundError(f"cannot find the stage script {name} in {script.parent}")
+        return cls(rule=smk.rule, script=str(script.resolve()), input=files(smk.input), output=files(smk.output),
                    params=dict(smk.params.items()), config=dict(smk.config),
                    log=str(smk.log[0]) if len(smk.log) else None, gpus=int(smk.resources.get("gpu", 0)))
 
@@ -84,16 +89,6 @@ class Job:
     @classmethod
     def from_json(cls, d: dict) -> "Job":
         return cls(**{**d, **{k: Files(d[k]["paths"], d[k]["names"]) for k in ("input", "output")}})
-
-
-def _script_path(smk) -> str:
-    # Snakemake runs a copy named tmp<random>.<original name> from .snakemake/scripts.
-    copy = Path(sys.modules["__main__"].__file__).name
-    name = copy.split(".", 1)[1] if copy.startswith("tmp") and "." in copy else copy
-    path = Path(smk.scriptdir or REPO_ROOT / "workflow" / "scripts") / name
-    if not path.is_file():
-        raise FileNotFoundError(f"cannot find the stage script {name} in {path.parent}")
-    return str(path.resolve())
 
 
 def exec_python(args: list[str], env: dict[str, str]) -> None:
@@ -200,7 +195,7 @@ def run(main, snakemake=None) -> None:
         job = Job.from_json(json.loads(Path(ap.parse_args().job).read_text()))
         prepare_process()
         return main(job)
-    job, failed = Job.from_snakemake(snakemake, _script_path(snakemake)), False
+    job, failed = Job.from_snakemake(snakemake), False
     with log_to(job.log):
         try:
             pin_gpu(job)
