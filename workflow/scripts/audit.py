@@ -35,11 +35,6 @@ def run_checks(settings: dict, step_grids: dict | None = None) -> list[dict]:
     return checks
 
 
-def context(c: dict) -> str:
-    keys = [k for k in c if k not in ("check", "error", "tolerance", "passed", "dtype", "device")]
-    return ", ".join(f"{k}={c[k]}" for k in keys)
-
-
 def _fmt(v) -> str:
     return f"{v:.3e}" if isinstance(v, float) else "" if v is None else str(v)
 
@@ -47,20 +42,17 @@ def _fmt(v) -> str:
 def markdown(doc: dict) -> str:
     checks = doc["checks"]
     passed = sum(c["passed"] for c in checks)
-    lines = [
-        f"# Correctness audit ({doc['profile']})",
-        "",
-        f"{passed} of {len(checks)} checks passed on {doc['device_name']} "
-        f"(commit {doc['commit']['sha'][:12]}{' dirty' if doc['commit']['dirty'] else ''}, "
-        f"torch {doc['versions'].get('torch')}, triton {doc['versions'].get('triton')}).",
-        "Errors are maximum relative errors against the reference named in each check; "
-        "a check passes when its error is at most its tolerance.",
-        "",
-        "| check | dtype | error | tolerance | passed | context |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = [f"# Correctness audit ({doc['profile']})", "",
+             f"{passed} of {len(checks)} checks passed on {doc['device_name']} "
+             f"(commit {doc['commit']['sha'][:12]}{' dirty' if doc['commit']['dirty'] else ''}, "
+             f"torch {doc['versions'].get('torch')}, triton {doc['versions'].get('triton')}).",
+             "Errors are maximum relative errors against the reference named in each check; "
+             "a check passes when its error is at most its tolerance.", "",
+             "| check | dtype | error | tolerance | passed | context |", "|---|---|---|---|---|---|"]
+    shown = ("check", "error", "tolerance", "passed", "dtype", "device")  # context: the check's other keys
     lines += [f"| {c['check']} | {c.get('dtype', '')} | {_fmt(c.get('error'))} | {_fmt(c.get('tolerance'))} | "
-              f"{'yes' if c['passed'] else '**NO**'} | {context(c)} |" for c in checks]
+              f"{'yes' if c['passed'] else '**NO**'} | "
+              + ", ".join(f"{k}={v}" for k, v in c.items() if k not in shown) + " |" for c in checks]
     return "\n".join(lines) + "\n"
 
 
