@@ -137,20 +137,18 @@ def host_launch(device: str, reps: int) -> dict | None:
     x = torch.zeros(1, device=device)
     calls = {"triton_launcher": lambda: _touch[(1,)](x), "triton_jit": lambda: _touch.fn[(1,)](x),
              "torch_add": lambda: x.add_(1)}
-    out = {}
 
-    def host(name, fn):
+    def host(fn):
         run_for(fn, torch.device(device), EAGER_WARM_MS)
         t = time_fn(fn, reps=reps, warmup=0, device=device)
-        out[name] = {"host_median_us": statistics.median(t["host_ms"]) * 1e3, "eager_median_us": t["median_ms"] * 1e3,
-                     "host_samples_ms": t["host_ms"]}
+        return {"host_median_us": statistics.median(t["host_ms"]) * 1e3, "eager_median_us": t["median_ms"] * 1e3,
+                "host_samples_ms": t["host_ms"]}
 
-    for name, fn in calls.items():
-        host(name, fn)
+    out = {name: host(fn) for name, fn in calls.items()}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
         calls["triton_launcher"]()
         torch.cuda.synchronize()
-    host("triton_launcher_after_profiler", calls["triton_launcher"])
+    out["triton_launcher_after_profiler"] = host(calls["triton_launcher"])
     return {"calls": out, "teardown_cupti": os.environ.get("TEARDOWN_CUPTI")}
 
 
