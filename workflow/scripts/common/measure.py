@@ -274,8 +274,7 @@ class Clocks:
                 "throttled": bool(slow or after["sm_mhz"] < 0.95 * before["sm_mhz"]),
                 # compute processes on this GPU (this one included) and the host's 1-minute load
                 # average over its CPUs: a neighbour on either moves the clocks
-                "gpu_processes_max": max(procs) if procs else None,
-                "shared_gpu": bool(procs) and max(procs) > 1,
+                "gpu_processes_max": max(procs) if procs else None, "shared_gpu": bool(procs) and max(procs) > 1,
                 "host_load1_max": max(before.get("load1") or 0.0, after.get("load1") or 0.0), "host_cpus": cpus}
 
 
@@ -458,8 +457,7 @@ def logical_counts(fn: Callable[[], object], device=None) -> dict:
             "top_kernels": dict(sorted(lc.get("by_name", {}).items(), key=lambda kv: -kv[1])[:40]),
             "top_kernels_by_time": [{"name": n, "us": round(us, 2), "calls": lc["by_name"][n],
                                      "share": round(us / lc["device_us"], 4) if lc["device_us"] else None}
-                                    for n, us in by_time],
-            "profiler_error": lc.get("error")}
+                                    for n, us in by_time], "profiler_error": lc.get("error")}
 
 
 def tensor_bytes(obj, depth: int = 0, seen: set | None = None) -> int:
