@@ -55,8 +55,7 @@ def main(job):
     entries[MANIFEST] = (atomic.dumps(manifest) + "\n").encode()
     mtime = int(os.environ.get("SOURCE_DATE_EPOCH") or facts.commit_time())
     atomic.write_bytes(artifact, build(entries, artifact.name.removesuffix(".tar.gz"), mtime))
-    problems = verify(artifact)
-    if problems:
+    if problems := verify(artifact):
         artifact.unlink()
         raise RuntimeError(f"the artifact just written does not verify: {problems}")
     print(f"archive: {artifact} ({len(entries)} files, {artifact.stat().st_size} bytes) verifies")

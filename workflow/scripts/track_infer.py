@@ -139,11 +139,10 @@ def main(job):
             finally:
                 del engine
                 measure.release(device)
-            return {f"{prefix}-N{n}": per[n] for n in lengths}
+            return {c: per[n] for c, n in zip(ids, lengths)}
 
-        return runner.run_group(ids, body, {f"{prefix}-N{n}": {**base(mixer, B, prompt), "order": order,
-                                                               "generated_tokens": n, "role": role,
-                                                               "sequence": list(seq), **extra} for n in lengths})
+        fields = {**base(mixer, B, prompt), "order": order, "role": role, "sequence": list(seq), **extra}
+        return runner.run_group(ids, body, {c: {**fields, "generated_tokens": n} for c, n in zip(ids, lengths)})
 
     lat = settings["latency"]
     for prompt in lat["prompts"]:
@@ -151,16 +150,14 @@ def main(job):
             group(f"infer-latency-{preset}-P{prompt}-B{lat['batch']}-{mixer}-{order}", mixer, lat["batch"],
                   prompt, sorted(lat["lengths"]), lat.get("reps", 1), order, seq, "latency")
 
-    pre = settings.get("prefill")
-    if pre:
+    if pre := settings.get("prefill"):
         env = job.load("environment")
         for order, seq, mixer in measure.orders(mixers):
             cid = f"infer-prefill-{preset}-P{pre['prompt']}-B{pre['batch']}-{mixer}-{order}"
             runner.run(cid, lambda mixer=mixer: prefill_fields(model(mixer), pre, settings, env, auto.table, device),
                        **base(mixer, pre["batch"], pre["prompt"]), order=order, role="prefill", sequence=list(seq))
 
-    thr = settings.get("throughput") or {}
-    if thr:
+    if thr := settings.get("throughput"):
         probe, grid = {}, {}
         for order, seq, mixer in measure.orders(mixers):
             def probe_at(B, mixer=mixer, order=order, seq=seq):

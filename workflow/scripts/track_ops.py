@@ -164,8 +164,7 @@ def plan(s: dict, device):
             out += [partial(layer_case, preset, c.lru_width, c.gate_blocks, mode, s, device, dtype)
                     if op == "rglru_layer" else partial(op_case, op, preset, c.lru_width, mode, s, device, dtype)
                     for op in s["ops"]]
-    dec = s.get("decode") or {}
-    if dec:
+    if dec := s.get("decode"):
         c = HawkConfig.preset(dec["preset"])
         out += [partial(step_case, op, B, c.lru_width, c.gate_blocks, {**s, **dec}, device, dtype)
                 for op in dec["ops"] for B in dec["batches"]]

@@ -47,8 +47,7 @@ def verify(path: str | Path) -> list[str]:
     if not isinstance(listed, dict) or not listed:
         return problems + ["the manifest lists no files"]
     for name in sorted(listed):
-        data = present.get(name)
-        if data is None:
+        if (data := present.get(name)) is None:
             problems.append(f"missing: {name}")
         elif len(data) != listed[name]["bytes"] or sha256(data) != listed[name]["sha256"]:
             problems.append(f"content differs from the manifest: {name}")
