@@ -15,6 +15,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from torch.profiler import ProfilerActivity, profile
 
 from common import atomic, facts, records, stage
 from common.measure import EAGER_WARM_MS, ncu_path, number, run_for, time_fn
@@ -132,8 +133,6 @@ def host_launch(device: str, reps: int) -> dict | None:
     PyTorch op, and the first again after one torch.profiler session. None off CUDA."""
     if device != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
-
     x = torch.zeros(1, device=device)
     calls = {"triton_launcher": lambda: _touch[(1,)](x), "triton_jit": lambda: _touch.fn[(1,)](x),
              "torch_add": lambda: x.add_(1)}

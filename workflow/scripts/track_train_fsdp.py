@@ -79,7 +79,6 @@ def figures(per_rank: list[dict], item: dict, matmul_rate: float | None, peak_ra
 def worker(job_file: str) -> None:
     stage.prepare_process()
     job = stage.Job.from_json(json.loads(Path(job_file).read_text()))
-    work = Path(job_file).parent
     rank, world, device = fsdp.init_process_group()
     settings = job.params["settings"]
     if world != settings["world_size"]:
@@ -117,7 +116,7 @@ def worker(job_file: str) -> None:
             raise RuntimeError("; ".join(failed))
         return figures([o.value for o in everyone], item, matmul_rate, peak_rate)
 
-    skipped, marker = [], work / "current.json"
+    skipped, marker = [], Path(job_file).with_name("current.json")
     for item in items:
         cid = item["config_id"]
         go = [cid not in runner.done and not exhausted() if rank == 0 else None]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from torch import profiler
 
 from kernels.ops import accounting
 
@@ -304,8 +305,7 @@ def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 1
         _sync(dev)
     rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [{"function": f"{Path(f).name}:{line}({name})" if line else name, "calls": nc / calls,
-             "own_us": tt / calls * 1e6, "cum_us": ct / calls * 1e6}
-            for (f, line, name), (_, nc, tt, ct, _) in rows]
+             "own_us": tt / calls * 1e6, "cum_us": ct / calls * 1e6} for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
 # Calls of a short configuration each started on an idle device (host_waits)
@@ -429,10 +429,8 @@ def logical_counts(fn: Callable[[], object], device=None) -> dict:
     """One call of fn under the launchers' accounting and, on a GPU, torch.profiler."""
     dev, lc, prof = device_of(device), {}, None
     if dev.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
         try:
-            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof = profiler.profile(activities=[profiler.ProfilerActivity.CPU, profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         except Exception as exc:  # noqa: BLE001 - the profiler's failure is recorded
             prof, lc["error"] = None, f"{type(exc).__name__}: {exc}"

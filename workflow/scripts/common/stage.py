@@ -15,7 +15,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import atomic, devices
+from . import atomic, devices, profile
 from .facts import REPO_ROOT
 
 IN_CONTAINER = "KERNELS_PIPELINE_IN_CONTAINER"
@@ -155,9 +155,7 @@ def pin_gpu(job: Job) -> None:
     """Give a GPU stage its devices (common/devices.py), log which, and restart with them visible."""
     if job.gpus < 1:
         return
-    from .profile import gpu_names
-
-    claimed = devices.claim_gpus(REPO_ROOT / "results" / ".tmp" / "gpus", len(gpu_names()), job.gpus)
+    claimed = devices.claim_gpus(REPO_ROOT / "results" / ".tmp" / "gpus", len(profile.gpu_names()), job.gpus)
     if claimed is not None:
         env = devices.visible_env(claimed)
         print(f"[stage] {job.rule} runs on GPU {env['CUDA_VISIBLE_DEVICES']!r} (CUDA_VISIBLE_DEVICES, claimed)",
@@ -169,8 +167,6 @@ def pin_gpu(job: Job) -> None:
 
 
 def _run_in_docker(job: Job) -> None:
-    from .profile import gpu_names
-
     container = job.config["container"]
     text = atomic.dumps(job.to_json())
     results = REPO_ROOT / "results"
@@ -182,7 +178,7 @@ def _run_in_docker(job: Job) -> None:
     status = docker_runner().run(container["image"], ["python", job.script, "--job", str(job_file)], repo=REPO_ROOT,
                                  results=results, env=env,
                                  gpus=visible.split(",") if (visible := os.environ.get("CUDA_VISIBLE_DEVICES"))
-                                 else bool(gpu_names()))
+                                 else bool(profile.gpu_names()))
     job_file.unlink(missing_ok=True)
     if status != 0:
         raise RuntimeError(f"stage {job.rule} exited with status {status} inside {container['image']}")
