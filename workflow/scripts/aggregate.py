@@ -190,9 +190,9 @@ def _cell(v, fmt: str = "{:.4g}") -> str:
     return MISSING if v is None or (isinstance(v, float) and v != v) else fmt.format(v)
 
 
-def _pair(g, col: str, fmt: str = "{:.4g}") -> str:
+def _pair(g, col: str) -> str:
     """"AB / BA" figures of one configuration (the orders it has)."""
-    vals = [_cell(g[g["order"] == o][col].iloc[0] if col in g else None, fmt) for o in ("AB", "BA")
+    vals = [_cell(g[g["order"] == o][col].iloc[0] if col in g else None) for o in ("AB", "BA")
             if not g[g["order"] == o].empty]
     return " / ".join(vals) or MISSING
 
@@ -402,7 +402,7 @@ def probe_section(env: dict) -> str:
               f"{m.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s (bytes read + written), "
               f"BF16 {m.get('matmul_bf16', {}).get('n')}^3 matrix product "
               f"{m.get('matmul_bf16_flop_per_s', 0) / 1e12:.3g} TFLOP/s",
-              *([f"- host time of the smallest launches (median, after 30 ms back to back): "
+              *(["- host time of the smallest launches (median, after 30 ms back to back): "
                  + ", ".join(f"{k} {v['host_median_us']:.1f} us" for k, v in m["host_launch"]["calls"].items())
                  + f" (TEARDOWN_CUPTI={m['host_launch'].get('teardown_cupti')}; the floor under an op's eager "
                  "host time: its launches times the first)"]
@@ -430,14 +430,13 @@ def timed_implementations(recs: list[dict], table: dict) -> dict[str, set[int | 
 
 def linear_tiles(table: dict) -> str:
     """What the table holds for the decode step's weight-streaming linears."""
-    lin = table.get("decode_linears") or []
     if table.get("decode_linears_error"):
         return f" Decode linears not tuned (the built-in tiles ran): {table['decode_linears_error'][:300]}."
-    if not lin:
+    if not (lin := table.get("decode_linears")):
         return ""
     changed = [f"{e['role']} {json.dumps(e['config'], sort_keys=True)}" for e in lin if e["config"]]
     return (f" Decode linears tuned at {', '.join(sorted({str(e['rows']) for e in lin}))} rows, each tile choice "
-            f"gated against the built-in tiles' first engine step (tokens equal, states within the tolerance): "
+            "gated against the built-in tiles' first engine step (tokens equal, states within the tolerance): "
             + ("; ".join(changed) if changed else "the built-in tiles stayed for every role") + ".")
 
 
