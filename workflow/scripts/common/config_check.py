@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from jsonschema import Draft202012Validator
 
 MAX_MESSAGE = 300
 
@@ -31,8 +32,6 @@ def typed_overrides(overrides: dict) -> dict:
 
 def validate(config: dict, schema_path: str | Path) -> None:
     """Raise ValueError with one line per schema violation (Snakemake's own message prints the config)."""
-    from jsonschema import Draft202012Validator
-
     validator = Draft202012Validator(yaml.safe_load(Path(schema_path).read_text()))
     errors = [f"{'.'.join(map(str, e.absolute_path)) or '(top level)'}: {e.message[:MAX_MESSAGE]}"
               f"{' ...' if len(e.message) > MAX_MESSAGE else ''}"
