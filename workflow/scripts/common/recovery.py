@@ -45,14 +45,10 @@ NON_EXECUTING = ("--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--f
 
 def executes(argv: list[str]) -> bool:
     """Whether a snakemake command line runs jobs as the controller, whose business leftovers are."""
-    if job_mode(argv):
-        return False
-    for a in argv[1:]:
-        if a in ("-n", "-l") or a.split("=", 1)[0] in NON_EXECUTING or a.startswith("--list"):
-            return False
-        if a.startswith("-") and not a.startswith("--") and a[1:].isalpha() and "n" in a[1:]:
-            return False
-    return True
+    return not job_mode(argv) and not any(
+        a in ("-n", "-l") or a.split("=", 1)[0] in NON_EXECUTING or a.startswith("--list")
+        or (a.startswith("-") and not a.startswith("--") and a[1:].isalpha() and "n" in a[1:])  # -n bundled: -np
+        for a in argv[1:])
 
 
 def incomplete_outputs(workdir: Path) -> dict[Path, Path]:
