@@ -187,8 +187,7 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
     if not lin:
         return []
     dt_name = lin.get("dtype", "bfloat16")
-    B, steps, n_traj = lin["batch"], lin["steps"], lin["trajectories"]
-    tol = settings["check_tolerance"][dt_name]
+    B, steps, n_traj, tol = lin["batch"], lin["steps"], lin["trajectories"], settings["check_tolerance"][dt_name]
     torch.manual_seed(0)
     cfg = HawkConfig.preset(lin["preset"], mixer="rglru", **({"vocab_size": lin["vocab"]} if "vocab" in lin else {}))
     model = HawkLM(cfg, device=device, dtype=getattr(torch, dt_name)).eval().requires_grad_(False)

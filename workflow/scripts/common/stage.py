@@ -64,8 +64,7 @@ class Job:
 
     @property
     def lock_clocks(self) -> bool:
-        probe = self.config.get("profiles", {}).get(self.profile, {}).get("probe", {})
-        return bool(probe.get("lock_clocks", False))
+        return bool(self.config.get("profiles", {}).get(self.profile, {}).get("probe", {}).get("lock_clocks", False))
 
     @classmethod
     def from_snakemake(cls, smk) -> "Job":
