@@ -519,19 +519,25 @@ def test_tune_times_samu_steps_with_the_engines_mode_table(tmp_path, monkeypatch
                                                                        torch.device("cpu"))[0][5:7], torch.float32))
 
 
-def test_tune_decode_steps_walk_distinct_layers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("walks", [1, 2])
+def test_tune_decode_steps_walk_distinct_layers(tmp_path, monkeypatch, walks):
     """A timed decode step walks `layers` layers, each with its own weights and state, as
-    the model's step does (so states are not cache-warm); the entry says how many."""
+    the model's step does; successive steps take their layers from a pool of at least twice
+    the L2 cache (here made one RG-LRU walk's size, so two walks), so no visit finds them cached.
+    The entry says how many layers a step walks and how many the pool holds."""
     seen = []
     # (the state, the first weight) of every call: args are (x, *weights, state, reset)
     _spy_fused_step(monkeypatch, "rglru", lambda args, kw: seen.append((args[-2].data_ptr(), args[1].data_ptr())))
     dec = {**CPU["tune"]["decode"], "backends": ["fused"], "layers": 3}
+    walk = 3 * measure.tensor_bytes(cases.step_inputs("rglru", dec["batches"][0], dec["D"], dec["heads"],
+                                                      torch.float32, torch.device("cpu")))
+    monkeypatch.setattr(tune, "l2_bytes", lambda device: 0 if walks == 1 else walk)
     s = tune_settings(decode=dec)
     runner = measure.Runner.for_job(make_job(tmp_path, "tune", "tune", s, {}), "tune", s, torch.device("cpu"))
     entries = tune.tune_decode(runner, s, torch.device("cpu"))
     assert {e["layers"] for e in entries} == {3}
-    weights = {w for _, w in seen}
-    assert len(weights) == 3 and len({st for st, _ in seen}) > 3
+    assert [e["layer_pool"] for e in entries if e["op"] == "rglru_step"] == [3 * walks]
+    assert len({w for _, w in seen}) == 3 * walks and len({st for st, _ in seen}) > 3 * walks
 
 
 def test_tune_picks_decode_linear_tiles_role_by_role_behind_a_gate(tmp_path, monkeypatch):

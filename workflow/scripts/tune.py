@@ -3,6 +3,8 @@ and shape every exact candidate is checked and probed, the fastest re-measured o
 decode steps per batch size and the decode linears role by role likewise, as trajectories."""
 
 import fnmatch
+import itertools
+import math
 import statistics
 
 import torch
@@ -120,10 +122,17 @@ def decode_trajectories(step, x0, n_steps: int, count: int, device, graph: bool)
             for _ in range(count)]
 
 
+def l2_bytes(device) -> int:
+    """The device's L2 cache in bytes (0 off CUDA)."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+
+
 def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
     """Every decode step candidate per batch size, gated on 4 steps against the reference, timed as
-    trajectories whose steps walk `layers` distinct layers as the model's step does: a layer's
-    state then comes from DRAM, not from the cache one repeated layer would keep warm."""
+    trajectories whose steps walk `layers` distinct layers as the model's step does. Successive
+    steps take their layers from a pool of at least twice the L2 cache, so every visit finds a
+    layer's weights, mode table and state evicted, as in the model (where its other weights
+    stream between two visits of a layer), not in the cache that one walk would keep warm."""
     dec = settings.get("decode") or {}
     if not dec:
         return []
@@ -131,22 +140,26 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
     dtype, tol = getattr(torch, dt_name), settings["check_tolerance"][dt_name]
     D, heads, n_steps, n_traj, L = dec["D"], dec["heads"], dec["steps"], dec["trajectories"], dec.get("layers", 1)
     graph = dec.get("cuda_graphs", True) and device.type == "cuda"
+    l2 = l2_bytes(device)
     entries = []
     for op in STEP_OPS:
         fns = kernels.step_backends(op)
         for B in dec["batches"]:
             layers = [step_inputs(op, B, D, heads, dtype, device, seed=i) for i in range(L)]
             x0 = layers[0][0][0]
+            walks = min(n_steps, math.ceil(2 * l2 / (L * measure.tensor_bytes(layers[0])))) if l2 else 1
+            layers += [step_inputs(op, B, D, heads, dtype, device, seed=i) for i in range(L, L * walks)]
             # SAMU's steps read the mode table the generation engine computes once per batch
             tables = [{"modes": kernels.ops.samu_mode_table(a[5], a[6], dtype)} if op == "samu" and len(fns) > 1
                       else {} for a, _ in layers]
 
-            def make_step(name, opts, n_layers=L):
+            def make_step(name, opts, n_layers=None):
                 walk = [(a[1:], s.clone(), {**opts, **(t if name != "reference" else {})})
                         for (a, s), t in zip(layers[:n_layers], tables)]
+                turns = itertools.cycle([walk[i:i + L] for i in range(0, len(walk), L)])
 
                 def step(x):
-                    for params, state, kw in walk:
+                    for params, state, kw in next(turns):
                         x = fns[name](x, *params, state, None, **kw)
                     return x
                 return step
@@ -157,7 +170,7 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
                     step(x0)
                 traj = decode_trajectories(make_step(name, opts), x0, n_steps, n_traj, device, graph)
                 return {"samples_ms": traj, "stats": measure.summarize(traj), "steps_per_trajectory": n_steps,
-                        "layers_per_step": L, "cuda_graph": graph}
+                        "layers_per_step": L, "layer_pool": len(layers), "cuda_graph": graph}
 
             def probe(name, opts):
                 ref, got = make_step("reference", {}, 1), make_step(name, opts, 1)
@@ -175,6 +188,7 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
                           "dtype": dt_name})
             if got is not None:
                 entries.append({"op": f"{op}_step", "dtype": dt_name, "B": B, "D": D, "steps": n_steps, "layers": L,
+                                "layer_pool": len(layers),
                                 "probe_median_trajectory_ms": statistics.median(got.pop("best")["samples_ms"]), **got})
     return entries
 
