@@ -160,3 +160,46 @@ def test_serial_launch_plans_are_kept_per_shape_and_configuration(stubbed, monke
         rglru_serial._PLANS[key] = ({}, *rglru_serial._PLANS[key][1:])    # another object under cfg's id
         rglru_serial.forward(x, x, ga, None, None, None, False, False, True, cfg)
         assert len(made) == 4
+
+
+@torch.no_grad()
+def test_checks_run_once_per_signature_and_every_changed_argument_is_checked_again(monkeypatch):
+    """kernels.ops keeps each checked call signature: a repeat skips the checks, while a
+    call differing in any argument's shape, dtype, device or type, the backend or the
+    chunk size is checked afresh (and a bad one raises after good ones)."""
+    calls = []
+    real = kernels.ops.check_tensor
+    monkeypatch.setattr(kernels.ops, "check_tensor", lambda name, *a, **k: calls.append(name) or real(name, *a, **k))
+    x, w, b, ap = _step_args()
+    state = torch.zeros(x.shape)
+    step = lambda **kw: kernels.rglru_step(*{"x": x, "w": w, "b": b, "wa": w, "ba": b, "ap": ap, "state": state,
+                                            **kw}.values(), backend="reference")
+    step()
+    n = len(calls)
+    assert n >= 7
+    step()
+    assert len(calls) == n                      # the repeat: no check
+    bad = {"state": torch.zeros(x.shape, dtype=torch.float64), "ap": torch.zeros(x.shape[1] + 1),
+           "b": torch.zeros(b.shape, dtype=torch.int32), "x": torch.zeros(x.shape[0], x.shape[1] + 1),
+           "wa": w.to("meta")}
+    for name, value in bad.items():
+        with pytest.raises(ValueError):
+            step(**{name: value})
+        with pytest.raises(ValueError):         # not remembered as checked
+            step(**{name: value})
+    seq = _seq()
+    kernels.scan(seq[0].sigmoid(), seq[1], backend="reference")
+    for chunk_size in (8.0, True, 12):
+        with pytest.raises(ValueError, match="chunk_size"):
+            kernels.scan(seq[0].sigmoid(), seq[1], backend="serial", chunk_size=chunk_size)
+    kernels.scan(seq[0].sigmoid(), seq[1], backend="reference", initial_state=torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="initial_state"):
+        kernels.scan(seq[0].sigmoid(), seq[1], backend="reference", initial_state=torch.zeros(2, 65))
+    M = x.shape[1] // 2
+    args = (x, torch.zeros(x.shape[1] + 1), torch.zeros(x.shape[1] + 1), 0.5, 0.5, torch.zeros(M), torch.zeros(M))
+    sstate = torch.zeros(x.shape[0], M, dtype=torch.complex64)
+    kernels.samu_step(*args, sstate, backend="reference")
+    with pytest.raises(ValueError, match="phase_amp"):
+        kernels.samu_step(x, *args[1:3], True, *args[4:], sstate, backend="reference")
+    with pytest.raises(ValueError, match="backend"):
+        kernels.samu_step(*args, sstate, backend="nonesuch")

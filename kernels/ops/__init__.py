@@ -152,20 +152,54 @@ def step_has_backward(op: str, backend, device) -> bool:
     return b.name == "reference"
 
 
-def _sequence(op, x, names: tuple, args: tuple, state_width, state_dt, segment_pos, initial_state, output_final_state,
-              backend, chunk_size, cu_seqlens):
-    """The sequence ops' checks of devices, positions and the initial state, then the call."""
-    check_same_device(names, (*args, segment_pos, cu_seqlens, initial_state))
-    B, T, _ = x.shape
-    if cu_seqlens is not None:
-        if segment_pos is not None:
+# Checked call signatures -> the backend callable. An op's checks and its backend choice read
+# only the backend (and the table "auto" reads), the chunk size, and per argument a tensor's
+# shape, dtype and device or another value's type, so a call repeating a signature skips them.
+_CHECKED: dict = {}
+
+
+def _checked(op: str, backend, chunk_size, values: tuple, check):
+    """check() (the op's checks, returning the backend callable) once per signature of `values`."""
+    b = Backend.of(backend)
+    try:
+        key = (op, b, tuning.env_table() if b.name == "auto" and b.table is None else None, chunk_size,
+               chunk_size.__class__,
+               *[(v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else v.__class__ for v in values])
+        fn = _CHECKED.get(key)
+    except TypeError:              # an unhashable value: check() names it
+        return check()
+    if fn is None:
+        fn = check()
+        if len(_CHECKED) >= 4096:
+            _CHECKED.clear()
+        _CHECKED[key] = fn
+    return fn
+
+
+def _sequence(op, x, args: tuple, check, segment_pos, initial_state, output_final_state, backend, chunk_size,
+              cu_seqlens):
+    """Call a sequence op: check() validates `args` (x among them); then the positions, the
+    initial state and the devices are checked, once per signature (every call with cu_seqlens,
+    whose values are checked)."""
+
+    def checks():
+        check()
+        B, T = x.shape[:2]
+        check_same_device(_NAMES[op], (*args, segment_pos, cu_seqlens, initial_state))
+        if cu_seqlens is not None and segment_pos is not None:
             raise ValueError("expected at most one of segment_pos and cu_seqlens, got both")
-        segment_pos = cu_seqlens_to_segment_pos(cu_seqlens, B, T, device=x.device)
-    else:
         check_segment_pos(segment_pos, B, T)
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, shape=(B, state_width), dtypes=(state_dt,))
-    return _choose(op, backend, x, chunk_size)[2](*args, segment_pos, initial_state, output_final_state)
+        if initial_state is not None:
+            width, dt = _STATE[op](x)
+            check_tensor("initial_state", initial_state, shape=(B, width), dtypes=(dt,))
+        return _choose(op, backend, x, chunk_size)[2]
+
+    if cu_seqlens is None:
+        fn = _checked(op, backend, chunk_size, (*args, segment_pos, initial_state), checks)
+    else:
+        fn = checks()
+        segment_pos = cu_seqlens_to_segment_pos(cu_seqlens, *x.shape[:2], device=x.device)
+    return fn(*args, segment_pos, initial_state, output_final_state)
 
 
 # the arguments check_same_device names: each op's, then those _sequence / _step add
@@ -175,6 +209,11 @@ _NAMES = {"rglru": ("x", "gate_x", "gate_a", "a_param", *_POSITIONS), "samu": (*
           "scan": ("a", "b", *_POSITIONS),
           "rglru_step": ("x", "gate_x_w", "gate_x_b", "gate_a_w", "gate_a_b", "a_param", "state", "reset"),
           "samu_step": (*_SAMU_ARGS, "state", "reset", "modes")}
+# each op's state: (width, dtype) for its x (b for the scan)
+_STATE = {"rglru": lambda x: (x.shape[-1], state_dtype(x.dtype)),
+          "samu": lambda x: (x.shape[-1] // 2, state_dtype(x.dtype, complex_state=True)),
+          "scan": lambda b: (b.shape[-1], b.dtype if b.is_complex() else state_dtype(b.dtype))}
+_STATE.update(rglru_step=_STATE["rglru"], samu_step=_STATE["samu"])
 
 
 def rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, output_final_state=False,
@@ -182,17 +221,20 @@ def rglru(x, gate_x, gate_a, a_param, segment_pos=None, initial_state=None, outp
     """RG-LRU from gate logits. x, gate_x, gate_a: [B, T, D]; a_param: [D]; segment_pos:
     [B, T] integer (0 = document start) or cu_seqlens [N+1] with B = 1; initial_state:
     [B, D] FP32 (float64 for float64 x). Returns (y, h or None)."""
-    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
-    B, T, D = x.shape
-    check_tensor("gate_x", gate_x, shape=(B, T, D), dtypes=(x.dtype,))
-    check_tensor("gate_a", gate_a, shape=(B, T, D), dtypes=(x.dtype,))
-    check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
-    return _sequence("rglru", x, _NAMES["rglru"], (x, gate_x, gate_a, a_param), D, state_dtype(x.dtype), segment_pos,
-                     initial_state, output_final_state, backend, chunk_size, cu_seqlens)
+
+    def check():
+        check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+        B, T, D = x.shape
+        check_tensor("gate_x", gate_x, shape=(B, T, D), dtypes=(x.dtype,))
+        check_tensor("gate_a", gate_a, shape=(B, T, D), dtypes=(x.dtype,))
+        check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
+
+    return _sequence("rglru", x, (x, gate_x, gate_a, a_param), check, segment_pos, initial_state, output_final_state,
+                     backend, chunk_size, cu_seqlens)
 
 
-def _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log) -> tuple:
-    """SAMU's input and parameters, checked against x [..., D] with D = 2M even."""
+def _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log) -> None:
+    """SAMU's input and parameters checked against x [..., D] with D = 2M even."""
     D = x.shape[-1]
     if D % 2 or D == 0:
         raise ValueError(f"expected x of shape [{'B, T' if x.dim() == 3 else 'B'}, D] with D even (and > 0) for "
@@ -203,7 +245,6 @@ def _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_lo
     check_scalar("radial_amp", radial_amp)
     check_tensor("nu_log", nu_log, shape=(D // 2,), dtypes=FLOAT_DTYPES)
     check_tensor("theta_log", theta_log, shape=(D // 2,), dtypes=FLOAT_DTYPES)
-    return x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
 
 
 def samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, segment_pos=None,
@@ -212,10 +253,14 @@ def samu(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, seg
     radial_amp: floats or one-element tensors; nu_log, theta_log: [M]; segment_pos /
     cu_seqlens as for `rglru`; initial_state: [B, M] complex64 (complex128 for float64
     x). Returns (y [B, T, D], h or None)."""
-    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
-    args = _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log)
-    return _sequence("samu", x, _NAMES["samu"], args, x.shape[2] // 2, state_dtype(x.dtype, complex_state=True),
-                     segment_pos, initial_state, output_final_state, backend, chunk_size, cu_seqlens)
+    args = (x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log)
+
+    def check():
+        check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+        _samu_args(*args)
+
+    return _sequence("samu", x, args, check, segment_pos, initial_state, output_final_state, backend, chunk_size,
+                     cu_seqlens)
 
 
 def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
@@ -223,40 +268,50 @@ def scan(a, b, segment_pos=None, initial_state=None, output_final_state=False,
     """h_t = a_t h_{t-1} + b_t (a_t = 0 at resets). a, b: [B, T, D], both real or both
     complex (a taken in b's dtype); initial_state: [B, D] in the state dtype.
     Returns (y in b's dtype, h or None)."""
-    check_tensor("b", b, ndim=3, dtypes=FLOAT_DTYPES + COMPLEX_DTYPES)
-    check_tensor("a", a, shape=b.shape, dtypes=COMPLEX_DTYPES if b.is_complex() else FLOAT_DTYPES)
-    sd = b.dtype if b.is_complex() else state_dtype(b.dtype)
-    return _sequence("scan", b, _NAMES["scan"], (a, b), b.shape[2], sd, segment_pos, initial_state, output_final_state,
-                     backend, chunk_size, cu_seqlens)
+
+    def check():
+        check_tensor("b", b, ndim=3, dtypes=FLOAT_DTYPES + COMPLEX_DTYPES)
+        check_tensor("a", a, shape=b.shape, dtypes=COMPLEX_DTYPES if b.is_complex() else FLOAT_DTYPES)
+
+    return _sequence("scan", b, (a, b), check, segment_pos, initial_state, output_final_state, backend, chunk_size,
+                     cu_seqlens)
 
 
-def _step(op, args: tuple, state, state_width, state_dt, reset, backend, **kw):
-    """The decode steps' checks of the state, reset and devices, then the call (x first)."""
-    x = args[0]
-    B = x.shape[0]
-    check_tensor("state", state, shape=(B, state_width), dtypes=(state_dt,))
-    if reset is not None:
-        check_tensor("reset", reset, shape=(B,), dtypes=(torch.bool,))
-    check_same_device(_NAMES[op], (*args, state, reset, *kw.values()))
-    return _choose(op, backend, x)[2](*args, state, reset, **kw)
+def _step(op, args: tuple, check, state, reset, backend, **kw):
+    """Call a decode step: check() validates `args` (x first), then the state, reset and
+    devices are checked, once per signature."""
+
+    def checks():
+        check()
+        x = args[0]
+        width, dt = _STATE[op](x)
+        check_tensor("state", state, shape=(x.shape[0], width), dtypes=(dt,))
+        if reset is not None:
+            check_tensor("reset", reset, shape=(x.shape[0],), dtypes=(torch.bool,))
+        check_same_device(_NAMES[op], (*args, state, reset, *kw.values()))
+        return _choose(op, backend, x)[2]
+
+    return _checked(op, backend, None, (*args, state, reset, *kw.values()), checks)(*args, state, reset, **kw)
 
 
 def rglru_step(x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param, state, reset=None, backend="auto"):
     """One RG-LRU decode step with both gate matvecs. x: [B, D]; gate_*_w: [H, D/H, D/H];
     gate_*_b: [H, D/H]; a_param: [D]; state: [B, D] FP32, updated in place; reset: [B] bool.
     Returns y [B, D]. The Triton step has no backward (inputs requiring grad: ValueError)."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    D = x.shape[1]
-    check_tensor("gate_x_w", gate_x_w, ndim=3, dtypes=FLOAT_DTYPES)
-    H, W = gate_x_w.shape[:2]
-    if H * W != D or gate_x_w.shape[2] != W:
-        raise ValueError(f"expected gate_x_w of shape [H, D/H, D/H] with D = {D}, got {shape_str(gate_x_w)}")
-    check_tensor("gate_a_w", gate_a_w, shape=(H, W, W), dtypes=FLOAT_DTYPES)
-    check_tensor("gate_x_b", gate_x_b, shape=(H, W), dtypes=FLOAT_DTYPES)
-    check_tensor("gate_a_b", gate_a_b, shape=(H, W), dtypes=FLOAT_DTYPES)
-    check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
-    return _step("rglru_step", (x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param), state, D, state_dtype(x.dtype),
-                 reset, backend)
+
+    def check():
+        check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+        D = x.shape[1]
+        check_tensor("gate_x_w", gate_x_w, ndim=3, dtypes=FLOAT_DTYPES)
+        H, W = gate_x_w.shape[:2]
+        if H * W != D or gate_x_w.shape[2] != W:
+            raise ValueError(f"expected gate_x_w of shape [H, D/H, D/H] with D = {D}, got {shape_str(gate_x_w)}")
+        check_tensor("gate_a_w", gate_a_w, shape=(H, W, W), dtypes=FLOAT_DTYPES)
+        check_tensor("gate_x_b", gate_x_b, shape=(H, W), dtypes=FLOAT_DTYPES)
+        check_tensor("gate_a_b", gate_a_b, shape=(H, W), dtypes=FLOAT_DTYPES)
+        check_tensor("a_param", a_param, shape=(D,), dtypes=FLOAT_DTYPES)
+
+    return _step("rglru_step", (x, gate_x_w, gate_x_b, gate_a_w, gate_a_b, a_param), check, state, reset, backend)
 
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, backend="auto",
@@ -264,12 +319,15 @@ def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log
     """One SAMU decode step. x: [B, D]; parameters as for `samu`; state: [B, M] complex64,
     updated in place; reset: [B] bool; modes: `samu_mode_table` of these very parameters,
     which the Triton steps read instead of recomputing it. No backward in the Triton steps."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    args = _samu_args(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log)
-    M = x.shape[1] // 2
-    if modes is not None:
-        check_tensor("modes", modes, shape=(MODE_CONSTS, M), dtypes=(state_dtype(x.dtype),))
-    return _step("samu_step", args, state, M, state_dtype(x.dtype, complex_state=True), reset, backend, modes=modes)
+    args = (x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log)
+
+    def check():
+        check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+        _samu_args(*args)
+        if modes is not None:
+            check_tensor("modes", modes, shape=(MODE_CONSTS, x.shape[1] // 2), dtypes=(state_dtype(x.dtype),))
+
+    return _step("samu_step", args, check, state, reset, backend, modes=modes)
 
 
 def samu_mode_table(nu_log, theta_log, dtype):

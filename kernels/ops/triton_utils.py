@@ -101,17 +101,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _arg_key(v):
-    # What Triton's specialisation reads of a runtime argument other than a tensor (an
-    # int's width class, == 1, divisibility by 16; a value's type): with the tensors' keys
-    # (in Launcher._launch) and constexprs by value, finer than Triton's own key.
-    if v.__class__ is int:
-        return int, v == 1, v & 15 == 0, -0x80000000 <= v < 0x80000000, 0 <= v < 1 << 63
-    if v.__class__ is float:
-        return float
-    return v.__class__, v
-
-
 def _raw_stream():
     device = torch._C._cuda_getDevice()
     return device, torch._C._cuda_getCurrentRawStream(device)
@@ -121,7 +110,7 @@ class Launcher:
     """A JIT kernel launched as `k[grid](*args, **kwargs)`, runtime arguments by position.
     The first call of an argument signature goes through Triton and keeps the compiled
     kernel under a key finer than Triton's (device; per argument a tensor's dtype, device
-    kind and 16-byte alignment, `_arg_key` of another value, a constexpr's value; the
+    kind and 16-byte alignment, an int's specialisation, a constexpr's value; the
     keywords). Later calls hand the C launcher the tensors' addresses, skipping tens of
     microseconds of Triton's binding. CPU tensors, runtime arguments by keyword, launch
     hooks and unhashable arguments take Triton's path every time."""
@@ -146,14 +135,31 @@ class Launcher:
     def _launch(self, grid, *args, **kwargs):
         if not self.runtime_names.isdisjoint(kwargs):
             return self.fn[grid](*args, **kwargs)
-        # a tensor's address (what the C launcher would ask it for), any other value as is
-        vals = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args]
+        # One pass gives the C launcher's values (a tensor's address, any other value as is) and
+        # the key, flat: a tensor adds its dtype, device kind and 16-byte alignment; an int
+        # (not constexpr) what Triton specialises on (== 1, divisibility by 16, whether it fits
+        # int32, int64 or only uint64); a float its type; any other value, and a constexpr, its type and value.
+        # Each entry's first item (a dtype, a bool, a type) tells its kind, so keys of
+        # different signatures never collide.
+        vals, key = [], [*kwargs.items(), *map(type, kwargs.values())]
+        val, add = vals.append, key.append
         try:
+            for v, c in zip(args, self.const):
+                if isinstance(v, torch.Tensor):
+                    p = v.data_ptr()
+                    val(p)
+                    add(v.dtype), add(v.is_cuda), add(p & 15 == 0)
+                    continue
+                val(v)
+                if c or (v.__class__ is not int and v.__class__ is not float):
+                    add(v.__class__), add(v)
+                elif v.__class__ is int:
+                    add(v == 1), add(v & 15 == 0), add(-0x80000000 <= v < 0x80000000), add(v < 1 << 63)
+                else:
+                    add(float)
             device, stream = _raw_stream()
-            key = (device, tuple(kwargs.items()), tuple(map(type, kwargs.values())),
-                   *[(v.__class__, v) if c else _arg_key(v) if p is v else (v.dtype, v.is_cuda, p & 15 == 0)
-                     for v, p, c in zip(args, vals, self.const)])
-            hit = self.cache.get(key)
+            add(device)
+            hit = self.cache.get(tuple(key))
         except TypeError:                  # an unhashable argument
             return self.fn[grid](*args, **kwargs)
         if hit is None or grid.__class__ is not tuple or _hooked():
@@ -166,7 +172,7 @@ class Launcher:
                 run = ck.run
                 # the C launch itself where the kernel needs no scratch the Python wrapper allocates
                 direct = not run.global_scratch_size and not run.profile_scratch_size
-                self.cache[key] = (ck, tail, run.launch if direct else None, run, ck.function, ck.packed_metadata,
+                self.cache[tuple(key)] = (ck, tail, run.launch if direct else None, run, ck.function, ck.packed_metadata,
                                    run.launch_cooperative_grid, run.launch_pdl)
             return ck
         ck, tail, launch, run, function, meta, coop, pdl = hit
