@@ -135,12 +135,12 @@ class Launcher:
     def _launch(self, grid, *args, **kwargs):
         if not self.runtime_names.isdisjoint(kwargs):
             return self.fn[grid](*args, **kwargs)
-        # One pass gives the C launcher's values (a tensor's address, any other value as is) and
-        # the key, flat: a tensor adds its dtype, device kind and 16-byte alignment; an int
-        # (not constexpr) what Triton specialises on (== 1, divisibility by 16, whether it fits
-        # int32, int64 or only uint64); a float its type; any other value, and a constexpr, its type and value.
-        # Each entry's first item (a dtype, a bool, a type) tells its kind, so keys of
-        # different signatures never collide.
+        # One pass gives the C launcher's values (a tensor's address, any other value as is)
+        # and the key, flat: a tensor adds its dtype, device kind and 16-byte alignment; an
+        # int (not constexpr) what Triton specialises on (== 1, divisibility by 16, whether it
+        # fits int32, int64 or only uint64); a float its type; any other value, and a
+        # constexpr, its type and value. Each entry's first item (a dtype, a bool, a type)
+        # tells its kind, so keys of different signatures never collide.
         vals, key = [], [*kwargs.items(), *map(type, kwargs.values())]
         val, add = vals.append, key.append
         try:
@@ -159,7 +159,8 @@ class Launcher:
                     add(float)
             device, stream = _raw_stream()
             add(device)
-            hit = self.cache.get(tuple(key))
+            key = tuple(key)
+            hit = self.cache.get(key)
         except TypeError:                  # an unhashable argument
             return self.fn[grid](*args, **kwargs)
         if hit is None or grid.__class__ is not tuple or _hooked():
@@ -172,7 +173,7 @@ class Launcher:
                 run = ck.run
                 # the C launch itself where the kernel needs no scratch the Python wrapper allocates
                 direct = not run.global_scratch_size and not run.profile_scratch_size
-                self.cache[tuple(key)] = (ck, tail, run.launch if direct else None, run, ck.function, ck.packed_metadata,
+                self.cache[key] = (ck, tail, run.launch if direct else None, run, ck.function, ck.packed_metadata,
                                    run.launch_cooperative_grid, run.launch_pdl)
             return ck
         ck, tail, launch, run, function, meta, coop, pdl = hit
