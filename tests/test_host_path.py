@@ -4,8 +4,11 @@ mode sees every op that reaches the dispatcher), so that work added to the path 
 pays on every call (an extra allocation, fill, copy or launch) fails here, without a
 time bound. The bounds are the counts of the current path."""
 
+import inspect
+
 import pytest
 import torch
+import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
@@ -203,3 +206,116 @@ def test_checks_run_once_per_signature_and_every_changed_argument_is_checked_aga
         kernels.samu_step(x, *args[1:3], True, *args[4:], sstate, backend="reference")
     with pytest.raises(ValueError, match="backend"):
         kernels.samu_step(*args, sstate, backend="nonesuch")
+
+
+class _FakeJit:
+    """A JIT kernel for a Launcher: its first call of a signature records ("triton", args),
+    the compiled kernel's C launch records ("launch", runtime values)."""
+
+    def __init__(self, fn, log):
+        params = inspect.signature(fn).parameters.values()
+        self.arg_names, self.fn, self.log = [p.name for p in params], fn, log
+        self.constexprs = [i for i, p in enumerate(params) if p.annotation in (tl.constexpr, "tl.constexpr")]
+
+    def __getitem__(self, grid):
+        log = self.log
+
+        class Run:
+            launch_cooperative_grid = launch_pdl = global_scratch_size = profile_scratch_size = 0
+
+            def launch(self, *a):
+                log.append(("launch", a[13:]))      # after grid, stream, function and metadata
+
+        def first(*args, **kwargs):
+            log.append(("triton", args))
+            return type("Compiled", (), {"function": 0, "packed_metadata": 0, "run": Run()})()
+        return first
+
+
+@pytest.fixture
+def replayed(monkeypatch):
+    """The decode steps' kernels as Launchers over _FakeJit, outside the interpreter."""
+    log = []
+    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
+    for mod, name in ((rglru_step_mod, "rglru_step_kernel"), (samu_step_mod, "_step_kernel")):
+        real = getattr(mod, name)
+        while hasattr(real, "fn"):                 # Launcher, interpreted and JIT function: the Python one
+            real = real.fn
+        monkeypatch.setattr(mod, name, triton_utils.Launcher(_FakeJit(real, log)))
+        monkeypatch.setattr(mod, "INTERPRET", False)
+    return log
+
+
+def _ptrs(*tensors):
+    return tuple(t.data_ptr() for t in tensors)
+
+
+def _hit(log, fn, *args, y_at):
+    """The launch values of fn(*args) through the Launcher's own cache, its output's address
+    at position y_at set to None."""
+    fn(*args)
+    kind, vals = log[-1]
+    assert kind == "launch"
+    return (*vals[:y_at], None, *vals[y_at + 1:])
+
+
+def _replay(log, y_at, y):
+    """The last launch's values with y's address (checked at y_at) set to None."""
+    kind, vals = log[-1]
+    assert kind == "launch" and vals[y_at] == y.data_ptr()
+    return (*vals[:y_at], None, *vals[y_at + 1:])
+
+
+@torch.no_grad()
+def test_a_repeated_step_signature_replays_its_launch_with_the_new_tensors(replayed):
+    """From the second call of a signature the step launches the kept compiled kernel with
+    the call's own tensors in the first call's places and the values the Launcher would
+    pass; a strided or misaligned input, grad mode or another signature takes the checked
+    path again."""
+    log = replayed
+    x, w, b, ap = _step_args()
+    wa, ba = w + 1, b + 1
+    state, reset = torch.zeros(x.shape), torch.tensor([True, False, True, False])
+    kernels.rglru_step(x, w, b, wa, ba, ap, state, backend="fused")
+    assert [k for k, _ in log] == ["triton"]
+    for r in (None, reset, None):
+        x2, state2 = x.clone(), torch.zeros(x.shape)
+        kernels.rglru_step(x2, w, b, wa, ba, ap, state2, r, backend="fused")     # a new signature's first call
+        y = kernels.rglru_step(x2, w, b, wa, ba, ap, state2, r, backend="fused")
+        got = _replay(log, 8, y)
+        assert got == _hit(log, rglru_step_mod.rglru_step, x2, w, b, wa, ba, ap, state2, r, y_at=8)
+        assert got[:8] == _ptrs(x2, w, b, wa, ba, ap, state2, state2 if r is None else r)
+    n = len(log)
+    strided = torch.randn(x.shape[1], x.shape[0]).t()
+    kernels.rglru_step(strided, w, b, wa, ba, ap, state, backend="fused")      # copied, then launched
+    assert log[-1][0] == "launch" and log[-1][1][0] != strided.data_ptr() and len(log) == n + 1
+    off = torch.randn(x.numel() + 1)[1:].view(x.shape)                         # 4 bytes past alignment
+    kernels.rglru_step(off, w, b, wa, ba, ap, state, backend="fused")
+    assert log[-1][0] == "triton" and log[-1][1][0] is off                    # Triton's path: a new key
+    with torch.enable_grad():
+        y = kernels.rglru_step(x, w, b, wa, ba, ap, state, backend="fused")
+    assert _replay(log, 8, y)[:8] == _ptrs(x, w, b, wa, ba, ap, state, state)
+    with torch.enable_grad(), pytest.raises(ValueError, match="requires_grad"):
+        kernels.rglru_step(x, w, b, wa, ba, ap.requires_grad_(), state, backend="fused")
+
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("table", [False, True])
+def test_a_repeated_samu_step_signature_replays_its_launch(replayed, table):
+    x, _, _, _ = _step_args()
+    D, M = x.shape[1], x.shape[1] // 2
+    g = torch.Generator().manual_seed(4)
+    pd, rd = torch.randn(D + 1, generator=g), torch.randn(D + 1, generator=g)
+    nu, th = torch.randn(M, generator=g), torch.randn(M, generator=g)
+    modes = kernels.ops.samu_mode_table(nu, th, torch.float32) if table else None
+    state, reset = torch.zeros(x.shape[0], M, dtype=torch.complex64), torch.tensor([False, True, False, False])
+    amp = torch.tensor(-0.25)
+    kernels.samu_step(x, pd, rd, 0.5, amp, nu, th, state, reset, modes=modes, backend="fused")
+    assert [k for k, _ in replayed] == ["triton"]
+    x2 = x + 1
+    y = kernels.samu_step(x2, pd, rd, 0.75, amp, nu, th, state, reset, modes=modes, backend="fused")
+    got = _replay(replayed, 10, y)
+    pa = samu_step_mod._amp(0.75, x2)                                 # the new amplitude's constant
+    assert got[:10] == _ptrs(x2, pd, rd, pa, amp, nu, th, state if modes is None else modes, state, reset)
+    assert got == _hit(replayed, samu_step_mod.samu_step, x2, pd, rd, 0.75, amp, nu, th, state, reset, modes, y_at=10)

@@ -289,7 +289,9 @@ def _step(op, args: tuple, check, state, reset, backend, **kw):
         if reset is not None:
             check_tensor("reset", reset, shape=(x.shape[0],), dtypes=(torch.bool,))
         check_same_device(_NAMES[op], (*args, state, reset, *kw.values()))
-        return _choose(op, backend, x)[2]
+        name, _, fn = _choose(op, backend, x)
+        # a Triton step keeps this signature's launch in its own plan (see rglru.step.rglru_step)
+        return fn if name == "reference" else functools.partial(fn, plan=[None])
 
     return _checked(op, backend, None, (*args, state, reset, *kw.values()), checks)(*args, state, reset, **kw)
 

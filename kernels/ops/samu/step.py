@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..accounting import account
 from ..checks import check_tensor, no_grad_inputs, state_dtype
-from ..triton_utils import cdiv, check_pow2, empty_like, launcher, multiprocessors, next_pow2
+from ..triton_utils import INTERPRET, cdiv, check_pow2, empty_like, launcher, multiprocessors, next_pow2, replay
 from ..triton_utils import tl_acc as tl_dtype
 from .common import controller, dir_cols, load_modes, load_pair, mode_consts64, relu, scalar_param, store_pair
 
@@ -140,39 +140,57 @@ def _(layout, x, *args):
 
 
 def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes=None,
-          name=None, block_m=0, block_d=0, num_warps=0):
+          name=None, block_m=0, block_d=0, num_warps=0, plan=None):
     """The custom op kernels::samu_step under torch.compile, else the launcher. An input
-    requiring grad under grad mode raises ValueError naming the step (default the layout)."""
+    requiring grad under grad mode raises ValueError naming the step (default the layout).
+    `plan`: as kernels.ops.rglru.step.rglru_step's."""
+    pa, ra = _amp(phase_amp, x), _amp(radial_amp, x)
+    ts = (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, state if modes is None else modes, state,
+          state if reset is None else reset)
+    fast = plan is not None and not INTERPRET and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if fast and plan[0] is not None and all(t.is_contiguous() for t in ts) and not state.is_conj():
+        y = empty_like(x)
+        if plan[0](*ts, y):
+            account(f"samu_step_{layout}", (*ts[:3], *((nu_log, theta_log) if modes is None else (modes,)), state,
+                                            reset), (state, y))
+            return y
     no_grad_inputs(name or layout, _GRAD_NAMES, (x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log,
                                                  state))
+    if fast:
+        _step_kernel.last = None
     launch = torch.ops.kernels.samu_step if torch.compiler.is_compiling() else _launch
-    return launch(layout, x, phase_dir, radial_dir, _amp(phase_amp, x), _amp(radial_amp, x), nu_log, theta_log, state,
-                  reset, modes, block_m, block_d, num_warps)
+    y = launch(layout, x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, state, reset, modes, block_m, block_d,
+               num_warps)
+    if fast and plan[0] is None:
+        plan[0] = replay(_step_kernel, (*ts, y))
+    return y
 
 
 _GRAD_NAMES = ("x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "state")
 
 
 def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
-                  block_m=None, block_d=None, num_warps=None):
+                  block_m=None, block_d=None, num_warps=None, plan=None):
     """Decode step (kernels.ops.samu_step's contract), one program per sequence walking its modes in blocks of
     `block_m` (default ROW_DEFAULT_BLOCK_M), its controller reduction in `block_d` columns (default _row_block_d),
     with `num_warps` warps (default 8)."""
     return _step("row", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
                  block_m=0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M),
                  block_d=0 if block_d is None else check_pow2("block_d", block_d, 16, ROW_BLOCK_D),
-                 num_warps=0 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16))
+                 num_warps=0 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16), plan=plan)
 
 
 def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None,
-                      modes=None):
+                      modes=None, plan=None):
     """Decode step, one program per (sequence, 128 modes). Same contract as samu_step_row."""
-    return _step("blocked", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes)
+    return _step("blocked", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
+                 plan=plan)
 
 
-def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None):
+def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
+              plan=None):
     """Decode step with the layout measured fastest for the batch size (see ROW_MIN_BATCH)."""
     check_tensor("x", x, ndim=2)
     layout = "row" if x.shape[0] >= (ROW_MIN_BATCH if modes is None else ROW_MIN_BATCH_TABLE) else "blocked"
     return _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                 "fused")
+                 "fused", plan=plan)
