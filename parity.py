@@ -408,6 +408,15 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
     return rows
 
 
+def _public_step(op, name, x) -> bool:
+    """Whether the public op kernels.ops.<op>_step takes backend `name`."""
+    try:
+        ops.resolve(f"{op}_step", name, x)
+    except ValueError:
+        return False
+    return True
+
+
 def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float32, seed=0, options=None):
     """Every decode step backend of `op` ("rglru", "samu") against the float64 reference: the
     outputs and final state of `steps` steps from a non-zero state, row 0 reset at step 2 and
@@ -440,6 +449,9 @@ def check_steps(op, B=3, D=24, heads=4, steps=4, device="cpu", dtype=torch.float
     for key, sets in (options or {}).items():
         o, n = key.split("/")
         variants += [(n, functools.partial(fns[n], **opts), opts) for opts in sets if o == op and opts]
+    # through the public op too: a repeated call signature replays its launch (steps 3 and 4)
+    variants += [(f"{n}+public", functools.partial(getattr(ops, f"{op}_step"), backend=n), {}) for n in fns
+                 if n != "reference" and _public_step(op, n, xs[0])]
     if op == "samu":
         tab = ops.samu_mode_table(m.nu_log.detach(), m.theta_log.detach(), dtype)
         variants += [(f"{n}+table", functools.partial(f, modes=tab), opts) for n, f, opts in variants
