@@ -267,11 +267,11 @@ def _replay(log, y_at, y):
 
 
 @torch.no_grad()
-def test_a_repeated_step_signature_replays_its_launch_with_the_new_tensors(replayed):
+def test_a_repeated_step_signature_replays_its_launch_with_the_new_tensors(replayed, monkeypatch):
     """From the second call of a signature the step launches the kept compiled kernel with
     the call's own tensors in the first call's places and the values the Launcher would
-    pass; a strided or misaligned input, grad mode or another signature takes the checked
-    path again."""
+    pass, in grad mode too; a strided or misaligned input, an input requiring grad or another
+    signature takes the checked path again."""
     log = replayed
     x, w, b, ap = _step_args()
     wa, ba = w + 1, b + 1
@@ -292,11 +292,19 @@ def test_a_repeated_step_signature_replays_its_launch_with_the_new_tensors(repla
     off = torch.randn(x.numel() + 1)[1:].view(x.shape)                         # 4 bytes past alignment
     kernels.rglru_step(off, w, b, wa, ba, ap, state, backend="fused")
     assert log[-1][0] == "triton" and log[-1][1][0] is off                    # Triton's path: a new key
-    with torch.enable_grad():
+
+    def launcher_calls(*args):                 # the checked path's launcher, counted
+        full.append(1)
+        return launch(*args)
+    full, launch = [], rglru_step_mod._launch
+    monkeypatch.setattr(rglru_step_mod, "_launch", launcher_calls)
+    with torch.enable_grad():                  # grad mode, no input requiring grad: replayed
         y = kernels.rglru_step(x, w, b, wa, ba, ap, state, backend="fused")
-    assert _replay(log, 8, y)[:8] == _ptrs(x, w, b, wa, ba, ap, state, state)
+    assert _replay(log, 8, y)[:8] == _ptrs(x, w, b, wa, ba, ap, state, state) and not full
     with torch.enable_grad(), pytest.raises(ValueError, match="requires_grad"):
         kernels.rglru_step(x, w, b, wa, ba, ap.requires_grad_(), state, backend="fused")
+    kernels.rglru_step(x, w, b, wa, ba, ap, state, backend="fused")   # outside grad mode: replayed
+    assert not full
 
 
 

@@ -147,8 +147,9 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
     pa, ra = _amp(phase_amp, x), _amp(radial_amp, x)
     ts = (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, state if modes is None else modes, state,
           state if reset is None else reset)
-    fast = plan is not None and not INTERPRET and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    if fast and plan[0] is not None and all(t.is_contiguous() for t in ts) and not state.is_conj():
+    fast = plan is not None and not INTERPRET and not torch.compiler.is_compiling()
+    if (fast and plan[0] is not None and all(t.is_contiguous() for t in ts) and not state.is_conj()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))):
         y = empty_like(x)
         if plan[0](*ts, y):
             account(f"samu_step_{layout}", (*ts[:3], *((nu_log, theta_log) if modes is None else (modes,)), state,
