@@ -155,6 +155,8 @@ def step_has_backward(op: str, backend, device) -> bool:
 # Checked call signatures -> the backend callable. An op's checks and its backend choice read
 # only the backend (and the table "auto" reads), the chunk size, and per argument a tensor's
 # shape, dtype and device or another value's type, so a call repeating a signature skips them.
+# The key holds the strides too: a decode step's replayed launch (kept per signature) takes
+# contiguous tensors only.
 _CHECKED: dict = {}
 
 
@@ -164,7 +166,8 @@ def _checked(op: str, backend, chunk_size, values: tuple, check):
     try:
         key = (op, b, tuning.env_table() if b.name == "auto" and b.table is None else None, chunk_size,
                chunk_size.__class__,
-               *[(v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else v.__class__ for v in values])
+               *[(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v.__class__
+                 for v in values])
         fn = _CHECKED.get(key)
     except TypeError:              # an unhashable value: check() names it
         return check()

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import math
+import operator
 import os
 
 import torch
@@ -208,7 +209,7 @@ def replay(kernel, tensors: tuple):
     def fn(*ts):
         ptrs = [t.data_ptr() for t in ts]
         dev, stream = _raw_stream()
-        if dev != device or sum(p & 15 for p in ptrs) or _hooked():
+        if dev != device or functools.reduce(operator.or_, ptrs) & 15 or _hooked():
             return False
         launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None, *ptrs, *rest)
         return True

@@ -148,7 +148,8 @@ def _step(layout, x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
     ts = (x, phase_dir, radial_dir, pa, ra, nu_log, theta_log, state if modes is None else modes, state,
           state if reset is None else reset)
     fast = plan is not None and not INTERPRET and not torch.compiler.is_compiling()
-    if (fast and plan[0] is not None and all(t.is_contiguous() for t in ts) and not state.is_conj()
+    # the plan's signature fixes each tensor's strides (contiguous where the plan exists), not the conjugate bit
+    if (fast and plan[0] is not None and not state.is_conj()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))):
         y = empty_like(x)
         if plan[0](*ts, y):
