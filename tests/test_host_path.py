@@ -329,3 +329,33 @@ def test_a_repeated_samu_step_signature_replays_its_launch(replayed, table):
     pa = samu_step_mod._amp(0.75, x2)                                 # the new amplitude's constant
     assert got[:10] == _ptrs(x2, pd, rd, pa, amp, nu, th, state if modes is None else modes, state, reset)
     assert got == _hit(replayed, samu_step_mod.samu_step, x2, pd, rd, 0.75, amp, nu, th, state, reset, modes, y_at=10)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("op", ["rglru", "scan"])
+def test_serial_launches_replay_a_repeated_plan(monkeypatch, op):
+    """The serial kernels' launcher replays the first launch of a plan (shape, each tensor's
+    dtype and device or None, configuration) with the call's own tensors: the values equal
+    those the Launcher's cache would pass, outputs aside."""
+    log = []
+    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
+    monkeypatch.setattr(rglru_serial, "_PLANS", {})
+    real = rglru_serial.serial_fwd_kernel
+    while hasattr(real, "fn"):
+        real = real.fn
+    monkeypatch.setattr(rglru_serial, "serial_fwd_kernel", triton_utils.Launcher(_FakeJit(real, log)))
+    x, gx, ga = _seq()
+    fn = kernels.backends(op)["serial"]
+    args = (x, gx, ga, torch.randn(x.shape[-1])) if op == "rglru" else (ga.sigmoid(), x)
+    fn(*args)
+    assert [k for k, _ in log] == ["triton"]
+    y, _ = fn(*args)
+    kind, got = log[-1]
+    assert kind == "launch" and got[6] == y.data_ptr()
+    assert (got[0], got[2]) == (x.data_ptr(), ga.data_ptr() if op == "rglru" else args[0].data_ptr())
+    for plan in rglru_serial._PLANS.values():          # no replay: the Launcher's own cached launch
+        plan[3] = None
+    y2, _ = fn(*args)
+    assert log[-1][0] == "launch" and log[-1][1][6] == y2.data_ptr()
+    mask = lambda vals: tuple(None if i in (6, 7, 8) else v for i, v in enumerate(vals))
+    assert mask(got) == mask(log[-1][1]) and len(log) == 3

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..accounting import account
 from ..checks import check_chunk_size, state_dtype
 from ..triton_utils import (INTERPRET, cdiv, check_pow2, empty, empty_like, launcher, multiprocessors,
-                           next_pow2, out, smem_limit, tl_acc)
+                           next_pow2, out, replay, smem_limit, tl_acc)
 from .common import (affine, coeffs, excl_scan, load_inputs, mem_order, pass_inputs, program_start, row_of, tile_grads,
                      tile_offsets, tile_states)
 
@@ -293,13 +293,19 @@ def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> d
 
 
 def _launch(kernel, x, pos, is_scan, cfg, n_tiles, args, **flags):
-    key = (kernel, id(cfg), *x.shape, x.dtype, x.device, pos is not None, is_scan, n_tiles, *flags.items())
+    tensors = args[:-2]                   # args: (tensors..., T, D); the key fixes T, D and each tensor's dtype
+    key = (kernel, id(cfg), *x.shape, *[(t.dtype, t.device) for t in tensors], pos is not None, is_scan, n_tiles,
+           *flags.items())
     plan = _PLANS.get(key)
     if plan is None or plan[0] is not cfg:
         if len(_PLANS) >= 4096:
             _PLANS.clear()
-        plan = _PLANS[key] = (cfg, *_plan(x, pos, is_scan, cfg, n_tiles, flags))
+        plan = _PLANS[key] = [cfg, *_plan(x, pos, is_scan, cfg, n_tiles, flags), None]
+    if plan[3] is not None and plan[3](*tensors):      # the first launch replayed (triton_utils.replay)
+        return
+    kernel.last = None
     kernel[plan[1]](*args, **plan[2])
+    plan[3] = plan[3] or replay(kernel, tensors)
 
 
 def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
@@ -319,7 +325,7 @@ def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
 
 
 # _launch's plans by kernel, configuration (kept in the value: its id names it only while
-# it lives), shape, dtype, device and flags
+# it lives), shape, each tensor's dtype and device, and flags: grid, keywords, replayed launch
 _PLANS: dict = {}
 
 
