@@ -359,3 +359,13 @@ def test_serial_launches_replay_a_repeated_plan(monkeypatch, op):
     assert log[-1][0] == "launch" and log[-1][1][6] == y2.data_ptr()
     mask = lambda vals: tuple(None if i in (6, 7, 8) else v for i, v in enumerate(vals))
     assert mask(got) == mask(log[-1][1]) and len(log) == 3
+    fn(*args)
+    assert log[-1][0] == "launch"                       # the plan's replay is back
+    # an input 4 bytes past 16-byte alignment: the same plan, but Triton's path (a new key)
+    off = torch.randn(x.numel() + 1)[1:].view(x.shape)
+    fn(*((off, *args[1:]) if op == "rglru" else (args[0], off)))
+    assert log[-1][0] == "triton" and log[-1][1][0] is off
+    monkeypatch.setattr(triton_utils, "_hooked", lambda: True)   # a launch hook: never replayed
+    n = len(log)
+    fn(*args)
+    assert log[n:] and all(kind == "triton" for kind, _ in log[n:])
