@@ -293,7 +293,7 @@ def _fit_stages(cfg: dict, elsize: int, n_tiles: int, has_pos: bool, limit) -> d
 
 
 def _launch(kernel, x, pos, is_scan, cfg, n_tiles, args, **flags):
-    tensors = args[:-2]                   # args: (tensors..., T, D); the key fixes T, D and each tensor's dtype
+    tensors = args[:-2]                   # args: (tensors..., T, D); the key fixes T, D, each dtype and device
     key = (kernel, id(cfg), *x.shape, *[(t.dtype, t.device) for t in tensors], pos is not None, is_scan, n_tiles,
            *flags.items())
     plan = _PLANS.get(key)
