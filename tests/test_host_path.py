@@ -4,11 +4,8 @@ mode sees every op that reaches the dispatcher), so that work added to the path 
 pays on every call (an extra allocation, fill, copy or launch) fails here, without a
 time bound. The bounds are the counts of the current path."""
 
-import inspect
-
 import pytest
 import torch
-import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
@@ -21,6 +18,8 @@ from kernels.ops.samu import chunk as samu_chunk
 from kernels.ops.samu import common as samu_common
 from kernels.ops.samu import fused_recurrent as samu_serial
 from kernels.ops.samu import step as samu_step_mod
+
+from test_launcher import FakeJit
 
 
 class _Count(TorchDispatchMode):
@@ -208,40 +207,16 @@ def test_checks_run_once_per_signature_and_every_changed_argument_is_checked_aga
         kernels.samu_step(*args, sstate, backend="nonesuch")
 
 
-class _FakeJit:
-    """A JIT kernel for a Launcher: its first call of a signature records ("triton", args),
-    the compiled kernel's C launch records ("launch", runtime values)."""
-
-    def __init__(self, fn, log):
-        params = inspect.signature(fn).parameters.values()
-        self.arg_names, self.fn, self.log = [p.name for p in params], fn, log
-        self.constexprs = [i for i, p in enumerate(params) if p.annotation in (tl.constexpr, "tl.constexpr")]
-
-    def __getitem__(self, grid):
-        log = self.log
-
-        class Run:
-            launch_cooperative_grid = launch_pdl = global_scratch_size = profile_scratch_size = 0
-
-            def launch(self, *a):
-                log.append(("launch", a[13:]))      # after grid, stream, function and metadata
-
-        def first(*args, **kwargs):
-            log.append(("triton", args))
-            return type("Compiled", (), {"function": 0, "packed_metadata": 0, "run": Run()})()
-        return first
-
-
 @pytest.fixture
 def replayed(monkeypatch):
-    """The decode steps' kernels as Launchers over _FakeJit, outside the interpreter."""
+    """The decode steps' kernels as Launchers over test_launcher's FakeJit, outside the interpreter."""
     log = []
     monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
     for mod, name in ((rglru_step_mod, "rglru_step_kernel"), (samu_step_mod, "_step_kernel")):
         real = getattr(mod, name)
         while hasattr(real, "fn"):                 # Launcher, interpreted and JIT function: the Python one
             real = real.fn
-        monkeypatch.setattr(mod, name, triton_utils.Launcher(_FakeJit(real, log)))
+        monkeypatch.setattr(mod, name, triton_utils.Launcher(FakeJit(real, log)))
         monkeypatch.setattr(mod, "INTERPRET", False)
     return log
 
@@ -343,7 +318,7 @@ def test_serial_launches_replay_a_repeated_plan(monkeypatch, op):
     real = rglru_serial.serial_fwd_kernel
     while hasattr(real, "fn"):
         real = real.fn
-    monkeypatch.setattr(rglru_serial, "serial_fwd_kernel", triton_utils.Launcher(_FakeJit(real, log)))
+    monkeypatch.setattr(rglru_serial, "serial_fwd_kernel", triton_utils.Launcher(FakeJit(real, log)))
     x, gx, ga = _seq()
     fn = kernels.backends(op)["serial"]
     args = (x, gx, ga, torch.randn(x.shape[-1])) if op == "rglru" else (ga.sigmoid(), x)

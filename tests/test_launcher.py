@@ -3,10 +3,12 @@ the wrapped JIT function, later ones launch its compiled kernel directly with ev
 argument in signature order; any change Triton would specialise on takes Triton's path
 again. Triton and CUDA are replaced by recording fakes (no GPU here)."""
 
+import inspect
 import types
 
 import pytest
 import torch
+import triton.language as tl
 
 from kernels.ops import triton_utils as tu
 
@@ -16,40 +18,51 @@ def kern(x, y, n, eps, B, FLAG=False, MODE=1):     # the wrapped kernel's signat
 
 
 class FakeRun:
-    """Triton's launcher object: __call__ allocates any scratch, then calls the C `launch`."""
+    """Triton's launcher object: __call__ allocates any scratch, then calls the C `launch`.
+    With a `log`, a C launch also adds ("launch", its runtime values) to it."""
     launch_cooperative_grid, launch_pdl, profile_scratch_size = "coop", "pdl", 0
 
-    def __init__(self, scratch, runs):
-        self.global_scratch_size, self.runs = scratch, runs
+    def __init__(self, scratch, runs, log=None):
+        self.global_scratch_size, self.runs, self.log = scratch, runs, log
 
     def __call__(self, *a):
         self.runs.append(("run", *a))
 
     def launch(self, *a):
         self.runs.append(("launch", *a))
+        if self.log is not None:
+            self.log.append(("launch", a[13:]))      # after grid, stream, function and metadata
 
 
 class FakeCompiled:
     function, packed_metadata = "fn", "meta"
     scratch = 0
 
-    def __init__(self):
+    def __init__(self, log=None):
         self.runs = []
-        self.run = FakeRun(self.scratch, self.runs)
+        self.run = FakeRun(self.scratch, self.runs, log)
 
 
 class FakeJit:
+    """A JIT function of kern's signature, or of the Python kernel `fn`'s; with a `log`, a
+    call (a compilation) adds ("triton", its positional arguments) to it."""
     arg_names = ["x", "y", "n", "eps", "B", "FLAG", "MODE"]
     constexprs = [4, 5, 6]
     fn = staticmethod(kern)
 
-    def __init__(self):
-        self.calls, self.compiled = [], []
+    def __init__(self, fn=None, log=None):
+        if fn is not None:
+            params = inspect.signature(fn).parameters.values()
+            self.fn, self.arg_names = fn, [p.name for p in params]
+            self.constexprs = [i for i, p in enumerate(params) if p.annotation in (tl.constexpr, "tl.constexpr")]
+        self.calls, self.compiled, self.log = [], [], log
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.calls.append((grid, args, kwargs))
-            self.compiled.append(FakeCompiled())
+            if self.log is not None:
+                self.log.append(("triton", args))
+            self.compiled.append(FakeCompiled(self.log))
             return self.compiled[-1]
         return run
 
