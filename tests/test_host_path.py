@@ -329,7 +329,7 @@ def test_serial_launches_replay_a_repeated_plan(monkeypatch, op):
     assert kind == "launch" and got[6] == y.data_ptr()
     assert (got[0], got[2]) == (x.data_ptr(), ga.data_ptr() if op == "rglru" else args[0].data_ptr())
     for plan in rglru_serial._PLANS.values():          # no replay: the Launcher's own cached launch
-        plan[3] = None
+        plan[3].clear()
     y2, _ = fn(*args)
     assert log[-1][0] == "launch" and log[-1][1][6] == y2.data_ptr()
     mask = lambda vals: tuple(None if i in (6, 7, 8) else v for i, v in enumerate(vals))
@@ -344,3 +344,75 @@ def test_serial_launches_replay_a_repeated_plan(monkeypatch, op):
     n = len(log)
     fn(*args)
     assert log[n:] and all(kind == "triton" for kind, _ in log[n:])
+
+
+def test_chunk_samu_launches_replay_a_repeated_plan(monkeypatch):
+    """The chunk SAMU's launches (forward: summary, 2 prefix kernels, replay; backward: the
+    same) replay a plan's first launch from its second call with the call's own tensors: the
+    values the Launcher's cache passes, without building its key; a misaligned input takes
+    the Launcher's path where it is read."""
+    logs = {}
+    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
+    for name in ("_fwd_kernel", "_group_kernel", "_bwd_summary_kernel", "_bwd_kernel"):
+        real = getattr(samu_chunk, name)
+        while hasattr(real, "fn"):
+            real = real.fn
+        monkeypatch.setattr(samu_chunk, name, triton_utils.Launcher(FakeJit(real, logs.setdefault(name, []))))
+    keyed, launch = [], triton_utils.Launcher._launch
+    monkeypatch.setattr(triton_utils.Launcher, "_launch", lambda self, *a, **k: keyed.append(1) or launch(self, *a, **k))
+    samu_chunk._Plan.cache_clear()          # no replay kept by another test's kernels
+    B, T, D = 2, 40, 64
+    g = torch.Generator().manual_seed(5)
+    pd, rd, nu, th = (torch.randn(n, generator=g).requires_grad_() for n in (D + 1, D + 1, D // 2, D // 2))
+
+    def call(x):
+        y, _ = kernels.samu(x, pd, rd, 0.5, 0.5, nu, th, backend="chunk", chunk_size=8)
+        y.backward(torch.ones_like(y))
+        return {name: log[-n:] for name, log, n in zip(logs, logs.values(), (2, 4, 1, 1))}
+
+    try:
+        xs = [torch.randn(B, T, D).requires_grad_() for _ in range(4)]
+        first = call(xs[0])
+        assert all(kind == "triton" for entries in first.values() for kind, _ in entries) and len(keyed) == 8
+        replays = call(xs[1])
+        assert len(keyed) == 8                                  # no Launcher key built
+        for backward in (False, True):                          # the plans' replays dropped
+            samu_chunk._Plan(B, T, D // 2, 8, torch.float32, backward).kept.clear()
+        cached = call(xs[2])
+        assert len(keyed) == 16
+        for name in logs:
+            for (_, args), (k1, v1), (k2, v2) in zip(first[name], replays[name], cached[name]):
+                n = sum(isinstance(v, torch.Tensor) for v in args)
+                assert (k1, k2) == ("launch", "launch") and v1[n:] == v2[n:] and v1[n:len(args)] == args[n:]
+                if name != "_group_kernel":                     # x leads
+                    assert (v1[0], v2[0]) == (xs[1].data_ptr(), xs[2].data_ptr())
+        call(xs[3])
+        assert len(keyed) == 16 and logs["_bwd_kernel"][-1][1][0] == xs[3].data_ptr()
+        call(torch.randn(B * T * D + 1)[1:].view(B, T, D).requires_grad_())     # 4 bytes past alignment
+        # the 4 launches reading x through the Launcher (a new key: Triton's path), the prefix replayed
+        assert len(keyed) == 20 and logs["_fwd_kernel"][-1][0] == "triton"
+    finally:
+        samu_chunk._Plan.cache_clear()
+
+
+def test_reduce_dap_replays_a_repeated_launch(monkeypatch):
+    """The RG-LRU's a_param reduction replays its launch for repeated sizes and dtypes: the
+    new call's addresses, the first call's sizes; other sizes take the Launcher's path."""
+    log = []
+    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
+    monkeypatch.setattr(rglru_common, "_KEPT", {})
+    real = rglru_common.reduce_dap_kernel
+    while hasattr(real, "fn"):
+        real = real.fn
+    monkeypatch.setattr(rglru_common, "reduce_dap_kernel", triton_utils.Launcher(FakeJit(real, log)))
+    keyed, launch = [], triton_utils.Launcher._launch
+    monkeypatch.setattr(triton_utils.Launcher, "_launch", lambda self, *a, **k: keyed.append(1) or launch(self, *a, **k))
+    part, ap = torch.randn(6, 40), torch.randn(40)
+    rglru_common.reduce_dap(part, ap)
+    assert [k for k, _ in log] == ["triton"] and len(keyed) == 1
+    part2, ap2 = part + 1, ap + 1
+    dap = rglru_common.reduce_dap(part2, ap2)
+    assert log[-1][0] == "launch" and log[-1][1][:5] == (part2.data_ptr(), ap2.data_ptr(), dap.data_ptr(), 6, 40)
+    assert len(keyed) == 1
+    rglru_common.reduce_dap(torch.randn(7, 40), ap)              # the Launcher's cached kernel, with R = 7
+    assert len(keyed) == 2 and log[-1][0] == "launch" and log[-1][1][3] == 7

@@ -216,6 +216,20 @@ def replay(kernel, tensors: tuple):
     return fn
 
 
+def replayed(kept: dict, key, kernel, grid, args: tuple, n: int, **kwargs):
+    """kernel[grid](*args, **kwargs), from the second call under `key` through `replay` of the leading n
+    tensors: the caller's promise that the key fixes the grid, args[n:], kwargs and those tensors' dtypes."""
+    fn = kept.get(key)
+    if fn is not None and fn(*args[:n]):
+        return
+    kernel.last = None
+    kernel[grid](*args, **kwargs)
+    if fn is None:
+        if len(kept) >= 4096:
+            kept.clear()
+        kept[key] = replay(kernel, args[:n])
+
+
 def _hooked() -> bool:
     rt = triton.knobs.runtime
     return bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)

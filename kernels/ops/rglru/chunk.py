@@ -33,11 +33,8 @@ def chunk_start(ap, D, K: tl.constexpr, BD: tl.constexpr, IS_SCAN: tl.constexpr,
 
 @launcher
 @triton.jit(do_not_specialize=["T", "NC"])
-def chunk_fwd_kernel(
-    x, gx, ga, ap, pos, S, P, Q, T, D, NC, REPLAY: tl.constexpr,
-    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
-):
+def chunk_fwd_kernel(x, gx, ga, ap, pos, S, P, Q, T, D, NC, REPLAY: tl.constexpr, IS_SCAN: tl.constexpr,
+                     HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
     # REPLAY False: the chunk's summary map h_out = P h_in + Q; True: y (in P) from the
     # state S entering the chunk.
     i_c, i_b, o_d, m_d, rows, sp = chunk_start(ap, D, K, BD, IS_SCAN, ACC)
@@ -56,11 +53,8 @@ def chunk_fwd_kernel(
 
 @launcher
 @triton.jit(do_not_specialize=["NC"])
-def chunk_prefix_kernel(
-    P, Q, h0, S, hN, NC, D,
-    REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HN: tl.constexpr, G: tl.constexpr, BD: tl.constexpr,
-    ACC: tl.constexpr,
-):
+def chunk_prefix_kernel(P, Q, h0, S, hN, NC, D, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HN: tl.constexpr,
+                        G: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     # One program per (sequence, channel block); REVERSE runs the adjoint's prefix from
     # the last chunk to the first.
     i_d, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -88,11 +82,8 @@ def chunk_prefix_kernel(
 
 @launcher
 @triton.jit(do_not_specialize=["T", "NC"])
-def chunk_bwd_summary_kernel(
-    ga, ap, pos, dy, P, Q, T, D, NC,
-    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
-):
+def chunk_bwd_summary_kernel(ga, ap, pos, dy, P, Q, T, D, NC, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr,
+                             K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
     # The chunk's adjoint map mu_first = P r + Q over (a_t, a_t dy_t), reverse order; a_t
     # formed alone, as load_tile forms it.
     i_c, i_b, o_d, m_d, rows, sp = chunk_start(ap, D, K, BD, IS_SCAN, ACC)
@@ -116,11 +107,9 @@ def chunk_bwd_summary_kernel(
 
 @launcher
 @triton.jit(do_not_specialize=["T", "NC"])
-def chunk_bwd_replay_kernel(
-    x, gx, ga, ap, pos, S, R, dy, dx, dgx, dga, dsp_part, T, D, NC,
-    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-    RNE: tl.constexpr,
-):
+def chunk_bwd_replay_kernel(x, gx, ga, ap, pos, S, R, dy, dx, dgx, dga, dsp_part, T, D, NC, IS_SCAN: tl.constexpr,
+                            HAS_RESET: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+                            RNE: tl.constexpr):
     i_c, i_b, o_d, m_d, rows, sp = chunk_start(ap, D, K, BD, IS_SCAN, ACC)
     o = (i_b * NC + i_c) * D + o_d
     hin = tl.load(S + o, mask=m_d, other=0.0)
@@ -154,10 +143,8 @@ def _prefix(P, Q, init, need_final, reverse, cfg):
     hN = empty((B, D), P.dtype, P.device) if need_final else None
     BD = min(128, max(8, next_pow2(D)))
     chunk_prefix_kernel[(cdiv(D, BD), B)](
-        P, Q, init if init is not None else P, S, hN if hN is not None else S, NC, D,
-        REVERSE=reverse, HAS_H0=init is not None, STORE_HN=need_final, G=cfg["G"], BD=BD,
-        ACC=tl_acc(P.dtype), num_warps=4,
-    )
+        P, Q, init if init is not None else P, S, hN if hN is not None else S, NC, D, REVERSE=reverse,
+        HAS_H0=init is not None, STORE_HN=need_final, G=cfg["G"], BD=BD, ACC=tl_acc(P.dtype), num_warps=4)
     account("chunk_prefix_bwd" if reverse else "chunk_prefix_fwd", (P, Q, init), (S, hN))
     return S, hN
 

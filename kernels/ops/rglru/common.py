@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..accounting import account
 from ..checks import state_dtype
-from ..triton_utils import INTERPRET, cdiv, empty, launcher, next_pow2, out, tl_acc
+from ..triton_utils import INTERPRET, cdiv, empty, launcher, next_pow2, out, replayed, tl_acc
 
 
 @triton.jit
@@ -244,14 +244,17 @@ def reduce_dap_kernel(part, ap, dap, R, D, BR: tl.constexpr, BD: tl.constexpr, A
     tl.store(dap + o_d, out(acc * tl.sigmoid(apv), dap, RNE), mask=m_d)
 
 
+_KEPT: dict = {}      # reduce_dap's replayed launches by sizes and dtypes (triton_utils.replayed)
+
+
 def reduce_dap(part: torch.Tensor, a_param: torch.Tensor) -> torch.Tensor:
     """part: [R, D] partial d softplus(a_param) sums -> dL/da_param [D] in a_param's dtype."""
     part, a_param = part.contiguous(), a_param.contiguous()
     R, D = part.shape
     dap = empty((D,), a_param.dtype, part.device)
     BD = min(256, next_pow2(max(D, 1)))      # D = 0: one empty program, no division by 0
-    reduce_dap_kernel[(cdiv(D, BD),)](part, a_param, dap, R, D, BR=16, BD=BD, ACC=tl_acc(part.dtype), RNE=INTERPRET,
-                                      num_warps=4)
+    replayed(_KEPT, (R, D, part.dtype, a_param.dtype), reduce_dap_kernel, (cdiv(D, BD),), (part, a_param, dap, R, D),
+             3, BR=16, BD=BD, ACC=tl_acc(part.dtype), RNE=INTERPRET, num_warps=4)
     account("rglru_reduce_dap", (part, a_param), (dap,))
     return dap
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..accounting import account
 from ..checks import check_chunk_size, state_dtype
 from ..triton_utils import (INTERPRET, cdiv, check_pow2, empty, empty_like, launcher, multiprocessors,
-                           next_pow2, out, replay, smem_limit, tl_acc)
+                           next_pow2, out, replayed, smem_limit, tl_acc)
 from .common import (affine, coeffs, excl_scan, load_inputs, mem_order, pass_inputs, program_start, row_of, tile_grads,
                      tile_offsets, tile_states)
 
@@ -113,12 +113,10 @@ def load_entry(hs, i_b, i_t, NT, D, o_d, m_d, seg, W: tl.constexpr, PREV: tl.con
 
 @launcher
 @triton.jit(do_not_specialize=["T"])
-def serial_fwd_kernel(
-    x, gx, ga, ap, pos, h0, y, ht, hs, T, D,
-    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    SAVE: tl.constexpr, TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr,
-):
+def serial_fwd_kernel(x, gx, ga, ap, pos, h0, y, ht, hs, T, D, IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr,
+                      HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr, TT: tl.constexpr,
+                      W: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                      EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr):
     i_b, o_d, m_d, sp, h = program_start(ap, h0, D, BD, CH, VEC, IS_SCAN, HAS_H0, ACC)
     ii, wcol, im = axes(TT, W)
     BT: tl.constexpr = TT * W
@@ -158,12 +156,10 @@ def serial_fwd_kernel(
 
 @launcher
 @triton.jit(do_not_specialize=["T"])
-def serial_bwd_kernel(
-    x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D,
-    IS_SCAN: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    TT: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr,
-):
+def serial_bwd_kernel(x, gx, ga, ap, pos, hs, dy, dht, dx, dgx, dga, dh0, dsp_part, T, D, IS_SCAN: tl.constexpr,
+                      HAS_RESET: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, TT: tl.constexpr,
+                      W: tl.constexpr, BD: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                      EVEN: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr, VEC: tl.constexpr):
     i_b, o_d, m_d, sp, r = program_start(ap, dht, D, BD, CH, VEC, IS_SCAN, HAS_DHT, ACC)
     ii, wcol, im = axes(TT, W)
     # Split: warp w holds segment W - 1 - w, so the adjoint's composition from the
@@ -300,12 +296,8 @@ def _launch(kernel, x, pos, is_scan, cfg, n_tiles, args, **flags):
     if plan is None or plan[0] is not cfg:
         if len(_PLANS) >= 4096:
             _PLANS.clear()
-        plan = _PLANS[key] = [cfg, *_plan(x, pos, is_scan, cfg, n_tiles, flags), None]
-    if plan[3] is not None and plan[3](*tensors):      # the first launch replayed (triton_utils.replay)
-        return
-    kernel.last = None
-    kernel[plan[1]](*args, **plan[2])
-    plan[3] = plan[3] or replay(kernel, tensors)
+        plan = _PLANS[key] = [cfg, *_plan(x, pos, is_scan, cfg, n_tiles, flags), {}]
+    replayed(plan[3], None, kernel, plan[1], args, len(tensors), **plan[2])
 
 
 def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
@@ -325,7 +317,7 @@ def _plan(x, pos, is_scan, cfg, n_tiles, flags) -> tuple[tuple, dict]:
 
 
 # _launch's plans by kernel, configuration (kept in the value: its id names it only while
-# it lives), shape, each tensor's dtype and device, and flags: grid, keywords, replayed launch
+# it lives), shape, each tensor's dtype and device, and flags: grid, keywords, replayed launches
 _PLANS: dict = {}
 
 

@@ -32,11 +32,8 @@ def _matvec_acc(acc, xt, wt, MODE: tl.constexpr, ACC: tl.constexpr):
 
 @launcher
 @triton.jit
-def rglru_step_kernel(
-    x, wx, bx, wa, ba, ap, state, reset, y, B, D, W,
-    HAS_RESET: tl.constexpr, MODE: tl.constexpr, BB: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
-    ACC: tl.constexpr, RNE: tl.constexpr,
-):
+def rglru_step_kernel(x, wx, bx, wa, ba, ap, state, reset, y, B, D, W, HAS_RESET: tl.constexpr, MODE: tl.constexpr,
+                      BB: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr, RNE: tl.constexpr):
     pid_j, pid_b = tl.program_id(0), tl.program_id(1)
     NJ = tl.cdiv(W, BJ)
     blk = pid_j // NJ

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..accounting import account
-from ..triton_utils import cdiv, launcher, scratch
+from ..triton_utils import cdiv, launcher, replayed, scratch
 from .common import (alloc, bwd_chunk, fwd_steps, load_pair, load_state, mode_block, next_pow2,
                      step_in, store_pair, store_param_partials, tl_dtype)
 from .fused_recurrent import BM, BWD_UNROLL, FWD_UNROLL, serial_backward, serial_forward
@@ -142,14 +142,14 @@ def _bwd_kernel(x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D,
 
 @functools.lru_cache(maxsize=256)
 class _Plan:
-    """What a chunk launcher computes from the shape alone, once per (shape, config): the grids, the launch keywords
-    and the scratch shapes (host time of every eager call)."""
+    """What a chunk launcher computes from the shape alone, once per (shape, config): the grids, the launch keywords,
+    the scratch shapes (host time of every eager call) and the launches replayed from the second call (`kept`)."""
 
     def __init__(self, B, T, M, K, acc, backward):
         N, nmb = cdiv(T, K), cdiv(M, BM)
         gs = next_pow2(math.ceil(math.sqrt(N)))     # GS ~ sqrt(N) chunks per group, NG groups
         ng = cdiv(N, gs)
-        self.N, self.nmb, self.grid = N, nmb, (nmb, N, B)
+        self.N, self.nmb, self.grid, self.dims, self.kept = N, nmb, (nmb, N, B), (T, N, 2 * M, M), {}
         self.summary_kw = dict(K=K, U=min(K, FWD_UNROLL), BM=BM, ACC=tl_dtype(acc), num_warps=1)
         self.kw = {**self.summary_kw, "U": BWD_UNROLL} if backward else self.summary_kw
         # the grouped prefix (forward, or backward: the conjugate maps right to left)
@@ -167,9 +167,10 @@ def _prefix(p: _Plan, A, Bv, init, S, work):
     AG, BG = work
     final = alloc((A.shape[0], A.shape[2], 2), A.dtype, A.device)
     args = (A, Bv, init if init is not None else final, S, AG, BG, final, *p.group_args)
-    _group_kernel[p.group_grid](*args, FILL=False, HAS_INIT=False, **p.group_kw)
+    replayed(p.kept, "group", _group_kernel, p.group_grid, args, 7, FILL=False, HAS_INIT=False, **p.group_kw)
     account("samu_prefix_group", (A, Bv), (AG, BG))
-    _group_kernel[p.group_grid](*args, FILL=True, HAS_INIT=init is not None, **p.group_kw)
+    replayed(p.kept, ("fill", None if init is None else init.dtype), _group_kernel, p.group_grid, args, 7, FILL=True,
+             HAS_INIT=init is not None, **p.group_kw)
     account("samu_prefix_fill", (A, Bv, AG, BG, init), (S, final))
     return final
 
@@ -182,13 +183,15 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     M, acc = D // 2, ctrl.dtype
     p = _Plan(B, T, M, cfg["K"], acc, False)
     P, Q, *work = scratch(acc, x.device, *p.scratch)
-    _fwd_kernel[p.grid](x, ctrl, modes, P, P, Q, T, p.N, D, M, REPLAY=False, **p.kw)
+    replayed(p.kept, ("summary", x.dtype), _fwd_kernel, p.grid, (x, ctrl, modes, P, P, Q, *p.dims), 6, REPLAY=False,
+             **p.kw)
     account("samu_chunk_summary", (x, ctrl), (P, Q))
     # the state entering every chunk, kept for the backward
     states = alloc((B, p.N, M, 2), acc, x.device)
     hT = _prefix(p, P, Q, h0, states, work)
     y = alloc(x.shape, x.dtype, x.device)
-    _fwd_kernel[p.grid](x, ctrl, modes, states, y, y, T, p.N, D, M, REPLAY=True, **p.kw)
+    replayed(p.kept, ("replay", x.dtype), _fwd_kernel, p.grid, (x, ctrl, modes, states, y, y, T, p.N, D, M), 6,
+             REPLAY=True, **p.kw)
     account("samu_chunk_replay", (x, ctrl, states), (y,))
     return y, hT, (states if need_states else None)
 
@@ -204,11 +207,13 @@ def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
     # partials dpart, ppart, which live on in controls_bwd
     P, Qb, R, ckpt, *work = scratch(acc, x.device, *p.scratch)
     dpart, ppart = scratch(acc, x.device, (B * T, nmb, 2), (B * N, M, 2))
-    _bwd_summary_kernel[p.grid](x, dy, ctrl, modes, states, P, Qb, T, N, D, M, **p.summary_kw)
+    replayed(p.kept, ("bwd_summary", x.dtype, dy.dtype), _bwd_summary_kernel, p.grid,
+             (x, dy, ctrl, modes, states, P, Qb, T, N, D, M), 7, **p.summary_kw)
     account("samu_chunk_bwd_summary", (x, dy, ctrl, states), (P, Qb))
     dh0 = _prefix(p, P, Qb, gh, R, work)
     dxw = alloc(x.shape, acc, x.device)
-    _bwd_kernel[p.grid](x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb, **p.kw)
+    replayed(p.kept, ("bwd", x.dtype, dy.dtype), _bwd_kernel, p.grid,
+             (x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb), 10, **p.kw)
     # ckpt: every U-th state of the chunk, written and read back by the same program
     account("samu_chunk_bwd", (x, dy, ctrl, states, R, ckpt), (dxw, dpart, ppart, ckpt))
     return dxw, dpart, ppart, dh0

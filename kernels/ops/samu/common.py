@@ -15,11 +15,12 @@ import triton.language as tl
 
 from ..accounting import account
 from ..checks import MODE_CONSTS
-from ..triton_utils import cdiv, launcher, next_pow2, scratch
+from ..triton_utils import cdiv, launcher, next_pow2, replayed, scratch
 from ..triton_utils import empty as alloc
 from ..triton_utils import tl_acc as tl_dtype
 
 _CONSTANTS: dict = {}     # kept for the process's life: a CUDA graph captured reading one must never see it freed
+_KEPT: dict = {}          # the controls' replayed launches by site, sizes and each tensor's dtype (`replayed`)
 
 
 def scalar_param(v, device, dtype) -> torch.Tensor:
@@ -295,10 +296,10 @@ def controls_fwd(x, phase_dir, radial_dir, phase_amp, radial_amp, segment_pos, n
     D = 2 * M
     seg = segment_pos.contiguous() if segment_pos is not None else ctrl
     tensors = (x, phase_dir, radial_dir, phase_amp, radial_amp) if ntok else (tab,) * 5
-    _controls_fwd_kernel[(ntb + cdiv(M, BM),)](
-        *tensors, seg, ctrl, aux, nu_log, theta_log, tab, ntok, ntb, D, M, 1.0 / math.sqrt(M),
-        HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T, BLOCK_D=min(256, next_pow2(D)), BM=BM, ACC=tl_dtype(acc),
-        num_warps=4)
+    args = (*tensors, seg, ctrl, aux, nu_log, theta_log, tab, ntok, ntb, D, M, 1.0 / math.sqrt(M))
+    replayed(_KEPT, ("fwd", ntok, M, segment_pos is None, *[t.dtype for t in args[:11]]), _controls_fwd_kernel,
+             (ntb + cdiv(M, BM),), args, 11, HAS_SEG=segment_pos is not None, BLOCK_T=BLOCK_T,
+             BLOCK_D=min(256, next_pow2(D)), BM=BM, ACC=tl_dtype(acc), num_warps=4)
     account("samu_controls_fwd", (x, phase_dir, radial_dir, segment_pos, nu_log, theta_log), (ctrl, aux, tab))
     return ctrl, aux, tab
 
@@ -407,9 +408,10 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     ntb = cdiv(ntok, BLOCK_T)
     colpart, scalpart = scratch(acc, x.device, (max(ntb, 1), 2 * D), (max(ntb, 1), 8))
     if ntb:
-        _controls_bwd_kernel[(ntb,)](
-            dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale,
-            BLOCK_T=BLOCK_T, BLOCK_D=min(128, next_pow2(D)), NMBP=next_pow2(nmb), ACC=tl_dtype(acc), num_warps=8)
+        args = (dxw, x, aux, dpart, phase_dir, radial_dir, pa, ra, dx, colpart, scalpart, ntok, D, nmb, scale)
+        replayed(_KEPT, ("bwd", ntok, D, nmb, *[t.dtype for t in args[:11]]), _controls_bwd_kernel, (ntb,), args,
+                 11, BLOCK_T=BLOCK_T, BLOCK_D=min(128, next_pow2(D)), NMBP=next_pow2(nmb), ACC=tl_dtype(acc),
+                 num_warps=8)
         account("samu_controls_bwd", (dxw, x, aux, dpart, phase_dir, radial_dir), (dx, colpart, scalpart))
     else:
         colpart.zero_()
@@ -417,8 +419,9 @@ def controls_bwd(dxw, x, aux, dpart, ppart, phase_dir, radial_dir, pa, ra):
     dpd, drd, damp, dmode = (alloc(s, acc, x.device) for s in ((D + 1,), (D + 1,), (2,), (M, 2)))
     BLOCK_C = 128
     ndb = cdiv(D + 1, BLOCK_C)
-    _finalize_kernel[(ndb + cdiv(2 * M, BLOCK_C),)](
-        colpart, scalpart, ppart, phase_dir, radial_dir, pa, ra, dpd, drd, damp, dmode, max(ntb, 1),
-        ppart.shape[0], D, M, scale, ndb, BLOCK_R=16, BLOCK_C=BLOCK_C, ACC=tl_dtype(acc), num_warps=4)
+    args = (colpart, scalpart, ppart, phase_dir, radial_dir, pa, ra, dpd, drd, damp, dmode, max(ntb, 1),
+            ppart.shape[0], D, M, scale, ndb)
+    replayed(_KEPT, ("finalize", *args[11:14], *[t.dtype for t in args[:11]]), _finalize_kernel,
+             (ndb + cdiv(2 * M, BLOCK_C),), args, 11, BLOCK_R=16, BLOCK_C=BLOCK_C, ACC=tl_dtype(acc), num_warps=4)
     account("samu_finalize", (colpart, scalpart, ppart, phase_dir, radial_dir), (dpd, drd, damp, dmode))
     return dx, dpd, drd, damp, dmode

@@ -92,7 +92,7 @@ def _step_kernel(x, pd, rd, pa, ra, nu_log, theta_log, modes, state, reset, y, D
 
 def _amp(v, x):
     """An amplitude as a one-element tensor (a float in x's accumulation dtype)."""
-    return v.reshape(1) if isinstance(v, torch.Tensor) else scalar_param(v, x.device, state_dtype(x.dtype))
+    return v if isinstance(v, torch.Tensor) else scalar_param(v, x.device, state_dtype(x.dtype))
 
 
 def _row_block_d(B, D, device):
