@@ -207,16 +207,29 @@ def test_checks_run_once_per_signature_and_every_changed_argument_is_checked_aga
         kernels.samu_step(*args, sstate, backend="nonesuch")
 
 
+def _fake(monkeypatch, mod, name, log):
+    """mod.<name> as a Launcher over test_launcher's FakeJit of the kernel's Python function,
+    on a fake CUDA stream; its compilations and launches go to `log`."""
+    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
+    real = getattr(mod, name)
+    while hasattr(real, "fn"):                 # Launcher, interpreted and JIT function: the Python one
+        real = real.fn
+    monkeypatch.setattr(mod, name, triton_utils.Launcher(FakeJit(real, log)))
+
+
+def _keyed(monkeypatch) -> list:
+    """A list that grows by one per launch through the Launcher's own path (its key built)."""
+    keyed, launch = [], triton_utils.Launcher._launch
+    monkeypatch.setattr(triton_utils.Launcher, "_launch", lambda self, *a, **k: keyed.append(1) or launch(self, *a, **k))
+    return keyed
+
+
 @pytest.fixture
 def replayed(monkeypatch):
     """The decode steps' kernels as Launchers over test_launcher's FakeJit, outside the interpreter."""
     log = []
-    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
     for mod, name in ((rglru_step_mod, "rglru_step_kernel"), (samu_step_mod, "_step_kernel")):
-        real = getattr(mod, name)
-        while hasattr(real, "fn"):                 # Launcher, interpreted and JIT function: the Python one
-            real = real.fn
-        monkeypatch.setattr(mod, name, triton_utils.Launcher(FakeJit(real, log)))
+        _fake(monkeypatch, mod, name, log)
         monkeypatch.setattr(mod, "INTERPRET", False)
     return log
 
@@ -313,12 +326,8 @@ def test_serial_launches_replay_a_repeated_plan(monkeypatch, op):
     dtype and device or None, configuration) with the call's own tensors: the values equal
     those the Launcher's cache would pass, outputs aside."""
     log = []
-    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
     monkeypatch.setattr(rglru_serial, "_PLANS", {})
-    real = rglru_serial.serial_fwd_kernel
-    while hasattr(real, "fn"):
-        real = real.fn
-    monkeypatch.setattr(rglru_serial, "serial_fwd_kernel", triton_utils.Launcher(FakeJit(real, log)))
+    _fake(monkeypatch, rglru_serial, "serial_fwd_kernel", log)
     x, gx, ga = _seq()
     fn = kernels.backends(op)["serial"]
     args = (x, gx, ga, torch.randn(x.shape[-1])) if op == "rglru" else (ga.sigmoid(), x)
@@ -352,14 +361,9 @@ def test_chunk_samu_launches_replay_a_repeated_plan(monkeypatch):
     values the Launcher's cache passes, without building its key; a misaligned input takes
     the Launcher's path where it is read."""
     logs = {}
-    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
     for name in ("_fwd_kernel", "_group_kernel", "_bwd_summary_kernel", "_bwd_kernel"):
-        real = getattr(samu_chunk, name)
-        while hasattr(real, "fn"):
-            real = real.fn
-        monkeypatch.setattr(samu_chunk, name, triton_utils.Launcher(FakeJit(real, logs.setdefault(name, []))))
-    keyed, launch = [], triton_utils.Launcher._launch
-    monkeypatch.setattr(triton_utils.Launcher, "_launch", lambda self, *a, **k: keyed.append(1) or launch(self, *a, **k))
+        _fake(monkeypatch, samu_chunk, name, logs.setdefault(name, []))
+    keyed = _keyed(monkeypatch)
     samu_chunk._Plan.cache_clear()          # no replay kept by another test's kernels
     B, T, D = 2, 40, 64
     g = torch.Generator().manual_seed(5)
@@ -399,14 +403,9 @@ def test_reduce_dap_replays_a_repeated_launch(monkeypatch):
     """The RG-LRU's a_param reduction replays its launch for repeated sizes and dtypes: the
     new call's addresses, the first call's sizes; other sizes take the Launcher's path."""
     log = []
-    monkeypatch.setattr(triton_utils, "_raw_stream", lambda: (0, 1234))
     monkeypatch.setattr(rglru_common, "_KEPT", {})
-    real = rglru_common.reduce_dap_kernel
-    while hasattr(real, "fn"):
-        real = real.fn
-    monkeypatch.setattr(rglru_common, "reduce_dap_kernel", triton_utils.Launcher(FakeJit(real, log)))
-    keyed, launch = [], triton_utils.Launcher._launch
-    monkeypatch.setattr(triton_utils.Launcher, "_launch", lambda self, *a, **k: keyed.append(1) or launch(self, *a, **k))
+    _fake(monkeypatch, rglru_common, "reduce_dap_kernel", log)
+    keyed = _keyed(monkeypatch)
     part, ap = torch.randn(6, 40), torch.randn(40)
     rglru_common.reduce_dap(part, ap)
     assert [k for k, _ in log] == ["triton"] and len(keyed) == 1
