@@ -183,14 +183,14 @@ def chunk_forward(x, ctrl, modes, h0, need_states, cfg):
     M, acc = D // 2, ctrl.dtype
     p = _Plan(B, T, M, cfg["K"], acc, False)
     P, Q, *work = scratch(acc, x.device, *p.scratch)
-    replayed(p.kept, ("summary", x.dtype), _fwd_kernel, p.grid, (x, ctrl, modes, P, P, Q, *p.dims), 6, REPLAY=False,
-             **p.kw)
+    replayed(p.kept, ("summary", x.dtype), _fwd_kernel, p.grid, (x, ctrl, modes, P, P, Q, *p.dims), 6,
+             REPLAY=False, **p.kw)
     account("samu_chunk_summary", (x, ctrl), (P, Q))
     # the state entering every chunk, kept for the backward
     states = alloc((B, p.N, M, 2), acc, x.device)
     hT = _prefix(p, P, Q, h0, states, work)
     y = alloc(x.shape, x.dtype, x.device)
-    replayed(p.kept, ("replay", x.dtype), _fwd_kernel, p.grid, (x, ctrl, modes, states, y, y, T, p.N, D, M), 6,
+    replayed(p.kept, ("replay", x.dtype), _fwd_kernel, p.grid, (x, ctrl, modes, states, y, y, *p.dims), 6,
              REPLAY=True, **p.kw)
     account("samu_chunk_replay", (x, ctrl, states), (y,))
     return y, hT, (states if need_states else None)
@@ -208,12 +208,12 @@ def chunk_backward(x, dy, ctrl, modes, states, gh, cfg):
     P, Qb, R, ckpt, *work = scratch(acc, x.device, *p.scratch)
     dpart, ppart = scratch(acc, x.device, (B * T, nmb, 2), (B * N, M, 2))
     replayed(p.kept, ("bwd_summary", x.dtype, dy.dtype), _bwd_summary_kernel, p.grid,
-             (x, dy, ctrl, modes, states, P, Qb, T, N, D, M), 7, **p.summary_kw)
+             (x, dy, ctrl, modes, states, P, Qb, *p.dims), 7, **p.summary_kw)
     account("samu_chunk_bwd_summary", (x, dy, ctrl, states), (P, Qb))
     dh0 = _prefix(p, P, Qb, gh, R, work)
     dxw = alloc(x.shape, acc, x.device)
     replayed(p.kept, ("bwd", x.dtype, dy.dtype), _bwd_kernel, p.grid,
-             (x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, T, N, D, M, nmb), 10, **p.kw)
+             (x, dy, ctrl, modes, states, R, dxw, dpart, ppart, ckpt, *p.dims, nmb), 10, **p.kw)
     # ckpt: every U-th state of the chunk, written and read back by the same program
     account("samu_chunk_bwd", (x, dy, ctrl, states, R, ckpt), (dxw, dpart, ppart, ckpt))
     return dxw, dpart, ppart, dh0
