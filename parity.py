@@ -21,7 +21,7 @@ from kernels import layers, ops
 from kernels.convert import from_recurrentgemma
 from kernels.models import CapturedTrainStep, HawkConfig, HawkLM, train_step
 from kernels.official import load_official
-from kernels.ops import reference
+from kernels.ops import reference, triton_utils
 from kernels.ops.checks import state_dtype
 
 OFFICIAL_FP32_TOL = 1e-5
@@ -384,7 +384,8 @@ def samu_relu_kinks(args64, h064, pos):
 def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk_sizes=(8, 16), seed=0, resets=True):
     """Every backend of `op` ("rglru", "samu", "scan") against the float64 reference: output,
     final state and every gradient, with resets and a non-zero initial state; "chunk" once
-    per chunk size. Activations in `dtype`, parameters and the state in state_dtype(dtype)."""
+    per chunk size; off the interpreter the second of two identical calls, which replays the
+    first one's launches. Activations in `dtype`, parameters and the state in state_dtype(dtype)."""
     if op not in INPUT_NAMES:
         raise ValueError(f"expected op in ['rglru', 'samu', 'scan'], got {op!r}")
     names = INPUT_NAMES[op]
@@ -403,6 +404,10 @@ def check_backends(op, B=2, T=37, D=24, device="cpu", dtype=torch.float32, chunk
         for opts in [{"chunk_size": k} for k in chunk_sizes] if name == "chunk" else [{}]:
             ctx = dict(op=op, backend=name, shape=[B, T, D], dtype=dtype, device=device,
                        resets=resets, relu_kinks_masked=0 if kinks is None else int(kinks.sum()), **opts)
+            if name != "reference" and not triton_utils.INTERPRET:
+                # the first call keeps its launches; the gated second one replays them with its
+                # own tensors (triton_utils.replayed)
+                _run_op(fn, args, h0, pos, opts, seed, kinks, names)
             got = _run_op(fn, args, h0, pos, opts, seed, kinks, names)
             rows += _backend_rows(f"backends/{op}/{name}", name, got, want, yard, dtype, ctx)
     return rows

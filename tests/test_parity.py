@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import backends, ops
+from kernels.ops import triton_utils
 import parity
 
 REQUIRED = {"check", "error", "tolerance", "passed"}
@@ -257,3 +258,17 @@ def test_step_gate_fails_a_stale_mode_table(monkeypatch):
     bad = {(r["backend"], r["stage"]) for r in parity.failures(parity.check_steps("samu", B=3, D=8))}
     assert bad and {b for b, _ in bad} == {f"{n}{via}+table" for n in ops.step_backends("samu") if n != "reference"
                                            for via in ("", "+public")}
+
+
+def test_backend_gate_checks_the_second_of_two_calls_off_the_interpreter(monkeypatch):
+    """Off the interpreter a Triton backend's first call keeps its launches and the second,
+    gated one replays them; the reference runs once."""
+    ref, calls = ops.backends("scan")["reference"], []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return ref(*args, **kw)
+    monkeypatch.setattr(triton_utils, "INTERPRET", False)
+    monkeypatch.setattr(parity.ops, "backends", lambda op: {"reference": ref, "serial": counted})
+    rows = parity.check_backends("scan", B=1, T=5, D=4)
+    assert len(calls) == 2 and rows and all(r["passed"] for r in rows)
