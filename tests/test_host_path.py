@@ -297,7 +297,6 @@ def test_a_repeated_step_signature_replays_its_launch_with_the_new_tensors(repla
     assert not full
 
 
-
 @torch.no_grad()
 @pytest.mark.parametrize("table", [False, True])
 def test_a_repeated_samu_step_signature_replays_its_launch(replayed, table):
