@@ -14,8 +14,7 @@ import parity
 def run_checks(settings: dict, step_grids: dict | None = None) -> list[dict]:
     """Every gate per dtype; the decode steps also with every option set of `step_grids` (the tune
     stage's candidates), so each step kernel the tuning table may choose is gated here first."""
-    options = step_option_sets(step_grids or {})
-    device = settings["device"]
+    options, device = step_option_sets(step_grids or {}), settings["device"]
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the profile's audit runs on cuda but no GPU is visible; pick the cpu-smoke profile")
     checks = []
@@ -41,9 +40,8 @@ def _fmt(v) -> str:
 
 def markdown(doc: dict) -> str:
     checks = doc["checks"]
-    passed = sum(c["passed"] for c in checks)
     lines = [f"# Correctness audit ({doc['profile']})", "",
-             f"{passed} of {len(checks)} checks passed on {doc['device_name']} "
+             f"{sum(c['passed'] for c in checks)} of {len(checks)} checks passed on {doc['device_name']} "
              f"(commit {doc['commit']['sha'][:12]}{' dirty' if doc['commit']['dirty'] else ''}, "
              f"torch {doc['versions'].get('torch')}, triton {doc['versions'].get('triton')}).",
              "Errors are maximum relative errors against the reference named in each check; "

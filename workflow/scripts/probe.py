@@ -23,6 +23,7 @@ from kernels.ops.triton_utils import launcher
 
 COUNTER_METRICS = ("dram__bytes_read.sum", "lts__t_bytes.sum", "sm__warps_active.avg.pct_of_peak_sustained_active")
 NCU_TIMEOUT_S = 300
+TINY_KERNEL = "import torch; x = torch.ones(1 << 20, device='cuda'); y = x * 2; torch.cuda.synchronize()"
 
 
 def nvml_facts() -> dict:
@@ -151,9 +152,6 @@ def host_launch(device: str, reps: int) -> dict | None:
     return {"calls": out, "teardown_cupti": os.environ.get("TEARDOWN_CUPTI")}
 
 
-TINY_KERNEL = "import torch; x = torch.ones(1 << 20, device='cuda'); y = x * 2; torch.cuda.synchronize()"
-
-
 def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
     """(counters_available, reason) from an Nsight Compute run over TINY_KERNEL."""
     if "ERR_NVGPUCTRPERM" in output:
@@ -170,8 +168,7 @@ def interpret_ncu(returncode: int | None, output: str) -> tuple[bool, str]:
     rows = csv.DictReader(ln for ln in output.splitlines() if ln.startswith('"'))
     values = {r["Metric Name"]: r["Metric Value"].replace(",", "") for r in rows
               if r.get("Metric Name") and number(r.get("Metric Value")) is not None}
-    found = [m for m in COUNTER_METRICS if m in values]
-    if not found:
+    if not (found := [m for m in COUNTER_METRICS if m in values]):
         return False, "ncu ran but reported none of the requested metrics"
     return True, "ncu read " + ", ".join(f"{m}={values[m]}" for m in found)
 
@@ -180,8 +177,7 @@ def counter_check(has_gpu: bool) -> dict:
     base = {"tool": "ncu", "metrics": list(COUNTER_METRICS)}
     if not has_gpu:
         return {**base, "counters_available": False, "reason": "no GPU: hardware counters not applicable"}
-    ncu = ncu_path()
-    if ncu is None:
+    if (ncu := ncu_path()) is None:
         return {**base, "counters_available": False, "reason": "ncu (Nsight Compute) not found on PATH"}
     cmd = [ncu, "--target-processes", "all", "--launch-count", "1", "--csv",
            "--metrics", ",".join(COUNTER_METRICS), sys.executable, "-c", TINY_KERNEL]
@@ -198,8 +194,7 @@ def counter_check(has_gpu: bool) -> dict:
 
 
 def main(job):
-    has_gpu = torch.cuda.is_available()
-    gpu = nvml_facts()
+    has_gpu, gpu = torch.cuda.is_available(), nvml_facts()
     inside = any(os.environ.get(v) for v in (stage.IN_CONTAINER, "APPTAINER_CONTAINER", "SINGULARITY_CONTAINER"))
     env = {"schema": 1, "profile": job.profile, "timestamp": records.now(), "commit": facts.commit(),
            "has_gpu": has_gpu, "gpu": gpu, "torch_device": facts.gpu(), "software": software_facts(),

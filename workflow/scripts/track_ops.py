@@ -8,7 +8,6 @@ from functools import partial
 import torch
 
 from common import cases, measure, stage
-from common.cases import rel_err
 
 import kernels
 from kernels.models import HawkConfig
@@ -40,8 +39,8 @@ def cast(args: list, dtype, grad: bool = False) -> list:
 def grad_errors(forward, y_ref, backward, g_ref, names=None) -> dict:
     """{check: max relative error} of forward() against y_ref and of backward()'s gradients against g_ref."""
     names = names or [f"grad{i}" for i in range(len(g_ref))]
-    return {"output": rel_err(forward(), y_ref),
-            **{n: rel_err(got, want) for n, got, want in zip(names, backward() if g_ref else (), g_ref)}}
+    return {"output": cases.rel_err(forward(), y_ref),
+            **{n: cases.rel_err(got, want) for n, got, want in zip(names, backward() if g_ref else (), g_ref)}}
 
 
 @torch.no_grad()
@@ -51,15 +50,14 @@ def step_errors(step, state0, y_ref, ref_state) -> dict:
     for _ in range(4):
         y, state = step(state)
     # the official layer's output is [B, 1, D]
-    return {"output": rel_err(y.reshape(y_ref.shape), y_ref), "state": rel_err(state, ref_state)}
+    return {"output": cases.rel_err(y.reshape(y_ref.shape), y_ref), "state": cases.rel_err(state, ref_state)}
 
 
 def op_case(op: str, preset: str, D: int, mode: str, s: dict, device, dtype) -> Case:
     """kernels.<op> (and for scan its peers) against the float64 reference."""
     grad, B, T, resets = mode == "fwd_bwd", s["B"], s["T"], s.get("resets", True)
     args = cases.op_inputs(op, B, T, D, dtype, device, requires_grad=grad, resets=resets)
-    fn = getattr(kernels, op)
-    ref = cast(args, torch.float64, grad)
+    fn, ref = getattr(kernels, op), cast(args, torch.float64, grad)
     y_ref = fn(*ref, backend="reference")[0]
     grad_out = torch.randn(B, T, D, device=device, dtype=dtype) if grad else None
     if grad and op == "samu":
@@ -156,8 +154,7 @@ def step_case(op: str, B: int, D: int, blocks: int, s: dict, device, dtype) -> C
 
 def plan(s: dict, device):
     """Case builders in running order (built one at a time: inputs are freed between)."""
-    dtype = getattr(torch, s["dtype"])
-    out = []
+    dtype, out = getattr(torch, s["dtype"]), []
     for preset in s["presets"]:
         c = HawkConfig.preset(preset)
         for mode in s["modes"]:

@@ -9,7 +9,6 @@ from common.training import Setup
 
 import kernels
 
-
 PEER = "peer:recurrentgemma"
 LINEAR_COUNTS = ("launches", "accounted_launches", "bytes_read", "bytes_written", "memcpy", "memset")
 

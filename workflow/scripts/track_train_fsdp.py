@@ -156,8 +156,7 @@ def main(job):
             if all(i["config_id"] in records.done_ids(records_dir, job.profile) for i in items):
                 break
             print(f"[{STAGE}] launch {launch + 1}: {' '.join(cmd)} {job_file}", flush=True)
-            rc = subprocess.run([*cmd, str(job_file)]).returncode
-            if rc == 0:
+            if (rc := subprocess.run([*cmd, str(job_file)]).returncode) == 0:
                 break
             if not marker.is_file():
                 raise RuntimeError(f"torchrun exited with status {rc} outside a configuration; see the log above")

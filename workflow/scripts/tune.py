@@ -133,15 +133,13 @@ def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
     steps take their layers from a pool of at least twice the L2 cache, so every visit finds a
     layer's weights, mode table and state evicted, as in the model (where its other weights
     stream between two visits of a layer), not in the cache that one walk would keep warm."""
-    dec = settings.get("decode") or {}
-    if not dec:
+    if not (dec := settings.get("decode")):
         return []
     dt_name = dec.get("dtype", "bfloat16")
     dtype, tol = getattr(torch, dt_name), settings["check_tolerance"][dt_name]
     D, heads, n_steps, n_traj, L = dec["D"], dec["heads"], dec["steps"], dec["trajectories"], dec.get("layers", 1)
     graph = dec.get("cuda_graphs", True) and device.type == "cuda"
-    l2 = l2_bytes(device)
-    entries = []
+    l2, entries = l2_bytes(device), []
     for op in STEP_OPS:
         fns = kernels.step_backends(op)
         for B in dec["batches"]:
@@ -197,8 +195,7 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
     """Tiles of the weight-streaming linears, one role at a time (earlier roles at their choices):
     the grid beside the default, then the winner with each `refine` combination; each gated
     on the default tiles' first step from BOS, timed as trajectories of whole engine steps."""
-    lin = settings.get("linears") or {}
-    if not lin:
+    if not (lin := settings.get("linears")):
         return []
     dt_name = lin.get("dtype", "bfloat16")
     B, steps, n_traj, tol = lin["batch"], lin["steps"], lin["trajectories"], settings["check_tolerance"][dt_name]
@@ -213,8 +210,7 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
 
     def first_step(eng):
         eng.start(batch_size=B)
-        tokens = eng.step().clone()
-        return tokens, [t.clone() for c in eng.cache.layers for t in (c.conv_state, c.rnn_state)]
+        return eng.step().clone(), [t.clone() for c in eng.cache.layers for t in (c.conv_state, c.rnn_state)]
 
     def trajectories(eng):
         traj = [measure.time_trajectory(lambda i: eng.step(), [steps], device, before=lambda: eng.start(batch_size=B),

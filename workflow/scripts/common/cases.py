@@ -18,6 +18,11 @@ from .measure import Skip, logical_counts
 OPS = ("rglru", "samu", "scan")
 STEP_OPS = ("rglru", "samu")
 SCAN_PEERS = ("fla_fused_recurrent_hgrn", "accelerated_scan_triton", "accelerated_scan_warp")
+# Arguments of the decode steps that are not launcher options.
+STEP_FIXED = {
+    "rglru": {"x", "gate_x_w", "gate_x_b", "gate_a_w", "gate_a_b", "a_param", "state", "reset"},
+    "samu": {"x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "state", "reset"},
+}
 
 
 def positions(B: int, T: int, device, resets: bool = False):
@@ -88,13 +93,6 @@ def floor_bytes(args: list, out, mode: str = "fwd") -> int:
 def chunk_variants(name: str, fn, chunk_sizes) -> list[dict]:
     """One option set per chunk size for a chunked backend taking chunk_size, else [{}]."""
     return option_grid(fn, name, {name: {"chunk_size": chunk_sizes}}) if "chunk" in name else [{}]
-
-
-# Arguments of the decode steps that are not launcher options.
-STEP_FIXED = {
-    "rglru": {"x", "gate_x_w", "gate_x_b", "gate_a_w", "gate_a_b", "a_param", "state", "reset"},
-    "samu": {"x", "phase_dir", "radial_dir", "phase_amp", "radial_amp", "nu_log", "theta_log", "state", "reset"},
-}
 
 
 def option_grid(fn, name: str, grids: dict, fixed: set[str] = frozenset(), op: str | None = None) -> list[dict]:

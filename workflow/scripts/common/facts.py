@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+SOURCE = ("Snakefile", "config.yaml", "pyproject.toml", "envs", "kernels", "workflow")
 
 
 def _git(*args: str) -> str | None:
@@ -18,9 +19,6 @@ def _git(*args: str) -> str | None:
                               check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-SOURCE = ("Snakefile", "config.yaml", "pyproject.toml", "envs", "kernels", "workflow")
 
 
 def source_digest(root: Path = REPO_ROOT) -> str:

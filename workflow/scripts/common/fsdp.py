@@ -84,4 +84,3 @@ def distribute(setup, rank: int, world: int, param_dtype: torch.dtype | None = N
         setattr(setup, name, getattr(setup, name)[rank * b:(rank + 1) * b].contiguous())
     setup.B = b
     return setup
-

@@ -47,6 +47,13 @@ PILOT_CALLS, PILOT_SHORT_CALLS, PILOT_SHORT_MS = 2, 16, 0.1
 # short call reaches its steady speed (CPU clocks, caches) only after tens of milliseconds,
 # most of all after the profiler's counting pass; a user's loop calls it in that state.
 EAGER_WARM_MS = 30.0
+# Calls of a short configuration each started on an idle device (host_waits)
+HOST_WAIT_CALLS = 30
+# the allocator's counters host_waits reads per call: cudaMalloc calls, and frees of all cached
+# blocks (each waits for every stream) after a failed cudaMalloc
+_ALLOC_STATS = ("num_device_alloc", "num_sync_all_streams", "num_alloc_retries")
+# what torch's sync debug mode warns per synchronising call (not its one-off "prototype feature" notice)
+SYNC_WARNING = "called a synchronizing CUDA operation"
 LOGICAL_BASIS = ("logical: bytes from the launchers' own accounting of the tensors each kernel reads and writes "
                  "(kernels.ops.accounting; matmuls and other PyTorch ops not included); kernel launches counted by "
                  "torch.profiler from what ran in one call")
@@ -178,8 +185,7 @@ def graph_calls(ms_per_call: float) -> int:
 
 def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], device=None,
                     before: Callable[[], object] | None = None, warmup: int = 0) -> dict:
-    """Cumulative ms at every checkpoint of one run of dependent steps, after untimed `before` and
-    `warmup` steps."""
+    """Cumulative ms at every checkpoint of one run of dependent steps, after untimed `before` and `warmup` steps."""
     cps = sorted({int(c) for c in checkpoints})
     if not cps or cps[0] < 1:
         raise ValueError(f"expected checkpoints to be positive step counts, got {list(checkpoints)}")
@@ -193,8 +199,7 @@ def time_trajectory(step: Callable[[int], object], checkpoints: Sequence[int], d
             step(i)
         _sync(dev)
     before()
-    base = _open_window(dev)
-    start, marks = _stamp(cuda), []
+    base, start, marks = _open_window(dev), _stamp(cuda), []
     for i in range(cps[-1]):
         step(i)
         if i + 1 in cps:
@@ -308,15 +313,6 @@ def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 1
              "own_us": tt / calls * 1e6, "cum_us": ct / calls * 1e6} for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
-# Calls of a short configuration each started on an idle device (host_waits)
-HOST_WAIT_CALLS = 30
-# the allocator's counters host_waits reads per call: cudaMalloc calls, and frees of all cached
-# blocks (each waits for every stream) after a failed cudaMalloc
-_ALLOC_STATS = ("num_device_alloc", "num_sync_all_streams", "num_alloc_retries")
-# what torch's sync debug mode warns per synchronising call (not its one-off "prototype feature" notice)
-SYNC_WARNING = "called a synchronizing CUDA operation"
-
-
 def host_waits(fn: Callable[[], object], calls: int, device=None) -> dict:
     """What separates an eager call's host time from its own host work, without a profiler:
     `host_drained_ms`, the median host time of `calls` calls each started on an idle device
@@ -363,8 +359,7 @@ def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, b
     dev = device_of(device)
     for _ in range(max(warmup - 1, 0)):
         fn()
-    counted = count and logical is None
-    if counted:
+    if counted := count and logical is None:
         logical = logical_counts(fn, dev)
     # One plain call (the profiled one is slower) decides whether the call is short.
     warmed = run_for(fn, dev, warm_ms) if warm_ms > 0 and run_for(fn, dev, 0) < warm_ms else 0.0
@@ -477,10 +472,7 @@ NCU_METRICS = {"dram_bytes_read": "dram__bytes_read.sum", "dram_bytes_written": 
                "l2_bytes": "lts__t_bytes.sum",
                "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active"}
 MARKER_KERNEL = "spin_kernel"  # torch.cuda._sleep, launched between configurations
-
-
-def mark_boundary() -> None:
-    torch.cuda._sleep(1)
+mark_boundary = functools.partial(torch.cuda._sleep, 1)
 
 
 def number(text: str | None) -> float | None:

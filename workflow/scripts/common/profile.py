@@ -39,8 +39,7 @@ def profile_for_gpu(names: list[str], known: list[str]) -> str:
 
 
 def resolve_profile(config: dict, gpus: list[str] | None = None) -> tuple[str, dict]:
-    profiles = config.get("profiles") or {}
-    name = config.get("profile", "auto")
+    profiles, name = config.get("profiles") or {}, config.get("profile", "auto")
     if name == "auto":
         name = profile_for_gpu(gpu_names() if gpus is None else gpus, list(profiles))
     if name not in profiles:

@@ -5,12 +5,17 @@ locks released and its incomplete outputs removed. Jobs of a cluster run clear n
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+NON_EXECUTING = ("--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--report",
+                 "--summary", "--detailed-summary", "--unlock", "--cleanup-metadata", "--containerize",
+                 "--print-compilation", "--archive")  # and every --list* option
 
 
 def is_snakemake(cmdline: list[str]) -> bool:
@@ -38,11 +43,6 @@ def other_runs(workdir: Path) -> list[int]:
             and not job_mode(i["cmdline"]) and i["cwd"] and Path(i["cwd"]).resolve() == workdir.resolve()]
 
 
-NON_EXECUTING = ("--dry-run", "--dryrun", "--lint", "--dag", "--rulegraph", "--filegraph", "--d3dag", "--report",
-                 "--summary", "--detailed-summary", "--unlock", "--cleanup-metadata", "--containerize",
-                 "--print-compilation", "--archive")  # and every --list* option
-
-
 def executes(argv: list[str]) -> bool:
     """Whether a snakemake command line runs jobs as the controller, whose business leftovers are."""
     return not job_mode(argv) and not any(
@@ -55,10 +55,8 @@ def incomplete_outputs(workdir: Path) -> dict[Path, Path]:
     """Marker file -> output path of Snakemake's incomplete markers (base64 of the path)."""
     out = {}
     for marker in sorted(p for p in (workdir / ".snakemake" / "incomplete").glob("*") if p.is_file()):
-        try:
+        with contextlib.suppress(ValueError):  # binascii.Error and UnicodeDecodeError among them: not a marker
             out[marker] = workdir / base64.urlsafe_b64decode(marker.name.encode()).decode()
-        except ValueError:  # binascii.Error and UnicodeDecodeError among them: not a marker
-            pass
     return out
 
 
@@ -75,8 +73,7 @@ def slurm_jobs(workdir: Path) -> list[str]:
 
 def cancel_slurm_jobs(workdir: Path, timeout_s: float = 120) -> list[str]:
     """Cancel the jobs `slurm_jobs` finds and wait until they have left the queue."""
-    jobs = slurm_jobs(workdir)
-    if not jobs:
+    if not (jobs := slurm_jobs(workdir)):
         return []
     subprocess.run(["scancel", *jobs], check=True, timeout=60)
     deadline = time.monotonic() + timeout_s

@@ -143,8 +143,7 @@ def log_to(path: str | None):
 
 
 def docker_runner():
-    path = REPO_ROOT / "containers" / "docker_runner.py"
-    spec = importlib.util.spec_from_file_location("kernels_docker_runner", path)
+    spec = importlib.util.spec_from_file_location("kernels_docker_runner", REPO_ROOT / "containers/docker_runner.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -200,8 +199,7 @@ def run(main, snakemake=None) -> None:
                 prepare_process()
                 main(job)
         except SystemExit as e:
-            failed = e.code not in (None, 0)
-            if failed:
+            if failed := e.code not in (None, 0):
                 print(e.code if isinstance(e.code, str) else f"stage {job.rule} exited with status {e.code}")
         except BaseException:
             traceback.print_exc()

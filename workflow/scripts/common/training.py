@@ -52,8 +52,7 @@ class Setup:
             raise ValueError("a captured training step runs our model on CUDA only")
         self.opt = torch.optim.AdamW(model.parameters(), lr=settings.get("lr", 3e-4),
                                      fused=device.type == "cuda", capturable=graph)
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        toks = torch.randint(0, settings["vocab"], (B, T + 1), generator=g).to(device)
+        toks = torch.randint(0, settings["vocab"], (B, T + 1), generator=torch.Generator().manual_seed(seed)).to(device)
         self.inp, self.tgt = toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
         self.pos = torch.arange(T, device=device).expand(B, T).contiguous()
         self.T, self.B, self.device, self.clip = T, B, device, settings.get("grad_clip", 1.0)
