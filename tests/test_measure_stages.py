@@ -4,6 +4,7 @@ candidates, and the cpu-smoke tracks end to end with resume."""
 
 import itertools
 import json
+import statistics
 import types
 import warnings
 from pathlib import Path
@@ -359,6 +360,23 @@ def test_infer_track_latency_and_throughput(smoke):
         assert set(r["throughput_grid"]) == {"AB", "BA"}
         assert all(("stopped rising" in w) or ("max_batch 4" in w) for w in r["throughput_grid"].values())
     assert {r["generated_tokens"] for r in thr} == {2, 3}
+    cli = [r for r in recs if r["role"] == "cli"]
+    assert {r["mixer"] for r in cli} == {"samu", "rglru"}
+    for r in cli:   # the command line in its own process, beside both orders' latency trajectories of its length
+        got = r["cli"]
+        assert r["status"] == "ok" and (got["mixer"], got["batch"], got["new_tokens"], got["prompt_len"]) == (
+            r["mixer"], 2, 4, 0) and got["mixer_step_backend"] == "reference"
+        lat4 = [x["ms_per_step"] for x in lat if x["mixer"] == r["mixer"] and x["shapes"]["prompt"] == 0
+                and x["generated_tokens"] == 4]
+        assert sorted(r["track_ms_per_step"]) == sorted(lat4) and len(lat4) == 2
+        assert r["ms_per_step"] == got["ms_per_step"] > 0
+        assert r["vs_track"] == pytest.approx(got["ms_per_step"] / statistics.median(lat4))
+
+
+def test_generate_cli_failure_is_an_error(tmp_path):
+    """A generation command that exits non-zero raises with its error text (a failed record), not a figure."""
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 2: .*argument --preset: invalid choice"):
+        track_infer.cli_fields(["--preset", "none"], str(tmp_path / "tuning.json"), [])
 
 
 def test_tracks_resume_without_measuring_again(smoke):

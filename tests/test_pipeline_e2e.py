@@ -90,7 +90,7 @@ def test_outputs_records_and_report(smoke):
     assert all(f"plots/{p}" in report for p in plots)
     summary = report.split("## Summary", 1)[1].split("## Environment", 1)[0]
     for part in ("**Training step**", "**Inference latency**", "**Inference throughput**", "**Scan track**",
-                 "**Decode step tuning**", "`rglru_step`:", "`samu_step`:"):
+                 "**Generation command line**", "**Decode step tuning**", "`rglru_step`:", "`samu_step`:"):
         assert part in summary
     # each op's table names the tuning table's choice at every tuned batch size
     assert summary.split("**Decode step tuning**", 1)[1].split("## Run orders", 1)[0].count("**") == 2 * 2

@@ -1,18 +1,25 @@
 """Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the generation
 engine: prefill (time to first token), latency (one trajectory read at every length) and
-throughput (probes over batch sizes while tokens/s rises, the best on fresh trajectories)."""
+throughput (probes over batch sizes while tokens/s rises, the best on fresh trajectories), and
+the generation command line's step time beside the latency trajectory of its batch and length."""
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 
 import torch
 
 from common import cases, measure, stage
+from common.facts import REPO_ROOT
 
 import kernels
 from kernels import ops
 from kernels.models import HawkConfig, HawkLM
 from kernels.models import decode as dk
 from kernels.models.generation import Engine
+from kernels.ops import tuning
 
 
 def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], reps: int, device, params: int,
@@ -71,6 +78,20 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.T
                       "max(2 x non-embedding parameters x B x P / probe BF16 rate, weights / probe copy bandwidth)"}}
 
 
+def cli_fields(argv: list[str], table: str, track: list) -> dict:
+    """`python -m kernels.generate` as a user runs it (its own process, the pipeline's table through
+    the documented variable), beside the track's ms per step (`track`: its latency records)."""
+    run = subprocess.run([sys.executable, "-m", "kernels.generate", *argv, "--json"], capture_output=True, text=True,
+                         cwd=REPO_ROOT, env={**os.environ, tuning.ENV: os.path.abspath(table)}, check=False)
+    if run.returncode:
+        raise RuntimeError(f"kernels.generate exited with {run.returncode}: {run.stderr[-2000:]}")
+    got, ms = json.loads(run.stdout.splitlines()[-1]), [r["ms_per_step"] for r in track if r]
+    total = [got["ms_per_step"] * got["new_tokens"]]
+    return {"samples_ms": total, "stats": measure.summarize(total), "cli": got, "argv": argv,
+            "ms_per_step": got["ms_per_step"], "track_ms_per_step": ms,
+            "vs_track": got["ms_per_step"] / statistics.median(ms) if ms else None}
+
+
 def extend_grid(probe_at, thr: dict) -> dict:
     """Probe the batch sizes, doubling B while tokens/s rises over `plateau_rise` (to `max_batch`);
     stop at the first failure; say why it ended."""
@@ -102,6 +123,9 @@ def main(job):
     auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(job.load("table")))
     runner = measure.Runner.for_job(job, "infer", settings, device)
     preset, mixers = settings["preset"], settings["mixers"]
+    if settings.get("cli_tokens") and settings["vocab"] != HawkConfig.preset(preset).vocab_size:
+        raise ValueError(f"infer.cli_tokens: the generation command builds {preset}'s vocabulary, not vocab "
+                         f"{settings['vocab']}")
     models: dict = {}
 
     def model(mixer):
@@ -156,6 +180,16 @@ def main(job):
             cid = f"infer-prefill-{preset}-P{pre['prompt']}-B{pre['batch']}-{mixer}-{order}"
             runner.run(cid, lambda mixer=mixer: prefill_fields(model(mixer), pre, settings, env, auto.table, device),
                        **base(mixer, pre["batch"], pre["prompt"]), order=order, role="prefill", sequence=list(seq))
+
+    if n := settings.get("cli_tokens"):
+        models.clear()
+        measure.release(device)
+        B, dtype = lat["batch"], {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[settings["dtype"]]
+        for mixer in mixers:
+            argv = ["--preset", preset, "--mixer", mixer, "--batch", str(B), "--new-tokens", str(n), "--dtype", dtype]
+            track = [runner.ok(f"infer-latency-{preset}-P0-B{B}-{mixer}-{o}-N{n}") for o in ("AB", "BA")]
+            runner.run(f"infer-cli-{preset}-B{B}-N{n}-{mixer}", lambda a=argv, t=track: cli_fields(
+                a, job.input.table, t), **base(mixer, B, 0), role="cli", generated_tokens=n)
 
     if thr := settings.get("throughput"):
         probe, grid = {}, {}
