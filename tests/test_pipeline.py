@@ -388,6 +388,50 @@ def test_report_names_the_tuned_decode_linear_tiles_apart_from_the_audit():
     assert aggregate.linear_tiles({"entries": []}) == ""
 
 
+def test_report_sets_the_run_beside_a_baseline_archive_or_folder(tmp_path):
+    """Ours slower by over 5 % at a shared config_id are listed; peers are not; across GPUs the
+    ratio is scaled by the probes' copy bandwidths and the report says it is no verdict."""
+    import aggregate
+
+    def run(gpu, times):
+        return [_rec(cid, stats={"p10_ms": t, "median_ms": t, "p95_ms": t}, gpu={"name": gpu},
+                     peer=cid.startswith("peer")) for cid, t in times.items()]
+
+    old = run("G1", {"same": 1.0, "slower": 1.0, "peer-slower": 1.0, "gone": 1.0})
+    folder = tmp_path / "old" / "results"
+    for sub, recs in (("scan", old[:2]), ("infer", old[2:])):
+        (folder / "tracks" / sub).mkdir(parents=True)
+        (folder / "tracks" / sub / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (folder / "probe").mkdir()
+    (folder / "probe" / "environment.json").write_text(json.dumps({"measured": {"copy_bandwidth_bytes_per_s": 2.0}}))
+    archive = tmp_path / "old.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="artifact-x/results")
+    env = {"measured": {"copy_bandwidth_bytes_per_s": 1.0}}
+    new = run("G1", {"same": 1.02, "slower": 1.2, "peer-slower": 2.0, "new": 1.0})
+    df = aggregate.add_floor(aggregate.flatten(new), None)
+    for where in (archive, folder):
+        text, pairs = aggregate.against_baseline(df, str(where), env)
+        assert set(pairs["config_id"]) == {"same", "slower", "peer-slower"}
+        assert pairs.set_index("config_id")["ratio"].to_dict() == pytest.approx(
+            {"same": 1.02, "slower": 1.2, "peer-slower": 2.0})
+        assert "on the same GPU" in text and "1 of ours are slower by over 5 %" in text
+        assert [row.split("|")[2].strip() for row in text.splitlines() if row.startswith("| scan")] == ["slower"]
+    # another GPU: the ratio times this run's copy bandwidth over the baseline's, no verdict
+    other = aggregate.add_floor(aggregate.flatten(run("G2", {"same": 2.0, "slower": 2.4})), None)
+    text, pairs = aggregate.against_baseline(other, str(archive), env)
+    assert pairs.set_index("config_id")["ratio_bw"].to_dict() == pytest.approx({"same": 1.0, "slower": 1.2})
+    assert "across GPUs (G1 then)" in text and "no verdict" in text and "1 of ours" in text
+    text, pairs = aggregate.against_baseline(df, None, env)
+    assert text == "" and pairs.empty
+    with pytest.raises(ValueError, match="no tracks/<track>/records.jsonl inside"):
+        aggregate.against_baseline(df, str(tmp_path / "old" / "results" / "probe"), env)
+    with pytest.raises(FileNotFoundError, match="no such archive"):
+        aggregate.against_baseline(df, str(tmp_path / "missing.tar.gz"), env)
+    text, pairs = aggregate.against_baseline(aggregate.flatten(run("G1", {"new": 1.0})), str(archive), env)
+    assert pairs.empty and "0 configurations share their config_id" in text and "(4 records, commit -)" in text
+
+
 def test_report_tables_have_no_nan_cells_and_labels_come_from_records():
     import aggregate
 

@@ -138,6 +138,24 @@ def test_archive_verifies_and_tampering_is_caught(smoke, tmp_path):
     assert bad.returncode == 1 and "results/audit/gates.json" in bad.stdout
 
 
+def test_report_against_a_baseline_archive(smoke):
+    """`--config baseline=<artifact>` reruns the aggregation alone; the run set beside its own
+    archive pairs every successful record at ratio 1, none of ours slower."""
+    repo = smoke["repo"]
+    (artifact,) = (repo / "results").glob("artifact-*.tar.gz")
+    ran = snakemake(repo, "--cores", "1", "aggregate", "--config", "profile=cpu-smoke", f"baseline={artifact}")
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert not re.search(r"^localrule (probe|audit|tune|track_\w+):", ran.stdout + ran.stderr, re.M)
+    report = (repo / "results/report/report.md").read_text()
+    section = report.split("## Against the baseline run", 1)[1].split("\n## ", 1)[0]
+    ok = sum(r["status"] == "ok" for t in ("ops", "scan", "train", "infer")
+             for r in records.read_jsonl(repo / f"results/tracks/{t}/records.jsonl"))
+    assert f"{ok} configurations share their config_id" in section and "on the same GPU" in section
+    assert "0 of ours are slower" in section
+    pairs = (repo / "results/report/baseline.csv").read_text().splitlines()
+    assert len(pairs) == ok + 1 and all(row.split(",")[-2] == "1.0" for row in pairs[1:]), pairs[:3]
+
+
 FAST_AUDIT = """
 profiles:
   cpu-smoke:

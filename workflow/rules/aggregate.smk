@@ -10,6 +10,7 @@ rule aggregate:
         report=reported("results/report/report.md", "aggregate", "Report"),
         records_csv=reported("results/report/records.csv", "aggregate", "Tables"),
         comparison_csv=reported("results/report/comparison.csv", "aggregate", "Tables"),
+        baseline_csv=reported("results/report/baseline.csv", "aggregate", "Tables"),
         tables=reported("results/report/tables.md", "aggregate", "Tables"),
         plots=reported(
             directory("results/report/plots"),
@@ -25,5 +26,6 @@ rule aggregate:
         **STAGE_RESOURCES["aggregate"],
     params:
         profile=PROFILE,
+        baseline=config.get("baseline"),
     script:
         "../scripts/aggregate.py"

@@ -1,14 +1,16 @@
-"""Aggregation -> results/report/: records.csv, comparison.csv, tables.md, plots and
+"""Aggregation -> results/report/: records.csv, comparison.csv, baseline.csv, tables.md, plots and
 report.md, generated from the track records (never edited; no record modified)."""
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
 from matplotlib.figure import Figure
 
 from common import atomic, records, stage
+from common.artifact import read_tar
 from common.cases import opt_tag
 
 MIXERS = ("samu", "rglru")
@@ -480,16 +482,50 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def against_baseline(df, path: str | None, env: dict) -> tuple[str, pd.DataFrame]:
+    """This run's successful configurations beside the same config_ids of an earlier run (`path`:
+    its artifact .tar.gz or results folder): the headline medians, their ratio, and that ratio times
+    the probes' copy bandwidths (this run's over the baseline's) where the GPUs differ."""
+    if not path:
+        return "", pd.DataFrame()
+    if not (p := Path(path)).exists():
+        raise FileNotFoundError(f"baseline {path}: no such archive or results folder")
+    files = read_tar(p)[0] if p.is_file() else {f.relative_to(p).as_posix(): f.read_bytes() for f in p.rglob("*.json*")}
+    recs = [json.loads(x) for n, b in sorted(files.items()) if re.fullmatch(r"(.*/)?tracks/[^/]+/records\.jsonl", n)
+            for x in b.decode().splitlines() if x.strip()]
+    if not recs:
+        raise ValueError(f"baseline {path}: no tracks/<track>/records.jsonl inside")
+    base_env = json.loads(next((b for n, b in files.items() if n.endswith("probe/environment.json")), b"{}"))
+    cols, old = ["stage", "config_id", "median_ms", "gpu", "commit"], flatten(recs)
+    m = df[df["status"] == "ok"][[*cols, "peer"]].merge(old[old["status"] == "ok"][cols], on=cols[:2],
+                                                         suffixes=("", "_base"))
+    bw = [e.get("measured", {}).get("copy_bandwidth_bytes_per_s") for e in (env, base_env)]
+    m["ratio"] = m["median_ms"].astype("float64") / m["median_ms_base"].astype("float64")
+    same = bool((m["gpu"] == m["gpu_base"]).all())
+    m["ratio_bw"] = m["ratio"] * (bw[0] / bw[1]) if all(bw) and not same else float("nan")
+    judged = m["ratio"] if same else m["ratio_bw"]
+    slow = m[(m["peer"] != True) & (judged > 1 + ORDER_TOL_PCT / 100)]  # noqa: E712 (NaN: ours)
+    how = ("on the same GPU, by the ratio of the medians" if same else f"across GPUs ({m['gpu_base'].iloc[0]} then), "
+           "by the ratio scaled by the probes' copy bandwidths: a guide for memory-bound work, no verdict")
+    text = (f"## Against the baseline run\n\n{len(m)} configurations share their config_id with `{path}` ({len(recs)} "
+            f"records, commit {', '.join(sorted(m['commit_base'].unique())) or '-'}); judged {how}, {len(slow)} of "
+            f"ours are slower by over {ORDER_TOL_PCT:g} % (`results/report/baseline.csv` has every pair; `ratio`: "
+            "this run's headline median over the baseline's).\n")
+    return text + ("\n" + md_table(slow, [*cols[:3], "median_ms_base", "ratio", "ratio_bw"]) if len(slow) else ""), m
+
+
 def main(job):
     env, gates, table = job.load("environment"), job.load("gates"), job.load("table")
     recs = [r for path in job.input.records for r in records.read_jsonl(path)]
     tune_recs = records.read_jsonl(job.input.tune_records)
     df = add_floor(flatten(recs), env.get("measured", {}).get("copy_bandwidth_bytes_per_s"))
     cmp_df = comparison(df)
+    base_text, base_df = against_baseline(df, job.params.get("baseline"), env)
     out, folder = job.output, Path(job.output.plots)
     folder.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out.records_csv, df.to_csv(index=False) if not df.empty else "config_id\n")
     atomic.write_text(out.comparison_csv, cmp_df.to_csv(index=False) if not cmp_df.empty else "stage\n")
+    atomic.write_text(out.baseline_csv, base_df.to_csv(index=False) if not base_df.empty else "stage,config_id\n")
     tables = stage_tables(df)
     cmp_md = md_table(cmp_df) if not cmp_df.empty else "_no configuration measured both mixers_\n"
     atomic.write_text(out.tables, f"<!-- {GENERATED} -->\n\n## Tracks\n\n{tables}\n## SAMU / RG-LRU\n\n{cmp_md}")
@@ -503,8 +539,8 @@ def main(job):
         f"{len(recs)} records from {len(job.input.records)} tracks; "
         + (", ".join(f"{s} {st}: {n}" for (s, st), n in sorted(counts.items())) or "no measurements")
         + f". Tuning table: {len(table.get('entries', []))} entries." + linear_tiles(table), "",
-        summary, decode_tune_section(tune_recs, table), order_section(df), breakdown_section(recs), host_section(recs),
-        probe_section(env), audit_section(gates, recs + tune_recs, table),
+        summary, base_text, decode_tune_section(tune_recs, table), order_section(df), breakdown_section(recs),
+        host_section(recs), probe_section(env), audit_section(gates, recs + tune_recs, table),
         "## Tracks\n", "Times are per call, P10 / median / P95 over the raw samples kept in each record, of the "
         "headline clock (`clock`: the device clock where device time is under 2 ms, eager otherwise), the eager "
         "median beside it (`eager_ms`) and the host's time inside those calls (`host_ms`: launch work, checks, any "
