@@ -2,7 +2,6 @@
 and shape every exact candidate is checked and probed, the fastest re-measured on fresh runs;
 decode steps per batch size and the decode linears role by role likewise, as trajectories."""
 
-import fnmatch
 import itertools
 import math
 import statistics
@@ -19,11 +18,11 @@ from kernels.models.generation import LINEAR_ROLES, Engine
 from kernels.ops import tuning
 
 
-def candidates(op: str, fns: dict, settings: dict, device, names=None, fixed=frozenset()) -> list[tuple[str, dict]]:
-    """(backend, options) pairs to try among `names` (default every backend in `fns`)."""
-    names = [n for n in (fns if names is None else names)
+def candidates(op: str, fns: dict, settings: dict, device, gates=None, fixed=frozenset()) -> list[tuple[str, dict]]:
+    """(backend, options) pairs to try among the backends in `fns` that pass the audit (`gates`, where
+    given) and match no `inexact` pattern (cases.exact_backend_names)."""
+    names = [n for n in cases.exact_backend_names(op, fns, gates, settings.get("inexact", []))
              if (n != "reference" or device.type != "cuda" or settings.get("include_reference", False))
-             and not any(fnmatch.fnmatch(n, p) for p in settings.get("inexact", []))
              and (not settings.get("backends") or n in settings["backends"])]
     return [(n, o) for n in names for o in cases.option_grid(fns[n], n, settings.get("options", {}), fixed, op)]
 
@@ -55,7 +54,6 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device)
     for op in OPS:
         mode = settings.get("modes", {}).get(op, "fwd_bwd")
         grad, fns = mode == "fwd_bwd", kernels.backends(op)
-        names = cases.exact_backend_names(op, list(fns), gates, settings.get("inexact", []))
         for shape in settings.get("shapes", {}).get(op, []):
             B, T, D = shape["B"], shape["T"], shape["D"]
             args = op_inputs(op, B, T, D, dtype, device, requires_grad=grad)
@@ -86,7 +84,7 @@ def tune_ops(runner: measure.Runner, settings: dict, gates: dict | None, device)
                 return f
 
             got = select(runner, f"{op}-{dt_name}-B{B}-T{T}-D{D}-{mode}",
-                         candidates(op, fns, settings, device, names)[: settings.get("max_candidates")],
+                         candidates(op, fns, settings, device, gates)[: settings.get("max_candidates")],
                          probe, lambda n, o: timed(n, o, settings["fresh_reps"]),
                          {"shapes": shape, "mixer": op if op != "scan" else None, "op": op, "mode": mode,
                           "dtype": dt_name})
