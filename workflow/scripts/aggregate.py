@@ -10,7 +10,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from common import atomic, records, stage
-from common.artifact import read_tar
+from common.artifact import read_files
 from common.cases import opt_tag
 
 MIXERS = ("samu", "rglru")
@@ -47,9 +47,6 @@ VIEWS = (
     (None, "**Time to first token** (prefill of the prompt and one decode step, eager; floor: the larger of the "
      "model FLOPs over the measured BF16 rate and one read of the weights)", "infer", "prefill",
      ["shape.B", "shape.prompt"], ["ttft_ms", "floor_ms"], None, None, None),
-    (None, "**Generation command line** (`python -m kernels.generate`, one run per mixer; `vs_track`: its ms per "
-     "step over the latency track's at that batch and length)", "infer", "cli", ["shape.B", "generated_tokens"],
-     ["ms_per_step", "vs_track"], None, None, None),
     (None, "**Scan track** (forward; each op's fastest exact backend)", "scan", None, ["op", "shape.T"],
      ["variant", "p10_ms", "median_ms", "p95_ms", "eager_ms", "fraction_of_floor"], None, None, None),
 )
@@ -482,36 +479,28 @@ def audit_section(gates: dict, recs: list[dict], table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def against_baseline(df, path: str | None, env: dict) -> tuple[str, pd.DataFrame]:
-    """This run's successful configurations beside the same config_ids of an earlier run (`path`:
-    its artifact .tar.gz or results folder): the headline medians, their ratio, and that ratio times
-    the probes' copy bandwidths (this run's over the baseline's) where the GPUs differ."""
+def against_baseline(df, path: str | None) -> tuple[str, pd.DataFrame]:
+    """This run's successful configurations beside the same config_ids of an earlier run (`path`: its artifact
+    .tar.gz or results folder): the headline medians and their ratio; ours slower by over 5 % on the same GPU."""
     if not path:
         return "", pd.DataFrame()
-    if not (p := Path(path)).exists():
-        raise FileNotFoundError(f"baseline {path}: no such archive or results folder")
-    files = read_tar(p)[0] if p.is_file() else {f.relative_to(p).as_posix(): f.read_bytes() for f in p.rglob("*.json*")}
+    files = read_files(Path(path))[0]
     recs = [json.loads(x) for n, b in sorted(files.items()) if re.fullmatch(r"(.*/)?tracks/[^/]+/records\.jsonl", n)
             for x in b.decode().splitlines() if x.strip()]
     if not recs:
-        raise ValueError(f"baseline {path}: no tracks/<track>/records.jsonl inside")
-    base_env = json.loads(next((b for n, b in files.items() if n.endswith("probe/environment.json")), b"{}"))
+        raise ValueError(f"baseline {path}: no such archive or folder, or no tracks/<track>/records.jsonl in it")
     cols, old = ["stage", "config_id", "median_ms", "gpu", "commit"], flatten(recs)
     m = df[df["status"] == "ok"][[*cols, "peer"]].merge(old[old["status"] == "ok"][cols], on=cols[:2],
                                                          suffixes=("", "_base"))
-    bw = [e.get("measured", {}).get("copy_bandwidth_bytes_per_s") for e in (env, base_env)]
     m["ratio"] = m["median_ms"].astype("float64") / m["median_ms_base"].astype("float64")
-    same = bool((m["gpu"] == m["gpu_base"]).all())
-    m["ratio_bw"] = m["ratio"] * (bw[0] / bw[1]) if all(bw) and not same else float("nan")
-    judged = m["ratio"] if same else m["ratio_bw"]
-    slow = m[(m["peer"] != True) & (judged > 1 + ORDER_TOL_PCT / 100)]  # noqa: E712 (NaN: ours)
-    how = ("on the same GPU, by the ratio of the medians" if same else f"across GPUs ({m['gpu_base'].iloc[0]} then), "
-           "by the ratio scaled by the probes' copy bandwidths: a guide for memory-bound work, no verdict")
-    text = (f"## Against the baseline run\n\n{len(m)} configurations share their config_id with `{path}` ({len(recs)} "
-            f"records, commit {', '.join(sorted(m['commit_base'].unique())) or '-'}); judged {how}, {len(slow)} of "
-            f"ours are slower by over {ORDER_TOL_PCT:g} % (`results/report/baseline.csv` has every pair; `ratio`: "
-            "this run's headline median over the baseline's).\n")
-    return text + ("\n" + md_table(slow, [*cols[:3], "median_ms_base", "ratio", "ratio_bw"]) if len(slow) else ""), m
+    other = ", ".join(sorted(set(m["gpu_base"]) - set(m["gpu"])))
+    slow = m[(m["peer"] != True) & (m["ratio"] > 1 + ORDER_TOL_PCT / 100)]  # noqa: E712 (NaN: ours)
+    verdict = (f"on another GPU ({other}), so no verdict" if other else
+               f"on the same GPU, {len(slow)} of ours are slower by over {ORDER_TOL_PCT:g} %")
+    return (f"## Against the baseline run\n\n{len(m)} configurations share their config_id with `{path}` ({len(recs)} "
+            f"records, commit {', '.join(sorted(m['commit_base'].unique())) or '-'}); {verdict} "
+            "(`results/report/baseline.csv` has every pair; `ratio`: this run's headline median over the baseline's).\n"
+            + ("\n" + md_table(slow, [*cols[:3], "median_ms_base", "ratio"]) if len(slow) and not other else "")), m
 
 
 def main(job):
@@ -520,7 +509,7 @@ def main(job):
     tune_recs = records.read_jsonl(job.input.tune_records)
     df = add_floor(flatten(recs), env.get("measured", {}).get("copy_bandwidth_bytes_per_s"))
     cmp_df = comparison(df)
-    base_text, base_df = against_baseline(df, job.params.get("baseline"), env)
+    base_text, base_df = against_baseline(df, job.params.get("baseline"))
     out, folder = job.output, Path(job.output.plots)
     folder.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out.records_csv, df.to_csv(index=False) if not df.empty else "config_id\n")

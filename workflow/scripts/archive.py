@@ -36,8 +36,7 @@ def build(entries: dict[str, bytes], prefix: str, mtime: int) -> bytes:
 
 
 def main(job):
-    artifact = Path(job.output.artifact)
-    root = artifact.parent
+    root = (artifact := Path(job.output.artifact)).parent
     exclude = {Path(p).resolve() for p in [job.log] if p} | {Path("results/benchmarks/archive.tsv").resolve()}
     entries = {f"results/{p.relative_to(root).as_posix()}": p.read_bytes() for p in result_files(root, exclude)}
     entries["config/config.yaml"] = (facts.REPO_ROOT / "config.yaml").read_bytes()

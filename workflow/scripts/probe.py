@@ -1,6 +1,5 @@
-"""Environment probe -> results/probe/environment.json: GPUs, software and CPU, the device
-copy bandwidth and BF16 matmul rate, the host's cost of the smallest launches, and whether
-Nsight Compute can read counters."""
+"""Environment probe -> results/probe/environment.json: GPUs, software and CPU, the device copy bandwidth and BF16
+matmul rate, the host's cost of the smallest launches, and whether Nsight Compute can read counters."""
 
 import csv
 import importlib.metadata

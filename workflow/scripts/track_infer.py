@@ -1,7 +1,6 @@
-"""Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the generation
-engine: prefill (time to first token), latency (one trajectory read at every length) and
-throughput (probes over batch sizes while tokens/s rises, the best on fresh trajectories), and
-the generation command line's step time beside the latency trajectory of its batch and length."""
+"""Inference track -> results/tracks/infer/records.jsonl: greedy decoding through the generation engine: prefill
+(time to first token), latency (one trajectory read at every length), the generation command line's step time beside
+it, and throughput (probes over batch sizes while tokens/s rises, the best on fresh trajectories)."""
 
 import json
 import os
@@ -19,7 +18,6 @@ from kernels import ops
 from kernels.models import HawkConfig, HawkLM
 from kernels.models import decode as dk
 from kernels.models.generation import Engine
-from kernels.ops import tuning
 
 
 def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], reps: int, device, params: int,
@@ -42,14 +40,6 @@ def trajectory_fields(engine, B: int, prompt_tokens, checkpoints: list[int], rep
                   "decoder_details": {"kind": kind, **engine.describe(B)}, "trajectory_clock": runs[0]["clock"],
                   "warmup_steps": warmup}
     return out
-
-
-def resolved_backends(engine, B: int, prompt: int) -> dict:
-    """What the mixer backends resolve to: the prefill op (with options) and the decode step."""
-    cfg = engine.model.config
-    x = torch.empty(B, max(prompt, 1), cfg.lru_width, dtype=engine.dtype, device=engine.device)
-    name, opts = ops.resolve(cfg.mixer, engine.model.blocks[0].recurrent_block.mixer.backend, x)
-    return {"prefill": name, "prefill_options": opts, "step": engine.describe(B)["mixer_step_backend"]}
 
 
 def engine_for(model, B: int, table: kernels.TuningTable, settings: dict, device) -> Engine:
@@ -79,17 +69,14 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.T
 
 
 def cli_fields(argv: list[str], table: str, track: list) -> dict:
-    """`python -m kernels.generate` as a user runs it (its own process, the pipeline's table through
-    the documented variable), beside the track's ms per step (`track`: its latency records)."""
-    run = subprocess.run([sys.executable, "-m", "kernels.generate", *argv, "--json"], capture_output=True, text=True,
-                         cwd=REPO_ROOT, env={**os.environ, tuning.ENV: os.path.abspath(table)}, check=False)
-    if run.returncode:
-        raise RuntimeError(f"kernels.generate exited with {run.returncode}: {run.stderr[-2000:]}")
-    got, ms = json.loads(run.stdout.splitlines()[-1]), [r["ms_per_step"] for r in track if r]
+    """`python -m kernels.generate` as a user runs it (its own process, the pipeline's table through the documented
+    variable, its errors in the stage's log), beside the ms per step of the track's latency records `track`."""
+    out = subprocess.run([sys.executable, "-m", "kernels.generate", *argv, "--json"], stdout=subprocess.PIPE, text=True,
+                         cwd=REPO_ROOT, env={**os.environ, ops.tuning.ENV: os.path.abspath(table)}, check=True).stdout
+    got, ms = json.loads(out.splitlines()[-1]), [r["ms_per_step"] for r in track if r]
     total = [got["ms_per_step"] * got["new_tokens"]]
-    return {"samples_ms": total, "stats": measure.summarize(total), "cli": got, "argv": argv,
-            "ms_per_step": got["ms_per_step"], "track_ms_per_step": ms,
-            "vs_track": got["ms_per_step"] / statistics.median(ms) if ms else None}
+    return {"samples_ms": total, "stats": measure.summarize(total), "cli": got, "argv": argv, "track_ms_per_step": ms,
+            "ms_per_step": got["ms_per_step"], "vs_track": got["ms_per_step"] / statistics.median(ms) if ms else None}
 
 
 def extend_grid(probe_at, thr: dict) -> dict:
@@ -123,9 +110,8 @@ def main(job):
     auto = kernels.Backend("auto", table=kernels.TuningTable.from_dict(job.load("table")))
     runner = measure.Runner.for_job(job, "infer", settings, device)
     preset, mixers = settings["preset"], settings["mixers"]
-    if settings.get("cli_tokens") and settings["vocab"] != HawkConfig.preset(preset).vocab_size:
-        raise ValueError(f"infer.cli_tokens: the generation command builds {preset}'s vocabulary, not vocab "
-                         f"{settings['vocab']}")
+    if settings.get("cli_tokens") and settings["vocab"] != (v := HawkConfig.preset(preset).vocab_size):
+        raise ValueError(f"infer.cli_tokens: the generation command builds vocab {v}, not {settings['vocab']}")
     models: dict = {}
 
     def model(mixer):
@@ -158,8 +144,12 @@ def main(job):
                 per = trajectory_fields(engine, B, tokens, lengths, reps, device,
                                         sum(p.numel() for p in m.parameters()), runner.twin(ids[0]),
                                         warmup=settings.get("warmup_steps", 2))
+                # what the mixer backends resolve to: the prefill op (with options) and the decode step
+                x = torch.empty(B, max(prompt, 1), m.config.lru_width, dtype=engine.dtype, device=device)
+                name, opts = ops.resolve(mixer, m.blocks[0].recurrent_block.mixer.backend, x)
                 for v in per.values():
-                    v.update(resolved=resolved_backends(engine, B, prompt), decode_table_entry=choice)
+                    v.update(resolved={"prefill": name, "prefill_options": opts, "step": v["decoder_details"][
+                        "mixer_step_backend"]}, decode_table_entry=choice)
             finally:
                 del engine
                 measure.release(device)
@@ -182,7 +172,6 @@ def main(job):
                        **base(mixer, pre["batch"], pre["prompt"]), order=order, role="prefill", sequence=list(seq))
 
     if n := settings.get("cli_tokens"):
-        models.clear()
         measure.release(device)
         B, dtype = lat["batch"], {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[settings["dtype"]]
         for mixer in mixers:

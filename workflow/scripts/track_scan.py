@@ -1,6 +1,5 @@
-"""Scan track -> results/tracks/scan/records.jsonl: Griffin's Fig. 8a shape, forward only,
-every backend of every op in both orders, with the memory floor and hardware counters
-from one Nsight Compute pass where readable."""
+"""Scan track -> results/tracks/scan/records.jsonl: Griffin's Fig. 8a shape, forward only, every backend of every op in
+both orders, with the memory floor and hardware counters from one Nsight Compute pass where readable."""
 
 import itertools
 import json

@@ -1,7 +1,6 @@
-"""Training-step track -> results/tracks/train/records.jsonl: Hawk models that differ only in the
-mixer, one train_step of 8192 tokens. Diagnostics (every gated backend), the comparison (each
-mixer's fastest exact backend, fresh runs, per step mode), then the official peer and last the
-slow PyTorch reference, so that a spent budget cuts those first."""
+"""Training-step track -> results/tracks/train/records.jsonl: Hawk models that differ only in the mixer, one train_step
+of 8192 tokens. Diagnostics (every gated backend), the comparison (each mixer's fastest exact backend, fresh runs, per
+step mode), then the official peer and last the slow PyTorch reference, so that a spent budget cuts those first."""
 
 from common import cases, measure, stage, training
 from common.cases import chunk_variants, opt_tag

@@ -1,7 +1,6 @@
-"""Multi-GPU training track -> results/tracks/train_fsdp/records.jsonl: track_train's step
-data parallel with FSDP2 over `train.world_size` GPUs (weak scaling), each mixer on the
-backend track_train chose. The stage runs torchrun on this script (`--worker`); rank 0
-writes the records; a configuration during which a rank died is recorded failed."""
+"""Multi-GPU training track -> results/tracks/train_fsdp/records.jsonl: track_train's step data parallel with FSDP2 over
+`train.world_size` GPUs (weak scaling), each mixer on the backend track_train chose. The stage runs torchrun on this
+script (`--worker`); rank 0 writes the records; a configuration during which a rank died is recorded failed."""
 
 import json
 import subprocess

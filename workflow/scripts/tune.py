@@ -126,11 +126,10 @@ def l2_bytes(device) -> int:
 
 
 def tune_decode(runner: measure.Runner, settings: dict, device) -> list[dict]:
-    """Every decode step candidate per batch size, gated on 4 steps against the reference, timed as
-    trajectories whose steps walk `layers` distinct layers as the model's step does. Successive
-    steps take their layers from a pool of at least twice the L2 cache, so every visit finds a
-    layer's weights, mode table and state evicted, as in the model (where its other weights
-    stream between two visits of a layer), not in the cache that one walk would keep warm."""
+    """Every decode step candidate per batch size, gated on 4 steps against the reference, timed as trajectories whose
+    steps walk `layers` distinct layers as the model's step does. Successive steps take their layers from a pool of at
+    least twice the L2 cache, so every visit finds a layer's weights, mode table and state evicted, as in the model
+    (where its other weights stream between two visits of a layer), not in the cache that one walk would keep warm."""
     if not (dec := settings.get("decode")):
         return []
     dt_name = dec.get("dtype", "bfloat16")
@@ -257,8 +256,7 @@ def tune_linears(runner: measure.Runner, settings: dict, device) -> list[dict]:
 def main(job):
     settings, device = job.params["settings"], measure.device_of()
     runner = measure.Runner.for_job(job, "tune", settings, device)
-    entries = tune_ops(runner, settings, job.load("gates"), device)
-    decode = tune_decode(runner, settings, device)
+    entries, decode = tune_ops(runner, settings, job.load("gates"), device), tune_decode(runner, settings, device)
     try:
         linears, linears_error = tune_linears(runner, settings, device), None
     except Exception as e:  # noqa: BLE001 - the table keeps the op and step entries; the report names the error

@@ -18,8 +18,10 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def read_tar(path: Path) -> tuple[dict[str, bytes], list[str]]:
-    """Files of the artifact's one top folder by relative name, and unexpected members."""
+def read_files(path: Path) -> tuple[dict[str, bytes], list[str]]:
+    """Files of a folder, or of a .tar.gz artifact's one top folder, by relative name; unexpected members."""
+    if not path.is_file():
+        return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}, []
     files, unusual = {}, []
     with tarfile.open(path, "r:gz") as tar:
         for m in tar.getmembers():
@@ -37,8 +39,7 @@ def verify(path: str | Path) -> list[str]:
     if not path.exists():
         return [f"no such artifact: {path}"]
     try:
-        present, problems = read_tar(path) if path.is_file() else (
-            {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}, [])
+        present, problems = read_files(path)
         if MANIFEST not in present:
             return [f"no {MANIFEST} in {path}"]
         listed = json.loads(present.pop(MANIFEST)).get("files")

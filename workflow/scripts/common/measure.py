@@ -299,9 +299,8 @@ def run_for(fn: Callable[[], object], dev, ms: float) -> float:
 
 
 def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 12) -> list[dict]:
-    """The `top` functions by own host time per call (cProfile, whose own cost inflates each Python
-    frame) over `calls` calls of fn. The device is waited for between calls, outside the profile:
-    no launch waits on a full queue in it."""
+    """The `top` functions by own host time per call (cProfile, whose own cost inflates each Python frame) over `calls`
+    calls of fn. The device is waited for between calls, outside the profile: no launch waits on a full queue in it."""
     dev, prof = device_of(device), cProfile.Profile()
     for _ in range(calls):
         prof.enable()
@@ -314,11 +313,10 @@ def host_profile(fn: Callable[[], object], calls: int, device=None, top: int = 1
 
 
 def host_waits(fn: Callable[[], object], calls: int, device=None) -> dict:
-    """What separates an eager call's host time from its own host work, without a profiler:
-    `host_drained_ms`, the median host time of `calls` calls each started on an idle device
-    (host_median_ms, taken with earlier calls still queued, minus this is time spent waiting on
-    the device); per call the CUDA caching allocator's counters (_ALLOC_STATS); the
-    synchronisations torch's sync debug mode reports in one call (CUDA only)."""
+    """What separates an eager call's host time from its own host work, without a profiler: `host_drained_ms`, the
+    median host time of `calls` calls each started on an idle device (host_median_ms, taken with earlier calls still
+    queued, minus this is time spent waiting on the device); per call the CUDA caching allocator's counters
+    (_ALLOC_STATS); the synchronisations torch's sync debug mode reports in one call (CUDA only)."""
     dev = device_of(device)
     cuda = dev.type == "cuda"
     # the allocator counts on the host, as calls enqueue: no wait before reading it
@@ -351,11 +349,10 @@ def host_waits(fn: Callable[[], object], calls: int, device=None) -> dict:
 def measure(fn: Callable[[], object], reps: int, warmup: int = 2, device=None, budget_s: float | None = None,
             logical: dict | None = None, count: bool = True, warm_ms: float = EAGER_WARM_MS,
             profile_calls: int = 0) -> dict:
-    """A record's timing fields: the device clock where its median is under SHORT_MS, else the
-    eager clock. `logical`: counts lent by the other run order's record, else (with `count`) one
-    call's. A call under `warm_ms` runs back to back that long first (0 where processes must make
-    the same calls: FSDP's ranks). `profile_calls`: for a call under SHORT_MS eager, host_waits
-    (at most HOST_WAIT_CALLS calls) and the host profile."""
+    """A record's timing fields: the device clock where its median is under SHORT_MS, else the eager clock. `logical`:
+    counts lent by the other run order's record, else (with `count`) one call's. A call under `warm_ms` runs back to
+    back that long first (0 where processes must make the same calls: FSDP's ranks). `profile_calls`: for a call under
+    SHORT_MS eager, host_waits (at most HOST_WAIT_CALLS calls) and the host profile."""
     dev = device_of(device)
     for _ in range(max(warmup - 1, 0)):
         fn()

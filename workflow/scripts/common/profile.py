@@ -1,6 +1,5 @@
-"""Which profile of config.yaml runs: `auto` picks by the first GPU NVML reports
-(H200 -> h200, H800 -> h800, none or all hidden by CUDA_VISIBLE_DEVICES -> cpu-smoke);
-a GPU without a profile is an error saying how to choose one."""
+"""Which profile of config.yaml runs: `auto` picks by the first GPU NVML reports (H200 -> h200, H800 -> h800, none or
+all hidden by CUDA_VISIBLE_DEVICES -> cpu-smoke); a GPU without a profile is an error saying how to choose one."""
 
 from __future__ import annotations
 

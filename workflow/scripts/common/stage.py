@@ -165,9 +165,7 @@ def pin_gpu(job: Job) -> None:
 
 
 def _run_in_docker(job: Job) -> None:
-    container = job.config["container"]
-    text = atomic.dumps(job.to_json())
-    results = REPO_ROOT / "results"
+    container, text, results = job.config["container"], atomic.dumps(job.to_json()), REPO_ROOT / "results"
     job_file = results / ".tmp" / "jobs" / f"{job.rule}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
     atomic.write_text(job_file, text)
     print(f"[stage] running {job.rule} in docker image {container['image']}", flush=True)
