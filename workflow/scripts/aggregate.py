@@ -485,8 +485,8 @@ def against_baseline(df, path: str | None) -> tuple[str, pd.DataFrame]:
     if not path:
         return "", pd.DataFrame()
     files = read_files(Path(path))[0]
-    recs = [json.loads(x) for n, b in sorted(files.items()) if re.fullmatch(r"(.*/)?tracks/[^/]+/records\.jsonl", n)
-            for x in b.decode().splitlines() if x.strip()]
+    recs = [records.validate(json.loads(x)) for n, b in sorted(files.items())
+            if re.fullmatch(r"(.*/)?tracks/[^/]+/records\.jsonl", n) for x in b.decode().splitlines() if x.strip()]
     if not recs:
         raise ValueError(f"baseline {path}: no such archive or folder, or no tracks/<track>/records.jsonl in it")
     cols, old = ["stage", "config_id", "median_ms", "gpu", "commit"], flatten(recs)

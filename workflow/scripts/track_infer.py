@@ -15,6 +15,7 @@ from common.facts import REPO_ROOT
 
 import kernels
 from kernels import ops
+from kernels.generate import DTYPES
 from kernels.models import HawkConfig, HawkLM
 from kernels.models import decode as dk
 from kernels.models.generation import Engine
@@ -69,8 +70,7 @@ def prefill_fields(model, pre: dict, settings: dict, env: dict, table: kernels.T
 
 
 def cli_fields(argv: list[str], table: str, track: list) -> dict:
-    """`python -m kernels.generate` as a user runs it (its own process, the pipeline's table through the documented
-    variable, its errors in the stage's log), beside the ms per step of the track's latency records `track`."""
+    """The generation command in its own process (table via $KERNELS_TUNING_TABLE, errors to the log) beside `track`."""
     out = subprocess.run([sys.executable, "-m", "kernels.generate", *argv, "--json"], stdout=subprocess.PIPE, text=True,
                          cwd=REPO_ROOT, env={**os.environ, ops.tuning.ENV: os.path.abspath(table)}, check=True).stdout
     got, ms = json.loads(out.splitlines()[-1]), [r["ms_per_step"] for r in track if r]
@@ -173,7 +173,7 @@ def main(job):
 
     if n := settings.get("cli_tokens"):
         measure.release(device)
-        B, dtype = lat["batch"], {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[settings["dtype"]]
+        B, dtype = lat["batch"], next(k for k, v in DTYPES.items() if v == getattr(torch, settings["dtype"]))
         for mixer in mixers:
             argv = ["--preset", preset, "--mixer", mixer, "--batch", str(B), "--new-tokens", str(n), "--dtype", dtype]
             track = [runner.ok(f"infer-latency-{preset}-P0-B{B}-{mixer}-{o}-N{n}") for o in ("AB", "BA")]
