@@ -184,8 +184,8 @@ def main(job):
         probe, grid = {}, {}
         for order, seq, mixer in measure.orders(mixers):
             def probe_at(B, mixer=mixer, order=order, seq=seq):
-                got = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [thr["probe_steps"]], 1,
-                            order, seq, "probe")
+                got = group(f"infer-probe-{preset}-B{B}-{mixer}-{order}", mixer, B, 0, [thr["probe_steps"]],
+                            thr.get("probe_reps", 1), order, seq, "probe")
                 return next(iter(got.values()), None)
 
             grid[(mixer, order)] = extend_grid(probe_at, thr)
