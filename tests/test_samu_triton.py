@@ -319,6 +319,30 @@ def test_row_step_options(opts):
             row(inputs["x"][:, 0], *params, s0, None, **{name: bad})
 
 
+@pytest.mark.parametrize("opts", [{"block_m": 16}, {"block_m": 32, "num_warps": 2}], ids=["bm16", "bm32w2"])
+def test_blocked_step_options(opts):
+    """The blocked step's tuning options: M = 20 modes over programs of 16 (two per row, the
+    second partial) or 32 (one), fewer warps; with and without the mode table each equals
+    the default (one program of 128 per row) bit for bit and the reference. Bad values raise."""
+    inputs = make_inputs(torch.float32, b=3, t=3, d=40, seed=7)
+    params = [inputs[k] for k in GRAD_NAMES[1:7]]
+    tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], torch.float32)
+    blocked = STEPS["samu"]["blocked"]
+    for modes in (None, tab):
+        s0, s1, s_ref = (inputs["initial_state"].clone() for _ in range(3))
+        for t, r in ((0, None), (1, torch.tensor([True, False, False])), (2, None)):
+            x = inputs["x"][:, t]
+            want = kernels.samu_step(x, *params, s_ref, r, backend="reference")
+            y0 = blocked(x, *params, s0, r, modes=modes)
+            with poisoned():
+                y1 = blocked(x, *params, s1, r, modes=modes, **opts)
+            assert torch.equal(y1, y0) and torch.equal(s1, s0)
+            assert rel(y1, want) < 2e-6 and rel(s1, s_ref) < 2e-6
+    for name, bad in (("block_m", 8), ("block_m", 24), ("block_m", 4096), ("num_warps", 3), ("block_d", 64)):
+        with pytest.raises((ValueError, TypeError), match=name):
+            blocked(inputs["x"][:, 0], *params, s0, None, **{name: bad})
+
+
 def test_row_step_default_reduction_width(monkeypatch):
     """The row step reduces the whole row (up to ROW_BLOCK_D columns) while two rows per
     multiprocessor hold the batch, and ROW_MANY_ROWS_BLOCK_D columns beyond; off CUDA

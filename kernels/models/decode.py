@@ -36,8 +36,7 @@ def _rnd(v, TY: tl.constexpr, RNE: tl.constexpr):
 
 @launcher
 @triton.jit
-def rmsnorm_rows_kernel(src, tokens, x, scale, xn, D, eps, BD: tl.constexpr, EMBED: tl.constexpr,
-                        RNE: tl.constexpr):
+def rmsnorm_rows_kernel(src, tokens, x, scale, xn, D, eps, BD: tl.constexpr, EMBED: tl.constexpr, RNE: tl.constexpr):
     """Row m: x[m] = src[tokens[m]] (EMBED) or x[m] <- round(src[m] + x[m]); then
     xn[m] = round(x[m] / rms(x[m]) * (1 + scale))."""
     m = tl.program_id(0)
@@ -153,8 +152,7 @@ def _w_tile(wp, o_n, m_n, o_k, m_k, K):
 
 
 @triton.jit
-def _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO: tl.constexpr, TY: tl.constexpr,
-            RNE: tl.constexpr):
+def _a_tile(a, sa, a2, sa2, nscale, sq, o_m, m_m, o_k, m_k, PRO: tl.constexpr, TY: tl.constexpr, RNE: tl.constexpr):
     """Input tile [BM, BK] in the model dtype and the raw inputs' running squares [BM, BK]
     (PRO_NORM: round(a * (1 + scale)); 1 / rms scales the row sums after the K reduction)."""
     m2 = m_m[:, None] & m_k[None, :]

@@ -22,7 +22,7 @@ from .common import controller, dir_cols, load_modes, load_pair, mode_consts64, 
 
 ROW_MIN_BATCH = 64
 ROW_MIN_BATCH_TABLE = 32      # "row" recomputes the most constants per program without the table
-ROW_BLOCK_M = 2048            # modes per iteration of the row step, at most
+ROW_BLOCK_M = 2048            # modes per iteration of the row step (per program of the blocked step), at most
 ROW_DEFAULT_BLOCK_M = 256     # the fastest of 256, 512, 2048 at every batch of the H200 decode tune (B 16 to 256)
 # The controller reduction's width: the whole row (4096 at D = 2560) takes ~120 registers a thread at 8 warps (two
 # programs per multiprocessor), half of it ~64 (four): the half beyond two rows per multiprocessor (one wave).
@@ -122,7 +122,7 @@ def _launch(layout: str, x: Tensor, phase_dir: Tensor, radial_dir: Tensor, phase
     if layout == "row":
         grid, BM, BD = (B,), block_m or min(next_pow2(M), ROW_DEFAULT_BLOCK_M), block_d or _row_block_d(B, D, x.device)
     else:
-        grid, BM, BD = (cdiv(M, 128), B), 128, min(next_pow2(D), ROW_BLOCK_D)
+        grid, BM, BD = (cdiv(M, block_m or 128), B), block_m or 128, min(next_pow2(D), ROW_BLOCK_D)
     _step_kernel[grid](*args, HAS_RESET=reset is not None, TABLE=modes is not None, ROW=layout == "row", BD=BD, BM=BM,
                        ACC=tl_dtype(sr.dtype), num_warps=num_warps or (8 if layout == "row" else 4))
     account(f"samu_step_{layout}", (x, phase_dir, radial_dir, *((nu_log, theta_log) if modes is None else (modes,)),
@@ -183,10 +183,12 @@ def samu_step_row(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta
 
 
 def samu_step_blocked(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None,
-                      modes=None, plan=None):
-    """Decode step, one program per (sequence, 128 modes). Same contract as samu_step_row."""
+                      modes=None, block_m=None, num_warps=None, plan=None):
+    """Decode step, one program per (sequence, `block_m` modes: default 128) with `num_warps` warps (default 4),
+    each reducing its row's controller. Same contract as samu_step_row."""
     return _step("blocked", x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset, modes,
-                 plan=plan)
+                 block_m=0 if block_m is None else check_pow2("block_m", block_m, 16, ROW_BLOCK_M),
+                 num_warps=0 if num_warps is None else check_pow2("num_warps", num_warps, 1, 16), plan=plan)
 
 
 def samu_step(x, phase_dir, radial_dir, phase_amp, radial_amp, nu_log, theta_log, state, reset=None, modes=None,
