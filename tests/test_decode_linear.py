@@ -6,6 +6,11 @@ operand (SWAP), results judged against float64 and the same computation in PyTor
 deterministic results and arrival counts left at zero in a shared workspace."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,16 +148,53 @@ def test_default_tiles():
         assert programs <= 600 and (programs >= 100 or split == -(-K // 512)), (cols, K, c)
 
 
+_HOPPER_PTX = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.models import decode as dk
+
+fn = dk.linear_kernel.fn
+kinds = {"ws": "*fp32", "nscale": "*fp32", "counts": "*i32", "reset": "*i8", "eps": "fp32",
+         **dict.fromkeys(("sa", "sa2", "M", "N", "K"), "i32")}
+sig = {n: "constexpr" if i in fn.constexprs else kinds.get(n, "*bf16") for i, n in enumerate(fn.arg_names)}
+out = {}
+for pf in (1, 0):
+    const = dict(PRO=0, EPI=dk.EPI_GATED, HAS_BIAS=False, HAS_RESET=False, CW=1, BM=16, BN=64, BK=128, SPLIT=2,
+                 KS=1024, RG=2, SWAP=1, DOT=0, RNE=False, PDL=True, PF=bool(pf))
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 8, "num_stages": 3}).asm["ptx"].splitlines()
+    out[pf] = [[i for i, line in enumerate(ptx) if op in line] for op in ("prefetch.global.L2", "griddepcontrol.wait")]
+print(json.dumps(out))
+"""
+
+
+def test_prefetch_compiles_for_hopper():
+    """PREFETCH under programmatic dependent launch: the kernel compiled for sm_90 on this
+    machine (the Triton wheel's ptxas, outside the interpreter, no GPU) issues its L2
+    prefetches before the dependency wait, and none without it; off the GPU (no dependent
+    launch) the option changes nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    got = json.loads(subprocess.run([sys.executable, "-c", _HOPPER_PTX], env=env, capture_output=True, text=True,
+                                    check=True, cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()[-1])
+    (at, wait), (none, wait0) = got["1"], got["0"]
+    assert len(wait) == len(wait0) == 1 and at and max(at) < wait[0] and not none, got
+    m, d, _ = _setup(5, torch.float32, seed=3)
+    cfg = CONFIGS["split3"]
+    want = dk.linear(d["x"], m["up"].weight, m["up"].bias, config=cfg, pdl=True)
+    assert torch.equal(dk.linear(d["x"], m["up"].weight, m["up"].bias, config=dict(cfg, PREFETCH=1), pdl=True), want)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("pdl", [False, True])
-def test_split_k_linear_graph_replays_on_gpu(pdl):
+@pytest.mark.parametrize("pdl,prefetch", [(False, 0), (True, 0), (True, 1)])
+def test_split_k_linear_graph_replays_on_gpu(pdl, prefetch):
     """Real K (2048, 2560, 6144-like), several splits, replayed from a CUDA graph: every
     replay equals the eager launch bit for bit (the counts are back at zero each time)
     and the results pass the BF16 judgement against float64."""
     M, dtype = 13, torch.bfloat16
     m, d, (D, E, Fw) = _setup(M, dtype, D=2048, E=640, Fw=1536, seed=4)
     m, d = m.cuda(), {k: v.cuda() for k, v in d.items()}
-    cfg = dict(BN=64, BK=128, SPLIT=5, SWAP=1)
+    cfg = dict(BN=64, BK=128, SPLIT=5, SWAP=1, PREFETCH=prefetch)
     ws = dk.Workspace("cuda")
     st, r1, r2 = d["st"].clone(), d["res"].clone(), d["res"].clone()
     outs = {"gy": _poisoned((M, E), dtype).cuda(), "xc": _poisoned((M, E), dtype).cuda(),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernels import layers
 import parity
 from kernels.models import HawkConfig, HawkLM, linear_cross_entropy, train, train_step
-from kernels.ops import conv, geglu
+from kernels.ops import accounting, conv, geglu
 from kernels.ops.triton_utils import poisoned
 
 B, T = 2, 7
@@ -195,10 +195,12 @@ def test_geglu_kernel_against_float64(dtype, form):
     ins64 = [t.detach().double().requires_grad_() for t in ins]
     want = _geglu64(ins64[0]) if form == "geglu" else layers.gelu(ins64[0]) * ins64[1]
     dwant = torch.autograd.grad(want, ins64, dh.double())
-    with poisoned():
+    with poisoned(), accounting.counting() as c:
         h = geglu.geglu(*ins) if form == "geglu" else geglu.gelu_mul(*ins)
         got = torch.autograd.grad(h, ins, dh)
     assert h.dtype == dtype and h.shape == (3, 5, 1100)
+    assert c.launches == 2 and c.by_kernel["gelu_mul"] == {"bytes_read": 2 * h.nbytes, "bytes_written": h.nbytes,
+                                                           "launches": 1}
     assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(got, ins))
     if dtype == torch.float32:
         torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-5)

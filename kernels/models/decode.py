@@ -98,19 +98,6 @@ def conv_step_kernel(x, sx, cstate, cw, cb, reset, y, M, E, HAS_RESET: tl.conste
 
 @launcher
 @triton.jit
-def gelu_mul_kernel(a, sa, b, sb, y, M, F, BM: tl.constexpr, BF: tl.constexpr, RNE: tl.constexpr):
-    o_m = tl.program_id(1) * BM + tl.arange(0, BM)
-    o_f = tl.program_id(0) * BF + tl.arange(0, BF)
-    m2 = (o_m < M)[:, None] & (o_f < F)[None, :]
-    rows = o_m.to(tl.int64)[:, None]
-    TY: tl.constexpr = y.dtype.element_ty
-    g = _rnd(gelu_tanh(tl.load(a + rows * sa + o_f[None, :], mask=m2, other=0.0).to(tl.float32)), TY, RNE)
-    v = tl.load(b + rows * sb + o_f[None, :], mask=m2, other=0.0).to(tl.float32)
-    tl.store(y + rows * F + o_f[None, :], _rnd(g * v, TY, RNE).to(TY), mask=m2)
-
-
-@launcher
-@triton.jit
 def advance_kernel(nxt, tokens, pos, reset, done, stops, pad_id, M, S: tl.constexpr, BM: tl.constexpr):
     o = tl.program_id(0) * BM + tl.arange(0, BM)
     mk = o < M
@@ -149,6 +136,19 @@ def _mma(acc, at, wt, DOT: tl.constexpr, SWAP: tl.constexpr):
 def _w_tile(wp, o_n, m_n, o_k, m_k, K):
     # [BN, BK], K contiguous
     return tl.load(wp + o_n.to(tl.int64)[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
+def _prefetch(wp, o_n, m_n, k_lo, k_hi, K):
+    """This program's weight rows [o_n, k_lo:k_hi) into L2, one prefetch per 128-byte line: no earlier kernel writes
+    the weights, so a dependent launch reads them before its wait, behind the previous kernel's tail."""
+    LINE: tl.constexpr = 1024 // wp.dtype.element_ty.primitive_bitwidth
+    for k0 in range(k_lo, k_hi, 8 * LINE):
+        o_k = k0 + tl.arange(0, 8) * LINE
+        ok = m_n[:, None] & (o_k < k_hi)[None, :]
+        p = wp + tl.where(ok, o_n.to(tl.int64)[:, None] * K + o_k[None, :], 0)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -209,7 +209,7 @@ def linear_kernel(
     M, N, K, eps,
     PRO: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESET: tl.constexpr, CW: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, RG: tl.constexpr,
-    SWAP: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
+    SWAP: tl.constexpr, DOT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):
     """out[m, n] = epilogue(sum_k prologue(a)[m, k] * w[n, k] + bias[n]) for all M <= BM
     rows; w is [N, K] ([2N, K], gate rows first, for EPI_GATED). EPI_XY runs over 2N
@@ -235,6 +235,10 @@ def linear_kernel(
     acc2 = tl.zeros_like(acc)
     sq = tl.zeros([BM, BK], tl.float32)
     if PDL:
+        if PF:
+            _prefetch(wp, o_n, m_n, k_lo, k_hi, K)
+            if EPI == 3:
+                _prefetch(wp + N * K, o_n, m_n, k_lo, k_hi, K)
         gdc_wait()
     for k0 in range(k_lo, k_hi, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -408,18 +412,6 @@ def conv_step(x, conv_state, conv_w, conv_b, reset=None, y=None):
     return y
 
 
-def gelu_mul(a, b, y=None):
-    """round(round(gelu_tanh(a)) * b) for a, b [M, F] (row strides free)."""
-    a = _arg("a", a, (None, None), None, None)
-    M, F = a.shape
-    _arg("b", b, (M, F), (a.dtype,), a.device)
-    y = _out("y", y, M, F, a.dtype, a.device, same=(("a", a), ("b", b)))
-    BM, BF = 16, 512
-    gelu_mul_kernel[(cdiv(F, BF), cdiv(M, BM))](a, a.stride(0), b, b.stride(0), y, M, F, BM=BM, BF=BF, RNE=INTERPRET)
-    accounting.account("gelu_mul", (y, y), (y,))
-    return y
-
-
 def advance(nxt, tokens, pos, reset, done, stops, pad_id: int):
     """After choosing `nxt` [M]: tokens <- nxt (pad_id in rows already done), done |=
     nxt in stops [MAX_STOP_TOKENS] (-1 = unused), pos += 1, reset <- pos == 0.
@@ -451,21 +443,22 @@ TUNED = {(cols, K, rows): dict(t, BK=128 if rows == 64 else t["BK"]) for rows in
     (2048, 6144): {"BN": 32, "BK": 256, "SPLIT": 6, "SWAP": 0, "num_warps": 4},     # down
     (32000, 2048): {"BN": 128, "BK": 128, "SPLIT": 1, "SWAP": 1, "num_warps": 8},   # logits
 }.items()}
-CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "num_warps", "num_stages")
+CONFIG_KEYS = ("BN", "BK", "SPLIT", "SWAP", "num_warps", "num_stages", "PREFETCH")
 
 
 def default_config(cols: int, K: int, rows: int = 16) -> dict:
     """Tiles of `linear` (CONFIG_KEYS) for `cols` output columns (both halves of EPI_XY, the
     gate half of EPI_GATED), reduction length K and `rows` rows: the TUNED entry, else what
     the sweep favoured: a few hundred programs (column blocks x K splits) streaming >= ~512
-    of K each. BK: K per iteration; SPLIT: K splits (split_plan); SWAP: as in _mma."""
+    of K each. BK: K per iteration; SPLIT: K splits (split_plan); SWAP: as in _mma; PREFETCH (0
+    here): under programmatic dependent launch, each program's weights into L2 before its wait."""
     tuned = TUNED.get((cols, K, rows_block(rows)))
     if tuned is not None:
-        return dict(tuned, num_stages=3)
+        return dict(tuned, num_stages=3, PREFETCH=0)
     bn = 128 if cols >= 128 * 200 else 64 if cols >= 64 * 80 else 32
     split = max(1, min(cdiv(K, 512), round(256 / cdiv(cols, bn))))
     return dict(BN=bn, BK=min(128, max(16, next_pow2(K))), SPLIT=split, SWAP=int(bn >= 64),
-                num_warps=8 if bn >= 64 else 4, num_stages=3)
+                num_warps=8 if bn >= 64 else 4, num_stages=3, PREFETCH=0)
 
 
 SMEM_BUDGET = 160 * 1024
@@ -602,6 +595,7 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         RG=max(1, min(next_pow2(split), 8192 // (BM * cfg["BN"]))),
         # DOT 1: exact products in FP32 (FP32 models; the interpreter's BF16 dot is wrong in Triton 3.6)
         SWAP=int(bool(cfg["SWAP"])), DOT=int(dt == torch.float32 or INTERPRET), RNE=INTERPRET, PDL=pdl,
+        PF=pdl and bool(cfg.get("PREFETCH")),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     accounting.account("linear", (w, bias, w2, bias2, *(a, a2, residual, cstate) * (2 if xy else 1)),
@@ -609,7 +603,7 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
     return (out, out2) if xy else out
 
 
-__all__ = ["embed_rmsnorm", "add_rmsnorm", "conv_step", "gelu_mul", "advance", "linear", "default_config",
+__all__ = ["embed_rmsnorm", "add_rmsnorm", "conv_step", "advance", "linear", "default_config",
            "PRO_PLAIN", "PRO_NORM", "PRO_MUL", "EPI_BIAS", "EPI_RESIDUAL", "EPI_XY", "EPI_GATED",
            "MAX_STOP_TOKENS", "LINEAR_MAX_ROWS", "Workspace", "split_plan", "CONFIG_KEYS", "TUNED",
            "rows_block"]

@@ -34,6 +34,7 @@ from .. import ops
 from . import decode as dk
 from ..layers import SAMU
 from ..ops.checks import is_integer_dtype, shape_str
+from ..ops.geglu import geglu, gelu_mul
 from .hawk import HawkCache, HawkLM
 
 KERNELS = ("auto", "model", "fused", "gemm")
@@ -318,12 +319,11 @@ class Engine:
             hx = F.linear(xn, rb.linear_x.weight, rb.linear_x.bias)
             xc = dk.conv_step(hx, c.conv_state, rb.conv_1d.w, rb.conv_1d.b, s.reset)
             mo = rb.mixer.step(xc, c.rnn_state, s.reset, **mkw)
-            o = F.linear(dk.gelu_mul(hy, mo), rb.linear_out.weight, rb.linear_out.bias)
+            o = F.linear(gelu_mul(hy, mo), rb.linear_out.weight, rb.linear_out.bias)
             cn = block.channel_pre_norm
             xn = dk.add_rmsnorm(o, x, cn.scale, cn.eps)
             u = F.linear(xn, mlp.ffw_up.weight, mlp.ffw_up.bias)
-            Fw = mlp.expanded_width
-            o = F.linear(dk.gelu_mul(u[:, :Fw], u[:, Fw:]), mlp.ffw_down.weight, mlp.ffw_down.bias)
+            o = F.linear(geglu(u), mlp.ffw_down.weight, mlp.ffw_down.bias)
             nn_ = m.blocks[i + 1].temporal_pre_norm if i + 1 < len(m.blocks) else m.final_norm
             xn = dk.add_rmsnorm(o, x, nn_.scale, nn_.eps)
         return F.linear(xn, m.embed.weight)

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .accounting import account
 from .checks import check_same_device, check_tensor, shape_str
 from .triton_utils import INTERPRET, cdiv, empty, gelu_tanh, launcher, out
 
@@ -77,6 +78,7 @@ class _GeluMul(torch.autograd.Function):
         E = g.shape[-1]
         h = empty(g.shape, g.dtype, g.device)
         _gelu_mul_fwd[(h.numel() // E, cdiv(E, BLOCK))](g, v, h, E, S, INTERPRET, BLOCK, num_warps=4)
+        account("gelu_mul", (h, h), (h,))       # gate and value: h's size each
         return h
 
     @staticmethod
@@ -86,6 +88,7 @@ class _GeluMul(torch.autograd.Function):
         E = g.shape[-1]
         _gelu_mul_bwd[(dh.numel() // E, cdiv(E, BLOCK))](g, v, dh.contiguous(), dg, dv, E, S, INTERPRET, BLOCK,
                                                          num_warps=4)
+        account("gelu_mul_bwd", (dh, dh, dh), (dh, dh))      # g, v, dh read; dg, dv written
         return tuple(grads)
 
 
