@@ -6,8 +6,8 @@
 Weights are random from a preset or come from a checkpoint: an official recurrentgemma
 state dict of an all-recurrent Griffin (loaded as the study's Hawk), or a HawkLM state dict
 (the preset and --mixer must describe it). Prompts are random tokens after a BOS. Prints
-the prefill time, ms per decode step and tokens/s (--json: also one JSON object), timed
-after the graph capture and warm-up. With $KERNELS_TUNING_TABLE set, "auto" mixer backends
+the prefill time, ms per decode step and tokens/s (--json: also one JSON object), medians
+of RUNS timed runs after an untimed one. With $KERNELS_TUNING_TABLE set, "auto" mixer backends
 and the weight-streaming linears' tiles come from that table, as in the pipeline.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -26,6 +27,7 @@ from .models.generation import KERNELS, Engine
 from .ops import tuning
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+RUNS = 3        # timed runs of the generation, after an untimed one
 
 
 def load_checkpoint(path: str, *, preset: str, mixer: str, device, dtype, backend: str = "auto") -> HawkLM:
@@ -131,35 +133,35 @@ def main(argv=None) -> dict:
     gen = torch.Generator(device=device).manual_seed(a.seed) if a.temperature > 0 else None
     kw = dict(batch_size=None if prompts is not None else a.batch, temperature=a.temperature, top_k=a.top_k,
               stop_tokens=a.stop, generator=gen)
-    # Warm-up: the same generation once, untimed (graph capture, compilation and the GPU's working clock).
-    engine.start(prompts, **kw)
-    for _ in range(a.new_tokens):
-        engine.step()
-    sync()
-    t0 = time.perf_counter()
-    engine.start(prompts, **kw)
-    sync()
-    prefill_s = time.perf_counter() - t0
+    # An untimed run of the same generation (graph capture, compilation, the GPU's working clock), then RUNS timed
+    # ones: the figures are their medians, as the inference track's are of its trajectories.
     out = torch.empty(a.batch, a.new_tokens, dtype=torch.int64, device=device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
-    t0 = time.perf_counter()
-    if events:
-        events[0].record()
-    for i in range(a.new_tokens):
-        out[:, i].copy_(engine.step())
-    if events:
-        events[1].record()
-        events[1].synchronize()
-    total_ms = events[0].elapsed_time(events[1]) if events else (time.perf_counter() - t0) * 1e3
+    prefill, decode = [], []
+    for _ in range(RUNS + 1):
+        t0 = time.perf_counter()
+        engine.start(prompts, **kw)
+        sync()
+        prefill.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        if events:
+            events[0].record()
+        for i in range(a.new_tokens):
+            out[:, i].copy_(engine.step())
+        if events:
+            events[1].record()
+            events[1].synchronize()
+        decode.append(events[0].elapsed_time(events[1]) if events else (time.perf_counter() - t0) * 1e3)
+    prefill_s, ms = statistics.median(prefill[1:]), statistics.median(decode[1:]) / a.new_tokens
     info = engine.describe()
     result = {"preset": cfg.name, "mixer": cfg.mixer, "batch": a.batch, "prompt_len": a.prompt_len,
               "new_tokens": a.new_tokens, "dtype": a.dtype, "device": str(device), "prefill_s": prefill_s,
-              "ms_per_step": total_ms / a.new_tokens, "tokens_per_s": a.batch * a.new_tokens / (total_ms * 1e-3), **info}
+              "ms_per_step": ms, "runs_ms": decode[1:], "tokens_per_s": a.batch / (ms * 1e-3), **info}
     print(f"{cfg.name} / {cfg.mixer} ({cfg.non_embedding_parameters() / 1e6:.4g}M non-embedding parameters, "
           f"{a.dtype}, {device}): batch {a.batch}, prompt {a.prompt_len}, {a.new_tokens} new tokens")
     print(f"step: kernels={info['kernels']} mixer step={info['mixer_step_backend']} graphs={info['graphs']} "
           f"pdl={info['pdl']}")
-    print(f"prefill {prefill_s * 1e3:.1f} ms; decode {result['ms_per_step']:.3f} ms/step, {result['tokens_per_s']:.0f} tokens/s")
+    print(f"prefill {prefill_s * 1e3:.1f} ms; decode {ms:.3f} ms/step, {result['tokens_per_s']:.0f} tokens/s")
     print(f"row 0: {out[0, :16].tolist()}{' ...' if a.new_tokens > 16 else ''}")
     if a.json:
         print(json.dumps(result, sort_keys=True))

@@ -348,12 +348,13 @@ def test_command_line_and_checkpoints(tmp_path, capsys, monkeypatch):
     rows = [line for line in out.splitlines() if line.startswith("row 0:")]
     assert len(rows) == 3 and rows[0] == rows[1] == rows[2]
     assert r_off["ms_per_step"] > 0 and r_ours["mixer"] == r_rand["mixer"] == "rglru"
-    # the same generation twice: an untimed warm-up, then the timed run
+    # the same generation 1 + RUNS times: an untimed run, then the timed ones (their median)
     steps, step = [], generate.Engine.step
     monkeypatch.setattr(generate.Engine, "step", lambda self: steps.append(1) or step(self))
     r_json = generate.main([*args, "--json"])
     monkeypatch.undo()
-    assert len(steps) == 2 * 3
+    assert len(steps) == (1 + generate.RUNS) * 3 and len(r_json["runs_ms"]) == generate.RUNS == 3
+    assert r_json["ms_per_step"] * 3 == pytest.approx(sorted(r_json["runs_ms"])[1])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(r_json)) and r_json["batch"] == 2
     # An official checkpoint with local-attention blocks (Griffin) is refused by name.
