@@ -290,57 +290,41 @@ def test_row_step_walks_every_mode_block(table, block_m):
         assert rel(got, want) < 2e-6 and rel(s, s_ref) < 2e-6
 
 
-@pytest.mark.parametrize("opts", [{"block_m": 16}, {"block_m": 32}, {"block_d": 16}, {"block_d": 32, "num_warps": 2}],
-                         ids=["bm16", "bm32", "bd16", "bd32w2"])
-def test_row_step_options(opts):
-    """The row step's tuning options: M = 20 modes in blocks of 16 (two, the second
-    partial) or 32 (one); the controller reduction over D = 40 in blocks of 16 (three, the
-    last partial) or 32; fewer warps. With and without the mode table, each equals the
+@pytest.mark.parametrize("layout,opts", [("row", {"block_m": 16}), ("row", {"block_m": 32}), ("row", {"block_d": 16}),
+                                         ("row", {"block_d": 32, "num_warps": 2}), ("blocked", {"block_m": 16}),
+                                         ("blocked", {"block_m": 32, "num_warps": 2})],
+                         ids=["row-bm16", "row-bm32", "row-bd16", "row-bd32w2", "blocked-bm16", "blocked-bm32w2"])
+def test_step_options(layout, opts):
+    """The steps' tuning options: M = 20 modes in blocks of 16 (two, the second partial) or
+    32 (one), per iteration of the row step or per program of the blocked one (default 128:
+    one); the row step's controller reduction over D = 40 in blocks of 16 (three, the last
+    partial) or 32; fewer warps. With and without the mode table, each equals the
     reference; a block_m alone keeps the default's sums and equals it bit for bit. Bad
     values raise."""
     inputs = make_inputs(torch.float32, b=3, t=3, d=40, seed=7)
     params = [inputs[k] for k in GRAD_NAMES[1:7]]
     tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], torch.float32)
-    row = STEPS["samu"]["row"]
+    step = STEPS["samu"][layout]
     for modes in (None, tab):
         s0, s1, s_ref = (inputs["initial_state"].clone() for _ in range(3))
         for t, r in ((0, None), (1, torch.tensor([True, False, False])), (2, None)):
             x = inputs["x"][:, t]
             want = kernels.samu_step(x, *params, s_ref, r, backend="reference")
-            y0 = row(x, *params, s0, r, modes=modes)
+            y0 = step(x, *params, s0, r, modes=modes)
             with poisoned():
-                y1 = row(x, *params, s1, r, modes=modes, **opts)
+                y1 = step(x, *params, s1, r, modes=modes, **opts)
             if set(opts) == {"block_m"}:
                 assert torch.equal(y1, y0) and torch.equal(s1, s0)
             assert rel(y1, want) < 2e-6 and rel(s1, s_ref) < 2e-6
-    for name, bad in (("block_m", 8), ("block_m", 24), ("block_m", 4096), ("block_m", 16.0), ("block_d", 8),
-                      ("block_d", 48), ("block_d", 8192), ("num_warps", 3), ("num_warps", 32), ("num_warps", True)):
+    bad = [("block_m", 8), ("block_m", 24), ("block_m", 4096), ("block_m", 16.0), ("num_warps", 3), ("num_warps", 32),
+           ("num_warps", True)]
+    bad += [("block_d", 8), ("block_d", 48), ("block_d", 8192)] if layout == "row" else []
+    for name, value in bad:
         with pytest.raises(ValueError, match=name):
-            row(inputs["x"][:, 0], *params, s0, None, **{name: bad})
-
-
-@pytest.mark.parametrize("opts", [{"block_m": 16}, {"block_m": 32, "num_warps": 2}], ids=["bm16", "bm32w2"])
-def test_blocked_step_options(opts):
-    """The blocked step's tuning options: M = 20 modes over programs of 16 (two per row, the
-    second partial) or 32 (one), fewer warps; with and without the mode table each equals
-    the default (one program of 128 per row) bit for bit and the reference. Bad values raise."""
-    inputs = make_inputs(torch.float32, b=3, t=3, d=40, seed=7)
-    params = [inputs[k] for k in GRAD_NAMES[1:7]]
-    tab = kernels.ops.samu_mode_table(inputs["nu_log"], inputs["theta_log"], torch.float32)
-    blocked = STEPS["samu"]["blocked"]
-    for modes in (None, tab):
-        s0, s1, s_ref = (inputs["initial_state"].clone() for _ in range(3))
-        for t, r in ((0, None), (1, torch.tensor([True, False, False])), (2, None)):
-            x = inputs["x"][:, t]
-            want = kernels.samu_step(x, *params, s_ref, r, backend="reference")
-            y0 = blocked(x, *params, s0, r, modes=modes)
-            with poisoned():
-                y1 = blocked(x, *params, s1, r, modes=modes, **opts)
-            assert torch.equal(y1, y0) and torch.equal(s1, s0)
-            assert rel(y1, want) < 2e-6 and rel(s1, s_ref) < 2e-6
-    for name, bad in (("block_m", 8), ("block_m", 24), ("block_m", 4096), ("num_warps", 3), ("block_d", 64)):
-        with pytest.raises((ValueError, TypeError), match=name):
-            blocked(inputs["x"][:, 0], *params, s0, None, **{name: bad})
+            step(inputs["x"][:, 0], *params, s0, None, **{name: value})
+    if layout == "blocked":     # the blocked step reduces the whole row
+        with pytest.raises(TypeError, match="block_d"):
+            step(inputs["x"][:, 0], *params, s0, None, block_d=16)
 
 
 def test_row_step_default_reduction_width(monkeypatch):
