@@ -133,6 +133,9 @@ def test_split_plan_and_bad_config():
         dk.linear(torch.zeros(2, 16), torch.zeros(16, 16), config={"BLOCK": 16})
     with pytest.raises(ValueError, match="BN and BK"):
         dk.linear(torch.zeros(2, 16), torch.zeros(16, 16), config={"BN": 8})
+    for bad in (2, "yes", None):
+        with pytest.raises(ValueError, match="PREFETCH 0 or 1"):
+            dk.linear(torch.zeros(2, 16), torch.zeros(16, 16), config={"PREFETCH": bad})
 
 
 def test_default_tiles():

@@ -547,8 +547,8 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         norm_scale = _arg("norm_scale", norm_scale, (K,), FLOAT_DTYPES, dev, "copy")
     BM = rows_block(M)
     cfg = _fit_smem(dict(default_config(2 * N if xy else N, K, M), **(config or {})), BM, gated, dt.itemsize)
-    if cfg["BN"] < 16 or cfg["BK"] < 16:
-        raise ValueError(f"expected BN and BK >= 16 (the dot's smallest tile), got {cfg}")
+    if cfg["BN"] < 16 or cfg["BK"] < 16 or cfg["PREFETCH"] not in (0, 1):
+        raise ValueError(f"expected BN and BK >= 16 (the dot's smallest tile) and PREFETCH 0 or 1, got {cfg}")
     KS, split = split_plan(K, cfg["BK"], cfg["SPLIT"])
     n_blocks = cdiv(N, cfg["BN"]) * (2 if xy else 1)
     inputs = (("a", a), ("a2", a2))
@@ -595,7 +595,7 @@ def linear(a, w, bias=None, *, prologue=PRO_PLAIN, epilogue=EPI_BIAS, a2=None, n
         RG=max(1, min(next_pow2(split), 8192 // (BM * cfg["BN"]))),
         # DOT 1: exact products in FP32 (FP32 models; the interpreter's BF16 dot is wrong in Triton 3.6)
         SWAP=int(bool(cfg["SWAP"])), DOT=int(dt == torch.float32 or INTERPRET), RNE=INTERPRET, PDL=pdl,
-        PF=pdl and bool(cfg.get("PREFETCH")),
+        PF=pdl and bool(cfg["PREFETCH"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     accounting.account("linear", (w, bias, w2, bias2, *(a, a2, residual, cstate) * (2 if xy else 1)),
