@@ -11,9 +11,12 @@ backend's rows below float64 are recorded, not gated (its error measures the con
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -520,10 +523,28 @@ DEFAULT_PROFILE = {
 }
 
 
-def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.float32, backend="reference"):
+_POOLS: dict = {}
+
+
+def _pool(workers: int):
+    """`workers` spawned processes, kept for this process's life. Each compiles the Triton kernels its checks launch:
+    an audit's time on a fresh machine is mostly compilation, which they share out."""
+    if workers not in _POOLS:     # a worker that dies raises BrokenProcessPool here rather than hanging the map
+        _POOLS[workers] = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        atexit.register(_POOLS[workers].shutdown)
+    return _POOLS[workers]
+
+
+def _check(check, kw: dict) -> list:
+    return check(**kw)
+
+
+def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.float32, backend="reference",
+              workers: int = 1):
     """The rows of every gate. profile_shapes: {gate: [its check's keyword arguments]} (missing:
     DEFAULT_PROFILE's, []: skipped); `backend`: the official-parity modules' mixer backend.
-    The official gates run with and without resets, in float32 for float64."""
+    The official gates run with and without resets, in float32 for float64; with workers > 1
+    in that many processes (the rows in the same order)."""
     profile = {**DEFAULT_PROFILE, **(profile_shapes or {})}
     unknown = set(profile) - set(DEFAULT_PROFILE)
     if unknown:
@@ -539,12 +560,10 @@ def run_gates(profile_shapes: dict | None = None, device="cpu", dtype=torch.floa
                   ("griffin_official", check_griffin_official, [dict(mixer, resets=resets)]),
                   ("samu_reference", check_samu_reference, [dict(device=device, resets=resets)])]
     calls.append(("captured_train", check_captured_train_step, [mixer]))
-    rows = []
-    for gate, check, variants in calls:     # [(gate, its check, keyword arguments besides the shapes)]
-        for kw in profile[gate]:
-            for v in variants:
-                rows += check(**v, **kw)
-    return rows
+    # [(gate, its check, keyword arguments besides the shapes)] -> one (check, arguments) per call
+    jobs = [(check, {**v, **kw}) for gate, check, variants in calls for kw in profile[gate] for v in variants]
+    rows = _pool(workers).map(_check, *zip(*jobs)) if workers > 1 and jobs else [_check(*job) for job in jobs]
+    return [r for got in rows for r in got]
 
 
 def failures(rows):

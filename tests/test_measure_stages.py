@@ -127,6 +127,11 @@ def test_audit_gates_the_tuned_step_options_once():
             ("samu_step", "row", ())} <= got
     plain = audit.run_checks(settings)
     assert len(checks) - len(plain) == 2 * (2 * 2 + 1)      # per stage: samu's two sets (+table), rglru's one
+    # in two spawned processes: the same checks in the same order, each passed
+    pooled = audit.run_checks({**settings, "workers": 2}, grids)
+    assert 2 in parity._POOLS
+    assert [(c["check"], c["backend"], c.get("options"), c["passed"]) for c in pooled] == \
+        [(c["check"], c["backend"], c.get("options"), c["passed"]) for c in checks]
 
 
 def test_tuning_table_round_trips_through_auto(tmp_path, monkeypatch):

@@ -12,9 +12,9 @@ import parity
 
 
 def run_checks(settings: dict, step_grids: dict | None = None) -> list[dict]:
-    """Every gate per dtype; the decode steps also with every option set of `step_grids` (the tune
-    stage's candidates), so each step kernel the tuning table may choose is gated here first."""
-    options, device = step_option_sets(step_grids or {}), settings["device"]
+    """Every gate per dtype, in the profile's `workers` processes; the decode steps also with every option set of
+    `step_grids` (the tune stage's candidates), so each step kernel the tuning table may choose is gated here first."""
+    options, device, workers = step_option_sets(step_grids or {}), settings["device"], settings.get("workers", 1)
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the profile's audit runs on cuda but no GPU is visible; pick the cpu-smoke profile")
     checks = []
@@ -27,7 +27,7 @@ def run_checks(settings: dict, step_grids: dict | None = None) -> list[dict]:
                 shapes.update(backends=[], samu_reference=[], steps=[])
             if backend != "auto":
                 shapes["captured_train"] = []  # the captured step is timed with the tuned kernels only
-            rows = parity.run_gates(shapes, device=device, dtype=getattr(torch, dtype_name), backend=backend)
+            rows = parity.run_gates(shapes, device, getattr(torch, dtype_name), backend, workers)
             checks += [{"model_backend": backend, **r, "dtype": dtype_name} for r in rows]
             print(f"audit: {dtype_name}, model backend {backend}: {len(rows)} checks, "
                   f"{len(parity.failures(rows))} failed", flush=True)
