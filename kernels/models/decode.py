@@ -145,8 +145,7 @@ def _prefetch(wp, o_n, m_n, k_lo, k_hi, K):
     LINE: tl.constexpr = 1024 // wp.dtype.element_ty.primitive_bitwidth
     for k0 in range(k_lo, k_hi, 8 * LINE):
         o_k = k0 + tl.arange(0, 8) * LINE
-        ok = m_n[:, None] & (o_k < k_hi)[None, :]
-        p = wp + tl.where(ok, o_n.to(tl.int64)[:, None] * K + o_k[None, :], 0)
+        p = wp + tl.where(m_n[:, None] & (o_k < k_hi)[None, :], o_n.to(tl.int64)[:, None] * K + o_k[None, :], 0)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
                                   is_pure=False, pack=1)
 

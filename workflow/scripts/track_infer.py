@@ -145,7 +145,7 @@ def main(job):
                                         sum(p.numel() for p in m.parameters()), runner.twin(ids[0]),
                                         warmup=settings.get("warmup_steps", 2))
                 # what the mixer backends resolve to: the prefill op (with options) and the decode step
-                x = torch.empty(B, max(prompt, 1), m.config.lru_width, dtype=engine.dtype, device=device)
+                x = torch.empty((), dtype=engine.dtype, device=device).expand(B, max(prompt, 1), m.config.lru_width)
                 name, opts = ops.resolve(mixer, m.blocks[0].recurrent_block.mixer.backend, x)
                 for v in per.values():
                     v.update(resolved={"prefill": name, "prefill_options": opts, "step": v["decoder_details"][
